@@ -1,0 +1,31 @@
+# `make demo` and `make test` each create .venv when it is missing.
+# torch is pinned and installed first so that pip takes the CPU build on disk
+# instead of resolving a newer (CUDA) release.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/selfattn: pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	touch $(BIN)/selfattn
+
+demo: $(BIN)/selfattn
+	$(BIN)/selfattn demo
+
+test: $(BIN)/selfattn
+	$(BIN)/python -m pytest -q
+
+lint: $(BIN)/selfattn
+	$(BIN)/ruff check src tests examples scripts
+
+bench: $(BIN)/selfattn
+	$(BIN)/selfattn bench --quick
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -1,0 +1,25 @@
+"""selfattn: self-attention for PyTorch that is correct by construction.
+
+Example:
+    >>> import torch, selfattn
+    >>> q = k = v = torch.randn(2, 8, 128, 64)                   # (B, H, L, D)
+    >>> out = selfattn.attention(q, k, v, causal=True)
+    >>> out = selfattn.attention(q, k, v, mask=selfattn.masks.sliding_window(32))
+"""
+
+from . import masks
+from .functional import Explanation, attention, attention_with_weights, explain, use_backend
+from .nn import MultiHeadAttention, SelfAttention
+
+__all__ = [
+    "Explanation",
+    "MultiHeadAttention",
+    "SelfAttention",
+    "attention",
+    "attention_with_weights",
+    "explain",
+    "masks",
+    "use_backend",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,54 @@
+"""The validated description of one attention call, handed from functional to a backend.
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv, Lq/Lk lengths,
+D head dim of q and k, Dv head dim of v.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .masks import Mask
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """Everything a backend needs; built only by ``functional`` after validation."""
+
+    q: Tensor  # (B, Hq, Lq, D)
+    k: Tensor  # (B, Hkv, Lk, D)
+    v: Tensor  # (B, Hkv, Lk, Dv)
+    mask: Mask | None  # causal folded in; None = every key visible
+    bias: Tensor | None  # float, broadcastable to (B, Hq, Lq, Lk)
+    scale: float
+    dropout_p: float
+    return_lse: bool
+    need_weights: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int, int, int]:
+        """(B, Hq, Hkv, Lq, Lk, D, Dv)."""
+        b, hq, lq, d = self.q.shape
+        hkv, lk, dv = self.k.shape[1], self.k.shape[2], self.v.shape[3]
+        return b, hq, hkv, lq, lk, d, dv
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.q.dtype
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.bias))
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax accumulates in at least float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,493 @@
+"""Attention masks as composable predicates.
+
+Everywhere in selfattn, ``True`` means "query i MAY attend to key j" (the SDPA and FlexAttention
+convention). Masks are small objects, not tensors: they compose with ``&``, ``|`` and ``~``, turn
+into a dense bool tensor on request, and classify (query block, key block) tiles as empty, partly
+visible or fully visible so that backends can skip work without ever building an (Lq, Lk) tensor.
+
+Shape legend: B batch, H heads, Lq query length, Lk key length, bq/bk tile sizes,
+nQ/nK numbers of tiles.
+
+Causal alignment, drawn for Lq = 2, Lk = 4 (``1`` = visible)::
+
+    top_left        bottom_right
+    1 0 0 0         1 1 1 0
+    1 1 0 0         1 1 1 1
+
+Example:
+    >>> from selfattn import masks
+    >>> m = masks.causal() & masks.padding(torch.tensor([3, 5]))
+    >>> m.dense(5, 5).shape
+    torch.Size([2, 1, 5, 5])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "Mask",
+    "causal",
+    "document",
+    "from_tensor",
+    "from_torch_attn_mask",
+    "from_torch_key_padding_mask",
+    "padding",
+    "sliding_window",
+]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+"""Tile classes returned by :meth:`Mask.tiles`."""
+
+_ALIGNS = ("top_left", "bottom_right")
+
+
+class Mask:
+    """A predicate ``visible(b, h, i, j)``; compose with ``&``, ``|`` and ``~``.
+
+    Subclasses implement :meth:`block` (the predicate on a rectangle of indices) and
+    :meth:`_tile_bounds` (which tiles are certainly full and which certainly empty).
+    """
+
+    def block(self, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int,
+              device: torch.device | str | None = None) -> Tensor:
+        """Visibility of queries ``q0:q1`` and keys ``k0:k1`` for a call with lengths (lq, lk).
+
+        Returns a bool tensor broadcastable to (B, H, q1 - q0, k1 - k0), always 4-D.
+        """
+        raise NotImplementedError
+
+    def _tile_bounds(self, lq: int, lk: int, bq: int, bk: int,
+                     device: torch.device | str | None) -> tuple[Tensor, Tensor]:
+        """(full, empty): bool tensors broadcastable to (B, H, nQ, nK).
+
+        ``full`` may only be True where every pair in the tile is visible and ``empty`` only
+        where none is; both False means "partly visible, or unknown".
+        """
+        raise NotImplementedError
+
+    def batch_heads(self) -> tuple[int, int]:
+        """(B, H) sizes this mask carries; 1 where it broadcasts."""
+        return 1, 1
+
+    def check(self, batch: int, heads: int, lq: int, lk: int) -> None:
+        """Raise ValueError if this mask cannot describe a call of this shape."""
+        b, h = self.batch_heads()
+        if b not in (1, batch):
+            raise ValueError(f"mask {self!r} is for batch size {b}, but q has batch size {batch}")
+        if h not in (1, heads):
+            raise ValueError(f"mask {self!r} has {h} heads, but q has {heads} heads; "
+                             "give it 1 head (broadcast) or one per query head")
+
+    def dense(self, lq: int, lk: int, device: torch.device | str | None = None) -> Tensor:
+        """The whole mask as a bool tensor broadcastable to (B, H, Lq, Lk)."""
+        return self.block(0, lq, 0, lk, lq, lk, device)
+
+    def tiles(self, lq: int, lk: int, block_q: int, block_k: int,
+              device: torch.device | str | None = None) -> Tensor:
+        """Classify tiles as :data:`EMPTY`, :data:`PARTIAL` or :data:`FULL`.
+
+        Returns an int8 tensor broadcastable to (B, H, ceil(Lq / block_q), ceil(Lk / block_k)).
+        The map is conservative: FULL and EMPTY are exact claims, PARTIAL may hide either.
+        """
+        full, empty = self._tile_bounds(lq, lk, block_q, block_k, device)
+        full, empty = torch.broadcast_tensors(full, empty)
+        out = torch.full(full.shape, PARTIAL, dtype=torch.int8, device=full.device)
+        out[full] = FULL
+        out[empty] = EMPTY
+        return out
+
+    def __and__(self, other: Mask) -> Mask:
+        return _And(self, _as_mask(other, "&"))
+
+    def __or__(self, other: Mask) -> Mask:
+        return _Or(self, _as_mask(other, "|"))
+
+    def __invert__(self) -> Mask:
+        return _Not(self)
+
+
+def _as_mask(other: object, op: str) -> Mask:
+    if not isinstance(other, Mask):
+        raise TypeError(f"cannot combine a Mask with {type(other).__name__} using {op!r}; "
+                        "wrap a bool tensor with masks.from_tensor(t) first")
+    return other
+
+
+def _broadcast_bh(a: tuple[int, int], b: tuple[int, int], what: str) -> tuple[int, int]:
+    out = []
+    for x, y, name in zip(a, b, ("batch", "head"), strict=True):
+        if x != y and 1 not in (x, y):
+            raise ValueError(f"cannot combine masks with {name} sizes {x} and {y} in {what}")
+        out.append(max(x, y))
+    return out[0], out[1]
+
+
+def _tile_edges(length: int, block: int, device: torch.device | str | None) -> tuple[Tensor, Tensor]:
+    """First and last index of every tile of ``block`` along a dimension of ``length``."""
+    lo = torch.arange(0, length, block, device=device)
+    hi = torch.clamp(lo + block, max=length) - 1
+    return lo, hi
+
+
+def _ranges(q0: int, q1: int, k0: int, k1: int,
+            device: torch.device | str | None) -> tuple[Tensor, Tensor]:
+    i = torch.arange(q0, q1, device=device).view(-1, 1)  # (bq, 1)
+    j = torch.arange(k0, k1, device=device).view(1, -1)  # (1, bk)
+    return i, j
+
+
+class _And(Mask):
+    def __init__(self, a: Mask, b: Mask) -> None:
+        self.a, self.b = a, b
+        _broadcast_bh(a.batch_heads(), b.batch_heads(), repr(self))
+
+    def block(self, q0, q1, k0, k1, lq, lk, device=None):
+        return self.a.block(q0, q1, k0, k1, lq, lk, device) & self.b.block(q0, q1, k0, k1, lq, lk, device)
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        fa, ea = self.a._tile_bounds(lq, lk, bq, bk, device)
+        fb, eb = self.b._tile_bounds(lq, lk, bq, bk, device)
+        return fa & fb, ea | eb
+
+    def batch_heads(self):
+        return _broadcast_bh(self.a.batch_heads(), self.b.batch_heads(), repr(self))
+
+    def check(self, batch, heads, lq, lk):
+        self.a.check(batch, heads, lq, lk)
+        self.b.check(batch, heads, lq, lk)
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} & {self.b!r})"
+
+
+class _Or(_And):
+    def block(self, q0, q1, k0, k1, lq, lk, device=None):
+        return self.a.block(q0, q1, k0, k1, lq, lk, device) | self.b.block(q0, q1, k0, k1, lq, lk, device)
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        fa, ea = self.a._tile_bounds(lq, lk, bq, bk, device)
+        fb, eb = self.b._tile_bounds(lq, lk, bq, bk, device)
+        return fa | fb, ea & eb
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} | {self.b!r})"
+
+
+class _Not(Mask):
+    def __init__(self, a: Mask) -> None:
+        self.a = a
+
+    def block(self, q0, q1, k0, k1, lq, lk, device=None):
+        return ~self.a.block(q0, q1, k0, k1, lq, lk, device)
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        full, empty = self.a._tile_bounds(lq, lk, bq, bk, device)
+        return empty, full
+
+    def batch_heads(self):
+        return self.a.batch_heads()
+
+    def check(self, batch, heads, lq, lk):
+        self.a.check(batch, heads, lq, lk)
+
+    def __repr__(self) -> str:
+        return f"~{self.a!r}"
+
+
+class Causal(Mask):
+    """Key j is visible from query i when ``j <= i + offset``.
+
+    ``offset`` is 0 for ``"top_left"`` and ``Lk - Lq`` for ``"bottom_right"`` (the alignment a
+    decoder uses when new queries follow cached keys).
+    """
+
+    def __init__(self, align: str = "top_left") -> None:
+        if align not in _ALIGNS:
+            raise ValueError(f"causal align must be 'top_left' or 'bottom_right', got {align!r}")
+        self.align = align
+
+    def offset(self, lq: int, lk: int) -> int:
+        return 0 if self.align == "top_left" else lk - lq
+
+    def block(self, q0, q1, k0, k1, lq, lk, device=None):
+        i, j = _ranges(q0, q1, k0, k1, device)
+        return (j <= i + self.offset(lq, lk)).view(1, 1, q1 - q0, k1 - k0)
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        off = self.offset(lq, lk)
+        qlo, qhi = _tile_edges(lq, bq, device)
+        klo, khi = _tile_edges(lk, bk, device)
+        full = khi[None, :] <= qlo[:, None] + off
+        empty = klo[None, :] > qhi[:, None] + off
+        return full[None, None], empty[None, None]
+
+    def __repr__(self) -> str:
+        return f"causal({self.align!r})"
+
+
+class SlidingWindow(Mask):
+    """Key j is visible from query i when ``i + off - left <= j <= i + off + right``, off = Lk - Lq."""
+
+    def __init__(self, left: int, right: int = 0) -> None:
+        for name, value in (("left", left), ("right", right)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"sliding_window {name} must be an int >= 0, got {value!r}")
+        self.left, self.right = left, right
+
+    def block(self, q0, q1, k0, k1, lq, lk, device=None):
+        i, j = _ranges(q0, q1, k0, k1, device)
+        c = i + (lk - lq)
+        return ((j >= c - self.left) & (j <= c + self.right)).view(1, 1, q1 - q0, k1 - k0)
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        off = lk - lq
+        qlo, qhi = _tile_edges(lq, bq, device)
+        klo, khi = _tile_edges(lk, bk, device)
+        qlo, qhi = qlo[:, None] + off, qhi[:, None] + off
+        klo, khi = klo[None, :], khi[None, :]
+        full = (klo >= qhi - self.left) & (khi <= qlo + self.right)
+        empty = (khi < qlo - self.left) | (klo > qhi + self.right)
+        return full[None, None], empty[None, None]
+
+    def __repr__(self) -> str:
+        return f"sliding_window({self.left}, {self.right})"
+
+
+def _as_int_tensor(x: Tensor | Sequence[int], name: str, ndims: tuple[int, ...]) -> Tensor:
+    t = x if isinstance(x, Tensor) else torch.as_tensor(x)
+    if t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise TypeError(f"{name} must hold integers, got dtype {t.dtype}; convert with .long()")
+    if t.dim() not in ndims:
+        raise ValueError(f"{name} must have {' or '.join(map(str, ndims))} dims, got shape {tuple(t.shape)}")
+    return t
+
+
+class Padding(Mask):
+    """Key j is visible in batch item b when ``j < lengths[b]`` (right-padded sequences)."""
+
+    def __init__(self, lengths: Tensor | Sequence[int]) -> None:
+        t = _as_int_tensor(lengths, "padding lengths", (1,))
+        if t.numel() and int(t.min()) < 0:
+            raise ValueError(f"padding lengths must be >= 0, got {t.tolist()}")
+        self.lengths = t
+
+    def _len(self, device) -> Tensor:
+        return self.lengths.to(device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
+
+    def block(self, q0, q1, k0, k1, lq, lk, device=None):
+        j = torch.arange(k0, k1, device=device).view(1, 1, 1, -1)
+        return j < self._len(device)  # (B, 1, 1, bk)
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        klo, khi = _tile_edges(lk, bk, device)
+        n = self._len(device)
+        return khi.view(1, 1, 1, -1) < n, klo.view(1, 1, 1, -1) >= n
+
+    def batch_heads(self):
+        return self.lengths.numel(), 1
+
+    def __repr__(self) -> str:
+        return f"padding({self.lengths.tolist()})"
+
+
+class Document(Mask):
+    """Key j is visible from query i when both belong to the same document.
+
+    ``ids`` gives a document id per key position, (B, Lk) or (Lk,). When Lq < Lk the queries
+    are the last Lq positions (bottom-right aligned, as when decoding after a cache).
+    """
+
+    def __init__(self, ids: Tensor | Sequence[int]) -> None:
+        t = _as_int_tensor(ids, "document ids", (1, 2))
+        self.ids = t if t.dim() == 2 else t.unsqueeze(0)  # (B|1, Lk)
+
+    def check(self, batch, heads, lq, lk):
+        super().check(batch, heads, lq, lk)
+        if self.ids.shape[1] != lk:
+            raise ValueError(f"document ids have length {self.ids.shape[1]}, but k has length {lk}; "
+                             "give one id per key position")
+        if lq > lk:
+            raise ValueError(f"document masks need Lq <= Lk (queries are the last Lq positions), "
+                             f"got Lq={lq}, Lk={lk}")
+
+    def _ids(self, device) -> Tensor:
+        return self.ids.to(device)
+
+    def block(self, q0, q1, k0, k1, lq, lk, device=None):
+        ids = self._ids(device)
+        off = lk - lq
+        qi = ids[:, q0 + off:q1 + off].unsqueeze(-1)  # (B, bq, 1)
+        kj = ids[:, k0:k1].unsqueeze(-2)  # (B, 1, bk)
+        return (qi == kj).unsqueeze(1)  # (B, 1, bq, bk)
+
+    @staticmethod
+    def _minmax(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
+        """Per-tile min and max of (B, L) ids, padding the last tile with its last value."""
+        n = math.ceil(x.shape[1] / block)
+        pad = n * block - x.shape[1]
+        if pad:
+            x = torch.cat([x, x[:, -1:].expand(-1, pad)], dim=1)
+        x = x.view(x.shape[0], n, block)
+        return x.amin(-1), x.amax(-1)  # (B, n)
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        ids = self._ids(device)
+        qmin, qmax = self._minmax(ids[:, lk - lq:], bq)
+        kmin, kmax = self._minmax(ids, bk)
+        qmin, qmax = qmin[:, :, None], qmax[:, :, None]  # (B, nQ, 1)
+        kmin, kmax = kmin[:, None, :], kmax[:, None, :]  # (B, 1, nK)
+        full = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+        empty = (qmax < kmin) | (kmax < qmin)
+        return full.unsqueeze(1), empty.unsqueeze(1)
+
+    def batch_heads(self):
+        return self.ids.shape[0], 1
+
+    def __repr__(self) -> str:
+        return f"document(ids of shape {tuple(self.ids.shape)})"
+
+
+def _tile_reduce(t: Tensor, dim: int, block: int, fill: bool, reduce: str) -> Tensor:
+    """any/all over tiles of ``block`` along ``dim``; a broadcast dim (size 1) stays size 1."""
+    size = t.shape[dim]
+    if size == 1:
+        return t
+    n = math.ceil(size / block)
+    pad = n * block - size
+    if pad:
+        shape = list(t.shape)
+        shape[dim] = pad
+        t = torch.cat([t, torch.full(shape, fill, dtype=torch.bool, device=t.device)], dim=dim)
+    shape = list(t.shape)
+    shape[dim:dim + 1] = [n, block]
+    t = t.reshape(shape)
+    return t.any(dim + 1) if reduce == "any" else t.all(dim + 1)
+
+
+class FromTensor(Mask):
+    """Key j is visible from query i when ``t[b, h, i, j]`` is True (t broadcastable)."""
+
+    def __init__(self, t: Tensor) -> None:
+        if not isinstance(t, Tensor):
+            raise TypeError(f"from_tensor needs a bool tensor, got {type(t).__name__}")
+        if t.dtype != torch.bool:
+            raise TypeError(f"mask tensors must be bool (True = may attend), got dtype {t.dtype}; "
+                            "for an additive float mask pass it as bias=, for 0/1 values use t.bool()")
+        if not 1 <= t.dim() <= 4:
+            raise ValueError(f"a mask tensor must have 1 to 4 dims (B, H, Lq, Lk), got shape {tuple(t.shape)}")
+        self.t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, Lq|1, Lk|1)
+
+    def check(self, batch, heads, lq, lk):
+        want = (batch, heads, lq, lk)
+        if any(s not in (1, w) for s, w in zip(self.t.shape, want, strict=True)):
+            raise ValueError(f"mask of shape {tuple(self.t.shape)} does not broadcast to "
+                             f"(B, Hq, Lq, Lk) = {want}; use size 1 for dims that broadcast")
+
+    def block(self, q0, q1, k0, k1, lq, lk, device=None):
+        t = self.t.to(device) if device is not None else self.t
+        rows = slice(None) if t.shape[2] == 1 else slice(q0, q1)
+        cols = slice(None) if t.shape[3] == 1 else slice(k0, k1)
+        return t[:, :, rows, cols]
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        t = self.t.to(device) if device is not None else self.t
+        full = _tile_reduce(_tile_reduce(t, 2, bq, True, "all"), 3, bk, True, "all")
+        empty = ~_tile_reduce(_tile_reduce(t, 2, bq, False, "any"), 3, bk, False, "any")
+        return full, empty
+
+    def batch_heads(self):
+        return self.t.shape[0], self.t.shape[1]
+
+    def __repr__(self) -> str:
+        return f"from_tensor(shape {tuple(self.t.shape)})"
+
+
+def causal(align: str = "top_left") -> Mask:
+    """Causal mask: key j visible from query i when ``j <= i`` (top_left) or
+    ``j <= i + Lk - Lq`` (bottom_right).
+
+    Example:
+        >>> masks.causal().dense(3, 3)[0, 0].int()
+        tensor([[1, 0, 0],
+                [1, 1, 0],
+                [1, 1, 1]], dtype=torch.int32)
+    """
+    return Causal(align)
+
+
+def padding(lengths: Tensor | Sequence[int]) -> Mask:
+    """Key padding: key j visible in batch item b when ``j < lengths[b]``.
+
+    Args:
+        lengths: int tensor (B,), the number of real (unpadded) keys in each batch item.
+    """
+    return Padding(lengths)
+
+
+def sliding_window(left: int, right: int = 0) -> Mask:
+    """Local attention: key j visible from query i when ``i - left <= j <= i + right``.
+
+    Bottom-right aligned when Lq != Lk (query i sits at key position ``i + Lk - Lq``).
+    ``sliding_window(w)`` is causal with a window of ``w`` past keys plus the current one.
+    """
+    return SlidingWindow(left, right)
+
+
+def document(ids: Tensor | Sequence[int]) -> Mask:
+    """Packed variable-length sequences: query i sees key j when ``ids[b, i] == ids[b, j]``.
+
+    Args:
+        ids: int tensor (B, L) or (L,), a document id per position. Combine with
+            ``causal()`` for packed causal language modelling.
+    """
+    return Document(ids)
+
+
+def from_tensor(t: Tensor) -> Mask:
+    """Wrap a bool tensor broadcastable to (B, H, Lq, Lk); True = may attend."""
+    return FromTensor(t)
+
+
+def from_torch_key_padding_mask(key_padding_mask: Tensor) -> Mask:
+    """Convert ``nn.MultiheadAttention``'s ``key_padding_mask`` (B, Lk), where True = IGNORE.
+
+    Example:
+        >>> m = masks.from_torch_key_padding_mask(kpm)   # same meaning, selfattn polarity
+    """
+    if not isinstance(key_padding_mask, Tensor) or key_padding_mask.dtype != torch.bool:
+        raise TypeError("key_padding_mask must be a bool tensor (B, Lk) with True = ignore; "
+                        f"got {getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
+    if key_padding_mask.dim() != 2:
+        raise ValueError(f"key_padding_mask must be (B, Lk), got shape {tuple(key_padding_mask.shape)}")
+    return FromTensor(~key_padding_mask[:, None, None, :])
+
+
+def from_torch_attn_mask(attn_mask: Tensor, num_heads: int | None = None) -> Mask:
+    """Convert ``nn.MultiheadAttention``'s bool ``attn_mask``, where True = NOT allowed.
+
+    Args:
+        attn_mask: bool (Lq, Lk), or (B * num_heads, Lq, Lk) as nn.MultiheadAttention packs it.
+        num_heads: needed for the 3-D form, to unpack batch and heads.
+
+    A float ``attn_mask`` is additive: pass it to ``attention()`` as ``bias=`` instead.
+    """
+    if not isinstance(attn_mask, Tensor) or attn_mask.dtype != torch.bool:
+        raise TypeError("from_torch_attn_mask takes a bool attn_mask (True = not allowed); "
+                        "a float attn_mask is additive, pass it to attention() as bias=")
+    if attn_mask.dim() == 2:
+        return FromTensor(~attn_mask)
+    if attn_mask.dim() != 3:
+        raise ValueError(f"attn_mask must be (Lq, Lk) or (B*H, Lq, Lk), got shape {tuple(attn_mask.shape)}")
+    if num_heads is None or num_heads < 1 or attn_mask.shape[0] % num_heads:
+        raise ValueError(f"a 3-D attn_mask of shape {tuple(attn_mask.shape)} packs batch and heads; "
+                         f"pass num_heads (a divisor of {attn_mask.shape[0]}), got {num_heads!r}")
+    lq, lk = attn_mask.shape[1:]
+    return FromTensor(~attn_mask.reshape(-1, num_heads, lq, lk))

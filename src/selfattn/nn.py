@@ -1,0 +1,171 @@
+"""Attention modules: they own projections and call ``functional.attention``; they never pick a backend.
+
+Shape legend: B batch, L (Lq) query length, S (Lk) context length, E embed dim, H query heads,
+G kv heads, D = E // H head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from . import functional as F
+from .masks import Mask
+
+__all__ = ["MultiHeadAttention", "SelfAttention"]
+
+
+def _check_input(name: str, x: object, embed_dim: int) -> Tensor:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (B, L, E), got {type(x).__name__}")
+    if x.dim() != 3 or x.shape[-1] != embed_dim:
+        raise ValueError(f"{name} must be (B, L, E) with E = {embed_dim}, got shape {tuple(x.shape)}")
+    return x
+
+
+def _module_mask(mask: Mask | Tensor | None) -> Mask | Tensor | None:
+    """A 3-D bool mask (B, Lq, Lk), the single-head habit, gains a head dim: (B, 1, Lq, Lk)."""
+    if isinstance(mask, Tensor) and mask.dim() == 3:
+        return mask.unsqueeze(1)
+    return mask
+
+
+class SelfAttention(nn.Module):
+    """Single-head self-attention, the tutorial's module: ``softmax(Q K^T / sqrt(E)) V``.
+
+    Parameters are named ``query``, ``key`` and ``value`` as in the tutorial, so its state
+    dicts load directly.
+
+    Args:
+        embed_dim: E, the size of each token's vector (also the head dim).
+        dropout: dropout on the attention weights while training.
+        bias: whether the Q/K/V projections have a bias.
+
+    Example:
+        >>> attn = SelfAttention(512)
+        >>> out = attn(torch.randn(32, 10, 512))                      # (32, 10, 512)
+        >>> out, w = attn(x, mask=torch.ones(10, 10, dtype=torch.bool).tril(), need_weights=True)
+    """
+
+    def __init__(self, embed_dim: int, *, dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        if embed_dim < 1:
+            raise ValueError(f"embed_dim must be >= 1, got {embed_dim}")
+        self.embed_dim = embed_dim
+        self.dropout = dropout
+        self.query = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.key = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.value = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    def forward(self, x: Tensor, mask: Mask | Tensor | None = None, need_weights: bool = False,
+                *, causal: F.Causal = False) -> Tensor | tuple[Tensor, Tensor]:
+        """x: (B, L, E); mask: bool (L, L), (B, L, L) or a Mask, True = may attend.
+
+        Returns the output (B, L, E), and with ``need_weights`` also the weights (B, L, L).
+        """
+        x = _check_input("x", x, self.embed_dim)
+        q = self.query(x).unsqueeze(1)  # (B, 1, L, E): one head
+        k = self.key(x).unsqueeze(1)
+        v = self.value(x).unsqueeze(1)
+        kwargs = dict(mask=_module_mask(mask), causal=causal,
+                      dropout_p=self.dropout if self.training else 0.0)
+        if need_weights:
+            out, w = F.attention_with_weights(q, k, v, **kwargs)
+            return out.squeeze(1), w.squeeze(1)
+        return F.attention(q, k, v, **kwargs).squeeze(1)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with a fused QKV projection, GQA/MQA and cross-attention.
+
+    Parameters: ``qkv`` (E -> E + 2 * G * D, rows ordered [q | k | v]) and ``proj`` (E -> E),
+    named as in the tutorial so its state dicts load when G == H.
+
+    Args:
+        embed_dim: E. num_heads: H, must divide E. num_kv_heads: G (default H); H % G == 0.
+            G == 1 is multi-query attention.
+        dropout: dropout on the attention weights while training.
+        bias: whether the projections have biases.
+
+    Example:
+        >>> mha = MultiHeadAttention(512, 8, num_kv_heads=2)
+        >>> y = mha(torch.randn(2, 100, 512), causal=True)            # (2, 100, 512)
+        >>> y = mha(x, context=memory)                                # cross-attention
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 dropout: float = 0.0, bias: bool = True) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1 or embed_dim % num_heads:
+            raise ValueError(f"embed_dim ({embed_dim}) must be divisible by num_heads ({num_heads})")
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.dropout = dropout
+        kv_dim = num_kv_heads * self.head_dim
+        self.qkv = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias=bias)
+        self.proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+
+    def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        e, kv_dim = self.embed_dim, self.num_kv_heads * self.head_dim
+        if context is None:
+            q, k, v = self.qkv(x).split([e, kv_dim, kv_dim], dim=-1)
+        else:
+            w, b = self.qkv.weight, self.qkv.bias
+            q = nn.functional.linear(x, w[:e], None if b is None else b[:e])
+            kv = nn.functional.linear(context, w[e:], None if b is None else b[e:])
+            k, v = kv.split([kv_dim, kv_dim], dim=-1)
+        return q, k, v
+
+    def forward(self, x: Tensor, mask: Mask | Tensor | None = None, *, context: Tensor | None = None,
+                causal: F.Causal = False, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """x: (B, L, E); context: (B, S, E) for cross-attention (default: x itself).
+
+        mask: bool (L, S), (B, L, S), (B, H, L, S) or a Mask; True = may attend.
+        Returns (B, L, E), and with ``need_weights`` also per-head weights (B, H, L, S).
+        """
+        x = _check_input("x", x, self.embed_dim)
+        if context is not None:
+            context = _check_input("context", context, self.embed_dim)
+        b, lq, _ = x.shape
+        lk = lq if context is None else context.shape[1]
+        h, g, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self._project(x, context)
+        q = q.view(b, lq, h, d).transpose(1, 2)  # (B, H, L, D)
+        k = k.view(b, lk, g, d).transpose(1, 2)  # (B, G, S, D)
+        v = v.view(b, lk, g, d).transpose(1, 2)  # (B, G, S, D)
+        kwargs = dict(mask=_module_mask(mask), causal=causal,
+                      dropout_p=self.dropout if self.training else 0.0)
+        if need_weights:
+            out, w = F.attention_with_weights(q, k, v, **kwargs)
+        else:
+            out = F.attention(q, k, v, **kwargs)
+        out = self.proj(out.transpose(1, 2).reshape(b, lq, h * d))  # (B, L, E)
+        return (out, w) if need_weights else out
+
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+        """Build a module with the weights of ``m`` (same output for batch-first input).
+
+        ``m``'s ``key_padding_mask`` and bool ``attn_mask`` use True = ignore; convert them with
+        :func:`selfattn.masks.from_torch_key_padding_mask` and
+        :func:`selfattn.masks.from_torch_attn_mask`.
+        """
+        if not isinstance(m, nn.MultiheadAttention):
+            raise TypeError(f"from_torch needs an nn.MultiheadAttention, got {type(m).__name__}")
+        if not m._qkv_same_embed_dim:
+            raise ValueError("from_torch needs kdim == vdim == embed_dim (one in_proj_weight)")
+        if m.bias_k is not None or m.add_zero_attn:
+            raise ValueError("from_torch does not support add_bias_kv or add_zero_attn")
+        has_bias = m.in_proj_bias is not None
+        out = cls(m.embed_dim, m.num_heads, dropout=m.dropout, bias=has_bias)
+        out = out.to(device=m.in_proj_weight.device, dtype=m.in_proj_weight.dtype)
+        with torch.no_grad():
+            out.qkv.weight.copy_(m.in_proj_weight)
+            out.proj.weight.copy_(m.out_proj.weight)
+            if has_bias:
+                out.qkv.bias.copy_(m.in_proj_bias)
+                out.proj.bias.copy_(m.out_proj.bias)
+        return out
