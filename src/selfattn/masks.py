@@ -99,6 +99,8 @@ class Mask:
         """
         full, empty = self._tile_bounds(lq, lk, block_q, block_k, device)
         full, empty = torch.broadcast_tensors(full, empty)
+        grid = (-(-lq // block_q), -(-lk // block_k))  # (nQ, nK)
+        full, empty = full.expand(*full.shape[:2], *grid), empty.expand(*empty.shape[:2], *grid)
         out = torch.full(full.shape, PARTIAL, dtype=torch.int8, device=full.device)
         out[full] = FULL
         out[empty] = EMPTY

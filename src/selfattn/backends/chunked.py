@@ -114,6 +114,19 @@ def keep_mask(seed: int, shape: tuple[int, int, int, int], p: float, qb: int, kb
     return torch.rand(shape, generator=gen, device=device) >= p
 
 
+def dropout_pattern(seed: int, b: int, hq: int, lq: int, lk: int, p: float, device: torch.device) -> Tensor:
+    """The whole keep-mask (B, Hq, Lq, Lk) that a call with this seed uses (for tests and debugging)."""
+    rows = [torch.cat([keep_mask(seed, (b, hq, min(q0 + BLOCK_Q, lq) - q0, min(k0 + BLOCK_K, lk) - k0), p,
+                                 q0 // BLOCK_Q, k0 // BLOCK_K, device) for k0 in range(0, lk, BLOCK_K)], dim=-1)
+            for q0 in range(0, lq, BLOCK_Q)]
+    return torch.cat(rows, dim=-2)
+
+
+def draw_seed() -> int:
+    """The dropout seed of one call, drawn from torch's global generator (so manual_seed rules it)."""
+    return int(torch.randint(0, 1 << 62, (1,)).item())
+
+
 def _run_keep(plan: _Plan, b: int, hq: int, q0: int, q1: int, k0: int, k1: int,
               device: torch.device) -> Tensor:
     """Keep-mask of a run, assembled from its tiles: (B, Hq, q1 - q0, k1 - k0)."""
@@ -251,7 +264,7 @@ def _math_run_backward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, dout: Tenso
     p = torch.exp(s - split_heads(lse, hkv, g).unsqueeze(-1))  # probabilities (B, Hkv, G, bq, sk)
     dp = torch.matmul(do5, v5.transpose(-1, -2))
     if keep is not None:
-        kept = split_heads(keep, hkv, g) / (1.0 - plan.dropout_p)
+        kept = split_heads(keep, hkv, g).to(ct) / (1.0 - plan.dropout_p)
         pd, dp = p * kept, dp * kept
     else:
         pd = p
@@ -282,7 +295,7 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor, None]:
     _, _, _, lq, lk, d, dv = call.shape
     fused = (call.device.type == "cpu" and call.dropout_p == 0 and d == dv
              and _fused_op() is not None and _fused_bwd_op() is not None)
-    seed = int(torch.randint(0, 1 << 62, (1,)).item()) if call.dropout_p > 0 else 0
+    seed = draw_seed() if call.dropout_p > 0 else 0
     classes = _tile_classes(call.mask, lq, lk, call.device)
     plan = _Plan(mask=call.mask, bias=call.bias, scale=call.scale, dropout_p=call.dropout_p,
                  seed=seed, fused=fused, runs=_runs(classes, lk, None if fused else MATH_RUN_KEYS),

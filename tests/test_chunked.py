@@ -1,0 +1,127 @@
+"""The chunked backend: dropout, memory, and agreement between its two kernels."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import make_qkv
+
+import selfattn
+from selfattn import masks
+from selfattn.backends import chunked
+
+
+def _dropout_reference(q, k, v, keep, p, visible=None):
+    """Plain float64 math with the given keep-mask: (softmax(s) * keep / (1 - p)) @ v."""
+    g = q.shape[1] // k.shape[1]
+    q64, k64, v64 = q.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1)
+    s = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return (torch.softmax(s, -1).nan_to_num(0) * keep / (1 - p)) @ v64  # dead rows: 0
+
+
+@pytest.mark.parametrize("dv", [16, 11])
+def test_dropout_same_seed_same_output_and_grads(dv, small_tiles):
+    """catches: a backward that draws a new dropout pattern (wrong gradients)."""
+    results = []
+    for _ in range(2):
+        q, k, v = make_qkv(2, 4, 2, 70, 90, 16, dv)
+        torch.manual_seed(123)
+        out = selfattn.attention(q, k, v, dropout_p=0.25, backend="chunked", causal="bottom_right")
+        out.sum().backward()
+        results.append((out, q.grad, k.grad, v.grad))
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    torch.manual_seed(124)
+    q, k, v = make_qkv(2, 4, 2, 70, 90, 16, dv)
+    other = selfattn.attention(q, k, v, dropout_p=0.25, backend="chunked", causal="bottom_right")
+    assert not torch.equal(other, results[0][0])
+
+
+def test_dropout_matches_reference_with_the_pattern_it_used(small_tiles):
+    """catches: dropout applied to unnormalised scores, or scaled by p instead of 1 / (1 - p),
+    in the output or the gradients."""
+    p = 0.3
+    q, k, v = make_qkv(2, 4, 2, 70, 90, 16, dtype=torch.float64)
+    mask = masks.sliding_window(30) & masks.padding([90, 55])
+    torch.manual_seed(7)
+    out = selfattn.attention(q, k, v, mask=mask, dropout_p=p, backend="chunked")
+    torch.manual_seed(7)
+    keep = chunked.dropout_pattern(chunked.draw_seed(), 2, 4, 70, 90, p, q.device)
+    q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = _dropout_reference(q64, k64, v64, keep, p, mask.dense(70, 90))
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    dout = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    want = torch.autograd.grad(ref, (q64, k64, v64), dout)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_dropout_fraction_within_binomial_bounds():
+    """catches: a drop rate other than dropout_p (e.g. keep and drop swapped)."""
+    p = 0.3
+    keep = chunked.dropout_pattern(99, 2, 4, 300, 300, p, torch.device("cpu"))
+    n = keep.numel()
+    dropped = n - int(keep.sum())
+    sigma = math.sqrt(n * p * (1 - p))
+    assert abs(dropped - n * p) < 5 * sigma
+    # tiles are independent: no two tiles share a pattern
+    assert not torch.equal(keep[..., :128, :128], keep[..., :128, 128:256])
+
+
+def test_fused_and_math_kernels_agree(monkeypatch, small_tiles):
+    """catches: the fused per-run kernel and the plain-math kernel computing different functions."""
+    q, k, v = make_qkv(2, 6, 2, 100, 130, 32, dtype=torch.float64)
+    mask = masks.document(torch.arange(130) // 40) & masks.causal("bottom_right")
+    bias = torch.randn(1, 6, 100, 130, dtype=torch.float64)
+    out_f, lse_f = selfattn.attention(q, k, v, mask=mask, bias=bias, backend="chunked", return_lse=True)
+    gf = torch.autograd.grad(out_f.sum(), (q, k, v))
+    monkeypatch.setattr(chunked, "_fused_op", lambda: None)
+    out_m, lse_m = selfattn.attention(q, k, v, mask=mask, bias=bias, backend="chunked", return_lse=True)
+    gm = torch.autograd.grad(out_m.sum(), (q, k, v))
+    torch.testing.assert_close(out_f, out_m)
+    torch.testing.assert_close(lse_f, lse_m)
+    for a, b in zip(gf, gm, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_chunked_skips_empty_tiles():
+    """catches: the tile map being ignored (every tile computed)."""
+    classes = chunked._tile_classes(masks.sliding_window(256), 16384, 16384, torch.device("cpu"))
+    runs = chunked._runs(classes, 16384, None)
+    keys = sum(k1 - k0 for row in runs for k0, k1, _ in row)
+    assert keys <= 128 * (256 + 2 * 128)  # each query block reads about a window plus a block
+
+
+_MEMORY_SCRIPT = """
+import json, resource, torch, selfattn
+from selfattn import masks
+torch.set_num_threads(2)
+def peak(): return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+L, H, D = {L}, 1, 64
+q, k, v = (torch.randn(1, H, L, D, requires_grad=True) for _ in range(3))
+w = selfattn.attention(q[:, :, :256], k[:, :, :256], v[:, :, :256], mask=masks.sliding_window(64), backend="chunked")
+w.sum().backward()
+before = peak()
+out = selfattn.attention(q, k, v, mask=masks.sliding_window(256), backend="chunked")
+out.sum().backward()
+print(json.dumps({{"extra": peak() - before, "finite": bool(torch.isfinite(q.grad).all())}}))
+"""
+
+
+def test_16k_sliding_window_fwd_bwd_memory_is_linear():
+    """catches: an O(L^2) buffer (a dense mask or score matrix) anywhere in forward or backward."""
+    length = 16384
+    res = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT.format(L=length)],
+                         capture_output=True, text=True, timeout=600, check=True)
+    stats = json.loads(res.stdout.strip().splitlines()[-1])
+    l2_bool = length * length  # the smallest L^2 buffer: one byte per (query, key) pair
+    assert stats["finite"]
+    assert stats["extra"] < l2_bool / 4, f"peak grew by {stats['extra'] / 2**20:.0f} MiB"

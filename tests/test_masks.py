@@ -1,0 +1,125 @@
+"""Mask semantics against their definitions, written as explicit loops, and tile-map soundness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from selfattn import masks
+
+
+def _loop(pred, b: int, h: int, lq: int, lk: int) -> torch.Tensor:
+    out = torch.zeros(b, h, lq, lk, dtype=torch.bool)
+    for bi in range(b):
+        for hi in range(h):
+            for i in range(lq):
+                for j in range(lk):
+                    out[bi, hi, i, j] = bool(pred(bi, hi, i, j))
+    return out
+
+
+IDS = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3],
+                    [5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7]])
+RAND = torch.rand(2, 3, 11, 11, generator=torch.Generator().manual_seed(3)) > 0.5
+
+DEFINITIONS = {
+    "causal-top_left": (masks.causal(), lambda b, h, i, j, lq, lk: j <= i),
+    "causal-bottom_right": (masks.causal("bottom_right"), lambda b, h, i, j, lq, lk: j <= i + lk - lq),
+    "padding": (masks.padding(torch.tensor([4, 11])), lambda b, h, i, j, lq, lk: j < [4, 11][b]),
+    "sliding_window": (masks.sliding_window(3, 1),
+                       lambda b, h, i, j, lq, lk: i + lk - lq - 3 <= j <= i + lk - lq + 1),
+    "document": (masks.document(IDS), lambda b, h, i, j, lq, lk: IDS[b, i + lk - lq] == IDS[b, j]),
+    "from_tensor": (masks.from_tensor(RAND[..., :11, :11]), lambda b, h, i, j, lq, lk: RAND[b, h, i, j]),
+}
+
+
+@pytest.mark.parametrize("name", list(DEFINITIONS))
+@pytest.mark.parametrize("lq", [11, 5])
+def test_dense_matches_definition(name, lq):
+    """catches: off-by-one and alignment errors in each mask's predicate."""
+    lk = 11
+    mask, pred = DEFINITIONS[name]
+    if name == "from_tensor":
+        mask = masks.from_tensor(RAND[:, :, :lq, :])
+    want = _loop(lambda b, h, i, j: pred(b, h, i, j, lq, lk), 2, 3, lq, lk)
+    got = mask.dense(lq, lk).expand(2, 3, lq, lk)
+    assert torch.equal(got, want)
+
+
+def test_composition_operators():
+    """catches: & | ~ wired to the wrong boolean operation."""
+    a, b = masks.causal(), masks.sliding_window(2, 2)
+    da, db = a.dense(9, 9), b.dense(9, 9)
+    assert torch.equal((a & b).dense(9, 9), da & db)
+    assert torch.equal((a | b).dense(9, 9), da | db)
+    assert torch.equal((~a).dense(9, 9), ~da)
+    assert torch.equal((~(a | b) & a).dense(9, 9), ~(da | db) & da)
+
+
+ALL = [DEFINITIONS[n][0] for n in DEFINITIONS] + [
+    masks.causal() & masks.padding(torch.tensor([4, 11])),
+    masks.sliding_window(2) | masks.document(IDS),
+    ~masks.causal("bottom_right") & masks.from_tensor(RAND),
+    ~(masks.padding(torch.tensor([0, 7])) | masks.sliding_window(0, 3)),
+]
+
+
+@pytest.mark.parametrize("mask", ALL, ids=repr)
+@pytest.mark.parametrize("bq,bk", [(1, 1), (2, 3), (4, 4), (5, 2), (16, 16)])
+def test_tile_map_is_sound(mask, bq, bk):
+    """catches: a FULL tile that hides a key or an EMPTY tile that shows one (wrong results),
+    and a map that is not the (nQ, nK) grid."""
+    lq = lk = 11
+    dense = mask.dense(lq, lk).expand(2, 3, lq, lk)
+    tiles = mask.tiles(lq, lk, bq, bk).expand(2, 3, -1, -1)
+    nq, nk = -(-lq // bq), -(-lk // bk)
+    assert tiles.shape[-2:] == (nq, nk)
+    for qi in range(nq):
+        for kj in range(nk):
+            block = dense[:, :, qi * bq:(qi + 1) * bq, kj * bk:(kj + 1) * bk]
+            t = tiles[:, :, qi, kj]
+            assert block.flatten(2).all(-1)[t == masks.FULL].all()
+            assert (~block.flatten(2).any(-1))[t == masks.EMPTY].all()
+
+
+def test_tile_map_is_exact_for_structured_masks():
+    """catches: a tile map so conservative that nothing is ever skipped."""
+    t = masks.causal().tiles(8, 8, 2, 2)[0, 0]
+    want = torch.full((4, 4), masks.EMPTY, dtype=torch.int8)
+    want[torch.ones(4, 4, dtype=torch.bool).tril(-1)] = masks.FULL
+    want.fill_diagonal_(masks.PARTIAL)
+    assert torch.equal(t, want)
+    w = masks.sliding_window(4).tiles(64, 64, 4, 4)[0, 0]
+    assert (w == masks.EMPTY).sum() > 0.8 * w.numel()
+
+
+def test_torch_convention_converters():
+    """catches: polarity not flipped when converting nn.MultiheadAttention masks."""
+    kpm = torch.tensor([[False, False, True], [False, True, True]])  # True = ignore
+    m = masks.from_torch_key_padding_mask(kpm)
+    assert torch.equal(m.dense(2, 3)[:, 0, 0], ~kpm)
+    am = torch.triu(torch.ones(3, 3, dtype=torch.bool), 1)  # True = not allowed
+    assert torch.equal(masks.from_torch_attn_mask(am).dense(3, 3)[0, 0], masks.causal().dense(3, 3)[0, 0])
+    packed = am.expand(4, 3, 3)  # (B * H, L, L) with B = 2, H = 2
+    assert masks.from_torch_attn_mask(packed, num_heads=2).dense(3, 3).shape == (2, 2, 3, 3)
+    with pytest.raises(ValueError, match="num_heads"):
+        masks.from_torch_attn_mask(packed)
+    with pytest.raises(TypeError, match="bias"):
+        masks.from_torch_attn_mask(torch.zeros(3, 3))
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (lambda: masks.causal("left"), ValueError, "align"),
+    (lambda: masks.sliding_window(-1), ValueError, "left"),
+    (lambda: masks.sliding_window(2, right=1.5), ValueError, "right"),
+    (lambda: masks.padding(torch.tensor([1.0, 2.0])), TypeError, "lengths"),
+    (lambda: masks.padding(torch.tensor([-1, 2])), ValueError, "lengths"),
+    (lambda: masks.document(torch.zeros(2, 2, 2, dtype=torch.long)), ValueError, "ids"),
+    (lambda: masks.from_tensor(torch.ones(3, 3)), TypeError, "bool"),
+    (lambda: masks.causal() & torch.ones(3, 3, dtype=torch.bool), TypeError, "from_tensor"),
+    (lambda: masks.padding([1, 2]) & masks.padding([1, 2, 3]), ValueError, "batch"),
+])
+def test_mask_constructor_errors(bad, exc, match):
+    """catches: bad mask arguments accepted and failing later with an obscure error."""
+    with pytest.raises(exc, match=match):
+        bad()
