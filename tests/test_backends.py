@@ -131,3 +131,15 @@ def test_scale_is_used(backend, small_tiles):
     """catches: a backend ignoring a custom scale."""
     q, k, v = make_qkv(1, 2, 2, 50, 60, 8)
     check_against_reference(q, k, v, backend=backend, scale=0.37, mask=masks.sliding_window(10))
+
+
+@pytest.mark.parametrize("lq,lk", [(1024, 1024), (512, 1536)])
+def test_chunked_causal_diagonal_fast_path(lq, lk):
+    """catches: the is_causal shortcut for square diagonal runs misaligned with bottom-right causal."""
+    from selfattn.backends import chunked
+
+    q, k, v = make_qkv(1, 4, 2, lq, lk, 32, dtype=torch.float64)
+    call_mask = masks.causal("bottom_right")
+    classes = chunked._tile_classes(call_mask, lq, lk, 256, torch.device("cpu"))
+    assert any(partial for row in chunked._runs(classes, lk, None) for _, _, partial in row)
+    check_against_reference(q, k, v, backend="chunked", mask=call_mask)

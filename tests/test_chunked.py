@@ -94,7 +94,7 @@ def test_fused_and_math_kernels_agree(monkeypatch, small_tiles):
 
 def test_chunked_skips_empty_tiles():
     """catches: the tile map being ignored (every tile computed)."""
-    classes = chunked._tile_classes(masks.sliding_window(256), 16384, 16384, torch.device("cpu"))
+    classes = chunked._tile_classes(masks.sliding_window(256), 16384, 16384, 128, torch.device("cpu"))
     runs = chunked._runs(classes, 16384, None)
     keys = sum(k1 - k0 for row in runs for k0, k1, _ in row)
     assert keys <= 128 * (256 + 2 * 128)  # each query block reads about a window plus a block

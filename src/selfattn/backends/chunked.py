@@ -25,13 +25,14 @@ import torch
 from torch import Tensor
 
 from .._call import AttentionCall, compute_dtype
-from ..masks import EMPTY, FULL, Mask
+from ..masks import EMPTY, FULL, Causal, Mask
 from ._common import additive_mask, split_heads
 
 NAME = "chunked"
 
-BLOCK_Q = 128
-BLOCK_K = 128
+BLOCK_K = 128  # key tiles: the granularity at which empty tiles are skipped
+BLOCK_Q: int | None = None  # query blocks; None = chosen per call by _block_q
+MATH_BLOCK_Q = 128
 MATH_RUN_KEYS = 2048  # the math kernel holds (B, Hq, bq, sk) scores: cap sk to bound memory
 
 
@@ -64,13 +65,14 @@ class _Plan:
     runs: list[list[tuple[int, int, bool]]]  # per query block: (k0, k1, partial)
     lq: int
     lk: int
+    bq: int
 
 
-def _tile_classes(mask: Mask | None, lq: int, lk: int, device: torch.device) -> list[list[int]]:
-    nq, nk = -(-lq // BLOCK_Q), -(-lk // BLOCK_K)
+def _tile_classes(mask: Mask | None, lq: int, lk: int, bq: int, device: torch.device) -> list[list[int]]:
+    nq, nk = -(-lq // bq), -(-lk // BLOCK_K)
     if mask is None:
         return [[FULL] * nk for _ in range(nq)]
-    tiles = mask.tiles(lq, lk, BLOCK_Q, BLOCK_K, device).flatten(0, 1)  # (B'*H', nQ, nK)
+    tiles = mask.tiles(lq, lk, bq, BLOCK_K, device).flatten(0, 1)  # (B'*H', nQ, nK)
     empty = (tiles == EMPTY).all(0)
     full = (tiles == FULL).all(0)
     cls = torch.where(empty, EMPTY, torch.where(full, FULL, 1))
@@ -116,9 +118,10 @@ def keep_mask(seed: int, shape: tuple[int, int, int, int], p: float, qb: int, kb
 
 def dropout_pattern(seed: int, b: int, hq: int, lq: int, lk: int, p: float, device: torch.device) -> Tensor:
     """The whole keep-mask (B, Hq, Lq, Lk) that a call with this seed uses (for tests and debugging)."""
-    rows = [torch.cat([keep_mask(seed, (b, hq, min(q0 + BLOCK_Q, lq) - q0, min(k0 + BLOCK_K, lk) - k0), p,
-                                 q0 // BLOCK_Q, k0 // BLOCK_K, device) for k0 in range(0, lk, BLOCK_K)], dim=-1)
-            for q0 in range(0, lq, BLOCK_Q)]
+    bq = BLOCK_Q or MATH_BLOCK_Q  # dropout always runs the math kernel
+    rows = [torch.cat([keep_mask(seed, (b, hq, min(q0 + bq, lq) - q0, min(k0 + BLOCK_K, lk) - k0), p,
+                                 q0 // bq, k0 // BLOCK_K, device) for k0 in range(0, lk, BLOCK_K)], dim=-1)
+            for q0 in range(0, lq, bq)]
     return torch.cat(rows, dim=-2)
 
 
@@ -130,7 +133,7 @@ def draw_seed() -> int:
 def _run_keep(plan: _Plan, b: int, hq: int, q0: int, q1: int, k0: int, k1: int,
               device: torch.device) -> Tensor:
     """Keep-mask of a run, assembled from its tiles: (B, Hq, q1 - q0, k1 - k0)."""
-    qb = q0 // BLOCK_Q
+    qb = q0 // plan.bq
     parts = [keep_mask(plan.seed, (b, hq, q1 - q0, min(kk + BLOCK_K, k1) - kk), plan.dropout_p,
                        qb, kk // BLOCK_K, device) for kk in range(k0, k1, BLOCK_K)]
     return torch.cat(parts, dim=-1)
@@ -169,7 +172,7 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
     out = torch.empty(b, hq, lq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, lq, dtype=ct, device=q.device)
     for qi, runs in enumerate(plan.runs):
-        q0, q1 = qi * BLOCK_Q, min((qi + 1) * BLOCK_Q, lq)
+        q0, q1 = qi * plan.bq, min((qi + 1) * plan.bq, lq)
         qb = q[:, :, q0:q1]  # (B, Hq, bq, D)
         o_acc = torch.zeros(b, hq, q1 - q0, dv, dtype=ct, device=q.device)
         l_acc = torch.full((b, hq, q1 - q0), float("-inf"), dtype=ct, device=q.device)
@@ -177,7 +180,9 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
             visible = _visible(plan, q0, q1, k0, k1, partial, q.device)
             bias = _slice_bias(plan.bias, q0, q1, k0, k1)
             if plan.fused:
-                o_r, l_r = _fused_run(plan, qb, k[:, :, k0:k1], v[:, :, k0:k1], visible, bias)
+                causal = _diagonal_causal(plan, q0, q1, k0, k1, partial)
+                visible = None if causal else visible
+                o_r, l_r = _fused_run(plan, qb, k[:, :, k0:k1], v[:, :, k0:k1], visible, bias, causal)
             else:
                 keep = (_run_keep(plan, b, hq, q0, q1, k0, k1, q.device)
                         if plan.dropout_p > 0 else None)
@@ -188,10 +193,17 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
     return out, lse
 
 
+def _diagonal_causal(plan: _Plan, q0: int, q1: int, k0: int, k1: int, partial: bool) -> bool:
+    """A partial run that is exactly a causal square on the diagonal: the kernel's is_causal does it."""
+    m = plan.mask
+    return (partial and isinstance(m, Causal) and k0 == q0 + m.offset(plan.lq, plan.lk)
+            and k1 - k0 == q1 - q0)
+
+
 def _fused_run(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None,
-               bias: Tensor | None) -> tuple[Tensor, Tensor]:
+               bias: Tensor | None, causal: bool) -> tuple[Tensor, Tensor]:
     attn_mask = additive_mask(visible, bias, q.dtype)
-    o, lse = _fused_op()(q, k, v, 0.0, False, attn_mask=attn_mask, scale=plan.scale)
+    o, lse = _fused_op()(q, k, v, 0.0, causal, attn_mask=attn_mask, scale=plan.scale)
     if attn_mask is not None:
         dead = ~(attn_mask != float("-inf")).any(-1)  # rows of this run that see no key
         lse = lse.masked_fill(dead, float("-inf"))
@@ -226,7 +238,7 @@ def _backward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     # Rows that see no key: lse = +inf makes every probability exp(s - lse) exactly 0.
     lse_b = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
     for qi, runs in enumerate(plan.runs):
-        q0, q1 = qi * BLOCK_Q, min((qi + 1) * BLOCK_Q, lq)
+        q0, q1 = qi * plan.bq, min((qi + 1) * plan.bq, lq)
         qb, ob, dob, lb = q[:, :, q0:q1], out[:, :, q0:q1], dout[:, :, q0:q1], lse_b[:, :, q0:q1]
         delta = None
         if not plan.fused:
@@ -236,9 +248,10 @@ def _backward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
             bias = _slice_bias(plan.bias, q0, q1, k0, k1)
             kr, vr = k[:, :, k0:k1], v[:, :, k0:k1]
             if plan.fused:
-                attn_mask = additive_mask(visible, bias, q.dtype)
+                causal = _diagonal_causal(plan, q0, q1, k0, k1, partial)
+                attn_mask = None if causal else additive_mask(visible, bias, q.dtype)
                 gq, gk, gv = _fused_bwd_op()(dob, qb, kr, vr, ob, lb.to(torch.float32 if
-                                             q.dtype != torch.float64 else q.dtype), 0.0, False,
+                                             q.dtype != torch.float64 else q.dtype), 0.0, causal,
                                              attn_mask=attn_mask, scale=plan.scale)
             else:
                 keep = (_run_keep(plan, b, hq, q0, q1, k0, k1, q.device)
@@ -291,14 +304,31 @@ class _ChunkedAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def _block_q(mask: Mask | None, lq: int, lk: int, fused: bool, device: torch.device) -> int:
+    """Query block size: small where the mask leaves few keys per row (finer skipping), large
+    where rows see many keys (the fused kernel is up to 1.4x faster on 1024-row calls than on
+    128-row ones, measured on a 2-core CPU)."""
+    if BLOCK_Q is not None:
+        return BLOCK_Q
+    if not fused:
+        return MATH_BLOCK_Q
+    classes = _tile_classes(mask, lq, lk, MATH_BLOCK_Q, device)
+    visible_keys = BLOCK_K * sum(c != EMPTY for row in classes for c in row) / len(classes)
+    bq = MATH_BLOCK_Q
+    while bq < 1024 and bq * 2 <= visible_keys / 2:
+        bq *= 2
+    return bq
+
+
 def run(call: AttentionCall) -> tuple[Tensor, Tensor, None]:
     _, _, _, lq, lk, d, dv = call.shape
     fused = (call.device.type == "cpu" and call.dropout_p == 0 and d == dv
              and _fused_op() is not None and _fused_bwd_op() is not None)
     seed = draw_seed() if call.dropout_p > 0 else 0
-    classes = _tile_classes(call.mask, lq, lk, call.device)
+    bq = _block_q(call.mask, lq, lk, fused, call.device)
+    classes = _tile_classes(call.mask, lq, lk, bq, call.device)
     plan = _Plan(mask=call.mask, bias=call.bias, scale=call.scale, dropout_p=call.dropout_p,
                  seed=seed, fused=fused, runs=_runs(classes, lk, None if fused else MATH_RUN_KEYS),
-                 lq=lq, lk=lk)
+                 lq=lq, lk=lk, bq=bq)
     out, lse = _ChunkedAttention.apply(call.q, call.k, call.v, plan)
     return out, lse.float(), None
