@@ -141,5 +141,6 @@ def test_chunked_causal_diagonal_fast_path(lq, lk):
     q, k, v = make_qkv(1, 4, 2, lq, lk, 32, dtype=torch.float64)
     call_mask = masks.causal("bottom_right")
     classes = chunked._tile_classes(call_mask, lq, lk, 256, torch.device("cpu"))
-    assert any(partial for row in chunked._runs(classes, lk, None) for _, _, partial in row)
+    (group,) = chunked._groups(classes, lk, None)
+    assert any(partial for row in group.runs for _, _, partial in row)
     check_against_reference(q, k, v, backend="chunked", mask=call_mask)

@@ -95,8 +95,8 @@ def test_fused_and_math_kernels_agree(monkeypatch, small_tiles):
 def test_chunked_skips_empty_tiles():
     """catches: the tile map being ignored (every tile computed)."""
     classes = chunked._tile_classes(masks.sliding_window(256), 16384, 16384, 128, torch.device("cpu"))
-    runs = chunked._runs(classes, 16384, None)
-    keys = sum(k1 - k0 for row in runs for k0, k1, _ in row)
+    (group,) = chunked._groups(classes, 16384, None)
+    keys = sum(k1 - k0 for row in group.runs for k0, k1, _ in row)
     assert keys <= 128 * (256 + 2 * 128)  # each query block reads about a window plus a block
 
 
@@ -125,3 +125,21 @@ def test_16k_sliding_window_fwd_bwd_memory_is_linear():
     l2_bool = length * length  # the smallest L^2 buffer: one byte per (query, key) pair
     assert stats["finite"]
     assert stats["extra"] < l2_bool / 4, f"peak grew by {stats['extra'] / 2**20:.0f} MiB"
+
+
+def test_padding_with_unequal_lengths_schedules_each_item():
+    """catches: one schedule for the whole batch computing the padded tiles of short items."""
+    mask = masks.padding([4096, 1024]) & masks.causal()
+    classes = chunked._tile_classes(mask, 4096, 4096, 256, torch.device("cpu"))
+    groups = chunked._groups(classes, 4096, None)
+    assert [g.batch for g in groups] == [slice(0, 1), slice(1, 2)]
+    assert max(k1 for row in groups[1].runs for _, k1, _ in row) <= 1024
+
+
+@pytest.mark.parametrize("lengths", [[203, 40], [203, 203], [1, 150]])
+def test_per_item_schedules_match_reference(lengths, small_tiles):
+    """catches: batch items mixed up when each has its own schedule (outputs and gradients)."""
+    from helpers import check_against_reference
+
+    q, k, v = make_qkv(2, 4, 2, 113, 203, 16, dtype=torch.float64)
+    check_against_reference(q, k, v, backend="chunked", mask=masks.padding(lengths), causal="bottom_right")

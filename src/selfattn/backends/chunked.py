@@ -19,13 +19,14 @@ dims, bq/bk block sizes, sk the keys of one run.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from .._call import AttentionCall, compute_dtype
-from ..masks import EMPTY, FULL, Causal, Mask
+from ..masks import EMPTY, FULL, PARTIAL, Causal, Mask
 from ._common import additive_mask, split_heads
 
 NAME = "chunked"
@@ -53,6 +54,14 @@ def supports(call: AttentionCall) -> str | None:
 
 
 @dataclass
+class _Group:
+    """Batch items that share one schedule of runs."""
+
+    batch: slice
+    runs: list[list[tuple[int, int, bool]]]  # per query block: (k0, k1, partial)
+
+
+@dataclass
 class _Plan:
     """Everything the forward and backward share: what to compute, tile by tile."""
 
@@ -62,21 +71,45 @@ class _Plan:
     dropout_p: float
     seed: int
     fused: bool
-    runs: list[list[tuple[int, int, bool]]]  # per query block: (k0, k1, partial)
+    groups: list[_Group]
     lq: int
     lk: int
     bq: int
 
+    def steps(self) -> Iterator[tuple[slice, int, int, list[tuple[int, int, bool]]]]:
+        """(batch items, q0, q1, runs) for every query block of every group."""
+        for group in self.groups:
+            for qi, runs in enumerate(group.runs):
+                yield group.batch, qi * self.bq, min((qi + 1) * self.bq, self.lq), runs
 
-def _tile_classes(mask: Mask | None, lq: int, lk: int, bq: int, device: torch.device) -> list[list[int]]:
+
+def _tile_classes(mask: Mask | None, lq: int, lk: int, bq: int, device: torch.device) -> Tensor:
+    """EMPTY / PARTIAL / FULL per (batch item or 1, query block, key tile), over all heads."""
     nq, nk = -(-lq // bq), -(-lk // BLOCK_K)
     if mask is None:
-        return [[FULL] * nk for _ in range(nq)]
-    tiles = mask.tiles(lq, lk, bq, BLOCK_K, device).flatten(0, 1)  # (B'*H', nQ, nK)
-    empty = (tiles == EMPTY).all(0)
-    full = (tiles == FULL).all(0)
-    cls = torch.where(empty, EMPTY, torch.where(full, FULL, 1))
-    return cls.tolist()
+        return torch.full((1, nq, nk), FULL, dtype=torch.int8)
+    tiles = mask.tiles(lq, lk, bq, BLOCK_K, device).cpu()  # (B', H', nQ, nK)
+    empty, full = (tiles == EMPTY).all(1), (tiles == FULL).all(1)
+    return torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL)).to(torch.int8)
+
+
+def _union(classes: Tensor) -> Tensor:
+    """One schedule valid for every batch item: (nQ, nK)."""
+    empty, full = (classes == EMPTY).all(0), (classes == FULL).all(0)
+    return torch.where(empty, EMPTY, torch.where(full, FULL, PARTIAL))
+
+
+def _groups(classes: Tensor, lk: int, max_keys: int | None) -> list[_Group]:
+    """Share one schedule across the batch unless per-item schedules skip >= 10% more tiles
+    (e.g. padding masks with very different lengths)."""
+    union = _union(classes)
+    if classes.shape[0] > 1:
+        shared = int((union != EMPTY).sum()) * classes.shape[0]
+        separate = int((classes != EMPTY).sum())
+        if separate <= 0.9 * shared:
+            return [_Group(slice(b, b + 1), _runs(classes[b].tolist(), lk, max_keys))
+                    for b in range(classes.shape[0])]
+    return [_Group(slice(None), _runs(union.tolist(), lk, max_keys))]
 
 
 def _runs(classes: list[list[int]], lk: int, max_keys: int | None) -> list[list[tuple[int, int, bool]]]:
@@ -95,6 +128,11 @@ def _runs(classes: list[list[int]], lk: int, max_keys: int | None) -> list[list[
                 runs.append((k0, k1, partial))
         out.append(runs)
     return out
+
+
+def _items(t: Tensor | None, batch: slice) -> Tensor | None:
+    """The batch items of a tensor that may broadcast over the batch (size 1)."""
+    return t if t is None or t.shape[0] == 1 else t[batch]
 
 
 def _slice_bias(bias: Tensor | None, q0: int, q1: int, k0: int, k1: int) -> Tensor | None:
@@ -130,20 +168,32 @@ def draw_seed() -> int:
     return int(torch.randint(0, 1 << 62, (1,)).item())
 
 
-def _run_keep(plan: _Plan, b: int, hq: int, q0: int, q1: int, k0: int, k1: int,
-              device: torch.device) -> Tensor:
-    """Keep-mask of a run, assembled from its tiles: (B, Hq, q1 - q0, k1 - k0)."""
-    qb = q0 // plan.bq
-    parts = [keep_mask(plan.seed, (b, hq, q1 - q0, min(kk + BLOCK_K, k1) - kk), plan.dropout_p,
-                       qb, kk // BLOCK_K, device) for kk in range(k0, k1, BLOCK_K)]
-    return torch.cat(parts, dim=-1)
+def _run_keep(plan: _Plan, shape: tuple[int, int], batch: slice, q0: int, q1: int, k0: int, k1: int,
+              device: torch.device) -> Tensor | None:
+    """Keep-mask of a run for these batch items, assembled from its tiles: (b, Hq, q1 - q0, k1 - k0).
 
-
-def _visible(plan: _Plan, q0: int, q1: int, k0: int, k1: int, partial: bool,
-             device: torch.device) -> Tensor | None:
-    if not partial or plan.mask is None:
+    shape: (B, Hq) of the whole call, so a tile's pattern does not depend on the grouping.
+    """
+    if plan.dropout_p == 0:
         return None
-    return plan.mask.block(q0, q1, k0, k1, plan.lq, plan.lk, device)  # (B|1, Hq|1, bq, sk)
+    qb = q0 // plan.bq
+    parts = [keep_mask(plan.seed, (*shape, q1 - q0, min(kk + BLOCK_K, k1) - kk), plan.dropout_p,
+                       qb, kk // BLOCK_K, device) for kk in range(k0, k1, BLOCK_K)]
+    return torch.cat(parts, dim=-1)[batch]
+
+
+def _run_mask(plan: _Plan, batch: slice, q0: int, q1: int, k0: int, k1: int, partial: bool,
+              device: torch.device) -> tuple[Tensor | None, Tensor | None, bool]:
+    """(visible, bias, causal) of one run: the mask only on partial runs, the bias on every run,
+    and causal=True (no mask tensor) for a diagonal square of a pure causal mask."""
+    bias = _items(_slice_bias(plan.bias, q0, q1, k0, k1), batch)
+    m = plan.mask
+    if not partial or m is None:
+        return None, bias, False
+    if (plan.fused and isinstance(m, Causal) and k0 == q0 + m.offset(plan.lq, plan.lk)
+            and k1 - k0 == q1 - q0):
+        return None, bias, True
+    return _items(m.block(q0, q1, k0, k1, plan.lq, plan.lk, device), batch), bias, False
 
 
 def _math_scores(plan: _Plan, q: Tensor, k: Tensor, visible: Tensor | None, bias: Tensor | None,
@@ -171,33 +221,22 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
     ct = compute_dtype(q.dtype)
     out = torch.empty(b, hq, lq, dv, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, hq, lq, dtype=ct, device=q.device)
-    for qi, runs in enumerate(plan.runs):
-        q0, q1 = qi * plan.bq, min((qi + 1) * plan.bq, lq)
-        qb = q[:, :, q0:q1]  # (B, Hq, bq, D)
-        o_acc = torch.zeros(b, hq, q1 - q0, dv, dtype=ct, device=q.device)
-        l_acc = torch.full((b, hq, q1 - q0), float("-inf"), dtype=ct, device=q.device)
+    for batch, q0, q1, runs in plan.steps():
+        qb = q[batch, :, q0:q1]  # (b, Hq, bq, D)
+        o_acc = torch.zeros(*qb.shape[:3], dv, dtype=ct, device=q.device)
+        l_acc = torch.full(qb.shape[:3], float("-inf"), dtype=ct, device=q.device)
         for k0, k1, partial in runs:
-            visible = _visible(plan, q0, q1, k0, k1, partial, q.device)
-            bias = _slice_bias(plan.bias, q0, q1, k0, k1)
+            visible, bias, causal = _run_mask(plan, batch, q0, q1, k0, k1, partial, q.device)
+            kr, vr = k[batch, :, k0:k1], v[batch, :, k0:k1]
             if plan.fused:
-                causal = _diagonal_causal(plan, q0, q1, k0, k1, partial)
-                visible = None if causal else visible
-                o_r, l_r = _fused_run(plan, qb, k[:, :, k0:k1], v[:, :, k0:k1], visible, bias, causal)
+                o_r, l_r = _fused_run(plan, qb, kr, vr, visible, bias, causal)
             else:
-                keep = (_run_keep(plan, b, hq, q0, q1, k0, k1, q.device)
-                        if plan.dropout_p > 0 else None)
-                o_r, l_r = _math_run(plan, qb, k[:, :, k0:k1], v[:, :, k0:k1], visible, bias, keep)
+                keep = _run_keep(plan, (b, hq), batch, q0, q1, k0, k1, q.device)
+                o_r, l_r = _math_run(plan, qb, kr, vr, visible, bias, keep)
             o_acc, l_acc = _merge(o_acc, l_acc, o_r.to(ct), l_r.to(ct))
-        out[:, :, q0:q1] = o_acc.to(q.dtype)
-        lse[:, :, q0:q1] = l_acc
+        out[batch, :, q0:q1] = o_acc.to(q.dtype)
+        lse[batch, :, q0:q1] = l_acc
     return out, lse
-
-
-def _diagonal_causal(plan: _Plan, q0: int, q1: int, k0: int, k1: int, partial: bool) -> bool:
-    """A partial run that is exactly a causal square on the diagonal: the kernel's is_causal does it."""
-    m = plan.mask
-    return (partial and isinstance(m, Causal) and k0 == q0 + m.offset(plan.lq, plan.lk)
-            and k1 - k0 == q1 - q0)
 
 
 def _fused_run(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None,
@@ -230,37 +269,30 @@ def _math_run(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, visible: Tensor | No
 
 def _backward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    b, hq, lq, _ = q.shape
+    b, hq = q.shape[:2]
     ct = compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
     dk = torch.zeros(k.shape, dtype=ct, device=q.device)
     dv = torch.zeros(v.shape, dtype=ct, device=q.device)
     # Rows that see no key: lse = +inf makes every probability exp(s - lse) exactly 0.
     lse_b = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-    for qi, runs in enumerate(plan.runs):
-        q0, q1 = qi * plan.bq, min((qi + 1) * plan.bq, lq)
-        qb, ob, dob, lb = q[:, :, q0:q1], out[:, :, q0:q1], dout[:, :, q0:q1], lse_b[:, :, q0:q1]
-        delta = None
-        if not plan.fused:
-            delta = (dob.to(ct) * ob.to(ct)).sum(-1)  # (B, Hq, bq): rowsum(dO * O)
+    for batch, q0, q1, runs in plan.steps():
+        qb, ob, dob, lb = (t[batch, :, q0:q1] for t in (q, out, dout, lse_b))
+        delta = None if plan.fused else (dob.to(ct) * ob.to(ct)).sum(-1)  # (b, Hq, bq): rowsum(dO * O)
         for k0, k1, partial in runs:
-            visible = _visible(plan, q0, q1, k0, k1, partial, q.device)
-            bias = _slice_bias(plan.bias, q0, q1, k0, k1)
-            kr, vr = k[:, :, k0:k1], v[:, :, k0:k1]
+            visible, bias, causal = _run_mask(plan, batch, q0, q1, k0, k1, partial, q.device)
+            kr, vr = k[batch, :, k0:k1], v[batch, :, k0:k1]
             if plan.fused:
-                causal = _diagonal_causal(plan, q0, q1, k0, k1, partial)
-                attn_mask = None if causal else additive_mask(visible, bias, q.dtype)
-                gq, gk, gv = _fused_bwd_op()(dob, qb, kr, vr, ob, lb.to(torch.float32 if
-                                             q.dtype != torch.float64 else q.dtype), 0.0, causal,
+                attn_mask = additive_mask(visible, bias, q.dtype)
+                gq, gk, gv = _fused_bwd_op()(dob, qb, kr, vr, ob, lb, 0.0, causal,
                                              attn_mask=attn_mask, scale=plan.scale)
             else:
-                keep = (_run_keep(plan, b, hq, q0, q1, k0, k1, q.device)
-                        if plan.dropout_p > 0 else None)
                 assert delta is not None
+                keep = _run_keep(plan, (b, hq), batch, q0, q1, k0, k1, q.device)
                 gq, gk, gv = _math_run_backward(plan, qb, kr, vr, dob, lb, delta, visible, bias, keep)
-            dq[:, :, q0:q1] += gq.to(ct)
-            dk[:, :, k0:k1] += gk.to(ct)
-            dv[:, :, k0:k1] += gv.to(ct)
+            dq[batch, :, q0:q1] += gq.to(ct)
+            dk[batch, :, k0:k1] += gk.to(ct)
+            dv[batch, :, k0:k1] += gv.to(ct)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -313,7 +345,7 @@ def _block_q(mask: Mask | None, lq: int, lk: int, fused: bool, device: torch.dev
     if not fused:
         return MATH_BLOCK_Q
     classes = _tile_classes(mask, lq, lk, MATH_BLOCK_Q, device)
-    visible_keys = BLOCK_K * sum(c != EMPTY for row in classes for c in row) / len(classes)
+    visible_keys = BLOCK_K * float((classes != EMPTY).sum(-1).float().mean())
     bq = MATH_BLOCK_Q
     while bq < 1024 and bq * 2 <= visible_keys / 2:
         bq *= 2
@@ -327,8 +359,8 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor, None]:
     seed = draw_seed() if call.dropout_p > 0 else 0
     bq = _block_q(call.mask, lq, lk, fused, call.device)
     classes = _tile_classes(call.mask, lq, lk, bq, call.device)
-    plan = _Plan(mask=call.mask, bias=call.bias, scale=call.scale, dropout_p=call.dropout_p,
-                 seed=seed, fused=fused, runs=_runs(classes, lk, None if fused else MATH_RUN_KEYS),
+    plan = _Plan(mask=call.mask, bias=call.bias, scale=call.scale, dropout_p=call.dropout_p, seed=seed,
+                 fused=fused, groups=_groups(classes, lk, None if fused else MATH_RUN_KEYS),
                  lq=lq, lk=lk, bq=bq)
     out, lse = _ChunkedAttention.apply(call.q, call.k, call.v, plan)
     return out, lse.float(), None
