@@ -71,6 +71,10 @@ def test_auto_uses_chunked_for_large_structured_masks():
     assert "dense mask" in ex.not_chosen["sdpa"]
     small = selfattn.explain(q[:, :, :64], k[:, :, :64], v[:, :, :64], mask=masks.sliding_window(8))
     assert small.backend == "sdpa"
+    q, k, v = q[:, :, :1024], k[:, :, :1024], v[:, :, :1024]
+    dense_random = torch.rand(1024, 1024, generator=torch.Generator().manual_seed(0)) > 0.5
+    assert selfattn.explain(q, k, v, mask=dense_random).backend == "sdpa"  # no tile to skip
+    assert selfattn.explain(q, k, v, mask=masks.document(torch.arange(1024) // 128)).backend == "chunked"
 
 
 def test_use_backend_forces_and_restores():

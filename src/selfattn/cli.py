@@ -20,9 +20,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="a reduced grid that runs in under two minutes")
     b.add_argument("--cases", nargs="+", help="mask cases to run (default: all)")
     b.add_argument("--lengths", nargs="+", type=int, help="sequence lengths for the masks suite")
-    b.add_argument("--modes", nargs="+", choices=["fwd", "fwd+bwd"], help="default: both")
+    b.add_argument("--modes", nargs="+", choices=["fwd", "fwd+bwd"], help="default: both (--quick: fwd+bwd)")
     b.add_argument("--impls", nargs="+", help="implementations for the masks suite (default: all)")
-    b.add_argument("--repeats", type=int, default=None, help="timed repeats per point (median reported)")
+    b.add_argument("--repeats", type=int, default=None,
+                   help="at most this many timed repeats per point (the median is reported; "
+                        "default: as many as fit the point's time budget, up to 50)")
     b.add_argument("--device", default="cpu", help="cpu or cuda")
     b.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     b.add_argument("--memory-limit-gb", type=float, default=None,

@@ -105,7 +105,8 @@ def _heatmap(out_dir: Path, mats: list[torch.Tensor], titles: list[str]) -> Path
     labels = TOKENS if cjk else TOKENS_LATIN
     if cjk:
         plt.rcParams["font.family"] = cjk[0]
-    fig, axes = plt.subplots(1, len(mats), figsize=(4.2 * len(mats), 4))
+    fig, axes = plt.subplots(1, len(mats), figsize=(5.2 * len(mats), 4.2))
+    fig.subplots_adjust(wspace=0.45)
     for ax, m, title in zip(axes, mats, titles, strict=True):
         im = ax.imshow(m.numpy(), vmin=0, vmax=1, cmap="viridis")
         ax.set_xticks(range(4), labels)
@@ -137,10 +138,15 @@ def backend_check(console: Console) -> None:
                         "causal bottom-right & padding)")
     for col in ("backend", "max |out - ref64|", "verdict"):
         table.add_column(col)
+    # the bar: twice the error of the textbook math done in float32, as in the test suite
+    textbook = torch.softmax((q @ k.repeat_interleave(3, 1).transpose(-1, -2) / math.sqrt(59))
+                             .masked_fill(~mask.dense(113, 203), float("-inf")), -1).nan_to_num(0)
+    bar = 2 * (textbook @ v.repeat_interleave(3, 1) - ref).abs().max().item() + 1e-6
+    table.caption = f"matches = within {bar:.1e}, twice the error of float32 textbook math"
     for name in REGISTRY:
         out = attention(q, k, v, mask=mask, backend=name)
         err = (out.double() - ref).abs().max().item()
-        ok = err < 1e-5
+        ok = err <= bar
         table.add_row(name, f"{err:.2e}", "[green]matches[/green]" if ok else "[red]MISMATCH[/red]")
     console.print(table)
     console.print(str(explain(q, k, v, mask=mask)))

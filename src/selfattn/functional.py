@@ -28,13 +28,15 @@ Causal = bool | Literal["top_left", "bottom_right"]
 
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("selfattn_backend", default=None)
 
-# Above this many dense-mask elements (B' * H' * Lq * Lk, where B'/H' are the mask's own batch and
-# head sizes), `auto` prefers the chunked backend over SDPA with a dense mask. Below it, the mask
-# is at most a few MB and one fused SDPA call beats a loop of tiles; above it, SDPA's mask grows as
-# L^2 (4 bytes per element once made additive) and it computes every tile, while chunked stays
-# O(L * block) in memory and skips empty tiles. Measured on a 2-core CPU (H=8, D=64): at
-# L=1024 the two are within a few percent for causal+padding; by L=2048 chunked is ahead.
-DENSE_MASK_LIMIT = 1 << 21
+# When SDPA would need a dense mask, `auto` weighs it against the chunked backend. Measured on a
+# 2-core CPU (fwd+bwd, H=8, D=64): at 256^2 mask elements SDPA's single fused call wins (chunked
+# 1.2-1.6x slower); from 512^2 up, chunked wins wherever the mask leaves tiles empty (padding +
+# causal 0.93x, sliding window 0.84x, 8 packed documents 0.59x; at 1024^2: 0.67x, 0.39x,
+# 0.24x), while a dense random mask with no empty tile stays 1.2x slower in chunked.
+DENSE_MASK_LIMIT = 1 << 18  # below this many elements (B' * H' * Lq * Lk), SDPA with the dense mask
+SKIP_FRACTION = 0.25  # above it, chunked when at least this share of 128 x 128 tiles is empty
+# ... or in any case past this size: the dense mask alone is 1 GiB as float32 (8 GiB at L=32k)
+DENSE_MASK_MEMORY_LIMIT = 1 << 28
 
 
 def _name(x: object) -> str:
@@ -153,6 +155,15 @@ def _dense_mask_elements(call: AttentionCall) -> int:
     return bm * hm * lq * lk
 
 
+def _empty_tile_fraction(call: AttentionCall) -> float:
+    """Share of 128 x 128 (query, key) tiles that the mask leaves empty."""
+    if call.mask is None:
+        return 0.0
+    _, _, _, lq, lk, _, _ = call.shape
+    tiles = call.mask.tiles(lq, lk, 128, 128, call.device)
+    return float((tiles == _masks.EMPTY).float().mean())
+
+
 def _choose(call: AttentionCall, forced: str | None) -> tuple[str, dict[str, str]]:
     """Pick a backend; return it and, for every other backend, why it was not picked."""
     unsupported = {name: r for name, be in REGISTRY.items() if (r := be.supports(call)) is not None}
@@ -171,12 +182,16 @@ def _choose(call: AttentionCall, forced: str | None) -> tuple[str, dict[str, str
         preferences.append(("reference", "only reference returns attention weights"))
     if fast:
         preferences.append(("sdpa", "SDPA runs this mask in a fused kernel without a dense mask"))
-    elif elements > DENSE_MASK_LIMIT:
+    elif elements > DENSE_MASK_MEMORY_LIMIT:
         preferences.append(("chunked", f"a dense mask would have {elements:,} elements "
-                                       f"(> {DENSE_MASK_LIMIT:,}); chunked skips empty tiles "
+                                       f"(> {DENSE_MASK_MEMORY_LIMIT:,}); chunked needs O(L * block) memory"))
+    elif elements > DENSE_MASK_LIMIT and (skipped := _empty_tile_fraction(call)) >= SKIP_FRACTION:
+        preferences.append(("chunked", f"{skipped:.0%} of the tiles are empty and a dense mask would have "
+                                       f"{elements:,} elements (> {DENSE_MASK_LIMIT:,}); chunked skips them "
                                        "in O(L * block) memory"))
     preferences += [
-        ("sdpa", f"the dense mask has {elements:,} elements (<= {DENSE_MASK_LIMIT:,}): one fused call"),
+        ("sdpa", f"the dense mask ({elements:,} elements) is small or leaves few tiles empty: "
+                 "one fused call"),
         ("chunked", "SDPA cannot run this call"),
         ("reference", "no faster backend can run this call"),
     ]
