@@ -7,7 +7,8 @@ Example:
     >>> out = selfattn.attention(q, k, v, mask=selfattn.masks.sliding_window(32))
 """
 
-from . import masks
+from . import masks, testing
+from .check import check
 from .functional import Explanation, attention, attention_with_weights, explain, use_backend
 from .nn import MultiHeadAttention, SelfAttention
 
@@ -17,8 +18,10 @@ __all__ = [
     "SelfAttention",
     "attention",
     "attention_with_weights",
+    "check",
     "explain",
     "masks",
+    "testing",
     "use_backend",
 ]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 
@@ -12,6 +13,24 @@ def _parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="the tutorial's walkthrough with real tensors")
     d.add_argument("--out", type=Path, default=Path("selfattn-out"), help="folder for the heatmap PNG")
+
+    c = sub.add_parser(
+        "check", help="prove an attention module right, or name its bugs",
+        description="Run an attention module through black-box and white-box probes and certify it or "
+                    "name each bug with evidence and a fix. NOTE: this imports and runs the given Python "
+                    "file (its top-level code too); it never writes to it. Exit status: 0 passed, "
+                    "1 findings, 2 could not run the module.")
+    c.add_argument("target", help="path/to/file.py:ClassName")
+    c.add_argument("--init", type=json.loads, default=None, metavar="JSON",
+                   help='constructor keyword arguments, e.g. \'{"embed_dim": 64}\' (default: try the usual '
+                        "signatures: (embed_dim), (embed_dim, num_heads), keyword variants)")
+    c.add_argument("--embed-dim", type=int, default=16, help="embed dim used when guessing the signature")
+    c.add_argument("--mask-convention", choices=["keep", "ignore"],
+                   help="your module's documented mask convention: keep (True/1 = may attend) or "
+                        "ignore (True = masked); a module that behaves the other way gets mask-inverted")
+    c.add_argument("--causal", action="store_true", help="the module must be causal")
+    c.add_argument("--seed", type=int, default=0, help="seed of the random probe inputs")
+    c.add_argument("--json", action="store_true", help="print the report as JSON")
 
     b = sub.add_parser("bench", help="time and memory against the anchors, in one run")
     b.add_argument("--suite", choices=["modules", "overhead", "masks", "all"], default="all",
@@ -36,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "check":
+        return _check(args)
     if args.command == "demo":
         from .demo import main as demo_main
 
@@ -43,6 +64,28 @@ def main(argv: list[str] | None = None) -> int:
     from .bench import main as bench_main
 
     return bench_main(args)
+
+
+def _check(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from .check import CannotRun, check, render
+
+    console = Console()
+    try:
+        report = check(args.target, init=args.init, embed_dim=args.embed_dim,
+                       mask_convention=args.mask_convention, causal=args.causal, seed=args.seed)
+    except CannotRun as e:
+        if args.json:
+            print(json.dumps({"passed": False, "error": str(e)}))
+        else:
+            console.print(f"[red]could not run the module[/red]: {e}")
+        return 2
+    if args.json:
+        print(report.to_json())
+    else:
+        render(report, console)
+    return 0 if report.passed else 1
 
 
 if __name__ == "__main__":

@@ -215,8 +215,9 @@ def _ratio_tables(results: list[dict], suite: str, split: str | None, key_fields
     """One table per value of ``split`` (or one table): rows keyed by ``key_fields``, a column per
     implementation with its median time, its ratio to ``anchor`` and (masks) its peak memory."""
     rows = [r for r in results if r["suite"] == suite]
-    tables = []
-    for part in dict.fromkeys(r.get(split) for r in rows) if split else [None]:
+    tables: list[Table] = []
+    parts = list(dict.fromkeys(r.get(split) for r in rows)) if split else ([None] if rows else [])
+    for part in parts:
         sel = [r for r in rows if split is None or r.get(split) == part]
         impls = list(dict.fromkeys(r["impl"] for r in sel))
         table = Table(title=title + (f": {part}" if part else ""))

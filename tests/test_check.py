@@ -1,0 +1,124 @@
+"""The attention doctor: passing modules pass, each known bug gets exactly its finding id."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import doctor_fixtures as fx
+import pytest
+import seed_models as sm
+from torch import nn
+
+import selfattn
+from selfattn.check import FINDING_IDS, CannotRun, check
+
+
+class TorchMHAWrapper(nn.Module):
+    """nn.MultiheadAttention behind forward(x)."""
+
+    def __init__(self, embed_dim: int, num_heads: int = 4) -> None:
+        super().__init__()
+        self.m = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)
+
+    def forward(self, x):
+        return self.m(x, x, x, need_weights=False)[0]
+
+
+PASSING = [sm.TutorialSelfAttention, sm.TutorialOptimizedSelfAttention, sm.TutorialMultiHeadAttention,
+           sm.CorrectedSelfAttention, selfattn.SelfAttention, selfattn.MultiHeadAttention, TorchMHAWrapper,
+           fx.CausalCorrect]
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("cls", PASSING, ids=lambda c: c.__name__)
+def test_correct_modules_pass_without_false_alarms(cls, seed):
+    """catches: probes so strict that a correct module (the seeds', ours, torch's) gets a finding."""
+    report = check(cls, seed=seed)
+    assert report.passed, [(f.id, f.message, f.evidence) for f in report.findings]
+
+
+@pytest.mark.parametrize("cls", list(fx.BUGGY), ids=lambda c: c.__name__)
+def test_each_bug_gets_exactly_its_id(cls):
+    """catches: a bug missed, or reported under the wrong id, or buried among side effects."""
+    want, kwargs = fx.BUGGY[cls]
+    report = check(cls, **kwargs)
+    assert not report.passed
+    assert report.ids == {want}, [(f.id, f.message) for f in report.findings]
+    (finding,) = report.findings
+    assert finding.message and finding.fix and finding.evidence
+
+
+def test_every_finding_id_has_a_fix():
+    for fid in ("batch-mixing", "missing-scale", "wrong-scale", "softmax-dim", "matmul-order", "head-merge",
+                "mask-ignored", "mask-inverted", "causal-leak", "nan-on-masked-row", "half-precision-overflow",
+                "non-finite", "dropout-in-eval", "no-grad", "not-equivariant", "wrong-output-shape"):
+        assert fid in FINDING_IDS
+
+
+def test_causal_flag_requires_causality():
+    """catches: --causal not enforced on a bidirectional module."""
+    assert check(fx.CausalCorrect, causal=True).passed
+    assert check(sm.TutorialSelfAttention, causal=True).ids == {"causal-leak"}
+
+
+def test_inferred_call_and_mask_convention():
+    report = check(sm.TutorialMultiHeadAttention(32, 4))
+    assert report.inferred["call"] == "forward(x)"
+    assert report.inferred["mask"]["convention"] == "True/1 = may attend"
+    assert report.inferred["mask"]["shape"] == "(L, L)"  # (B, L, L) does not broadcast against heads
+    report = check(fx.MaskInverted)  # no declared convention: an ignore-convention module is fine
+    assert report.passed and report.inferred["mask"]["convention"] == "True = masked"
+
+
+def test_module_state_is_restored():
+    """catches: the doctor leaving a user's module in eval mode or wiping its gradients."""
+    m = selfattn.MultiHeadAttention(16, 4).train()
+    m.qkv.weight.grad = m.qkv.weight.detach().clone()
+    check(m)
+    assert m.training and m.qkv.weight.grad is not None
+
+
+def test_cannot_run_is_reported():
+    class Broken(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("nope")
+
+    with pytest.raises(CannotRun, match="every input shape"):
+        check(Broken())
+
+
+def test_assert_attention_correct():
+    selfattn.testing.assert_attention_correct(sm.TutorialSelfAttention(16))
+    with pytest.raises(AssertionError, match="missing-scale"):
+        selfattn.testing.assert_attention_correct(fx.MissingScale(16))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "selfattn.cli", "check", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_json_exit_codes_and_files_untouched(tmp_path):
+    """catches: wrong exit statuses, a JSON shape other than documented, or the user's folder modified."""
+    src = Path(fx.__file__).read_text()
+    user = tmp_path / "user_attention.py"
+    user.write_text(src)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    ok = _cli(f"{user}:CausalCorrect", "--causal", "--json")
+    assert ok.returncode == 0, ok.stderr
+    data = json.loads(ok.stdout)
+    assert data["passed"] is True and data["findings"] == [] and "inferred" in data
+    bad = _cli(f"{user}:MaskInverted", "--mask-convention", "keep", "--json")
+    assert bad.returncode == 1
+    (finding,) = json.loads(bad.stdout)["findings"]
+    assert set(finding) == {"id", "message", "evidence", "fix"} and finding["id"] == "mask-inverted"
+    missing = _cli(f"{user}:NoSuchClass")
+    assert missing.returncode == 2 and "NoSuchClass" in missing.stdout
+    init = _cli(f"{user}:MHAViewMerge", "--init", '{"embed_dim": 32, "num_heads": 8}', "--json")
+    assert init.returncode == 1 and json.loads(init.stdout)["findings"][0]["id"] == "head-merge"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert user.read_text() == src
+    assert "imports and runs" in _cli("--help").stdout.replace("\n", " ")
