@@ -10,7 +10,6 @@ TORCH_VERSION ?= 2.13.0
 
 $(BIN)/selfattn: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(BIN)/selfattn
@@ -22,7 +21,7 @@ test: $(BIN)/selfattn
 	$(BIN)/python -m pytest -q
 
 lint: $(BIN)/selfattn
-	$(BIN)/ruff check src tests examples scripts
+	$(BIN)/ruff check src tests
 
 bench: $(BIN)/selfattn
 	$(BIN)/selfattn bench --quick

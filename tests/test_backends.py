@@ -29,6 +29,7 @@ def _mask_cases(b: int, hq: int, lq: int, lk: int):
         "causal-top_left": dict(causal="top_left"),
         "causal-bottom_right": dict(causal="bottom_right"),
         "padding": dict(mask=masks.padding(lengths)),
+        "padding-queries": dict(mask=masks.padding(lengths, queries=True), causal="bottom_right"),
         "sliding_window": dict(mask=masks.sliding_window(17, 5)),
         "from_tensor": dict(mask=rand),
         "composed": dict(mask=(masks.sliding_window(9) | masks.padding(lengths // 3)) & ~masks.from_tensor(~rand)),

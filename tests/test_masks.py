@@ -26,6 +26,8 @@ DEFINITIONS = {
     "causal-top_left": (masks.causal(), lambda b, h, i, j, lq, lk: j <= i),
     "causal-bottom_right": (masks.causal("bottom_right"), lambda b, h, i, j, lq, lk: j <= i + lk - lq),
     "padding": (masks.padding(torch.tensor([4, 11])), lambda b, h, i, j, lq, lk: j < [4, 11][b]),
+    "padding-queries": (masks.padding(torch.tensor([4, 9]), queries=True),
+                        lambda b, h, i, j, lq, lk: j < [4, 9][b] and i + lk - lq < [4, 9][b]),
     "sliding_window": (masks.sliding_window(3, 1),
                        lambda b, h, i, j, lq, lk: i + lk - lq - 3 <= j <= i + lk - lq + 1),
     "document": (masks.document(IDS), lambda b, h, i, j, lq, lk: IDS[b, i + lk - lq] == IDS[b, j]),
@@ -61,6 +63,7 @@ ALL = [DEFINITIONS[n][0] for n in DEFINITIONS] + [
     masks.sliding_window(2) | masks.document(IDS),
     ~masks.causal("bottom_right") & masks.from_tensor(RAND),
     ~(masks.padding(torch.tensor([0, 7])) | masks.sliding_window(0, 3)),
+    masks.padding(torch.tensor([5, 10]), queries=True) & masks.causal(),
 ]
 
 

@@ -8,12 +8,15 @@ Example:
 """
 
 from . import masks, testing
+from .cache import KVCache
 from .check import check
 from .functional import Explanation, attention, attention_with_weights, explain, use_backend
 from .nn import MultiHeadAttention, SelfAttention
+from .rope import rope
 
 __all__ = [
     "Explanation",
+    "KVCache",
     "MultiHeadAttention",
     "SelfAttention",
     "attention",
@@ -21,6 +24,7 @@ __all__ = [
     "check",
     "explain",
     "masks",
+    "rope",
     "testing",
     "use_backend",
 ]

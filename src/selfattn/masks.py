@@ -273,31 +273,40 @@ def _as_int_tensor(x: Tensor | Sequence[int], name: str, ndims: tuple[int, ...])
 
 
 class Padding(Mask):
-    """Key j is visible in batch item b when ``j < lengths[b]`` (right-padded sequences)."""
+    """Key j is visible in batch item b when ``j < lengths[b]`` (right-padded sequences); with
+    ``queries=True`` padded query rows also see nothing (their output is 0)."""
 
-    def __init__(self, lengths: Tensor | Sequence[int]) -> None:
+    def __init__(self, lengths: Tensor | Sequence[int], queries: bool = False) -> None:
         t = _as_int_tensor(lengths, "padding lengths", (1,))
         if t.numel() and int(t.min()) < 0:
             raise ValueError(f"padding lengths must be >= 0, got {t.tolist()}")
-        self.lengths = t
+        self.lengths, self.queries = t, queries
 
     def _len(self, device) -> Tensor:
         return self.lengths.to(device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
 
     def block(self, q0, q1, k0, k1, lq, lk, device=None):
-        j = torch.arange(k0, k1, device=device).view(1, 1, 1, -1)
-        return j < self._len(device)  # (B, 1, 1, bk)
+        n = self._len(device)
+        visible = torch.arange(k0, k1, device=device).view(1, 1, 1, -1) < n  # (B, 1, 1, bk)
+        if self.queries:  # query i sits at key position i + Lk - Lq
+            visible = visible & (torch.arange(q0, q1, device=device).view(1, 1, -1, 1) + (lk - lq) < n)
+        return visible
 
     def _tile_bounds(self, lq, lk, bq, bk, device):
         klo, khi = _tile_edges(lk, bk, device)
         n = self._len(device)
-        return khi.view(1, 1, 1, -1) < n, klo.view(1, 1, 1, -1) >= n
+        full, empty = khi.view(1, 1, 1, -1) < n, klo.view(1, 1, 1, -1) >= n
+        if self.queries:
+            qlo, qhi = _tile_edges(lq, bq, device)
+            full = full & (qhi.view(1, 1, -1, 1) + (lk - lq) < n)
+            empty = empty | (qlo.view(1, 1, -1, 1) + (lk - lq) >= n)
+        return full, empty
 
     def batch_heads(self):
         return self.lengths.numel(), 1
 
     def __repr__(self) -> str:
-        return f"padding({self.lengths.tolist()})"
+        return f"padding({self.lengths.tolist()}{', queries=True' if self.queries else ''})"
 
 
 class Document(Mask):
@@ -425,13 +434,16 @@ def causal(align: str = "top_left") -> Mask:
     return Causal(align)
 
 
-def padding(lengths: Tensor | Sequence[int]) -> Mask:
+def padding(lengths: Tensor | Sequence[int], *, queries: bool = False) -> Mask:
     """Key padding: key j visible in batch item b when ``j < lengths[b]``.
 
     Args:
-        lengths: int tensor (B,), the number of real (unpadded) keys in each batch item.
+        lengths: int tensor (B,), the number of real (unpadded) tokens in each batch item.
+        queries: also hide everything from padded queries (rows i >= lengths[b], bottom-right
+            aligned when Lq != Lk): their output is 0 and backends skip their tiles. Use it when
+            the outputs at padded positions are discarded anyway (training on padded batches).
     """
-    return Padding(lengths)
+    return Padding(lengths, queries)
 
 
 def sliding_window(left: int, right: int = 0) -> Mask:

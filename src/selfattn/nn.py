@@ -10,7 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F
+from .cache import KVCache
 from .masks import Mask
+from .rope import rope as apply_rope
 
 __all__ = ["MultiHeadAttention", "SelfAttention"]
 
@@ -76,7 +78,7 @@ class SelfAttention(nn.Module):
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention with a fused QKV projection, GQA/MQA and cross-attention.
+    """Multi-head attention with a fused QKV projection, GQA/MQA, RoPE, a KV cache and cross-attention.
 
     Parameters: ``qkv`` (E -> E + 2 * G * D, rows ordered [q | k | v]) and ``proj`` (E -> E),
     named as in the tutorial so its state dicts load when G == H.
@@ -86,6 +88,7 @@ class MultiHeadAttention(nn.Module):
             G == 1 is multi-query attention.
         dropout: dropout on the attention weights while training.
         bias: whether the projections have biases.
+        rope: rotary position embeddings on q and k: False, True (base 10000) or the base.
 
     Example:
         >>> mha = MultiHeadAttention(512, 8, num_kv_heads=2)
@@ -94,7 +97,7 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
-                 dropout: float = 0.0, bias: bool = True) -> None:
+                 dropout: float = 0.0, bias: bool = True, rope: bool | float = False) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or embed_dim % num_heads:
@@ -103,7 +106,10 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.embed_dim, self.num_heads, self.num_kv_heads = embed_dim, num_heads, num_kv_heads
         self.head_dim = embed_dim // num_heads
+        if rope is not False and self.head_dim % 2:
+            raise ValueError(f"rope needs an even head dim, got {self.head_dim}")
         self.dropout = dropout
+        self.rope_base = None if rope is False else (10000.0 if rope is True else float(rope))
         kv_dim = num_kv_heads * self.head_dim
         self.qkv = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias=bias)
         self.proj = nn.Linear(embed_dim, embed_dim, bias=bias)
@@ -120,10 +126,15 @@ class MultiHeadAttention(nn.Module):
         return q, k, v
 
     def forward(self, x: Tensor, mask: Mask | Tensor | None = None, *, context: Tensor | None = None,
-                causal: F.Causal = False, need_weights: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+                causal: F.Causal = False, need_weights: bool = False, cache: KVCache | None = None,
+                positions: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """x: (B, L, E); context: (B, S, E) for cross-attention (default: x itself).
 
         mask: bool (L, S), (B, L, S), (B, H, L, S) or a Mask; True = may attend.
+        cache: a KVCache; the new tokens' keys and values are written at ``positions`` and each
+            query sees the cached tokens of its own sequence at positions <= its own.
+        positions: int (B, L) or (L,), each token's position in its sequence (RoPE and the
+            cache; -1 marks padding: not cached, attention output 0). Default: 0..L-1.
         Returns (B, L, E), and with ``need_weights`` also per-head weights (B, H, L, S).
         """
         x = _check_input("x", x, self.embed_dim)
@@ -136,6 +147,20 @@ class MultiHeadAttention(nn.Module):
         q = q.view(b, lq, h, d).transpose(1, 2)  # (B, H, L, D)
         k = k.view(b, lk, g, d).transpose(1, 2)  # (B, G, S, D)
         v = v.view(b, lk, g, d).transpose(1, 2)  # (B, G, S, D)
+        if positions is not None and positions.dim() == 1:
+            positions = positions.expand(b, -1)
+        if self.rope_base is not None:
+            if context is not None:
+                raise ValueError("rope is for self-attention; cross-attention (context=) has no shared positions")
+            pos = torch.arange(lq, device=x.device) if positions is None else positions.clamp(min=0)
+            q, k = apply_rope(q, pos, base=self.rope_base), apply_rope(k, pos, base=self.rope_base)
+        if cache is not None:
+            if positions is None:
+                raise ValueError("a cache needs positions: int (B, L), each new token's position in its sequence")
+            if mask is not None or causal is not False or context is not None:
+                raise ValueError("with a cache, visibility comes from positions (each query sees its sequence's "
+                                 "tokens at positions <= its own); don't pass mask, causal or context")
+            k, v, mask = cache.update(positions, k, v)  # (B, G, S', D), (B, 1, L, S')
         kwargs = dict(mask=_module_mask(mask), causal=causal,
                       dropout_p=self.dropout if self.training else 0.0)
         if need_weights:

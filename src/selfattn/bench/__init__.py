@@ -46,7 +46,7 @@ H, D = 8, 64
 
 def _estimate_bytes(impl: str, case: str, length: int, mode: str, itemsize: int) -> int:
     """Rough peak memory of the O(L^2) implementations, to skip points that cannot fit."""
-    batch = 2 if case == "padding+causal" else 1
+    batch = 2 if case.startswith("padding") else 1
     l2 = batch * length * length
     if impl == "textbook":
         return l2 * H * itemsize * (5 if mode == "fwd+bwd" else 3)
@@ -70,10 +70,8 @@ def _mask_points(args: argparse.Namespace, device: str) -> list[dict]:
         for mode in modes:
             for length in lengths:
                 for impl in impls:
-                    if impl == "sdpa-causal" and case not in ("padding+causal",):
-                        continue  # for causal it is "sdpa" itself
-                    if impl == "sdpa-causal-valid" and case != "padding+causal":
-                        continue
+                    if impl in ("sdpa-causal", "sdpa-causal-valid") and not case.startswith("padding"):
+                        continue  # anchors for the padded cases; for causal, "sdpa" is is_causal itself
                     p = dict(suite="masks", case=case, mode=mode, L=length, impl=impl, H=H, D=D)
                     if impl == "flex" and mode == "fwd+bwd" and not device.startswith("cuda"):
                         p["skip"] = "FlexAttention has no CPU backward"

@@ -45,6 +45,10 @@ def mask_case(name: str, length: int, device: str) -> MaskCase:
         lengths = torch.tensor([length, length // 2], device=device)
         return MaskCase(2, masks.padding(lengths) & masks.causal(),
                         lambda b, h, q, kv: (kv < lengths[b]) & (q >= kv), lengths)
+    if name == "padding(queries)+causal":  # padded query rows skipped too: their outputs are discarded
+        lengths = torch.tensor([length, length // 2], device=device)
+        return MaskCase(2, masks.padding(lengths, queries=True) & masks.causal(),
+                        lambda b, h, q, kv: (kv < lengths[b]) & (q < lengths[b]) & (q >= kv), lengths)
     if name == f"sliding_window({WINDOW})":
         return MaskCase(1, masks.sliding_window(WINDOW), lambda b, h, q, kv: (kv <= q) & (q - kv <= WINDOW))
     if name == f"document({DOCS} docs)":
@@ -55,7 +59,8 @@ def mask_case(name: str, length: int, device: str) -> MaskCase:
     raise ValueError(f"unknown mask case {name!r}")
 
 
-MASK_CASES = ["causal", "padding+causal", f"sliding_window({WINDOW})", f"document({DOCS} docs)", "dense"]
+MASK_CASES = ["causal", "padding+causal", "padding(queries)+causal", f"sliding_window({WINDOW})",
+              f"document({DOCS} docs)", "dense"]
 
 
 class _Memory:

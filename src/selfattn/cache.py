@@ -1,0 +1,88 @@
+"""A key/value cache for incremental decoding, with a position per token.
+
+Every sequence in the batch keeps its own positions: a token at position p is stored in slot p of
+its sequence, and a query at position p sees the written slots j <= p of its own sequence. So
+right-padded batches (sequences of different lengths), left-padded prompts (pad tokens given
+position -1: never written, their attention output is 0) and speculative multi-token steps need no
+special case, and a batch is never assumed to share one position.
+
+Shape legend: B batch, G kv heads, S cache slots (max_len), T new tokens, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["KVCache"]
+
+
+class KVCache(nn.Module):
+    """Preallocated keys and values (non-persistent buffers: not saved in state dicts).
+
+    Args:
+        batch_size: B. max_len: S, the most positions a sequence may reach.
+        num_kv_heads: G. head_dim: D. dtype, device: of the buffers.
+
+    Example:
+        >>> cache = KVCache(2, 128, num_kv_heads=2, head_dim=64)
+        >>> y = mha(prompt, cache=cache, positions=torch.arange(10).expand(2, 10))
+        >>> y = mha(next_tok, cache=cache, positions=torch.tensor([[10], [10]]))
+    """
+
+    def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if min(batch_size, max_len, num_kv_heads, head_dim) < 1:
+            raise ValueError("batch_size, max_len, num_kv_heads and head_dim must all be >= 1, got "
+                             f"{(batch_size, max_len, num_kv_heads, head_dim)}")
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("written", torch.zeros(batch_size, max_len, dtype=torch.bool, device=device),
+                             persistent=False)
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def reset(self) -> None:
+        """Forget every cached token (the buffers are kept)."""
+        self.written.zero_()
+
+    def update(self, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Write new keys/values at their positions and return what attention needs.
+
+        Args:
+            positions: int (B, T), the position of each new token in its sequence; -1 = padding
+                (not written).
+            k, v: (B, G, T, D) for the new tokens.
+
+        Returns:
+            (k, v, visible): k and v (B, G, S', D) for the first S' slots in use, and the bool
+            visibility (B, 1, T, S') of those slots from each new token (True = may attend).
+        """
+        b, g, t, d = k.shape
+        if (b, g, d) != (self.k.shape[0], self.k.shape[1], self.k.shape[3]) or v.shape != k.shape:
+            raise ValueError(f"k/v of shape {tuple(k.shape)}/{tuple(v.shape)} do not fit a cache of "
+                             f"(B, G, S, D) = {tuple(self.k.shape)}")
+        if positions.shape != (b, t) or positions.dtype.is_floating_point:
+            raise ValueError(f"positions must be an int tensor (B, T) = ({b}, {t}), got "
+                             f"{positions.dtype} {tuple(positions.shape)}")
+        positions = positions.to(self.k.device)
+        top = int(positions.max()) if positions.numel() else -1
+        if top >= self.max_len:
+            raise ValueError(f"position {top} does not fit a cache of max_len {self.max_len}; "
+                             "build a larger KVCache")
+        real = positions >= 0  # (B, T)
+        bi, ti = real.nonzero(as_tuple=True)
+        slots = positions[bi, ti]
+        self.k[bi, :, slots] = k[bi, :, ti].to(self.k.dtype)
+        self.v[bi, :, slots] = v[bi, :, ti].to(self.v.dtype)
+        self.written[bi, slots] = True
+        in_use = self.written.any(0)  # (S,)
+        used = int(in_use.nonzero().max()) + 1 if bool(in_use.any()) else 1
+        j = torch.arange(used, device=self.k.device)
+        visible = self.written[:, None, :used] & (j <= positions[:, :, None])  # (B, T, S')
+        visible &= real[:, :, None]
+        return self.k[:, :, :used], self.v[:, :, :used], visible[:, None]

@@ -1,0 +1,127 @@
+"""RoPE and cached decoding with a position per token."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import selfattn
+from selfattn import KVCache, rope
+
+
+def _complex_rope(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """The direct formulation: pair (x_i, x_{i+D/2}) is the complex number x_i + i x_{i+D/2},
+    multiplied by e^{i pos theta_i}."""
+    d = x.shape[-1]
+    z = torch.complex(x[..., : d // 2].double(), x[..., d // 2:].double())
+    theta = base ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    z = z * torch.polar(torch.ones_like(theta), pos.double()[..., None] * theta)
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def test_rope_matches_complex_formulation():
+    """catches: interleaved vs half layout mixed up, or frequencies off by a factor of 2."""
+    x = torch.randn(2, 3, 11, 16, dtype=torch.float64)
+    pos = torch.tensor([[5, 0, 1, 2, 3, 4, 9, 7, 8, 100, 2000]] * 2)
+    torch.testing.assert_close(rope(x, pos), _complex_rope(x, pos[:, None]))
+    torch.testing.assert_close(rope(x, pos[0]), _complex_rope(x, pos[0]))
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    """catches: a rotation that is not a rotation (scores changing under a common shift)."""
+    q, k = torch.randn(1, 2, 8, 32, dtype=torch.float64), torch.randn(1, 2, 8, 32, dtype=torch.float64)
+    pos = torch.arange(8)
+    s0 = rope(q, pos) @ rope(k, pos).transpose(-1, -2)
+    s1 = rope(q, pos + 37) @ rope(k, pos + 37).transpose(-1, -2)
+    torch.testing.assert_close(s0, s1)
+
+
+def test_rope_errors():
+    with pytest.raises(ValueError, match="D even"):
+        rope(torch.randn(1, 1, 4, 5), torch.arange(4))
+    with pytest.raises(TypeError, match="integer"):
+        rope(torch.randn(1, 1, 4, 4), torch.arange(4.0))
+    with pytest.raises(ValueError, match="positions"):
+        rope(torch.randn(1, 1, 4, 4), torch.arange(5))
+
+
+def _full(mha, x):
+    """Each sequence alone, full causal forward (the oracle's shape of the computation)."""
+    return mha(x, causal=True, positions=torch.arange(x.shape[1]))
+
+
+@pytest.mark.parametrize("num_kv_heads,use_rope", [(4, False), (2, True), (1, True)])
+def test_cached_decoding_equals_full_forward(num_kv_heads, use_rope):
+    """catches: a batch assumed to share one position, wrong cache slots, RoPE offsets lost after
+    prefill, or GQA heads mismatched in the cache; prefill, 20 single steps and a 4-token step."""
+    torch.manual_seed(0)
+    e, h, steps = 64, 4, 20
+    mha = selfattn.MultiHeadAttention(e, h, num_kv_heads=num_kv_heads, rope=use_rope).eval()
+    mha64 = selfattn.MultiHeadAttention(e, h, num_kv_heads=num_kv_heads, rope=use_rope).double().eval()
+    mha64.load_state_dict(mha.state_dict())
+    prompt_lens = [9, 4, 6]
+    total = max(prompt_lens) + steps + 4
+    seqs = [torch.randn(1, n + steps + 4, e) for n in prompt_lens]
+    b = len(seqs)
+    cache = KVCache(b, total + 2, num_kv_heads, e // h)
+    got = [[] for _ in range(b)]
+    # prefill: right-padded to the longest prompt; pads get position -1
+    width = max(prompt_lens)
+    x = torch.zeros(b, width, e)
+    pos = torch.full((b, width), -1)
+    for i, n in enumerate(prompt_lens):
+        x[i, :n] = seqs[i][0, :n]
+        pos[i, :n] = torch.arange(n)
+    with torch.no_grad():
+        y = mha(x, cache=cache, positions=pos)
+    pad_out = y[1, prompt_lens[1]:]  # padding sees nothing: attention output 0, so only the projection bias
+    torch.testing.assert_close(pad_out, mha.proj.bias.expand_as(pad_out))
+    for i, n in enumerate(prompt_lens):
+        got[i].append(y[i, :n])
+    # single-token steps: every sequence at its own position
+    lengths = list(prompt_lens)
+    for _ in range(steps):
+        x = torch.stack([seqs[i][0, lengths[i]] for i in range(b)])[:, None]
+        with torch.no_grad():
+            y = mha(x, cache=cache, positions=torch.tensor(lengths)[:, None])
+        for i in range(b):
+            got[i].append(y[i])
+            lengths[i] += 1
+    # a 4-token (speculative) step
+    x = torch.stack([seqs[i][0, lengths[i]:lengths[i] + 4] for i in range(b)])
+    pos = torch.stack([torch.arange(n, n + 4) for n in lengths])
+    with torch.no_grad():
+        y = mha(x, cache=cache, positions=pos)
+    for i in range(b):
+        got[i].append(y[i])
+    for i in range(b):
+        cached = torch.cat(got[i])
+        with torch.no_grad():
+            full = _full(mha, seqs[i])[0]
+            ref = _full(mha64, seqs[i].double())[0]
+        err, err_full = (cached.double() - ref).abs().max().item(), (full.double() - ref).abs().max().item()
+        assert err <= 2 * err_full + 16 * torch.finfo(torch.float32).eps * max(1.0, ref.abs().max().item()), \
+            f"sequence {i}: cached error {err:.3g}, full forward error {err_full:.3g}"
+
+
+def test_cache_errors():
+    mha = selfattn.MultiHeadAttention(32, 4)
+    cache = KVCache(2, 8, 4, 8)
+    x = torch.randn(2, 3, 32)
+    with pytest.raises(ValueError, match="positions"):
+        mha(x, cache=cache)
+    with pytest.raises(ValueError, match="max_len"):
+        mha(x, cache=cache, positions=torch.tensor([[6, 7, 8], [0, 1, 2]]))
+    with pytest.raises(ValueError, match="causal"):
+        mha(x, cache=cache, positions=torch.arange(3).expand(2, 3), causal=True)
+    with pytest.raises(ValueError, match="do not fit"):
+        KVCache(2, 8, 2, 8).update(torch.zeros(2, 1, dtype=torch.long), torch.randn(2, 4, 1, 8),
+                                   torch.randn(2, 4, 1, 8))
+
+
+def test_cache_buffers_are_not_persistent():
+    cache = KVCache(1, 4, 1, 2)
+    assert cache.state_dict() == {}
+    assert math.prod(cache.k.shape) == 8
