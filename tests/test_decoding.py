@@ -125,3 +125,19 @@ def test_cache_buffers_are_not_persistent():
     cache = KVCache(1, 4, 1, 2)
     assert cache.state_dict() == {}
     assert math.prod(cache.k.shape) == 8
+
+
+def test_tiny_gpt_quick_trains_and_cached_generation_matches():
+    """catches: a model built from selfattn modules that does not learn, or KV-cache generation
+    that drifts from recomputing the whole sequence."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "tiny_gpt.py"
+    spec = importlib.util.spec_from_file_location("tiny_gpt", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    summary = mod.main(["--quick", "--steps", "60"])
+    assert summary["loss_last10"] < 0.8 * summary["loss_first10"]
+    assert summary["cached_equals_uncached"]
