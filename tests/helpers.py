@@ -40,7 +40,7 @@ def make_qkv(b: int, hq: int, hkv: int, lq: int, lk: int, d: int, dv: int | None
 
 
 def plain_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, bias: Tensor | None,
-                    scale: float | None, *, safe: bool) -> Tensor:
+                    scale: float | None, *, safe: bool, mod=None) -> Tensor:
     """The textbook math in q's dtype; ``safe`` gives 0 (not NaN) for rows that see no key."""
     hq, hkv = q.shape[1], k.shape[1]
     k = k.repeat_interleave(hq // hkv, dim=1)
@@ -49,6 +49,8 @@ def plain_attention(q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None, bia
     s = q @ k.transpose(-1, -2) * scale
     if bias is not None:
         s = s + bias.to(s.dtype)
+    if mod is not None:  # the oracle's own dense form of a score modifier: (B, H, Lq, Lk) -> same
+        s = mod(s)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
     if safe:
@@ -78,17 +80,18 @@ def tolerance(err_naive: float, ref: Tensor, dtype: torch.dtype, factor: float) 
 
 def check_against_reference(q: Tensor, k: Tensor, v: Tensor, *, backend: str, mask=None, bias=None,
                             causal: bool | str = False, scale: float | None = None,
-                            grads: bool = True, seed: int = 0) -> None:
+                            grads: bool = True, seed: int = 0, score_mod=None, oracle_mod=None) -> None:
     """Assert DESIGN.md's rule for out and (optionally) dq, dk, dv (and lse where returned)."""
     lq, lk = q.shape[2], k.shape[2]
     visible = dense_of(mask, causal, lq, lk)
     q64, k64, v64 = (t.detach().double().requires_grad_(grads) for t in (q, k, v))
     b64 = None if bias is None else bias.double()
-    ref = plain_attention(q64, k64, v64, visible, b64, scale, safe=True)
+    ref = plain_attention(q64, k64, v64, visible, b64, scale, safe=True, mod=oracle_mod)
     qn, kn, vn = (t.detach().clone().requires_grad_(grads) for t in (q, k, v))
-    naive = plain_attention(qn, kn, vn, visible, bias, scale, safe=False)
+    naive = plain_attention(qn, kn, vn, visible, bias, scale, safe=False, mod=oracle_mod)
 
-    out = selfattn.attention(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, backend=backend)
+    out = selfattn.attention(q, k, v, mask=mask, bias=bias, causal=causal, scale=scale, backend=backend,
+                             score_mod=score_mod)
     assert out.dtype == q.dtype and out.shape == ref.shape
     assert torch.isfinite(out).all(), f"{backend}: non-finite output"
     err = (out.double() - ref).abs().max().item()

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from .masks import Mask
+from .scores import ScoreMod
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class AttentionCall:
     dropout_p: float
     return_lse: bool
     need_weights: bool = False
+    score_mod: ScoreMod | None = None  # applied to the scaled (+ bias) scores, before the mask
 
     @property
     def shape(self) -> tuple[int, int, int, int, int, int, int]:

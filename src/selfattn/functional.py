@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from . import masks as _masks
+from . import scores as _scores
 from ._call import AttentionCall
 from .backends import REGISTRY
 from .backends.sdpa import is_fast_causal
@@ -25,6 +26,7 @@ from .masks import Mask
 __all__ = ["Explanation", "attention", "attention_with_weights", "explain", "use_backend"]
 
 Causal = bool | Literal["top_left", "bottom_right"]
+ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("selfattn_backend", default=None)
 
@@ -58,7 +60,7 @@ def _check_tensor(name: str, t: object) -> Tensor:
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, mask: object, bias: object, causal: object,
-              scale: object, dropout_p: object, return_lse: object,
+              scale: object, dropout_p: object, return_lse: object, score_mod: object = None,
               need_weights: bool = False) -> AttentionCall:
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
     b, hq, lq, d = q.shape
@@ -143,13 +145,27 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mask: object, bias: object, causa
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
 
+    mod: _scores.ScoreMod | None
+    if score_mod is None or isinstance(score_mod, _scores.ScoreMod):
+        mod = score_mod
+    elif callable(score_mod):
+        mod = _scores.custom(score_mod)
+    else:
+        raise TypeError(f"score_mod must be None, a selfattn.scores modifier or a callable (score, b, h, i, j), "
+                        f"got {type(score_mod).__name__}")
+    if mod is not None and mod.num_heads() not in (None, hq):
+        raise ValueError(f"score_mod {mod!r} is built for {mod.num_heads()} heads, but q has {hq}")
+
     return AttentionCall(q=q, k=k, v=v, mask=m, bias=bias, scale=scale_f,  # type: ignore[arg-type]
-                         dropout_p=float(dropout_p), return_lse=return_lse, need_weights=need_weights)
+                         dropout_p=float(dropout_p), return_lse=return_lse, need_weights=need_weights,
+                         score_mod=mod)
 
 
 def _dense_mask_elements(call: AttentionCall) -> int:
     _, _, _, lq, lk, _, _ = call.shape
     bm, hm = call.mask.batch_heads() if call.mask is not None else (1, 1)
+    if call.score_mod is not None:
+        hm = call.shape[1]
     if call.bias is not None:
         bm, hm = max(bm, call.bias.shape[0]), max(hm, call.bias.shape[1])
     return bm * hm * lq * lk
@@ -174,7 +190,7 @@ def _choose(call: AttentionCall, forced: str | None) -> tuple[str, dict[str, str
         why = f"not picked: backend {forced!r} was requested"
         return forced, {n: unsupported.get(n, why) for n in REGISTRY if n != forced}
 
-    plain = call.mask is None and call.bias is None
+    plain = call.mask is None and call.bias is None and call.score_mod is None
     fast = plain or is_fast_causal(call)
     elements = _dense_mask_elements(call)
     preferences: list[tuple[str, str]] = []
@@ -218,7 +234,8 @@ class Explanation:
 
 def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
             bias: Tensor | None = None, causal: Causal = False, scale: float | None = None,
-            dropout_p: float = 0.0, backend: str = "auto", return_lse: bool = False) -> Explanation:
+            dropout_p: float = 0.0, backend: str = "auto", return_lse: bool = False,
+            score_mod: _scores.ScoreMod | ScoreFn | None = None) -> Explanation:
     """Which backend ``attention(q, k, v, **same_kwargs)`` would run, and why not the others.
 
     Example:
@@ -226,7 +243,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
         auto picks: sdpa
           reference: supported, but sdpa is preferred: ...
     """
-    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse)
+    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod)
     name, reasons = _choose(call, _forced_name(backend))
     return Explanation(name, reasons)
 
@@ -242,15 +259,17 @@ def _forced_name(backend: object) -> str | None:
 @overload
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = ...,
               bias: Tensor | None = ..., causal: Causal = ..., scale: float | None = ...,
-              dropout_p: float = ..., backend: str = ..., return_lse: Literal[False] = ...) -> Tensor: ...
+              dropout_p: float = ..., backend: str = ..., return_lse: Literal[False] = ...,
+              score_mod: _scores.ScoreMod | ScoreFn | None = ...) -> Tensor: ...
 @overload
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = ...,
               bias: Tensor | None = ..., causal: Causal = ..., scale: float | None = ...,
-              dropout_p: float = ..., backend: str = ..., return_lse: Literal[True]) -> tuple[Tensor, Tensor]: ...
+              dropout_p: float = ..., backend: str = ..., return_lse: Literal[True],
+              score_mod: _scores.ScoreMod | ScoreFn | None = ...) -> tuple[Tensor, Tensor]: ...
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
               bias: Tensor | None = None, causal: Causal = False, scale: float | None = None,
-              dropout_p: float = 0.0, backend: str = "auto",
-              return_lse: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+              dropout_p: float = 0.0, backend: str = "auto", return_lse: bool = False,
+              score_mod: _scores.ScoreMod | ScoreFn | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention, ``softmax(q @ k^T * scale + bias, masked) @ v``.
 
     Args:
@@ -265,6 +284,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
         backend: "auto", "reference", "sdpa" or "chunked"; see :func:`explain`.
         return_lse: also return the logsumexp of each row's scores, (B, Hq, Lq) float32
             (-inf on rows that see no key); it carries no gradient.
+        score_mod: a :mod:`selfattn.scores` modifier (alibi, softcap, custom) or a function
+            ``(score, b, h, i, j) -> score``, applied to the scaled (+ bias) scores before the mask.
 
     Returns:
         out (B, Hq, Lq, Dv) in q's dtype, or (out, lse). A query row that sees no key gives
@@ -274,7 +295,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
         >>> q = k = v = torch.randn(2, 8, 128, 64)
         >>> out = selfattn.attention(q, k, v, causal=True)
     """
-    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse)
+    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod)
     name, _ = _choose(call, _forced_name(backend))
     out, lse, _ = REGISTRY[name].run(call)
     return (out, lse) if return_lse else out
@@ -282,12 +303,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
 
 def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
                            bias: Tensor | None = None, causal: Causal = False,
-                           scale: float | None = None, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+                           scale: float | None = None, dropout_p: float = 0.0,
+                           score_mod: _scores.ScoreMod | ScoreFn | None = None) -> tuple[Tensor, Tensor]:
     """Like :func:`attention`, also returning the weights (B, Hq, Lq, Lk) (after dropout).
 
     Materialises the (Lq, Lk) weights, so it always runs the reference backend.
     """
-    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, False, need_weights=True)
+    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, False, score_mod, need_weights=True)
     name, _ = _choose(call, None)
     out, _, weights = REGISTRY[name].run(call)
     assert weights is not None

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .._call import AttentionCall, compute_dtype
 from ..masks import EMPTY, FULL, PARTIAL, Causal, Mask
+from ..scores import ScoreMod, indices
 from ._common import additive_mask, split_heads
 
 NAME = "chunked"
@@ -75,6 +76,15 @@ class _Plan:
     lq: int
     lk: int
     bq: int
+    score_mod: ScoreMod | None
+    batch_size: int
+    hq: int
+
+    def indices(self, batch: slice, q0: int, q1: int, k0: int, k1: int,
+                device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(b, h, i, j) of a run, for score modifiers."""
+        items = torch.arange(self.batch_size)[batch]
+        return indices(items, self.hq, q0, q1, k0, k1, self.lk - self.lq, device)
 
     def steps(self) -> Iterator[tuple[slice, int, int, list[tuple[int, int, bool]]]]:
         """(batch items, q0, q1, runs) for every query block of every group."""
@@ -187,6 +197,9 @@ def _run_mask(plan: _Plan, batch: slice, q0: int, q1: int, k0: int, k1: int, par
     """(visible, bias, causal) of one run: the mask only on partial runs, the bias on every run,
     and causal=True (no mask tensor) for a diagonal square of a pure causal mask."""
     bias = _items(_slice_bias(plan.bias, q0, q1, k0, k1), batch)
+    if plan.score_mod is not None and plan.score_mod.additive:  # folded into the run's bias
+        mod_bias = plan.score_mod.bias(*plan.indices(batch, q0, q1, k0, k1, device))
+        bias = mod_bias if bias is None else bias + mod_bias
     m = plan.mask
     if not partial or m is None:
         return None, bias, False
@@ -196,15 +209,30 @@ def _run_mask(plan: _Plan, batch: slice, q0: int, q1: int, k0: int, k1: int, par
     return _items(m.block(q0, q1, k0, k1, plan.lq, plan.lk, device), batch), bias, False
 
 
-def _math_scores(plan: _Plan, q: Tensor, k: Tensor, visible: Tensor | None, bias: Tensor | None,
-                 hkv: int, g: int) -> Tensor:
-    """Scaled, biased, masked scores of one run in compute dtype: (B, Hkv, G, bq, sk)."""
+def _raw_scores(plan: _Plan, q: Tensor, k: Tensor, bias: Tensor | None, hkv: int, g: int) -> Tensor:
+    """Scaled and biased scores of one run in compute dtype: (B, Hkv, G, bq, sk)."""
     s = torch.matmul(q, k.transpose(-1, -2)) * plan.scale
     if bias is not None:
         s = s + split_heads(bias.to(s.dtype), hkv, g)
+    return s
+
+
+def _modified(plan: _Plan, s: Tensor, idx: tuple[Tensor, ...] | None, visible: Tensor | None,
+              hkv: int, g: int) -> Tensor:
+    """A non-additive score modifier (additive ones are already in the bias), then the mask."""
+    if idx is not None and plan.score_mod is not None:
+        b, _, _, bq, sk = s.shape
+        s = plan.score_mod(s.reshape(b, hkv * g, bq, sk), *idx).reshape(s.shape)
     if visible is not None:
         s = s.masked_fill(~split_heads(visible, hkv, g), float("-inf"))
     return s
+
+
+def _mod_indices(plan: _Plan, batch: slice, q0: int, q1: int, k0: int, k1: int,
+                 device: torch.device) -> tuple[Tensor, ...] | None:
+    if plan.score_mod is None or plan.score_mod.additive:
+        return None
+    return plan.indices(batch, q0, q1, k0, k1, device)
 
 
 def _merge(o1: Tensor, l1: Tensor, o2: Tensor, l2: Tensor) -> tuple[Tensor, Tensor]:
@@ -232,7 +260,8 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tens
                 o_r, l_r = _fused_run(plan, qb, kr, vr, visible, bias, causal)
             else:
                 keep = _run_keep(plan, (b, hq), batch, q0, q1, k0, k1, q.device)
-                o_r, l_r = _math_run(plan, qb, kr, vr, visible, bias, keep)
+                idx = _mod_indices(plan, batch, q0, q1, k0, k1, q.device)
+                o_r, l_r = _math_run(plan, qb, kr, vr, visible, bias, keep, idx)
             o_acc, l_acc = _merge(o_acc, l_acc, o_r.to(ct), l_r.to(ct))
         out[batch, :, q0:q1] = o_acc.to(q.dtype)
         lse[batch, :, q0:q1] = l_acc
@@ -250,12 +279,12 @@ def _fused_run(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, visible: Tensor | N
 
 
 def _math_run(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None,
-              bias: Tensor | None, keep: Tensor | None) -> tuple[Tensor, Tensor]:
+              bias: Tensor | None, keep: Tensor | None, idx: tuple[Tensor, ...] | None) -> tuple[Tensor, Tensor]:
     b, hq, bq, _ = q.shape
     hkv, g = k.shape[1], hq // k.shape[1]
     ct = compute_dtype(q.dtype)
     q5 = split_heads(q.to(ct), hkv, g)  # (B, Hkv, G, bq, D)
-    s = _math_scores(plan, q5, k.to(ct).unsqueeze(2), visible, bias, hkv, g)
+    s = _modified(plan, _raw_scores(plan, q5, k.to(ct).unsqueeze(2), bias, hkv, g), idx, visible, hkv, g)
     m = s.amax(-1, keepdim=True)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
@@ -289,7 +318,8 @@ def _backward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
             else:
                 assert delta is not None
                 keep = _run_keep(plan, (b, hq), batch, q0, q1, k0, k1, q.device)
-                gq, gk, gv = _math_run_backward(plan, qb, kr, vr, dob, lb, delta, visible, bias, keep)
+                idx = _mod_indices(plan, batch, q0, q1, k0, k1, q.device)
+                gq, gk, gv = _math_run_backward(plan, qb, kr, vr, dob, lb, delta, visible, bias, keep, idx)
             dq[batch, :, q0:q1] += gq.to(ct)
             dk[batch, :, k0:k1] += gk.to(ct)
             dv[batch, :, k0:k1] += gv.to(ct)
@@ -298,15 +328,18 @@ def _backward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
 
 def _math_run_backward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor,
                        delta: Tensor, visible: Tensor | None, bias: Tensor | None,
-                       keep: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+                       keep: Tensor | None, idx: tuple[Tensor, ...] | None) -> tuple[Tensor, Tensor, Tensor]:
     b, hq, bq, _ = q.shape
     hkv, g = k.shape[1], hq // k.shape[1]
     ct = compute_dtype(q.dtype)
     q5 = split_heads(q.to(ct), hkv, g)  # (B, Hkv, G, bq, D)
     k5, v5 = k.to(ct).unsqueeze(2), v.to(ct).unsqueeze(2)  # (B, Hkv, 1, sk, D|Dv)
     do5 = split_heads(dout.to(ct), hkv, g)  # (B, Hkv, G, bq, Dv)
-    s = _math_scores(plan, q5, k5, visible, bias, hkv, g)
-    p = torch.exp(s - split_heads(lse, hkv, g).unsqueeze(-1))  # probabilities (B, Hkv, G, bq, sk)
+    raw = _raw_scores(plan, q5, k5, bias, hkv, g)
+    with torch.enable_grad():  # a non-additive modifier's derivative comes from autograd
+        raw = raw.detach().requires_grad_(idx is not None)
+        s = _modified(plan, raw, idx, visible, hkv, g)
+    p = torch.exp(s.detach() - split_heads(lse, hkv, g).unsqueeze(-1))  # probabilities (B, Hkv, G, bq, sk)
     dp = torch.matmul(do5, v5.transpose(-1, -2))
     if keep is not None:
         kept = split_heads(keep, hkv, g).to(ct) / (1.0 - plan.dropout_p)
@@ -314,6 +347,8 @@ def _math_run_backward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, dout: Tenso
     else:
         pd = p
     ds = p * (dp - split_heads(delta, hkv, g).unsqueeze(-1))
+    if idx is not None:
+        (ds,) = torch.autograd.grad(s, raw, ds)
     dq = torch.matmul(ds, k5) * plan.scale  # (B, Hkv, G, bq, D)
     dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * plan.scale  # (B, Hkv, sk, D)
     dv = torch.matmul(pd.transpose(-1, -2), do5).sum(2)  # (B, Hkv, sk, Dv)
@@ -355,12 +390,13 @@ def _block_q(mask: Mask | None, lq: int, lk: int, fused: bool, device: torch.dev
 def run(call: AttentionCall) -> tuple[Tensor, Tensor, None]:
     _, _, _, lq, lk, d, dv = call.shape
     fused = (call.device.type == "cpu" and call.dropout_p == 0 and d == dv
+             and (call.score_mod is None or call.score_mod.additive)
              and _fused_op() is not None and _fused_bwd_op() is not None)
     seed = draw_seed() if call.dropout_p > 0 else 0
     bq = _block_q(call.mask, lq, lk, fused, call.device)
     classes = _tile_classes(call.mask, lq, lk, bq, call.device)
     plan = _Plan(mask=call.mask, bias=call.bias, scale=call.scale, dropout_p=call.dropout_p, seed=seed,
                  fused=fused, groups=_groups(classes, lk, None if fused else MATH_RUN_KEYS),
-                 lq=lq, lk=lk, bq=bq)
+                 lq=lq, lk=lk, bq=bq, score_mod=call.score_mod, batch_size=call.shape[0], hq=call.shape[1])
     out, lse = _ChunkedAttention.apply(call.q, call.k, call.v, plan)
     return out, lse.float(), None

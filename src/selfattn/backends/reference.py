@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .._call import AttentionCall, compute_dtype
+from ..scores import indices
 from ._common import safe_softmax, split_heads
 
 NAME = "reference"
@@ -33,6 +34,9 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor | None]:
     s = torch.matmul(q, k.transpose(-1, -2)) * call.scale  # (B, Hkv, G, Lq, Lk)
     if call.bias is not None:
         s = s + split_heads(call.bias.to(ct), hkv, g)
+    if call.score_mod is not None:
+        idx = indices(torch.arange(b), hq, 0, lq, 0, lk, lk - lq, call.device)
+        s = call.score_mod(s.reshape(b, hq, lq, lk), *idx).reshape(s.shape)
     if call.mask is not None:
         visible = split_heads(call.mask.dense(lq, lk, call.device), hkv, g)
         s = s.masked_fill(~visible, float("-inf"))

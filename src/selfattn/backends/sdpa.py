@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .._call import AttentionCall
 from ..masks import Causal
+from ..scores import indices
 from ._common import additive_mask
 
 NAME = "sdpa"
@@ -30,12 +31,23 @@ def is_fast_causal(call: AttentionCall) -> bool:
     """True when SDPA's ``is_causal`` (top-left aligned) expresses the whole mask."""
     _, _, _, lq, lk, _, _ = call.shape
     m = call.mask
-    return call.bias is None and isinstance(m, Causal) and (m.align == "top_left" or lq == lk)
+    return (call.bias is None and call.score_mod is None and isinstance(m, Causal)
+            and (m.align == "top_left" or lq == lk))
+
+
+DENSE_BIAS_LIMIT = 1 << 26  # elements of a dense bias built from an additive score modifier (256 MiB fp32)
 
 
 def supports(call: AttentionCall) -> str | None:
     if call.need_weights:
         return "does not return attention weights (only reference does)"
+    if call.score_mod is not None:
+        b, hq, _, lq, lk, _, _ = call.shape
+        if not call.score_mod.additive:
+            return f"SDPA takes only tensors, and {call.score_mod!r} is not additive (not a bias)"
+        if b * hq * lq * lk > DENSE_BIAS_LIMIT:
+            return (f"{call.score_mod!r} as a dense bias would have {b * hq * lq * lk:,} elements "
+                    f"(> {DENSE_BIAS_LIMIT:,}); chunked applies it tile by tile")
     if call.return_lse:
         if call.device.type != "cpu" or _cpu_lse_op() is None:
             return f"torch has no SDPA op that returns lse on {call.device.type} with any mask"
@@ -55,8 +67,13 @@ def run(call: AttentionCall) -> tuple[Tensor, Tensor | None, None]:
     visible = None
     if call.mask is not None and not is_causal:
         visible = call.mask.dense(lq, lk, call.device)  # (B|1, Hq|1, Lq, Lk)
-    needs_float = call.bias is not None or call.return_lse
-    attn_mask = additive_mask(visible, call.bias, q.dtype) if needs_float else visible
+    bias = call.bias
+    if call.score_mod is not None:  # additive (supports() checked): a dense bias
+        b = call.shape[0]
+        mod_bias = call.score_mod.bias(*indices(torch.arange(b), hq, 0, lq, 0, lk, lk - lq, call.device))
+        bias = mod_bias if bias is None else bias + mod_bias
+    needs_float = bias is not None or call.return_lse
+    attn_mask = additive_mask(visible, bias, q.dtype) if needs_float else visible
     dead = None  # (B|1, Hq|1, Lq, 1): rows that see no key
     if attn_mask is not None:
         alive = (attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf"))

@@ -1,0 +1,176 @@
+"""Score modifiers: functions of (score, b, h, i, j) applied to the scaled scores before masking.
+
+``i`` is the query's position in key coordinates (bottom-right aligned: query row r of Lq sits at
+``r + Lk - Lq``; the row index itself when Lq == Lk) and ``j`` the key's position. Modifiers are
+written with broadcasting torch ops, so one definition serves every backend: the reference
+applies it to the whole score matrix, the chunked backend tile by tile (with its gradient by
+autograd in the backward), and a backend that only takes tensors gets additive modifiers as a
+dense bias.
+
+Shape legend: B batch, H query heads, Lq/Lk lengths.
+
+Example:
+    >>> from selfattn import scores
+    >>> out = selfattn.attention(q, k, v, causal=True, score_mod=scores.alibi(scores.alibi_slopes(8)))
+    >>> out = selfattn.attention(q, k, v, score_mod=scores.softcap(30.0))
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = ["ScoreMod", "alibi", "alibi_slopes", "chain", "custom", "softcap"]
+
+
+class ScoreMod:
+    """A score modifier. ``additive`` ones are ``score + bias(b, h, i, j)``."""
+
+    additive = False
+
+    def __call__(self, score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def bias(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+        raise TypeError(f"{self!r} is not additive")
+
+    def num_heads(self) -> int | None:
+        """The number of heads this modifier is built for (None: any)."""
+        return None
+
+
+class _Alibi(ScoreMod):
+    additive = True
+
+    def __init__(self, slopes: Tensor) -> None:
+        if not isinstance(slopes, Tensor) or slopes.dim() != 1 or not slopes.dtype.is_floating_point:
+            raise TypeError(f"alibi slopes must be a 1-D float tensor (one per head), got {slopes!r}")
+        self.slopes = slopes
+
+    def bias(self, b, h, i, j):
+        slopes = self.slopes.to(i.device)[h]
+        return -slopes * (i - j).abs()
+
+    def __call__(self, score, b, h, i, j):
+        return score + self.bias(b, h, i, j).to(score.dtype)
+
+    def num_heads(self) -> int:
+        return self.slopes.numel()
+
+    def __repr__(self) -> str:
+        return f"alibi({self.slopes.numel()} heads)"
+
+
+class _Softcap(ScoreMod):
+    def __init__(self, cap: float) -> None:
+        if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap) or cap <= 0:
+            raise ValueError(f"softcap needs a finite cap > 0, got {cap!r}")
+        self.cap = float(cap)
+
+    def __call__(self, score, b, h, i, j):
+        return self.cap * torch.tanh(score / self.cap)
+
+    def __repr__(self) -> str:
+        return f"softcap({self.cap})"
+
+
+class _Custom(ScoreMod):
+    def __init__(self, fn: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor], additive: bool) -> None:
+        if not callable(fn):
+            raise TypeError(f"custom score modifiers need a callable (score, b, h, i, j) -> score, got {fn!r}")
+        self.fn, self.additive = fn, additive
+
+    def __call__(self, score, b, h, i, j):
+        return self.fn(score, b, h, i, j)
+
+    def bias(self, b, h, i, j):
+        if not self.additive:
+            return super().bias(b, h, i, j)
+        zero = torch.zeros((), dtype=torch.float32, device=i.device)
+        return self.fn(zero, b, h, i, j)
+
+    def __repr__(self) -> str:
+        return f"custom({getattr(self.fn, '__name__', 'fn')})"
+
+
+class _Chain(ScoreMod):
+    def __init__(self, mods: tuple[ScoreMod, ...]) -> None:
+        self.mods = mods
+        self.additive = all(m.additive for m in mods)
+
+    def __call__(self, score, b, h, i, j):
+        for m in self.mods:
+            score = m(score, b, h, i, j)
+        return score
+
+    def bias(self, b, h, i, j):
+        if not self.additive:
+            return super().bias(b, h, i, j)
+        return sum((m.bias(b, h, i, j) for m in self.mods), torch.zeros((), device=i.device))
+
+    def num_heads(self) -> int | None:
+        sizes = {n for m in self.mods if (n := m.num_heads()) is not None}
+        if len(sizes) > 1:
+            raise ValueError(f"chained score modifiers are built for different head counts {sorted(sizes)}")
+        return sizes.pop() if sizes else None
+
+    def __repr__(self) -> str:
+        return " then ".join(map(repr, self.mods))
+
+
+def alibi_slopes(num_heads: int) -> Tensor:
+    """The ALiBi paper's geometric slopes, 2^(-8 k / n) for k = 1..n (interpolated for n not a power of 2)."""
+    def powers(n: int) -> list[float]:
+        start = 2 ** (-8 / n)
+        return [start ** (k + 1) for k in range(n)]
+
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    n = 2 ** math.floor(math.log2(num_heads))
+    slopes = powers(n) + powers(2 * n)[0::2][: num_heads - n]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi(slopes: Tensor) -> ScoreMod:
+    """ALiBi: ``score - slopes[h] * |i - j|`` (with a causal mask: a linear penalty on distance).
+
+    Args:
+        slopes: float tensor (H,), one slope per query head; see :func:`alibi_slopes`.
+    """
+    return _Alibi(slopes)
+
+
+def softcap(cap: float) -> ScoreMod:
+    """Soft-capping (Gemma 2, Grok): ``cap * tanh(score / cap)``, scores stay within (-cap, cap)."""
+    return _Softcap(cap)
+
+
+def custom(fn: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor], *, additive: bool = False) -> ScoreMod:
+    """A user modifier ``fn(score, b, h, i, j) -> score`` written with broadcasting torch ops.
+
+    ``additive=True`` promises ``fn(s, ...) == s + fn(0, ...)``, which lets backends that only take
+    tensors use it as a dense bias. Gradients flow to q, k, v, not into tensors ``fn`` closes over.
+    """
+    return _Custom(fn, additive)
+
+
+def chain(*mods: ScoreMod) -> ScoreMod:
+    """Apply modifiers in order (e.g. ALiBi, then soft-capping)."""
+    for m in mods:
+        if not isinstance(m, ScoreMod):
+            raise TypeError(f"chain takes ScoreMod objects, got {type(m).__name__}")
+    return _Chain(mods)
+
+
+def indices(batch: Tensor, hq: int, q0: int, q1: int, k0: int, k1: int, offset: int,
+            device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Broadcastable (b, h, i, j) index tensors of a (batch items, heads, rows q0:q1, keys k0:k1) block,
+    each 4-D; i in key coordinates (row + offset)."""
+    b = batch.to(device).view(-1, 1, 1, 1)
+    h = torch.arange(hq, device=device).view(1, -1, 1, 1)
+    i = (torch.arange(q0, q1, device=device) + offset).view(1, 1, -1, 1)
+    j = torch.arange(k0, k1, device=device).view(1, 1, 1, -1)
+    return b, h, i, j
