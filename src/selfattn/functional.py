@@ -196,8 +196,12 @@ def _choose(call: AttentionCall, forced: str | None) -> tuple[str, dict[str, str
     preferences: list[tuple[str, str]] = []
     if call.need_weights:
         preferences.append(("reference", "only reference returns attention weights"))
+    on_cuda = call.device.type == "cuda"
     if fast:
         preferences.append(("sdpa", "SDPA runs this mask in a fused kernel without a dense mask"))
+    elif on_cuda:
+        preferences.append(("flex", "on CUDA, compiled FlexAttention skips empty blocks and applies score "
+                                    "modifiers in its fused kernel"))
     elif elements > DENSE_MASK_MEMORY_LIMIT:
         preferences.append(("chunked", f"a dense mask would have {elements:,} elements "
                                        f"(> {DENSE_MASK_MEMORY_LIMIT:,}); chunked needs O(L * block) memory"))
@@ -208,9 +212,13 @@ def _choose(call: AttentionCall, forced: str | None) -> tuple[str, dict[str, str
     preferences += [
         ("sdpa", f"the dense mask ({elements:,} elements) is small or leaves few tiles empty: "
                  "one fused call"),
+        *([("flex", "SDPA cannot run this call")] if on_cuda else []),
         ("chunked", "SDPA cannot run this call"),
         ("reference", "no faster backend can run this call"),
     ]
+    if not on_cuda and "flex" not in unsupported:
+        unsupported["flex"] = (f"auto does not pick flex on {call.device.type} (it compiles for tens of seconds "
+                               "and runs inference only there): ask for it with backend='flex'")
     for name, why in preferences:
         if name in REGISTRY and name not in unsupported:
             others = {n: unsupported.get(n, f"supported, but {name} is preferred: {why}")
@@ -281,7 +289,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
         causal: False, True (needs Lq == Lk), "top_left" or "bottom_right".
         scale: multiplier of the scores; default 1 / sqrt(D).
         dropout_p: dropout on the attention weights (applied whenever > 0).
-        backend: "auto", "reference", "sdpa" or "chunked"; see :func:`explain`.
+        backend: "auto", "reference", "sdpa", "chunked" or "flex"; see :func:`explain`.
         return_lse: also return the logsumexp of each row's scores, (B, Hq, Lq) float32
             (-inf on rows that see no key); it carries no gradient.
         score_mod: a :mod:`selfattn.scores` modifier (alibi, softcap, custom) or a function

@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -42,6 +42,8 @@ __all__ = [
     "padding",
     "sliding_window",
 ]
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 """Tile classes returned by :meth:`Mask.tiles`."""
@@ -76,6 +78,11 @@ class Mask:
     def batch_heads(self) -> tuple[int, int]:
         """(B, H) sizes this mask carries; 1 where it broadcasts."""
         return 1, 1
+
+    def mask_mod(self, lq: int, lk: int, device: torch.device | str | None = None) -> MaskMod:
+        """The predicate as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` for a call
+        with lengths (lq, lk)."""
+        raise NotImplementedError
 
     def check(self, batch: int, heads: int, lq: int, lk: int) -> None:
         """Raise ValueError if this mask cannot describe a call of this shape."""
@@ -166,6 +173,10 @@ class _And(Mask):
         self.a.check(batch, heads, lq, lk)
         self.b.check(batch, heads, lq, lk)
 
+    def mask_mod(self, lq, lk, device=None):
+        fa, fb = self.a.mask_mod(lq, lk, device), self.b.mask_mod(lq, lk, device)
+        return lambda b, h, i, j: fa(b, h, i, j) & fb(b, h, i, j)
+
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
@@ -178,6 +189,10 @@ class _Or(_And):
         fa, ea = self.a._tile_bounds(lq, lk, bq, bk, device)
         fb, eb = self.b._tile_bounds(lq, lk, bq, bk, device)
         return fa | fb, ea & eb
+
+    def mask_mod(self, lq, lk, device=None):
+        fa, fb = self.a.mask_mod(lq, lk, device), self.b.mask_mod(lq, lk, device)
+        return lambda b, h, i, j: fa(b, h, i, j) | fb(b, h, i, j)
 
     def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"
@@ -199,6 +214,10 @@ class _Not(Mask):
 
     def check(self, batch, heads, lq, lk):
         self.a.check(batch, heads, lq, lk)
+
+    def mask_mod(self, lq, lk, device=None):
+        fa = self.a.mask_mod(lq, lk, device)
+        return lambda b, h, i, j: ~fa(b, h, i, j)
 
     def __repr__(self) -> str:
         return f"~{self.a!r}"
@@ -231,6 +250,10 @@ class Causal(Mask):
         empty = klo[None, :] > qhi[:, None] + off
         return full[None, None], empty[None, None]
 
+    def mask_mod(self, lq, lk, device=None):
+        off = self.offset(lq, lk)
+        return lambda b, h, i, j: j <= i + off
+
     def __repr__(self) -> str:
         return f"causal({self.align!r})"
 
@@ -258,6 +281,10 @@ class SlidingWindow(Mask):
         full = (klo >= qhi - self.left) & (khi <= qlo + self.right)
         empty = (khi < qlo - self.left) | (klo > qhi + self.right)
         return full[None, None], empty[None, None]
+
+    def mask_mod(self, lq, lk, device=None):
+        off, left, right = lk - lq, self.left, self.right
+        return lambda b, h, i, j: (j >= i + off - left) & (j <= i + off + right)
 
     def __repr__(self) -> str:
         return f"sliding_window({self.left}, {self.right})"
@@ -304,6 +331,12 @@ class Padding(Mask):
 
     def batch_heads(self):
         return self.lengths.numel(), 1
+
+    def mask_mod(self, lq, lk, device=None):
+        n, off = self.lengths.to(device), lk - lq
+        if self.queries:
+            return lambda b, h, i, j: (j < n[b]) & (i + off < n[b])
+        return lambda b, h, i, j: j < n[b]
 
     def __repr__(self) -> str:
         return f"padding({self.lengths.tolist()}{', queries=True' if self.queries else ''})"
@@ -362,6 +395,13 @@ class Document(Mask):
     def batch_heads(self):
         return self.ids.shape[0], 1
 
+    def mask_mod(self, lq, lk, device=None):
+        ids, off = self._ids(device), lk - lq
+        if ids.shape[0] == 1:
+            flat = ids[0]
+            return lambda b, h, i, j: flat[i + off] == flat[j]
+        return lambda b, h, i, j: ids[b, i + off] == ids[b, j]
+
     def __repr__(self) -> str:
         return f"document(ids of shape {tuple(self.ids.shape)})"
 
@@ -416,6 +456,14 @@ class FromTensor(Mask):
 
     def batch_heads(self):
         return self.t.shape[0], self.t.shape[1]
+
+    def mask_mod(self, lq, lk, device=None):
+        t = self.t.to(device) if device is not None else self.t
+        keep = [size > 1 for size in t.shape]  # broadcast dims are read at index 0
+
+        def mod(b, h, i, j):
+            return t[b * keep[0], h * keep[1], i * keep[2], j * keep[3]]
+        return mod
 
     def __repr__(self) -> str:
         return f"from_tensor(shape {tuple(self.t.shape)})"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from . import chunked, reference, sdpa
+from . import chunked, flex, reference, sdpa
 
-REGISTRY: dict[str, ModuleType] = {m.NAME: m for m in (reference, sdpa, chunked)}
+REGISTRY: dict[str, ModuleType] = {m.NAME: m for m in (reference, sdpa, chunked, flex)}
 
 __all__ = ["REGISTRY"]
