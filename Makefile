@@ -21,7 +21,7 @@ test: $(BIN)/selfattn
 	$(BIN)/python -m pytest -q
 
 lint: $(BIN)/selfattn
-	$(BIN)/ruff check src tests examples
+	$(BIN)/ruff check src tests examples scripts
 
 bench: $(BIN)/selfattn
 	$(BIN)/selfattn bench --quick

@@ -41,6 +41,8 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("written", torch.zeros(batch_size, max_len, dtype=torch.bool, device=device),
                              persistent=False)
+        self._used = 0  # slots 0.._used-1 hold at least one sequence's token
+        self._full = 0  # slots 0.._full-1 hold a token of every sequence
 
     @property
     def max_len(self) -> int:
@@ -49,8 +51,9 @@ class KVCache(nn.Module):
     def reset(self) -> None:
         """Forget every cached token (the buffers are kept)."""
         self.written.zero_()
+        self._used = self._full = 0
 
-    def update(self, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def update(self, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Write new keys/values at their positions and return what attention needs.
 
         Args:
@@ -60,7 +63,9 @@ class KVCache(nn.Module):
 
         Returns:
             (k, v, visible): k and v (B, G, S', D) for the first S' slots in use, and the bool
-            visibility (B, 1, T, S') of those slots from each new token (True = may attend).
+            visibility (B, 1, T, S') of those slots from each new token (True = may attend), or
+            None when every new token sees every slot in use (all sequences full up to the
+            lowest new position), so attention needs no mask.
         """
         b, g, t, d = k.shape
         if (b, g, d) != (self.k.shape[0], self.k.shape[1], self.k.shape[3]) or v.shape != k.shape:
@@ -70,19 +75,29 @@ class KVCache(nn.Module):
             raise ValueError(f"positions must be an int tensor (B, T) = ({b}, {t}), got "
                              f"{positions.dtype} {tuple(positions.shape)}")
         positions = positions.to(self.k.device)
-        top = int(positions.max()) if positions.numel() else -1
-        if top >= self.max_len:
-            raise ValueError(f"position {top} does not fit a cache of max_len {self.max_len}; "
+        rows = positions.tolist()  # one transfer; the bookkeeping below is plain Python
+        lo, hi = min(min(r) for r in rows), max(max(r) for r in rows)
+        if hi >= self.max_len:
+            raise ValueError(f"position {hi} does not fit a cache of max_len {self.max_len}; "
                              "build a larger KVCache")
-        real = positions >= 0  # (B, T)
-        bi, ti = real.nonzero(as_tuple=True)
-        slots = positions[bi, ti]
-        self.k[bi, :, slots] = k[bi, :, ti].to(self.k.dtype)
-        self.v[bi, :, slots] = v[bi, :, ti].to(self.v.dtype)
-        self.written[bi, slots] = True
-        in_use = self.written.any(0)  # (S,)
-        used = int(in_use.nonzero().max()) + 1 if bool(in_use.any()) else 1
+        if lo >= 0 and all(r == list(range(lo, lo + t)) for r in rows):
+            # the whole batch writes one run of slots lo..lo+T-1: plain slices
+            self.k[:, :, lo:lo + t] = k.to(self.k.dtype)
+            self.v[:, :, lo:lo + t] = v.to(self.v.dtype)
+            self.written[:, lo:lo + t] = True
+            if lo <= self._full:
+                self._full = max(self._full, lo + t)
+        else:
+            bi, ti = (positions >= 0).nonzero(as_tuple=True)  # padding (-1) is not written
+            slots = positions[bi, ti]
+            self.k[bi, :, slots] = k.transpose(1, 2)[bi, ti].to(self.k.dtype)  # (N, G, D)
+            self.v[bi, :, slots] = v.transpose(1, 2)[bi, ti].to(self.v.dtype)
+            self.written[bi, slots] = True
+        self._used = used = max(self._used, hi + 1, 1)
+        k_all, v_all = self.k[:, :, :used], self.v[:, :, :used]
+        if lo >= used - 1 and self._full >= used:
+            return k_all, v_all, None  # every new token is at the end of a full sequence: sees all
         j = torch.arange(used, device=self.k.device)
         visible = self.written[:, None, :used] & (j <= positions[:, :, None])  # (B, T, S')
-        visible &= real[:, :, None]
-        return self.k[:, :, :used], self.v[:, :, :used], visible[:, None]
+        visible &= (positions >= 0)[:, :, None]
+        return k_all, v_all, visible[:, None]

@@ -208,6 +208,48 @@ def _cell(r: dict | None, base: float | None, memory: bool) -> str:
     return text + (f"\n{r['peak_bytes'] / 2**20:.0f} MiB" if memory else "")
 
 
+def _decode(args: argparse.Namespace, progress: Progress, task: TaskID) -> list[dict]:
+    """One decode step of a 12-layer, 768-wide model (12 heads) from a 2k-token cache: selfattn's
+    KVCache path vs projecting the new token and calling SDPA on the cached tensors directly."""
+    import torch.nn.functional as F
+
+    import selfattn
+
+    device, dtype = args.device, getattr(torch, args.dtype)
+    layers, e, h, cached = (2, 128, 4, 256) if args.quick else (12, 768, 12, 2048)
+    progress.update(task, description=f"decode: {layers} layers, E={e}, cache {cached}")
+    torch.manual_seed(0)
+    mods = [selfattn.MultiHeadAttention(e, h).to(device=device, dtype=dtype).eval() for _ in range(layers)]
+    caches = [selfattn.KVCache(1, cached + 64, h, e // h, dtype=dtype, device=device) for _ in range(layers)]
+    with torch.no_grad():
+        prompt = torch.randn(1, cached, e, device=device, dtype=dtype)
+        for m, c in zip(mods, caches, strict=True):
+            m(prompt, cache=c, positions=torch.arange(cached, device=device)[None])
+    x = torch.randn(1, 1, e, device=device, dtype=dtype)
+    pos = torch.tensor([[cached]], device=device)
+
+    def ours() -> None:
+        y = x
+        for m, c in zip(mods, caches, strict=True):
+            y = m(y, cache=c, positions=pos)
+
+    def raw() -> None:  # the same projections, then SDPA straight on the cached K/V (all visible)
+        y = x
+        for m, c in zip(mods, caches, strict=True):
+            q, k, v = m.qkv(y).split(e, dim=-1)
+            q = q.view(1, 1, h, e // h).transpose(1, 2)
+            c.k[:, :, cached] = k.view(1, h, e // h)
+            c.v[:, :, cached] = v.view(1, h, e // h)
+            o = F.scaled_dot_product_attention(q, c.k[:, :, :cached + 1], c.v[:, :, :cached + 1])
+            y = m.proj(o.transpose(1, 2).reshape(1, 1, e))
+
+    with torch.no_grad():
+        times = _interleaved({"selfattn": ours, "sdpa": raw}, args.repeats or (20 if args.quick else 50), device)
+    progress.advance(task)
+    return [dict(suite="decode", case=f"{layers}x{e}, cache {cached}", impl=name, mode="decode step", L=cached,
+                 status="ok", time_s=statistics.median(ts), times=ts) for name, ts in times.items()]
+
+
 def _ratio_tables(results: list[dict], suite: str, split: str | None, key_fields: tuple[str, ...],
                   anchor: str, title: str) -> list[Table]:
     """One table per value of ``split`` (or one table): rows keyed by ``key_fields``, a column per
@@ -275,14 +317,14 @@ def main(args: argparse.Namespace) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         console.print("[red]--device cuda given, but torch sees no CUDA device[/red]")
         return 2
-    suites = ["modules", "overhead", "masks"] if args.suite == "all" else [args.suite]
+    suites = ["modules", "overhead", "decode", "masks"] if args.suite == "all" else [args.suite]
     meta = dict(torch=torch.__version__, device=args.device, dtype=args.dtype, threads=torch.get_num_threads(),
                 machine=platform.machine(), cpus=os.cpu_count(), quick=args.quick,
                 date=time.strftime("%Y-%m-%d %H:%M:%S"))
     console.print(f"selfattn bench: {meta}")
     modes = args.modes or ["fwd", "fwd+bwd"]
     points = _mask_points(args, args.device) if "masks" in suites else []
-    total = (len(points) + (2 if "overhead" in suites else 0)
+    total = (len(points) + (2 if "overhead" in suites else 0) + (1 if "decode" in suites else 0)
              + (len(MODULE_SHAPES) * len(modes) if "modules" in suites else 0))
     results: list[dict] = []
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -292,6 +334,8 @@ def main(args: argparse.Namespace) -> int:
             results += _modules(args, progress, task)
         if "overhead" in suites:
             results += _overhead(args, progress, task)
+        if "decode" in suites:
+            results += _decode(args, progress, task)
         results += _run_points(points, args, progress, task)
 
     tables = [
@@ -299,6 +343,8 @@ def main(args: argparse.Namespace) -> int:
                        "MultiHeadAttention vs nn.MultiheadAttention and the tutorial's (x = ratio to torch)"),
         *_ratio_tables(results, "overhead", None, ("case", "L", "mode"), "sdpa",
                        "attention(auto) vs raw scaled_dot_product_attention, (1, 8, 4096, 64)"),
+        *_ratio_tables(results, "decode", None, ("case", "mode"), "sdpa",
+                       "KV-cache decode step vs SDPA on the cached tensors (x = ratio to SDPA)"),
         *_ratio_tables(results, "masks", "case", ("mode", "L"), "sdpa",
                        f"H={H}, D={D}, x = ratio to raw SDPA, MiB = peak extra memory"),
     ]
