@@ -11,7 +11,9 @@ returns lse and has a backward that accepts the global out and lse), and plain t
 on other devices, for dropout and when v's head dim differs from q's.
 
 Dropout draws its keep-mask per (query block, key block) tile from a generator seeded by
-(seed, tile), so the backward regenerates exactly the forward's pattern.
+(seed, tile), so the backward regenerates exactly the forward's pattern. Additive score
+modifiers (ALiBi) are folded into each run's bias; other modifiers run in the math kernel, and
+the backward takes their derivative from autograd, tile by tile.
 
 Shape legend: B batch, Hq query heads, Hkv kv heads, G = Hq // Hkv, Lq/Lk lengths, D/Dv head
 dims, bq/bk block sizes, sk the keys of one run.

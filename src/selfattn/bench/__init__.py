@@ -30,9 +30,9 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
-from torch import Tensor, nn
+from torch import nn
 
-from .worker import MASK_CASES
+from .worker import MASK_CASES, make_step
 
 __all__ = ["main"]
 
@@ -130,18 +130,6 @@ def _interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: str
     return times
 
 
-def _step(module_call: Callable[[], Tensor], params: list[Tensor], backward: bool) -> Callable[[], None]:
-    def step() -> None:
-        if backward:
-            for p in params:
-                p.grad = None
-            module_call().sum().backward()
-        else:
-            with torch.no_grad():
-                module_call()
-    return step
-
-
 def _modules(args: argparse.Namespace, progress: Progress, task: TaskID) -> list[dict]:
     """MultiHeadAttention vs nn.MultiheadAttention and the tutorial's, interleaved in one process."""
     import selfattn
@@ -164,7 +152,8 @@ def _modules(args: argparse.Namespace, progress: Progress, task: TaskID) -> list
                      "tutorial": lambda m=mods["tutorial"], x=x: m(x)[0]}
             for m in mods.values():
                 m.to(device=device, dtype=dtype).eval()
-            steps = {name: _step(calls[name], [x, *mods[name].parameters()], mode == "fwd+bwd") for name in mods}
+            steps = {name: make_step(calls[name], [x, *mods[name].parameters()], mode == "fwd+bwd")
+                     for name in mods}
             first = time.perf_counter()
             steps["tutorial"]()
             once = time.perf_counter() - first
@@ -290,21 +279,27 @@ def _plots(results: list[dict], folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
     cases = list(dict.fromkeys(r["case"] for r in rows))
     paths = []
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    colors = {impl: f"C{n % 10}" for n, impl in enumerate(impls)}  # one colour per implementation everywhere
     for metric, label, scale in (("time_s", "median time (s)", 1.0), ("peak_bytes", "peak extra memory (MiB)", 2**-20)):
         fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4.2), squeeze=False)
         for ax, case in zip(axes[0], cases, strict=True):
             for (impl, mode) in dict.fromkeys((r["impl"], r["mode"]) for r in rows if r["case"] == case):
                 pts = sorted((r["L"], r[metric] * scale) for r in rows
                              if r["case"] == case and r["impl"] == impl and r["mode"] == mode)
-                ax.plot(*zip(*pts, strict=True), marker="o", linestyle="-" if mode == "fwd" else "--",
-                        label=f"{impl} {mode}")
+                ax.plot(*zip(*pts, strict=True), marker="o", color=colors[impl],
+                        linestyle="-" if mode == "fwd" else "--", label=f"{impl} {mode}")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_title(case)
             ax.set_xlabel("sequence length")
             ax.set_ylabel(label)
             ax.grid(True, alpha=0.3)
-        axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1))
+        handles = {}
+        for ax in axes[0]:
+            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+                handles.setdefault(lab, h)
+        fig.legend(handles.values(), handles.keys(), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
         path = folder / ("time.png" if metric == "time_s" else "memory.png")
         fig.savefig(path, dpi=100, bbox_inches="tight")
         plt.close(fig)

@@ -100,6 +100,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def make_step(fn: Callable[[], Tensor], params: list[Tensor], backward: bool) -> Callable[[], None]:
+    """One timed step: fn() under no_grad, or fn().sum().backward() with fresh gradients."""
+    def step() -> None:
+        if backward:
+            for p in params:
+                p.grad = None
+            fn().sum().backward()
+        else:
+            with torch.no_grad():
+                fn()
+    return step
+
+
 def _attention_step(spec: dict, small: bool) -> tuple[Callable[[], Callable[[], None]], list[Tensor]]:
     """(prepare, inputs): prepare() builds what the implementation needs and returns the step."""
     length = 256 if small else spec["L"]
@@ -111,15 +124,7 @@ def _attention_step(spec: dict, small: bool) -> tuple[Callable[[], Callable[[], 
                .requires_grad_(backward) for _ in range(3))
 
     def run(fn: Callable[[], Tensor]) -> Callable[[], None]:
-        def step() -> None:
-            if backward:
-                for t in (q, k, v):
-                    t.grad = None
-                fn().sum().backward()
-            else:
-                with torch.no_grad():
-                    fn()
-        return step
+        return make_step(fn, [q, k, v], backward)
 
     def prepare() -> Callable[[], None]:
         if impl in ("selfattn", "chunked"):

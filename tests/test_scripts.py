@@ -1,0 +1,30 @@
+"""The GPU check script's logic, run on the CPU with tiny sizes (slow: it compiles FlexAttention)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke_on_cpu():
+    """catches: a GPU script that cannot even run its own logic (found only when a GPU is lent)."""
+    script = Path(__file__).parent.parent / "scripts" / "gpu_check.py"
+    res = subprocess.run([sys.executable, str(script), "--device", "cpu", "--quick"], capture_output=True,
+                         text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert "all backends within the rule" in res.stdout
+    assert "document fwd" in res.stdout.replace("  ", " ").replace("  ", " ")
+
+
+def test_gpu_check_says_when_there_is_no_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    script = Path(__file__).parent.parent / "scripts" / "gpu_check.py"
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "no CUDA device" in res.stdout
