@@ -2,8 +2,9 @@
 
 selfattn masks become BlockMasks (cached per mask, shape and device, so a training loop that
 reuses its mask object builds it once) and score modifiers and bias become ``score_mod``.
-``flex_attention`` is compiled once per process; torch recompiles once more when lengths change
-and then treats them as dynamic, so new lengths do not each compile again.
+``flex_attention`` is compiled once per process; on CUDA torch recompiles once more when lengths
+change and then treats them as dynamic, so new lengths do not each compile again (on the CPU
+each new shape compiles once: see ``_compiled``).
 
 On the CPU FlexAttention runs inference only (no backward, no lse) in float32/16/bf16, and
 compiling takes tens of seconds, so ``auto`` picks it only on CUDA; elsewhere ask for it.
@@ -36,7 +37,16 @@ def _flex() -> tuple[Callable, Callable] | None:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None
-    return torch.compile(flex_attention), create_block_mask
+    return flex_attention, create_block_mask
+
+
+@functools.cache
+def _compiled(device_type: str) -> Callable:
+    """flex_attention compiled once per process and device type. On the CPU with static shapes:
+    there, the dynamic-shape recompile that follows a change of length generates C++ that does
+    not build (torch 2.13), so each new shape compiles once instead."""
+    flex_attention = _flex()[0]  # type: ignore[index]
+    return torch.compile(flex_attention, dynamic=False if device_type == "cpu" else None)
 
 
 @functools.cache
@@ -99,7 +109,7 @@ def _score_mod(call: AttentionCall) -> Callable | None:
 
 def run(call: AttentionCall) -> tuple[Tensor, Tensor | None, None]:
     b, hq, hkv, lq, lk, _, _ = call.shape
-    flex = _flex()[0]  # type: ignore[index]
+    flex = _compiled(call.device.type)
     if call.device.type == "cpu":
         _warn_cpu_compile()
     block_mask = None if call.mask is None else _block_mask(call.mask, b, hq, lq, lk, call.device)
