@@ -98,3 +98,17 @@ def test_need_weights_weights_sum_to_one_and_reproduce_output():
     assert (w[1, :, :, 4:] == 0).all()
     kv = v.repeat_interleave(2, dim=1)
     torch.testing.assert_close(w @ kv, out)
+
+
+def test_auto_policy_on_cuda(monkeypatch):
+    """catches: auto on CUDA not preferring flex for structured masks, or falling back to an L^2
+    dense mask when flex cannot run (dropout). Checked on the CPU by presenting the call as CUDA."""
+    from selfattn import _call
+
+    monkeypatch.setattr(_call.AttentionCall, "device", property(lambda self: torch.device("cuda")))
+    q, k, v = make_qkv(1, 1, 1, 512, 512, 8, requires_grad=False)
+    assert selfattn.explain(q, k, v, mask=masks.sliding_window(16)).backend == "flex"
+    assert selfattn.explain(q, k, v, causal=True).backend == "sdpa"
+    big = torch.empty(1, 1, 16385, 8, device="meta")
+    ex = selfattn.explain(big, big, big, mask=masks.sliding_window(16), dropout_p=0.1)
+    assert ex.backend == "chunked" and "dropout" in ex.not_chosen["flex"]

@@ -199,16 +199,17 @@ def _choose(call: AttentionCall, forced: str | None) -> tuple[str, dict[str, str
     on_cuda = call.device.type == "cuda"
     if fast:
         preferences.append(("sdpa", "SDPA runs this mask in a fused kernel without a dense mask"))
-    elif on_cuda:
-        preferences.append(("flex", "on CUDA, compiled FlexAttention skips empty blocks and applies score "
-                                    "modifiers in its fused kernel"))
-    elif elements > DENSE_MASK_MEMORY_LIMIT:
-        preferences.append(("chunked", f"a dense mask would have {elements:,} elements "
-                                       f"(> {DENSE_MASK_MEMORY_LIMIT:,}); chunked needs O(L * block) memory"))
-    elif elements > DENSE_MASK_LIMIT and (skipped := _empty_tile_fraction(call)) >= SKIP_FRACTION:
-        preferences.append(("chunked", f"{skipped:.0%} of the tiles are empty and a dense mask would have "
-                                       f"{elements:,} elements (> {DENSE_MASK_LIMIT:,}); chunked skips them "
-                                       "in O(L * block) memory"))
+    else:
+        if on_cuda:
+            preferences.append(("flex", "on CUDA, compiled FlexAttention skips empty blocks and applies score "
+                                        "modifiers in its fused kernel"))
+        if elements > DENSE_MASK_MEMORY_LIMIT:
+            preferences.append(("chunked", f"a dense mask would have {elements:,} elements "
+                                           f"(> {DENSE_MASK_MEMORY_LIMIT:,}); chunked needs O(L * block) memory"))
+        elif elements > DENSE_MASK_LIMIT and (skipped := _empty_tile_fraction(call)) >= SKIP_FRACTION:
+            preferences.append(("chunked", f"{skipped:.0%} of the tiles are empty and a dense mask would have "
+                                           f"{elements:,} elements (> {DENSE_MASK_LIMIT:,}); chunked skips them "
+                                           "in O(L * block) memory"))
     preferences += [
         ("sdpa", f"the dense mask ({elements:,} elements) is small or leaves few tiles empty: "
                  "one fused call"),
