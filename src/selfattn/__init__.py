@@ -7,7 +7,7 @@ Example:
     >>> out = selfattn.attention(q, k, v, mask=selfattn.masks.sliding_window(32))
 """
 
-from . import masks, testing
+from . import masks, scores, testing
 from .cache import KVCache
 from .check import check
 from .functional import Explanation, attention, attention_with_weights, explain, use_backend
@@ -25,6 +25,7 @@ __all__ = [
     "explain",
     "masks",
     "rope",
+    "scores",
     "testing",
     "use_backend",
 ]
