@@ -67,37 +67,41 @@ class KVCache(nn.Module):
             None when every new token sees every slot in use (all sequences full up to the
             lowest new position), so attention needs no mask.
         """
+        kbuf, vbuf, written = self.k, self.v, self.written  # one module attribute lookup each
         b, g, t, d = k.shape
-        if (b, g, d) != (self.k.shape[0], self.k.shape[1], self.k.shape[3]) or v.shape != k.shape:
+        if (b, g, d) != (kbuf.shape[0], kbuf.shape[1], kbuf.shape[3]) or v.shape != k.shape:
             raise ValueError(f"k/v of shape {tuple(k.shape)}/{tuple(v.shape)} do not fit a cache of "
-                             f"(B, G, S, D) = {tuple(self.k.shape)}")
+                             f"(B, G, S, D) = {tuple(kbuf.shape)}")
         if positions.shape != (b, t) or positions.dtype.is_floating_point:
             raise ValueError(f"positions must be an int tensor (B, T) = ({b}, {t}), got "
                              f"{positions.dtype} {tuple(positions.shape)}")
-        positions = positions.to(self.k.device)
+        if t == 0:
+            raise ValueError("update needs at least one new token (T >= 1)")
         rows = positions.tolist()  # one transfer; the bookkeeping below is plain Python
         lo, hi = min(min(r) for r in rows), max(max(r) for r in rows)
-        if hi >= self.max_len:
-            raise ValueError(f"position {hi} does not fit a cache of max_len {self.max_len}; "
+        if hi >= kbuf.shape[2]:
+            raise ValueError(f"position {hi} does not fit a cache of max_len {kbuf.shape[2]}; "
                              "build a larger KVCache")
         if lo >= 0 and all(r == list(range(lo, lo + t)) for r in rows):
             # the whole batch writes one run of slots lo..lo+T-1: plain slices
-            self.k[:, :, lo:lo + t] = k.to(self.k.dtype)
-            self.v[:, :, lo:lo + t] = v.to(self.v.dtype)
-            self.written[:, lo:lo + t] = True
+            kbuf[:, :, lo:lo + t] = k
+            vbuf[:, :, lo:lo + t] = v
+            written[:, lo:lo + t] = True
             if lo <= self._full:
                 self._full = max(self._full, lo + t)
         else:
+            positions = positions.to(kbuf.device)
             bi, ti = (positions >= 0).nonzero(as_tuple=True)  # padding (-1) is not written
             slots = positions[bi, ti]
-            self.k[bi, :, slots] = k.transpose(1, 2)[bi, ti].to(self.k.dtype)  # (N, G, D)
-            self.v[bi, :, slots] = v.transpose(1, 2)[bi, ti].to(self.v.dtype)
-            self.written[bi, slots] = True
+            kbuf[bi, :, slots] = k.transpose(1, 2)[bi, ti].to(kbuf.dtype)  # (N, G, D)
+            vbuf[bi, :, slots] = v.transpose(1, 2)[bi, ti].to(vbuf.dtype)
+            written[bi, slots] = True
         self._used = used = max(self._used, hi + 1, 1)
-        k_all, v_all = self.k[:, :, :used], self.v[:, :, :used]
+        k_all, v_all = kbuf[:, :, :used], vbuf[:, :, :used]
         if lo >= used - 1 and self._full >= used:
             return k_all, v_all, None  # every new token is at the end of a full sequence: sees all
-        j = torch.arange(used, device=self.k.device)
-        visible = self.written[:, None, :used] & (j <= positions[:, :, None])  # (B, T, S')
+        positions = positions.to(kbuf.device)
+        j = torch.arange(used, device=kbuf.device)
+        visible = written[:, None, :used] & (j <= positions[:, :, None])  # (B, T, S')
         visible &= (positions >= 0)[:, :, None]
         return k_all, v_all, visible[:, None]

@@ -180,15 +180,22 @@ def _empty_tile_fraction(call: AttentionCall) -> float:
     return float((tiles == _masks.EMPTY).float().mean())
 
 
-def _choose(call: AttentionCall, forced: str | None) -> tuple[str, dict[str, str]]:
-    """Pick a backend; return it and, for every other backend, why it was not picked."""
-    unsupported = {name: r for name, be in REGISTRY.items() if (r := be.supports(call)) is not None}
+def _choose(call: AttentionCall, forced: str | None, reasons: bool = False) -> tuple[str, dict[str, str]]:
+    """Pick a backend; with ``reasons``, also say for every other backend why it was not picked
+    (without, only the backends considered are asked whether they support the call)."""
+    asked: dict[str, str | None] = {}
+
+    def why_not(name: str) -> str | None:
+        if name not in asked:
+            asked[name] = REGISTRY[name].supports(call)
+        return asked[name]
+
     if forced is not None:
-        if forced in unsupported:
-            raise ValueError(f"backend={forced!r} cannot run this call: {unsupported[forced]}; "
+        if (why := why_not(forced)) is not None:
+            raise ValueError(f"backend={forced!r} cannot run this call: {why}; "
                              "use backend='auto' or see selfattn.explain(...)")
-        why = f"not picked: backend {forced!r} was requested"
-        return forced, {n: unsupported.get(n, why) for n in REGISTRY if n != forced}
+        note = f"not picked: backend {forced!r} was requested"
+        return forced, {n: why_not(n) or note for n in REGISTRY if n != forced} if reasons else {}
 
     plain = call.mask is None and call.bias is None and call.score_mod is None
     fast = plain or is_fast_causal(call)
@@ -217,15 +224,16 @@ def _choose(call: AttentionCall, forced: str | None) -> tuple[str, dict[str, str
         ("chunked", "SDPA cannot run this call"),
         ("reference", "no faster backend can run this call"),
     ]
-    if not on_cuda and "flex" not in unsupported:
-        unsupported["flex"] = (f"auto does not pick flex on {call.device.type} (it compiles for tens of seconds "
-                               "and runs inference only there): ask for it with backend='flex'")
-    for name, why in preferences:
-        if name in REGISTRY and name not in unsupported:
-            others = {n: unsupported.get(n, f"supported, but {name} is preferred: {why}")
-                      for n in REGISTRY if n != name}
-            return name, others
-    raise RuntimeError("no backend can run this call")  # reference supports every call
+    picked = next(((n, w) for n, w in preferences if n in REGISTRY and why_not(n) is None), None)
+    if picked is None:
+        raise RuntimeError("no backend can run this call")  # reference supports every call
+    name, why = picked
+    if not reasons:
+        return name, {}
+    if not on_cuda and "flex" in REGISTRY and why_not("flex") is None:
+        asked["flex"] = (f"auto does not pick flex on {call.device.type} (it compiles for tens of seconds "
+                         "and runs inference only there): ask for it with backend='flex'")
+    return name, {n: why_not(n) or f"supported, but {name} is preferred: {why}" for n in REGISTRY if n != name}
 
 
 @dataclass(frozen=True)
@@ -253,7 +261,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
           reference: supported, but sdpa is preferred: ...
     """
     call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod)
-    name, reasons = _choose(call, _forced_name(backend))
+    name, reasons = _choose(call, _forced_name(backend), reasons=True)
     return Explanation(name, reasons)
 
 
