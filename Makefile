@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench check-install clean
 
 $(BIN)/selfattn: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ lint: $(BIN)/selfattn
 
 bench: $(BIN)/selfattn
 	$(BIN)/selfattn bench --quick
+
+# Build the wheel, install it with torch into a fresh virtualenv (no extras) and run it from there.
+check-install:
+	PY=$(PY) TORCH_VERSION=$(TORCH_VERSION) bash scripts/check_install.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info
