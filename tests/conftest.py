@@ -7,10 +7,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
-    """Chunked tiles that divide none of the test lengths, so every run has several tiles."""
+def small_tiles():
+    """Chunked tiles that divide none of the test lengths, so every call has several tiles."""
     from selfattn.backends import chunked
 
-    monkeypatch.setattr(chunked, "BLOCK_Q", 32)
-    monkeypatch.setattr(chunked, "BLOCK_K", 48)
-    return chunked
+    with chunked.options(block_q=32, block_k=48):
+        yield chunked

@@ -107,12 +107,10 @@ def test_lse_matches_logsumexp(backend, dtype, small_tiles):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", ["none", "causal", "padding+window", "bias"])
-def test_gradcheck_float64(backend, case, monkeypatch):
+def test_gradcheck_float64(backend, case):
     """catches: an analytically wrong backward (custom autograd in chunked, masking in all)."""
     from selfattn.backends import chunked
 
-    monkeypatch.setattr(chunked, "BLOCK_Q", 3)
-    monkeypatch.setattr(chunked, "BLOCK_K", 4)
     q, k, v = make_qkv(1, 2, 1, 7, 9, 3, dtype=torch.float64)
     kwargs = {
         "none": dict(),
@@ -124,7 +122,8 @@ def test_gradcheck_float64(backend, case, monkeypatch):
     def f(q, k, v):
         return selfattn.attention(q, k, v, backend=backend, **kwargs)
 
-    assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-5)
+    with chunked.options(block_q=3, block_k=4):
+        assert torch.autograd.gradcheck(f, (q, k, v), eps=1e-6, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -141,7 +140,6 @@ def test_chunked_causal_diagonal_fast_path(lq, lk):
 
     q, k, v = make_qkv(1, 4, 2, lq, lk, 32, dtype=torch.float64)
     call_mask = masks.causal("bottom_right")
-    classes = chunked._tile_classes(call_mask, lq, lk, 256, torch.device("cpu"))
-    (group,) = chunked._groups(classes, lk, None)
-    assert any(partial for row in group.runs for _, _, partial in row)
+    (group,) = chunked.schedule(call_mask, lq, lk, block_q=256)
+    assert any(partial for row in group.spans for _, _, partial in row)
     check_against_reference(q, k, v, backend="chunked", mask=call_mask)

@@ -76,16 +76,16 @@ def test_dropout_fraction_within_binomial_bounds():
     assert not torch.equal(keep[..., :128, :128], keep[..., :128, 128:256])
 
 
-def test_fused_and_math_kernels_agree(monkeypatch, small_tiles):
+def test_fused_and_math_kernels_agree(small_tiles):
     """catches: the fused per-run kernel and the plain-math kernel computing different functions."""
     q, k, v = make_qkv(2, 6, 2, 100, 130, 32, dtype=torch.float64)
     mask = masks.document(torch.arange(130) // 40) & masks.causal("bottom_right")
     bias = torch.randn(1, 6, 100, 130, dtype=torch.float64)
     out_f, lse_f = selfattn.attention(q, k, v, mask=mask, bias=bias, backend="chunked", return_lse=True)
     gf = torch.autograd.grad(out_f.sum(), (q, k, v))
-    monkeypatch.setattr(chunked, "_fused_op", lambda: None)
-    out_m, lse_m = selfattn.attention(q, k, v, mask=mask, bias=bias, backend="chunked", return_lse=True)
-    gm = torch.autograd.grad(out_m.sum(), (q, k, v))
+    with chunked.options(kernel="math"):
+        out_m, lse_m = selfattn.attention(q, k, v, mask=mask, bias=bias, backend="chunked", return_lse=True)
+        gm = torch.autograd.grad(out_m.sum(), (q, k, v))
     torch.testing.assert_close(out_f, out_m)
     torch.testing.assert_close(lse_f, lse_m)
     for a, b in zip(gf, gm, strict=True):
@@ -94,9 +94,8 @@ def test_fused_and_math_kernels_agree(monkeypatch, small_tiles):
 
 def test_chunked_skips_empty_tiles():
     """catches: the tile map being ignored (every tile computed)."""
-    classes = chunked._tile_classes(masks.sliding_window(256), 16384, 16384, 128, torch.device("cpu"))
-    (group,) = chunked._groups(classes, 16384, None)
-    keys = sum(k1 - k0 for row in group.runs for k0, k1, _ in row)
+    (group,) = chunked.schedule(masks.sliding_window(256), 16384, 16384, block_q=128)
+    keys = sum(k1 - k0 for row in group.spans for k0, k1, _ in row)
     assert keys <= 128 * (256 + 2 * 128)  # each query block reads about a window plus a block
 
 
@@ -130,10 +129,9 @@ def test_16k_sliding_window_fwd_bwd_memory_is_linear():
 def test_padding_with_unequal_lengths_schedules_each_item():
     """catches: one schedule for the whole batch computing the padded tiles of short items."""
     mask = masks.padding([4096, 1024]) & masks.causal()
-    classes = chunked._tile_classes(mask, 4096, 4096, 256, torch.device("cpu"))
-    groups = chunked._groups(classes, 4096, None)
+    groups = chunked.schedule(mask, 4096, 4096, block_q=256)
     assert [g.batch for g in groups] == [slice(0, 1), slice(1, 2)]
-    assert max(k1 for row in groups[1].runs for _, k1, _ in row) <= 1024
+    assert max(k1 for row in groups[1].spans for _, k1, _ in row) <= 1024
 
 
 @pytest.mark.parametrize("lengths", [[203, 40], [203, 203], [1, 150]])

@@ -68,16 +68,16 @@ def test_alibi_with_causal_default_tiles(lq, lk):
                             score_mod=scores.alibi(SLOPES), oracle_mod=_alibi_dense(lq, lk))
 
 
-def test_softcap_gradcheck_chunked(monkeypatch):
+def test_softcap_gradcheck_chunked():
+    """catches: a wrong autograd derivative of a non-additive modifier in the chunked backward."""
     from selfattn.backends import chunked
 
-    monkeypatch.setattr(chunked, "BLOCK_Q", 3)
-    monkeypatch.setattr(chunked, "BLOCK_K", 4)
     q, k, v = make_qkv(1, 2, 1, 7, 9, 3, dtype=torch.float64)
     mod = scores.softcap(0.7)
-    assert torch.autograd.gradcheck(
-        lambda q, k, v: selfattn.attention(q, k, v, backend="chunked", score_mod=mod, causal="bottom_right"),
-        (q, k, v), eps=1e-6, atol=1e-5)
+    with chunked.options(block_q=3, block_k=4):
+        assert torch.autograd.gradcheck(
+            lambda q, k, v: selfattn.attention(q, k, v, backend="chunked", score_mod=mod, causal="bottom_right"),
+            (q, k, v), eps=1e-6, atol=1e-5)
 
 
 def test_explain_covers_score_mods():

@@ -1,4 +1,4 @@
-"""The validated description of one attention call, handed from functional to a backend.
+"""The validated description of one attention call, handed from functional to dispatch and a backend.
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads, G = Hq // Hkv, Lq/Lk lengths,
 D head dim of q and k, Dv head dim of v.
@@ -23,7 +23,7 @@ class AttentionCall:
     k: Tensor  # (B, Hkv, Lk, D)
     v: Tensor  # (B, Hkv, Lk, Dv)
     mask: Mask | None  # causal folded in; None = every key visible
-    bias: Tensor | None  # float, broadcastable to (B, Hq, Lq, Lk)
+    bias: Tensor | None  # float, 4-D, broadcastable to (B, Hq, Lq, Lk)
     scale: float
     dropout_p: float
     return_lse: bool
@@ -31,11 +31,39 @@ class AttentionCall:
     score_mod: ScoreMod | None = None  # applied to the scaled (+ bias) scores, before the mask
 
     @property
-    def shape(self) -> tuple[int, int, int, int, int, int, int]:
-        """(B, Hq, Hkv, Lq, Lk, D, Dv)."""
-        b, hq, lq, d = self.q.shape
-        hkv, lk, dv = self.k.shape[1], self.k.shape[2], self.v.shape[3]
-        return b, hq, hkv, lq, lk, d, dv
+    def batch(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def hq(self) -> int:
+        return self.q.shape[1]
+
+    @property
+    def hkv(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def groups(self) -> int:
+        """G = Hq // Hkv query heads per key/value head."""
+        return self.q.shape[1] // self.k.shape[1]
+
+    @property
+    def lq(self) -> int:
+        return self.q.shape[2]
+
+    @property
+    def lk(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def head_dim(self) -> int:
+        """D, the head dim of q and k."""
+        return self.q.shape[3]
+
+    @property
+    def v_head_dim(self) -> int:
+        """Dv, the head dim of v (and of the output)."""
+        return self.v.shape[3]
 
     @property
     def device(self) -> torch.device:

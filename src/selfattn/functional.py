@@ -19,8 +19,7 @@ from torch import Tensor
 from . import masks as _masks
 from . import scores as _scores
 from ._call import AttentionCall
-from .backends import REGISTRY
-from .backends.sdpa import is_fast_causal
+from .backends import REGISTRY, dispatch
 from .masks import Mask
 
 __all__ = ["Explanation", "attention", "attention_with_weights", "explain", "use_backend"]
@@ -29,17 +28,6 @@ Causal = bool | Literal["top_left", "bottom_right"]
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("selfattn_backend", default=None)
-
-# When SDPA would need a dense mask, `auto` weighs it against the chunked backend. Measured on a
-# 2-core CPU (fwd+bwd, H=8, D=64): at 256^2 mask elements SDPA's single fused call wins (chunked
-# 1.2-1.6x slower); from 512^2 up, chunked wins wherever the mask leaves tiles empty (padding +
-# causal 0.93x, sliding window 0.84x, 8 packed documents 0.59x; at 1024^2: 0.67x, 0.39x,
-# 0.24x), while a dense random mask with no empty tile stays 1.2x slower in chunked.
-DENSE_MASK_LIMIT = 1 << 18  # below this many elements (B' * H' * Lq * Lk), SDPA with the dense mask
-SKIP_FRACTION = 0.25  # above it, chunked when at least this share of 128 x 128 tiles is empty
-# ... or in any case past this size: the dense mask alone is 1 GiB as float32 (8 GiB at L=32k)
-DENSE_MASK_MEMORY_LIMIT = 1 << 28
-
 
 def _name(x: object) -> str:
     return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else repr(x)
@@ -161,90 +149,24 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mask: object, bias: object, causa
                          score_mod=mod)
 
 
-def _dense_mask_elements(call: AttentionCall) -> int:
-    _, _, _, lq, lk, _, _ = call.shape
-    bm, hm = call.mask.batch_heads() if call.mask is not None else (1, 1)
-    if call.score_mod is not None:
-        hm = call.shape[1]
-    if call.bias is not None:
-        bm, hm = max(bm, call.bias.shape[0]), max(hm, call.bias.shape[1])
-    return bm * hm * lq * lk
-
-
-def _empty_tile_fraction(call: AttentionCall) -> float:
-    """Share of 128 x 128 (query, key) tiles that the mask leaves empty."""
-    if call.mask is None:
-        return 0.0
-    _, _, _, lq, lk, _, _ = call.shape
-    tiles = call.mask.tiles(lq, lk, 128, 128, call.device)
-    return float((tiles == _masks.EMPTY).float().mean())
-
-
-def _choose(call: AttentionCall, forced: str | None, reasons: bool = False) -> tuple[str, dict[str, str]]:
-    """Pick a backend; with ``reasons``, also say for every other backend why it was not picked
-    (without, only the backends considered are asked whether they support the call)."""
-    asked: dict[str, str | None] = {}
-
-    def why_not(name: str) -> str | None:
-        if name not in asked:
-            asked[name] = REGISTRY[name].supports(call)
-        return asked[name]
-
-    if forced is not None:
-        if (why := why_not(forced)) is not None:
-            raise ValueError(f"backend={forced!r} cannot run this call: {why}; "
-                             "use backend='auto' or see selfattn.explain(...)")
-        note = f"not picked: backend {forced!r} was requested"
-        return forced, {n: why_not(n) or note for n in REGISTRY if n != forced} if reasons else {}
-
-    plain = call.mask is None and call.bias is None and call.score_mod is None
-    fast = plain or is_fast_causal(call)
-    elements = _dense_mask_elements(call)
-    preferences: list[tuple[str, str]] = []
-    if call.need_weights:
-        preferences.append(("reference", "only reference returns attention weights"))
-    on_cuda = call.device.type == "cuda"
-    if fast:
-        preferences.append(("sdpa", "SDPA runs this mask in a fused kernel without a dense mask"))
-    else:
-        if on_cuda:
-            preferences.append(("flex", "on CUDA, compiled FlexAttention skips empty blocks and applies score "
-                                        "modifiers in its fused kernel"))
-        if elements > DENSE_MASK_MEMORY_LIMIT:
-            preferences.append(("chunked", f"a dense mask would have {elements:,} elements "
-                                           f"(> {DENSE_MASK_MEMORY_LIMIT:,}); chunked needs O(L * block) memory"))
-        elif elements > DENSE_MASK_LIMIT and (skipped := _empty_tile_fraction(call)) >= SKIP_FRACTION:
-            preferences.append(("chunked", f"{skipped:.0%} of the tiles are empty and a dense mask would have "
-                                           f"{elements:,} elements (> {DENSE_MASK_LIMIT:,}); chunked skips them "
-                                           "in O(L * block) memory"))
-    preferences += [
-        ("sdpa", f"the dense mask ({elements:,} elements) is small or leaves few tiles empty: "
-                 "one fused call"),
-        *([("flex", "SDPA cannot run this call")] if on_cuda else []),
-        ("chunked", "SDPA cannot run this call"),
-        ("reference", "no faster backend can run this call"),
-    ]
-    picked = next(((n, w) for n, w in preferences if n in REGISTRY and why_not(n) is None), None)
-    if picked is None:
-        raise RuntimeError("no backend can run this call")  # reference supports every call
-    name, why = picked
-    if not reasons:
-        return name, {}
-    if not on_cuda and "flex" in REGISTRY and why_not("flex") is None:
-        asked["flex"] = (f"auto does not pick flex on {call.device.type} (it compiles for tens of seconds "
-                         "and runs inference only there): ask for it with backend='flex'")
-    return name, {n: why_not(n) or f"supported, but {name} is preferred: {why}" for n in REGISTRY if n != name}
-
-
 @dataclass(frozen=True)
 class Explanation:
-    """What ``attention(backend='auto')`` would do with these inputs."""
+    """What ``attention(backend='auto')`` would do with these inputs.
+
+    Attributes:
+        backend: the backend that runs the call.
+        not_chosen: for every other backend, why it does not (its reasons joined by "; ").
+        why: why ``backend`` was picked.
+        reasons: for every other backend, the list of its reasons.
+    """
 
     backend: str
     not_chosen: dict[str, str] = field(default_factory=dict)
+    why: str = ""
+    reasons: dict[str, list[str]] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        lines = [f"auto picks: {self.backend}"]
+        lines = [f"auto picks: {self.backend}" + (f" ({self.why})" if self.why else "")]
         lines += [f"  {name}: {why}" for name, why in self.not_chosen.items()]
         return "\n".join(lines)
 
@@ -257,12 +179,14 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
 
     Example:
         >>> print(selfattn.explain(q, k, v, causal=True))
-        auto picks: sdpa
+        auto picks: sdpa (SDPA runs this call in a fused kernel without a dense mask)
           reference: supported, but sdpa is preferred: ...
     """
+    q, k, v, bias = _autocast(q, k, v, bias)
     call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod)
-    name, reasons = _choose(call, _forced_name(backend), reasons=True)
-    return Explanation(name, reasons)
+    choice = dispatch.choose(call, _forced_name(backend), explain=True)
+    return Explanation(choice.backend, {n: "; ".join(r) for n, r in choice.not_chosen.items()},
+                       choice.why, choice.not_chosen)
 
 
 def _forced_name(backend: object) -> str | None:
@@ -271,6 +195,32 @@ def _forced_name(backend: object) -> str | None:
     if backend != "auto" and backend not in REGISTRY:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {sorted(REGISTRY)}")
     return _FORCED.get() if backend == "auto" else backend
+
+
+def _autocast(q: object, k: object, v: object, bias: object) -> tuple:
+    """Under ``torch.autocast`` for q's device, cast the floating inputs (not float64) to the
+    autocast dtype, as torch does for its own SDPA; backends then run with autocast off, so
+    every backend computes the same thing and returns that dtype."""
+    if not isinstance(q, Tensor) or not _autocasting(q.device.type):
+        return q, k, v, bias
+    dtype = torch.get_autocast_dtype(q.device.type)
+
+    def cast(t: object) -> object:
+        ok = isinstance(t, Tensor) and t.dtype.is_floating_point and t.dtype != torch.float64
+        return t.to(dtype) if ok else t  # type: ignore[union-attr]
+    return cast(q), cast(k), cast(v), cast(bias)
+
+
+def _autocasting(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def _run(call: AttentionCall, name: str) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    backend = REGISTRY[name]
+    if _autocasting(call.device.type):
+        with torch.autocast(call.device.type, enabled=False):
+            return backend.run(call)
+    return backend.run(call)
 
 
 @overload
@@ -291,10 +241,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
 
     Args:
         q: (B, Hq, Lq, D). k: (B, Hkv, Lk, D). v: (B, Hkv, Lk, Dv). Hq must be a multiple of
-            Hkv (grouped-query / multi-query attention; K/V are not copied).
+            Hkv (grouped-query / multi-query attention; K/V are not copied). Any strides.
         mask: None, a :mod:`selfattn.masks` object, or a bool tensor broadcastable to
-            (B, Hq, Lq, Lk). True = this query MAY attend to this key.
-        bias: float tensor broadcastable to (B, Hq, Lq, Lk), added to the scaled scores.
+            (B, Hq, Lq, Lk). True = this query MAY attend to this key. A mask's tensors are read
+            when the call runs (and again by its backward: don't change them in between).
+        bias: float tensor broadcastable to (B, Hq, Lq, Lk), added to the scaled scores in the
+            compute dtype (at least float32), whatever its own dtype.
         causal: False, True (needs Lq == Lk), "top_left" or "bottom_right".
         scale: multiplier of the scores; default 1 / sqrt(D).
         dropout_p: dropout on the attention weights (applied whenever > 0).
@@ -306,16 +258,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
 
     Returns:
         out (B, Hq, Lq, Dv) in q's dtype, or (out, lse). A query row that sees no key gives
-        output 0 and gradient 0, never NaN.
+        output 0 and gradient 0, never NaN. Under ``torch.autocast``, q, k, v and bias are first
+        cast to the autocast dtype (float64 excepted), as for torch's own SDPA, in every backend.
 
     Example:
         >>> q = k = v = torch.randn(2, 8, 128, 64)
         >>> out = selfattn.attention(q, k, v, causal=True)
     """
+    q, k, v, bias = _autocast(q, k, v, bias)
     call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod)
-    name, _ = _choose(call, _forced_name(backend))
-    out, lse, _ = REGISTRY[name].run(call)
-    return (out, lse) if return_lse else out
+    out, lse, _ = _run(call, dispatch.choose(call, _forced_name(backend)).backend)
+    return (out, lse) if return_lse else out  # type: ignore[return-value]
 
 
 def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
@@ -326,10 +279,11 @@ def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tens
 
     Materialises the (Lq, Lk) weights, so it always runs the reference backend.
     """
+    q, k, v, bias = _autocast(q, k, v, bias)
     call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, False, score_mod, need_weights=True)
-    name, _ = _choose(call, None)
-    out, _, weights = REGISTRY[name].run(call)
-    assert weights is not None
+    out, _, weights = _run(call, dispatch.choose(call).backend)
+    if weights is None:
+        raise RuntimeError("the backend chosen for need_weights returned no weights")
     return out, weights
 
 

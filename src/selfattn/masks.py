@@ -5,6 +5,20 @@ convention). Masks are small objects, not tensors: they compose with ``&``, ``|`
 into a dense bool tensor on request, and classify (query block, key block) tiles as empty, partly
 visible or fully visible so that backends can skip work without ever building an (Lq, Lk) tensor.
 
+One source of truth: each mask states its rule once, as a predicate ``visible(b, h, i, j)`` on
+positions (:meth:`Mask.predicate`). The dense form, :meth:`Mask.block` and FlexAttention's
+``mask_mod`` are all derived from it; the analytic tile bounds of each mask are a fast path that
+the test suite checks against the predicate.
+
+Positions: key j sits at position j; query row r sits at position ``r + query_offset(Lq, Lk)``
+(queries are the last Lq of the Lk positions, as when decoding after a cache). Score modifiers
+(:mod:`selfattn.scores`) receive the same positions.
+
+Masks read their tensors (padding lengths, document ids, ``from_tensor``) when they are used, so
+a tensor changed in place between two calls is seen by the next call; every cache that backends
+keep (FlexAttention block masks) is keyed on :meth:`Mask.version`, and a change between a
+forward and its backward raises instead of giving the gradient of another mask.
+
 Shape legend: B batch, H heads, Lq query length, Lk key length, bq/bk tile sizes,
 nQ/nK numbers of tiles.
 
@@ -40,10 +54,14 @@ __all__ = [
     "from_torch_attn_mask",
     "from_torch_key_padding_mask",
     "padding",
+    "positions",
+    "query_offset",
     "sliding_window",
 ]
 
-MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+Predicate = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (b, h, i, j) -> bool, i and j positions
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (b, h, q_idx, kv_idx) -> bool, q_idx a row
+Device = torch.device | str | None
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 """Tile classes returned by :meth:`Mask.tiles`."""
@@ -51,23 +69,44 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 _ALIGNS = ("top_left", "bottom_right")
 
 
+def positions(items: Tensor, heads: int, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int,
+              device: Device = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Broadcastable 4-D (b, h, i, j) index tensors of a block: batch items ``items`` (1-D),
+    heads ``0:heads``, query rows ``q0:q1`` as positions (row + query_offset) and keys ``k0:k1``."""
+    off = query_offset(lq, lk)
+    b = items.to(device).view(-1, 1, 1, 1)
+    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
+    i = torch.arange(q0 + off, q1 + off, device=device).view(1, 1, -1, 1)
+    j = torch.arange(k0, k1, device=device).view(1, 1, 1, -1)
+    return b, h, i, j
+
+
+def query_offset(lq: int, lk: int) -> int:
+    """The position of query row 0 in key coordinates: query row r sits at ``r + Lk - Lq``.
+
+    The one place selfattn decides how queries line up with keys when Lq != Lk (bottom-right:
+    the last query is the last key position, as in decoding).
+    """
+    return lk - lq
+
+
 class Mask:
     """A predicate ``visible(b, h, i, j)``; compose with ``&``, ``|`` and ``~``.
 
-    Subclasses implement :meth:`block` (the predicate on a rectangle of indices) and
-    :meth:`_tile_bounds` (which tiles are certainly full and which certainly empty).
+    Subclasses implement :meth:`predicate` (the rule, once) and :meth:`_tile_bounds` (a fast,
+    conservative classification of tiles, checked against the predicate by the test suite).
     """
 
-    def block(self, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int,
-              device: torch.device | str | None = None) -> Tensor:
-        """Visibility of queries ``q0:q1`` and keys ``k0:k1`` for a call with lengths (lq, lk).
+    def predicate(self, lq: int, lk: int, device: Device = None) -> Predicate:
+        """The rule for a call with lengths (lq, lk): ``visible(b, h, i, j) -> bool tensor``.
 
-        Returns a bool tensor broadcastable to (B, H, q1 - q0, k1 - k0), always 4-D.
+        ``b``, ``h``, ``i``, ``j`` are broadcastable integer tensors; ``i`` is the query's
+        position (row + ``query_offset(lq, lk)``), ``j`` the key's. Tensors the mask holds are
+        moved to ``device`` once, when the predicate is made.
         """
         raise NotImplementedError
 
-    def _tile_bounds(self, lq: int, lk: int, bq: int, bk: int,
-                     device: torch.device | str | None) -> tuple[Tensor, Tensor]:
+    def _tile_bounds(self, lq: int, lk: int, bq: int, bk: int, device: Device) -> tuple[Tensor, Tensor]:
         """(full, empty): bool tensors broadcastable to (B, H, nQ, nK).
 
         ``full`` may only be True where every pair in the tile is visible and ``empty`` only
@@ -79,10 +118,19 @@ class Mask:
         """(B, H) sizes this mask carries; 1 where it broadcasts."""
         return 1, 1
 
-    def mask_mod(self, lq: int, lk: int, device: torch.device | str | None = None) -> MaskMod:
-        """The predicate as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` for a call
-        with lengths (lq, lk)."""
-        raise NotImplementedError
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The tensors this mask reads (lengths, ids, a bool tensor), for cache keys."""
+        return ()
+
+    def version(self) -> tuple[int, ...] | None:
+        """The in-place version of every tensor the mask reads; None when one of them cannot say
+        (an inference-mode tensor), so that no cache may trust it."""
+        out = []
+        for t in self.tensors():
+            if t.is_inference():
+                return None
+            out.append(t._version)
+        return tuple(out)
 
     def check(self, batch: int, heads: int, lq: int, lk: int) -> None:
         """Raise ValueError if this mask cannot describe a call of this shape."""
@@ -93,12 +141,27 @@ class Mask:
             raise ValueError(f"mask {self!r} has {h} heads, but q has {heads} heads; "
                              "give it 1 head (broadcast) or one per query head")
 
-    def dense(self, lq: int, lk: int, device: torch.device | str | None = None) -> Tensor:
+    def block(self, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int, device: Device = None) -> Tensor:
+        """Visibility of query rows ``q0:q1`` and keys ``k0:k1`` for a call with lengths (lq, lk).
+
+        Returns a bool tensor broadcastable to (B, H, q1 - q0, k1 - k0), always 4-D.
+        """
+        nb, nh = self.batch_heads()
+        idx = positions(torch.arange(nb), nh, q0, q1, k0, k1, lq, lk, device)
+        out = self.predicate(lq, lk, device)(*idx)
+        return out.reshape((1,) * (4 - out.dim()) + tuple(out.shape))
+
+    def dense(self, lq: int, lk: int, device: Device = None) -> Tensor:
         """The whole mask as a bool tensor broadcastable to (B, H, Lq, Lk)."""
         return self.block(0, lq, 0, lk, lq, lk, device)
 
-    def tiles(self, lq: int, lk: int, block_q: int, block_k: int,
-              device: torch.device | str | None = None) -> Tensor:
+    def mask_mod(self, lq: int, lk: int, device: Device = None) -> MaskMod:
+        """The predicate as FlexAttention's ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (q_idx a
+        query row) for a call with lengths (lq, lk)."""
+        visible, off = self.predicate(lq, lk, device), query_offset(lq, lk)
+        return lambda b, h, q_idx, kv_idx: visible(b, h, q_idx + off, kv_idx)
+
+    def tiles(self, lq: int, lk: int, block_q: int, block_k: int, device: Device = None) -> Tensor:
         """Classify tiles as :data:`EMPTY`, :data:`PARTIAL` or :data:`FULL`.
 
         Returns an int8 tensor broadcastable to (B, H, ceil(Lq / block_q), ceil(Lk / block_k)).
@@ -139,68 +202,92 @@ def _broadcast_bh(a: tuple[int, int], b: tuple[int, int], what: str) -> tuple[in
     return out[0], out[1]
 
 
-def _tile_edges(length: int, block: int, device: torch.device | str | None) -> tuple[Tensor, Tensor]:
-    """First and last index of every tile of ``block`` along a dimension of ``length``."""
+def _tile_edges(length: int, block: int, device: Device, offset: int = 0) -> tuple[Tensor, Tensor]:
+    """First and last position of every tile of ``block`` along a dimension of ``length``."""
     lo = torch.arange(0, length, block, device=device)
     hi = torch.clamp(lo + block, max=length) - 1
-    return lo, hi
+    return lo + offset, hi + offset
 
 
-def _ranges(q0: int, q1: int, k0: int, k1: int,
-            device: torch.device | str | None) -> tuple[Tensor, Tensor]:
-    i = torch.arange(q0, q1, device=device).view(-1, 1)  # (bq, 1)
-    j = torch.arange(k0, k1, device=device).view(1, -1)  # (1, bk)
-    return i, j
+def _query_tiles(lq: int, lk: int, bq: int, device: Device) -> tuple[Tensor, Tensor]:
+    """First and last query position of every query tile, as (nQ, 1) columns."""
+    lo, hi = _tile_edges(lq, bq, device, query_offset(lq, lk))
+    return lo[:, None], hi[:, None]
 
 
-class _And(Mask):
+def _key_tiles(lk: int, bk: int, device: Device) -> tuple[Tensor, Tensor]:
+    """First and last key position of every key tile, as (1, nK) rows."""
+    lo, hi = _tile_edges(lk, bk, device)
+    return lo[None, :], hi[None, :]
+
+
+class _Binary(Mask):
+    """Two masks combined element-wise; subclasses say how (``_op``) and how tiles combine."""
+
+    symbol = ""
+
     def __init__(self, a: Mask, b: Mask) -> None:
         self.a, self.b = a, b
         _broadcast_bh(a.batch_heads(), b.batch_heads(), repr(self))
 
-    def block(self, q0, q1, k0, k1, lq, lk, device=None):
-        return self.a.block(q0, q1, k0, k1, lq, lk, device) & self.b.block(q0, q1, k0, k1, lq, lk, device)
+    @staticmethod
+    def _op(x: Tensor, y: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def predicate(self, lq, lk, device=None):
+        fa, fb, op = self.a.predicate(lq, lk, device), self.b.predicate(lq, lk, device), self._op
+        return lambda b, h, i, j: op(fa(b, h, i, j), fb(b, h, i, j))
+
+    def block(self, q0, q1, k0, k1, lq, lk, device=None):  # each side's own block (it may be a fast path)
+        return self._op(self.a.block(q0, q1, k0, k1, lq, lk, device), self.b.block(q0, q1, k0, k1, lq, lk, device))
+
+    def batch_heads(self):
+        return _broadcast_bh(self.a.batch_heads(), self.b.batch_heads(), repr(self))
+
+    def tensors(self):
+        return self.a.tensors() + self.b.tensors()
+
+    def check(self, batch, heads, lq, lk):
+        self.a.check(batch, heads, lq, lk)
+        self.b.check(batch, heads, lq, lk)
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} {self.symbol} {self.b!r})"
+
+
+class _And(_Binary):
+    symbol = "&"
+
+    @staticmethod
+    def _op(x, y):
+        return x & y
 
     def _tile_bounds(self, lq, lk, bq, bk, device):
         fa, ea = self.a._tile_bounds(lq, lk, bq, bk, device)
         fb, eb = self.b._tile_bounds(lq, lk, bq, bk, device)
         return fa & fb, ea | eb
 
-    def batch_heads(self):
-        return _broadcast_bh(self.a.batch_heads(), self.b.batch_heads(), repr(self))
 
-    def check(self, batch, heads, lq, lk):
-        self.a.check(batch, heads, lq, lk)
-        self.b.check(batch, heads, lq, lk)
+class _Or(_Binary):
+    symbol = "|"
 
-    def mask_mod(self, lq, lk, device=None):
-        fa, fb = self.a.mask_mod(lq, lk, device), self.b.mask_mod(lq, lk, device)
-        return lambda b, h, i, j: fa(b, h, i, j) & fb(b, h, i, j)
-
-    def __repr__(self) -> str:
-        return f"({self.a!r} & {self.b!r})"
-
-
-class _Or(_And):
-    def block(self, q0, q1, k0, k1, lq, lk, device=None):
-        return self.a.block(q0, q1, k0, k1, lq, lk, device) | self.b.block(q0, q1, k0, k1, lq, lk, device)
+    @staticmethod
+    def _op(x, y):
+        return x | y
 
     def _tile_bounds(self, lq, lk, bq, bk, device):
         fa, ea = self.a._tile_bounds(lq, lk, bq, bk, device)
         fb, eb = self.b._tile_bounds(lq, lk, bq, bk, device)
         return fa | fb, ea & eb
 
-    def mask_mod(self, lq, lk, device=None):
-        fa, fb = self.a.mask_mod(lq, lk, device), self.b.mask_mod(lq, lk, device)
-        return lambda b, h, i, j: fa(b, h, i, j) | fb(b, h, i, j)
-
-    def __repr__(self) -> str:
-        return f"({self.a!r} | {self.b!r})"
-
 
 class _Not(Mask):
     def __init__(self, a: Mask) -> None:
         self.a = a
+
+    def predicate(self, lq, lk, device=None):
+        fa = self.a.predicate(lq, lk, device)
+        return lambda b, h, i, j: ~fa(b, h, i, j)
 
     def block(self, q0, q1, k0, k1, lq, lk, device=None):
         return ~self.a.block(q0, q1, k0, k1, lq, lk, device)
@@ -212,23 +299,19 @@ class _Not(Mask):
     def batch_heads(self):
         return self.a.batch_heads()
 
+    def tensors(self):
+        return self.a.tensors()
+
     def check(self, batch, heads, lq, lk):
         self.a.check(batch, heads, lq, lk)
-
-    def mask_mod(self, lq, lk, device=None):
-        fa = self.a.mask_mod(lq, lk, device)
-        return lambda b, h, i, j: ~fa(b, h, i, j)
 
     def __repr__(self) -> str:
         return f"~{self.a!r}"
 
 
 class Causal(Mask):
-    """Key j is visible from query i when ``j <= i + offset``.
-
-    ``offset`` is 0 for ``"top_left"`` and ``Lk - Lq`` for ``"bottom_right"`` (the alignment a
-    decoder uses when new queries follow cached keys).
-    """
+    """Key j is visible from query i when ``j <= i`` in positions (bottom-right aligned), or when
+    ``j <= row`` (top-left aligned: the first query sees the first key)."""
 
     def __init__(self, align: str = "top_left") -> None:
         if align not in _ALIGNS:
@@ -236,30 +319,28 @@ class Causal(Mask):
         self.align = align
 
     def offset(self, lq: int, lk: int) -> int:
-        return 0 if self.align == "top_left" else lk - lq
+        """How far right of a query's row its last visible key lies: 0 (top_left) or Lk - Lq."""
+        return 0 if self.align == "top_left" else query_offset(lq, lk)
 
-    def block(self, q0, q1, k0, k1, lq, lk, device=None):
-        i, j = _ranges(q0, q1, k0, k1, device)
-        return (j <= i + self.offset(lq, lk)).view(1, 1, q1 - q0, k1 - k0)
+    def _shift(self, lq: int, lk: int) -> int:
+        """Visible when ``j <= i - shift`` in positions."""
+        return query_offset(lq, lk) - self.offset(lq, lk)
+
+    def predicate(self, lq, lk, device=None):
+        shift = self._shift(lq, lk)
+        return lambda b, h, i, j: j <= i - shift
 
     def _tile_bounds(self, lq, lk, bq, bk, device):
-        off = self.offset(lq, lk)
-        qlo, qhi = _tile_edges(lq, bq, device)
-        klo, khi = _tile_edges(lk, bk, device)
-        full = khi[None, :] <= qlo[:, None] + off
-        empty = klo[None, :] > qhi[:, None] + off
-        return full[None, None], empty[None, None]
-
-    def mask_mod(self, lq, lk, device=None):
-        off = self.offset(lq, lk)
-        return lambda b, h, i, j: j <= i + off
+        shift = self._shift(lq, lk)
+        (qlo, qhi), (klo, khi) = _query_tiles(lq, lk, bq, device), _key_tiles(lk, bk, device)
+        return (khi <= qlo - shift)[None, None], (klo > qhi - shift)[None, None]
 
     def __repr__(self) -> str:
         return f"causal({self.align!r})"
 
 
 class SlidingWindow(Mask):
-    """Key j is visible from query i when ``i + off - left <= j <= i + off + right``, off = Lk - Lq."""
+    """Key j is visible from query i when ``i - left <= j <= i + right`` (positions)."""
 
     def __init__(self, left: int, right: int = 0) -> None:
         for name, value in (("left", left), ("right", right)):
@@ -267,24 +348,15 @@ class SlidingWindow(Mask):
                 raise ValueError(f"sliding_window {name} must be an int >= 0, got {value!r}")
         self.left, self.right = left, right
 
-    def block(self, q0, q1, k0, k1, lq, lk, device=None):
-        i, j = _ranges(q0, q1, k0, k1, device)
-        c = i + (lk - lq)
-        return ((j >= c - self.left) & (j <= c + self.right)).view(1, 1, q1 - q0, k1 - k0)
+    def predicate(self, lq, lk, device=None):
+        left, right = self.left, self.right
+        return lambda b, h, i, j: (j >= i - left) & (j <= i + right)
 
     def _tile_bounds(self, lq, lk, bq, bk, device):
-        off = lk - lq
-        qlo, qhi = _tile_edges(lq, bq, device)
-        klo, khi = _tile_edges(lk, bk, device)
-        qlo, qhi = qlo[:, None] + off, qhi[:, None] + off
-        klo, khi = klo[None, :], khi[None, :]
+        (qlo, qhi), (klo, khi) = _query_tiles(lq, lk, bq, device), _key_tiles(lk, bk, device)
         full = (klo >= qhi - self.left) & (khi <= qlo + self.right)
         empty = (khi < qlo - self.left) | (klo > qhi + self.right)
         return full[None, None], empty[None, None]
-
-    def mask_mod(self, lq, lk, device=None):
-        off, left, right = lk - lq, self.left, self.right
-        return lambda b, h, i, j: (j >= i + off - left) & (j <= i + off + right)
 
     def __repr__(self) -> str:
         return f"sliding_window({self.left}, {self.right})"
@@ -301,7 +373,7 @@ def _as_int_tensor(x: Tensor | Sequence[int], name: str, ndims: tuple[int, ...])
 
 class Padding(Mask):
     """Key j is visible in batch item b when ``j < lengths[b]`` (right-padded sequences); with
-    ``queries=True`` padded query rows also see nothing (their output is 0)."""
+    ``queries=True`` padded queries (positions >= lengths[b]) also see nothing (output 0)."""
 
     def __init__(self, lengths: Tensor | Sequence[int], queries: bool = False) -> None:
         t = _as_int_tensor(lengths, "padding lengths", (1,))
@@ -309,41 +381,37 @@ class Padding(Mask):
             raise ValueError(f"padding lengths must be >= 0, got {t.tolist()}")
         self.lengths, self.queries = t, queries
 
-    def _len(self, device) -> Tensor:
+    def _len(self, device: Device) -> Tensor:
         return self.lengths.to(device).view(-1, 1, 1, 1)  # (B, 1, 1, 1)
 
-    def block(self, q0, q1, k0, k1, lq, lk, device=None):
-        n = self._len(device)
-        visible = torch.arange(k0, k1, device=device).view(1, 1, 1, -1) < n  # (B, 1, 1, bk)
-        if self.queries:  # query i sits at key position i + Lk - Lq
-            visible = visible & (torch.arange(q0, q1, device=device).view(1, 1, -1, 1) + (lk - lq) < n)
-        return visible
+    def predicate(self, lq, lk, device=None):
+        n = self.lengths.to(device)
+        if self.queries:
+            return lambda b, h, i, j: (j < n[b]) & (i < n[b])
+        return lambda b, h, i, j: j < n[b]
 
     def _tile_bounds(self, lq, lk, bq, bk, device):
         klo, khi = _tile_edges(lk, bk, device)
         n = self._len(device)
         full, empty = khi.view(1, 1, 1, -1) < n, klo.view(1, 1, 1, -1) >= n
         if self.queries:
-            qlo, qhi = _tile_edges(lq, bq, device)
-            full = full & (qhi.view(1, 1, -1, 1) + (lk - lq) < n)
-            empty = empty | (qlo.view(1, 1, -1, 1) + (lk - lq) >= n)
+            qlo, qhi = _tile_edges(lq, bq, device, query_offset(lq, lk))
+            full = full & (qhi.view(1, 1, -1, 1) < n)
+            empty = empty | (qlo.view(1, 1, -1, 1) >= n)
         return full, empty
 
     def batch_heads(self):
         return self.lengths.numel(), 1
 
-    def mask_mod(self, lq, lk, device=None):
-        n, off = self.lengths.to(device), lk - lq
-        if self.queries:
-            return lambda b, h, i, j: (j < n[b]) & (i + off < n[b])
-        return lambda b, h, i, j: j < n[b]
+    def tensors(self):
+        return (self.lengths,)
 
     def __repr__(self) -> str:
         return f"padding({self.lengths.tolist()}{', queries=True' if self.queries else ''})"
 
 
 class Document(Mask):
-    """Key j is visible from query i when both belong to the same document.
+    """Key j is visible from query i when both positions belong to the same document.
 
     ``ids`` gives a document id per key position, (B, Lk) or (Lk,). When Lq < Lk the queries
     are the last Lq positions (bottom-right aligned, as when decoding after a cache).
@@ -362,15 +430,12 @@ class Document(Mask):
             raise ValueError(f"document masks need Lq <= Lk (queries are the last Lq positions), "
                              f"got Lq={lq}, Lk={lk}")
 
-    def _ids(self, device) -> Tensor:
-        return self.ids.to(device)
-
-    def block(self, q0, q1, k0, k1, lq, lk, device=None):
-        ids = self._ids(device)
-        off = lk - lq
-        qi = ids[:, q0 + off:q1 + off].unsqueeze(-1)  # (B, bq, 1)
-        kj = ids[:, k0:k1].unsqueeze(-2)  # (B, 1, bk)
-        return (qi == kj).unsqueeze(1)  # (B, 1, bq, bk)
+    def predicate(self, lq, lk, device=None):
+        ids = self.ids.to(device)
+        if ids.shape[0] == 1:
+            flat = ids[0]
+            return lambda b, h, i, j: flat[i] == flat[j]
+        return lambda b, h, i, j: ids[b, i] == ids[b, j]
 
     @staticmethod
     def _minmax(x: Tensor, block: int) -> tuple[Tensor, Tensor]:
@@ -383,8 +448,8 @@ class Document(Mask):
         return x.amin(-1), x.amax(-1)  # (B, n)
 
     def _tile_bounds(self, lq, lk, bq, bk, device):
-        ids = self._ids(device)
-        qmin, qmax = self._minmax(ids[:, lk - lq:], bq)
+        ids = self.ids.to(device)
+        qmin, qmax = self._minmax(ids[:, query_offset(lq, lk):], bq)
         kmin, kmax = self._minmax(ids, bk)
         qmin, qmax = qmin[:, :, None], qmax[:, :, None]  # (B, nQ, 1)
         kmin, kmax = kmin[:, None, :], kmax[:, None, :]  # (B, 1, nK)
@@ -395,12 +460,8 @@ class Document(Mask):
     def batch_heads(self):
         return self.ids.shape[0], 1
 
-    def mask_mod(self, lq, lk, device=None):
-        ids, off = self._ids(device), lk - lq
-        if ids.shape[0] == 1:
-            flat = ids[0]
-            return lambda b, h, i, j: flat[i + off] == flat[j]
-        return lambda b, h, i, j: ids[b, i + off] == ids[b, j]
+    def tensors(self):
+        return (self.ids,)
 
     def __repr__(self) -> str:
         return f"document(ids of shape {tuple(self.ids.shape)})"
@@ -424,7 +485,7 @@ def _tile_reduce(t: Tensor, dim: int, block: int, fill: bool, reduce: str) -> Te
 
 
 class FromTensor(Mask):
-    """Key j is visible from query i when ``t[b, h, i, j]`` is True (t broadcastable)."""
+    """Key j is visible from query row r when ``t[b, h, r, j]`` is True (t broadcastable)."""
 
     def __init__(self, t: Tensor) -> None:
         if not isinstance(t, Tensor):
@@ -434,7 +495,7 @@ class FromTensor(Mask):
                             "for an additive float mask pass it as bias=, for 0/1 values use t.bool()")
         if not 1 <= t.dim() <= 4:
             raise ValueError(f"a mask tensor must have 1 to 4 dims (B, H, Lq, Lk), got shape {tuple(t.shape)}")
-        self.t = t.reshape((1,) * (4 - t.dim()) + tuple(t.shape))  # (B|1, H|1, Lq|1, Lk|1)
+        self.t = t[(None,) * (4 - t.dim())]  # (B|1, H|1, Lq|1, Lk|1), a view: changes to t are seen
 
     def check(self, batch, heads, lq, lk):
         want = (batch, heads, lq, lk)
@@ -442,7 +503,13 @@ class FromTensor(Mask):
             raise ValueError(f"mask of shape {tuple(self.t.shape)} does not broadcast to "
                              f"(B, Hq, Lq, Lk) = {want}; use size 1 for dims that broadcast")
 
+    def predicate(self, lq, lk, device=None):
+        t, off = self.t.to(device), query_offset(lq, lk)
+        keep = [size > 1 for size in t.shape]  # broadcast dims are read at index 0
+        return lambda b, h, i, j: t[b * keep[0], h * keep[1], (i - off) * keep[2], j * keep[3]]
+
     def block(self, q0, q1, k0, k1, lq, lk, device=None):
+        """Fast path: a slice of the tensor (the predicate on a rectangle, without a gather)."""
         t = self.t.to(device) if device is not None else self.t
         rows = slice(None) if t.shape[2] == 1 else slice(q0, q1)
         cols = slice(None) if t.shape[3] == 1 else slice(k0, k1)
@@ -457,18 +524,11 @@ class FromTensor(Mask):
     def batch_heads(self):
         return self.t.shape[0], self.t.shape[1]
 
-    def mask_mod(self, lq, lk, device=None):
-        t = self.t.to(device) if device is not None else self.t
-        keep = [size > 1 for size in t.shape]  # broadcast dims are read at index 0
-
-        def mod(b, h, i, j):
-            return t[b * keep[0], h * keep[1], i * keep[2], j * keep[3]]
-        return mod
+    def tensors(self):
+        return (self.t,)
 
     def __repr__(self) -> str:
         return f"from_tensor(shape {tuple(self.t.shape)})"
-
-
 def causal(align: str = "top_left") -> Mask:
     """Causal mask: key j visible from query i when ``j <= i`` (top_left) or
     ``j <= i + Lk - Lq`` (bottom_right).

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from . import functional as F
 from .cache import KVCache
+from .functional import Causal, attention, attention_with_weights
 from .masks import Mask
 from .rope import rope as apply_rope
 
@@ -60,7 +60,7 @@ class SelfAttention(nn.Module):
         self.value = nn.Linear(embed_dim, embed_dim, bias=bias)
 
     def forward(self, x: Tensor, mask: Mask | Tensor | None = None, need_weights: bool = False,
-                *, causal: F.Causal = False) -> Tensor | tuple[Tensor, Tensor]:
+                *, causal: Causal = False) -> Tensor | tuple[Tensor, Tensor]:
         """x: (B, L, E); mask: bool (L, L), (B, L, L) or a Mask, True = may attend.
 
         Returns the output (B, L, E), and with ``need_weights`` also the weights (B, L, L).
@@ -72,9 +72,9 @@ class SelfAttention(nn.Module):
         kwargs = dict(mask=_module_mask(mask), causal=causal,
                       dropout_p=self.dropout if self.training else 0.0)
         if need_weights:
-            out, w = F.attention_with_weights(q, k, v, **kwargs)
+            out, w = attention_with_weights(q, k, v, **kwargs)
             return out.squeeze(1), w.squeeze(1)
-        return F.attention(q, k, v, **kwargs).squeeze(1)
+        return attention(q, k, v, **kwargs).squeeze(1)
 
 
 class MultiHeadAttention(nn.Module):
@@ -126,7 +126,7 @@ class MultiHeadAttention(nn.Module):
         return q, k, v
 
     def forward(self, x: Tensor, mask: Mask | Tensor | None = None, *, context: Tensor | None = None,
-                causal: F.Causal = False, need_weights: bool = False, cache: KVCache | None = None,
+                causal: Causal = False, need_weights: bool = False, cache: KVCache | None = None,
                 positions: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """x: (B, L, E); context: (B, S, E) for cross-attention (default: x itself).
 
@@ -164,9 +164,9 @@ class MultiHeadAttention(nn.Module):
         kwargs = dict(mask=_module_mask(mask), causal=causal,
                       dropout_p=self.dropout if self.training else 0.0)
         if need_weights:
-            out, w = F.attention_with_weights(q, k, v, **kwargs)
+            out, w = attention_with_weights(q, k, v, **kwargs)
         else:
-            out = F.attention(q, k, v, **kwargs)
+            out = attention(q, k, v, **kwargs)
         out = self.proj(out.transpose(1, 2).reshape(b, lq, h * d))  # (B, L, E)
         return (out, w) if need_weights else out
 

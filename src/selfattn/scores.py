@@ -165,12 +165,31 @@ def chain(*mods: ScoreMod) -> ScoreMod:
     return _Chain(mods)
 
 
-def indices(batch: Tensor, hq: int, q0: int, q1: int, k0: int, k1: int, offset: int,
-            device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Broadcastable (b, h, i, j) index tensors of a (batch items, heads, rows q0:q1, keys k0:k1) block,
-    each 4-D; i in key coordinates (row + offset)."""
-    b = batch.to(device).view(-1, 1, 1, 1)
-    h = torch.arange(hq, device=device).view(1, -1, 1, 1)
-    i = (torch.arange(q0, q1, device=device) + offset).view(1, 1, -1, 1)
-    j = torch.arange(k0, k1, device=device).view(1, 1, 1, -1)
-    return b, h, i, j
+def _fit(mod: ScoreMod, out: object, shape: torch.Size, what: str) -> Tensor:
+    """``out`` if it broadcasts to ``shape``, else a ValueError that names the modifier and both shapes."""
+    if not isinstance(out, Tensor):
+        raise TypeError(f"score_mod {mod!r} returned {type(out).__name__} from {what}; it must return a tensor")
+    if out.shape == shape:
+        return out
+    try:
+        fits = torch.broadcast_shapes(out.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"score_mod {mod!r} returned shape {tuple(out.shape)} from {what} for scores of shape "
+                         f"{tuple(shape)} (B, Hq, Lq, Lk); it must return the scores' shape: write it with "
+                         "broadcasting ops on (score, b, h, i, j) and don't reduce or reshape them")
+    return out
+
+
+def apply_score_mod(mod: ScoreMod, score: Tensor, idx: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
+    """``mod(score, b, h, i, j)`` on a (B, Hq, rows, keys) block of scores, checked to keep its shape
+    and dtype; idx from :func:`selfattn.masks.positions`."""
+    return _fit(mod, mod(score, *idx), score.shape, "its call").to(score.dtype).expand(score.shape)
+
+
+def score_mod_bias(mod: ScoreMod, idx: tuple[Tensor, Tensor, Tensor, Tensor], dtype: torch.dtype) -> Tensor:
+    """The bias of an additive modifier on a block, broadcastable to (B, Hq, rows, keys), checked
+    like :func:`apply_score_mod`."""
+    shape = torch.broadcast_shapes(*(t.shape for t in idx))
+    return _fit(mod, mod.bias(*idx), shape, "its bias").to(dtype)

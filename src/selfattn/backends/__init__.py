@@ -1,15 +1,16 @@
-"""Backend registry. Each backend is a module with ``NAME``, ``supports(call) -> None | reason``
-and ``run(call) -> (out, lse | None, weights | None)``.
+"""The backends and their registry.
 
-Backends trust their input (``functional`` validated it) and never pick another backend.
+Each backend is a :class:`~selfattn.backends.base.Backend`: it declares what it supports,
+lists every reason it cannot run a call (``not_supported_reasons``) and runs the calls it can.
+Which backend runs is decided in one place, :mod:`selfattn.backends.dispatch`. Backends trust
+their input (``functional`` validated it) and never pick another backend.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from . import chunked, flex, reference, sdpa
+from .base import Backend
 
-REGISTRY: dict[str, ModuleType] = {m.NAME: m for m in (reference, sdpa, chunked, flex)}
+REGISTRY: dict[str, Backend] = {b.name: b for b in (reference.BACKEND, sdpa.BACKEND, chunked.BACKEND, flex.BACKEND)}
 
-__all__ = ["REGISTRY"]
+__all__ = ["REGISTRY", "Backend"]

@@ -4,94 +4,111 @@ Fast paths: ``is_causal`` for top-left causal masks and ``enable_gqa`` for GQA/M
 never repeated. Any other mask is passed as a dense tensor (O(Lq * Lk) memory). Rows whose keys
 are all hidden are given every key inside the kernel and zeroed afterwards, so no NaN reaches
 the output or the gradients. With ``return_lse`` on the CPU it calls the fused CPU flash op that
-SDPA itself dispatches to, which returns the logsumexp.
+SDPA itself dispatches to, which returns the logsumexp (its inputs get a unit-stride last dim:
+that op reads them as if they had one).
 
 Shape legend: B batch, Hq query heads, Hkv kv heads, Lq/Lk lengths, Dv value head dim.
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .._call import AttentionCall
-from ..masks import Causal
-from ..scores import indices
-from ._common import additive_mask
+from ..masks import Causal, positions
+from ..scores import score_mod_bias
+from ._common import additive_mask, unit_stride
+from .base import Backend, bias_rounds_in_kernel
 
-NAME = "sdpa"
+__all__ = ["DENSE_BIAS_LIMIT", "SdpaBackend"]
+
+DENSE_BIAS_LIMIT = 1 << 26  # elements of a dense bias built from an additive score modifier (256 MiB fp32)
 
 
 def _cpu_lse_op():
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def is_fast_causal(call: AttentionCall) -> bool:
-    """True when SDPA's ``is_causal`` (top-left aligned) expresses the whole mask."""
-    _, _, _, lq, lk, _, _ = call.shape
-    m = call.mask
-    return (call.bias is None and call.score_mod is None and isinstance(m, Causal)
-            and (m.align == "top_left" or lq == lk))
+class SdpaBackend(Backend):
+    """One call of torch's fused SDPA; masks other than top-left causal become a dense tensor."""
+
+    name = "sdpa"
+    score_mods: ClassVar = "additive"
+
+    def fused_causal(self, call: AttentionCall) -> bool:
+        """True when SDPA's ``is_causal`` (top-left aligned) expresses the whole mask."""
+        m = call.mask
+        return (call.bias is None and call.score_mod is None and isinstance(m, Causal)
+                and m.offset(call.lq, call.lk) == 0)
+
+    def needs_dense_mask(self, call: AttentionCall) -> bool:
+        """True when this call costs SDPA an (Lq, Lk) mask or bias tensor."""
+        plain = call.mask is None and call.bias is None and call.score_mod is None
+        return not (plain or self.fused_causal(call))
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        reasons = super().not_supported_reasons(call)
+        elements = call.batch * call.hq * call.lq * call.lk
+        if call.score_mod is not None and call.score_mod.additive and elements > DENSE_BIAS_LIMIT:
+            reasons.append(f"{call.score_mod!r} as a dense bias would have {elements:,} elements "
+                           f"(> {DENSE_BIAS_LIMIT:,}); chunked applies it tile by tile")
+        if bias_rounds_in_kernel(call):
+            reasons.append(f"bias is {call.bias.dtype} but q is {call.dtype}: SDPA adds its mask in q's dtype, "  # type: ignore[union-attr]
+                           "which would round the bias; cast bias to q's dtype to use SDPA")
+        if call.return_lse:
+            if call.device.type != "cpu" or _cpu_lse_op() is None:
+                reasons.append(f"return_lse on {call.device.type} (torch has no SDPA op that returns lse "
+                               "with any mask there)")
+            else:
+                if call.dropout_p > 0:
+                    reasons.append("return_lse with dropout (torch's CPU op that returns lse has no dropout)")
+                if call.head_dim != call.v_head_dim:
+                    reasons.append("return_lse with Dv != D (the CPU op that returns lse needs v's head dim "
+                                   "equal to q's)")
+                if call.bias is not None and call.bias.requires_grad and torch.is_grad_enabled():
+                    reasons.append("return_lse with a bias that requires grad (the CPU op that returns lse "
+                                   "gives no gradient for bias)")
+        return reasons
+
+    def run(self, call: AttentionCall) -> tuple[Tensor, Tensor | None, None]:
+        q, k, v = call.q, call.k, call.v
+        is_causal = self.fused_causal(call)
+        visible = None
+        if call.mask is not None and not is_causal:
+            visible = call.mask.dense(call.lq, call.lk, call.device)  # (B|1, Hq|1, Lq, Lk)
+        bias = call.bias
+        if call.score_mod is not None:  # additive (supports() checked): a dense bias
+            idx = positions(torch.arange(call.batch), call.hq, 0, call.lq, 0, call.lk, call.lq, call.lk, call.device)
+            mod_bias = score_mod_bias(call.score_mod, idx, bias.dtype if bias is not None else q.dtype)
+            bias = mod_bias if bias is None else bias + mod_bias
+        needs_float = bias is not None or call.return_lse
+        attn_mask = additive_mask(visible, bias, q.dtype) if needs_float else visible
+        dead = None  # (B|1, Hq|1, Lq, 1): rows that see no key
+        if attn_mask is not None:
+            alive = (attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf"))
+            alive = alive.any(-1, keepdim=True)
+            if not bool(alive.all()):
+                dead = ~alive  # give dead rows every key inside the kernel, zero them below
+                attn_mask = attn_mask | dead if attn_mask.dtype == torch.bool else attn_mask.masked_fill(dead, 0.0)
+
+        lse = None
+        if call.return_lse:
+            q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
+            out, lse = _cpu_lse_op()(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=call.scale)
+            lse = lse.float().detach()
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal,
+                scale=call.scale, enable_gqa=call.hq != call.hkv)
+        if dead is not None:
+            out = out.masked_fill(dead, 0.0)
+            if lse is not None:
+                lse = lse.masked_fill(dead.squeeze(-1), float("-inf"))
+        return out, lse, None
 
 
-DENSE_BIAS_LIMIT = 1 << 26  # elements of a dense bias built from an additive score modifier (256 MiB fp32)
-
-
-def supports(call: AttentionCall) -> str | None:
-    if call.need_weights:
-        return "does not return attention weights (only reference does)"
-    if call.score_mod is not None:
-        b, hq, _, lq, lk, _, _ = call.shape
-        if not call.score_mod.additive:
-            return f"SDPA takes only tensors, and {call.score_mod!r} is not additive (not a bias)"
-        if b * hq * lq * lk > DENSE_BIAS_LIMIT:
-            return (f"{call.score_mod!r} as a dense bias would have {b * hq * lq * lk:,} elements "
-                    f"(> {DENSE_BIAS_LIMIT:,}); chunked applies it tile by tile")
-    if call.return_lse:
-        if call.device.type != "cpu" or _cpu_lse_op() is None:
-            return f"torch has no SDPA op that returns lse on {call.device.type} with any mask"
-        if call.dropout_p > 0:
-            return "torch's CPU op that returns lse has no dropout"
-        if call.q.shape[-1] != call.v.shape[-1]:
-            return "torch's CPU op that returns lse needs v's head dim equal to q's"
-        if call.bias is not None and call.bias.requires_grad:
-            return "the lse-returning CPU op gives no gradient for bias"
-    return None
-
-
-def run(call: AttentionCall) -> tuple[Tensor, Tensor | None, None]:
-    _, hq, hkv, lq, lk, _, _ = call.shape
-    q, k, v = call.q, call.k, call.v
-    is_causal = is_fast_causal(call)
-    visible = None
-    if call.mask is not None and not is_causal:
-        visible = call.mask.dense(lq, lk, call.device)  # (B|1, Hq|1, Lq, Lk)
-    bias = call.bias
-    if call.score_mod is not None:  # additive (supports() checked): a dense bias
-        b = call.shape[0]
-        mod_bias = call.score_mod.bias(*indices(torch.arange(b), hq, 0, lq, 0, lk, lk - lq, call.device))
-        bias = mod_bias if bias is None else bias + mod_bias
-    needs_float = bias is not None or call.return_lse
-    attn_mask = additive_mask(visible, bias, q.dtype) if needs_float else visible
-    dead = None  # (B|1, Hq|1, Lq, 1): rows that see no key
-    if attn_mask is not None:
-        alive = (attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf"))
-        alive = alive.any(-1, keepdim=True)
-        if not bool(alive.all()):
-            dead = ~alive  # give dead rows every key inside the kernel, zero them below
-            attn_mask = attn_mask | dead if attn_mask.dtype == torch.bool else attn_mask.masked_fill(dead, 0.0)
-
-    lse = None
-    if call.return_lse:
-        out, lse = _cpu_lse_op()(q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=call.scale)
-        lse = lse.float().detach()
-    else:
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, dropout_p=call.dropout_p, is_causal=is_causal,
-            scale=call.scale, enable_gqa=hq != hkv)
-    if dead is not None:
-        out = out.masked_fill(dead, 0.0)
-        if lse is not None:
-            lse = lse.masked_fill(dead.squeeze(-1), float("-inf"))
-    return out, lse, None
+BACKEND = SdpaBackend()

@@ -1,0 +1,81 @@
+"""What a backend is: what it supports, declared as data, and the reasons it cannot run a call.
+
+Every backend subclasses :class:`Backend`, fills in the class attributes, and extends
+:meth:`Backend.not_supported_reasons` through ``super()`` for what data cannot say. Dispatch
+(``backends/dispatch.py``) asks these reasons; ``explain()`` prints them. Backends trust their
+input (``functional`` validated it) and never pick another backend.
+
+Shape legend: B batch, Hq query heads, Hkv kv heads, Lq/Lk lengths, D/Dv head dims.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+from .._call import AttentionCall
+
+__all__ = ["ALL_DTYPES", "Backend", "bias_rounds_in_kernel"]
+
+ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+def bias_rounds_in_kernel(call: AttentionCall) -> bool:
+    """True when a kernel that adds its mask in q's dtype would round the bias: selfattn adds
+    bias in the compute dtype (at least float32), so a float32 bias on float16/bfloat16 inputs
+    is only exact in a kernel that upcasts it."""
+    bias = call.bias
+    return bias is not None and bias.dtype != call.dtype and call.dtype in (torch.float16, torch.bfloat16)
+
+
+class Backend:
+    """One way to compute attention. Subclasses declare what they support and implement :meth:`run`."""
+
+    name: ClassVar[str]
+    devices: ClassVar[frozenset[str] | None] = None  # device types it runs on; None = every one
+    dtypes: ClassVar[frozenset[torch.dtype]] = ALL_DTYPES
+    supports_dropout: ClassVar[bool] = True
+    supports_lse: ClassVar[bool] = True
+    supports_weights: ClassVar[bool] = False
+    supports_bias_grad: ClassVar[bool] = True
+    score_mods: ClassVar[Literal["any", "additive", "none"]] = "any"
+
+    def unavailable(self) -> str | None:
+        """Why this backend cannot run at all in this process (a missing torch feature), or None."""
+        return None
+
+    def not_supported_reasons(self, call: AttentionCall) -> list[str]:
+        """Every reason this backend cannot run ``call``; empty when it can."""
+        if (why := self.unavailable()) is not None:
+            return [why]
+        reasons = []
+        device = call.device.type
+        if self.devices is not None and device not in self.devices:
+            reasons.append(f"device={device} (supported: {', '.join(sorted(self.devices))})")
+        if call.dtype not in self.dtypes:
+            names = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.dtypes))
+            reasons.append(f"dtype={str(call.dtype).removeprefix('torch.')} (supported: {names})")
+        if call.dropout_p > 0 and not self.supports_dropout:
+            reasons.append(f"dropout_p={call.dropout_p} (this backend has no dropout)")
+        if call.return_lse and not self.supports_lse:
+            reasons.append("return_lse=True (this backend does not return lse)")
+        if call.need_weights and not self.supports_weights:
+            reasons.append("need_weights (only the reference backend returns attention weights)")
+        if (not self.supports_bias_grad and call.bias is not None and call.bias.requires_grad
+                and torch.is_grad_enabled()):
+            reasons.append("bias requires grad (this backend gives no gradient for bias)")
+        mod = call.score_mod
+        if mod is not None and self.score_mods == "none":
+            reasons.append(f"score_mod={mod!r} (this backend takes no score modifiers)")
+        elif mod is not None and self.score_mods == "additive" and not mod.additive:
+            reasons.append(f"score_mod={mod!r} is not additive (this backend takes a modifier only as a bias)")
+        return reasons
+
+    def run(self, call: AttentionCall) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """(out (B, Hq, Lq, Dv) in q's dtype, lse (B, Hq, Lq) float32 or None, weights or None)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<backend {self.name!r}>"
