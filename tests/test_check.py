@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -10,10 +11,12 @@ from pathlib import Path
 import doctor_fixtures as fx
 import pytest
 import seed_models as sm
+import torch
+from rich.console import Console
 from torch import nn
 
 import selfattn
-from selfattn.check import FINDING_IDS, CannotRun, check
+from selfattn.check import FINDING_IDS, CannotRun, check, render
 
 
 class TorchMHAWrapper(nn.Module):
@@ -88,6 +91,62 @@ def test_cannot_run_is_reported():
 
     with pytest.raises(CannotRun, match="every input shape"):
         check(Broken())
+
+
+class _SelfAttention(nn.Module):
+    """Correct single-head attention behind forward(x[, mask]) (mask: (B, L, L), True = may attend)."""
+
+    def __init__(self, embed_dim: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+
+    def forward(self, x, mask=None):
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        return torch.softmax(scores, dim=-1) @ v
+
+
+class _RaisesUnderAutograd(_SelfAttention):
+    """Correct, but refuses an input that requires grad: only the gradients probe cannot run."""
+
+    def forward(self, x, mask=None):
+        if x.requires_grad:
+            raise RuntimeError("no autograd here")
+        return super().forward(x, mask)
+
+
+class _RefusesEmptyRows(_SelfAttention):
+    """Correct, but raises on a mask that leaves a query row without any visible key."""
+
+    def forward(self, x, mask=None):
+        if mask is not None and not mask.any(-1).all():
+            raise ValueError("a row has no visible key")
+        return super().forward(x, mask)
+
+
+def test_probe_that_raises_is_not_verified():
+    """catches: a probe that crashes on an unexpected exception being dropped silently (the property
+    looks checked), or taking the whole check down with it."""
+    report = check(_RaisesUnderAutograd)
+    assert report.not_verified == {"gradients": "not verified: RuntimeError: no autograd here"}
+    assert report.passed and report.findings == []
+    assert report.inferred["white box"] == {"without mask": "matches the definition",
+                                            "with a causal mask": "matches the definition"}
+    assert json.loads(report.to_json())["not_verified"] == report.not_verified
+    console = Console(file=io.StringIO(), width=200)
+    render(report, console)
+    assert "not verified: RuntimeError: no autograd here" in console.file.getvalue()
+
+
+def test_probes_do_not_depend_on_state_left_by_another():
+    """catches: half precision reading the fully-masked-row mask that an earlier probe stored on the
+    doctor (it failed with AttributeError whenever that probe had raised first)."""
+    report = check(_RefusesEmptyRows)
+    assert set(report.not_verified) == {"fully masked rows", "half precision"}
+    assert all(why == "not verified: ValueError: a row has no visible key" for why in report.not_verified.values())
+    assert report.passed and report.inferred["mask"]["convention"] == "True/1 = may attend"
 
 
 def test_assert_attention_correct():

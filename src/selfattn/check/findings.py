@@ -1,0 +1,65 @@
+"""The doctor's catalogue of findings: each id, how to fix it, how serious it is, and what it explains.
+
+An id names one bug; its meaning never changes, since users match on it (``--json``, CI checks).
+A white-box diagnosis (the module's output follows a known wrong formula) explains black-box
+symptoms (batch mixing, a leak past the mask, ...); those are folded into it, not reported twice.
+
+Shape legend: B batch, L length, E embed dim.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+__all__ = ["EXPLAINS", "FINDING_IDS", "FIXES", "SEVERITY", "Severity"]
+
+Severity = Literal["error", "warning"]
+
+FIXES: dict[str, str] = {
+    "batch-mixing": "Keep the batch dimension apart: transpose only the last two dims (k.transpose(-2, -1)), "
+                    "never the whole tensor (.T), and normalise over keys only.",
+    "missing-scale": "Divide the scores by sqrt(head_dim) before the softmax.",
+    "wrong-scale": "Scale the scores by 1/sqrt(head_dim), the size of one head's q/k vectors "
+                   "(not head_dim, not embed_dim).",
+    "softmax-dim": "Take the softmax over the keys: torch.softmax(scores, dim=-1).",
+    "matmul-order": "Compute weights @ V (weights: (..., Lq, Lk), V: (..., Lk, D)), not V @ weights or "
+                    "weights^T @ V.",
+    "head-merge": "Merge heads with out.transpose(1, 2).reshape(B, L, E) (transpose before view/reshape).",
+    "mask-ignored": "Apply the mask to the scores before the softmax (scores.masked_fill(~visible, -inf)).",
+    "mask-inverted": "Flip the mask polarity (or fix the convention you documented): keep = may attend.",
+    "mask-after-softmax": "Mask the scores before the softmax, so the weights of visible keys sum to 1.",
+    "causal-leak": "Hide exactly the future: visible when j <= i (torch.ones(L, L).tril() as keep-mask); "
+                   "the diagonal must stay visible.",
+    "nan-on-masked-row": "Give rows with no visible key an output of 0 (or use a finite fill), e.g. "
+                         "selfattn.attention, which returns 0 there.",
+    "half-precision-overflow": "Fill masked scores with a dtype-safe value (torch.finfo(scores.dtype).min "
+                               "or -inf with a guard for empty rows), not a float32 constant like -1e9.",
+    "non-finite": "Subtract the row max before exp (torch.softmax does) and keep the scores finite.",
+    "dropout-in-eval": "Use nn.Dropout (or F.dropout(..., training=self.training)) so eval() turns it off.",
+    "no-grad": "Don't detach or compute under no_grad inside forward; every parameter should get a gradient.",
+    "not-equivariant": "Without positions or masks, attention must commute with permuting the tokens; "
+                       "look for reshapes that mix positions (if the module adds positions, this is expected).",
+    "wrong-output-shape": "Return (B, L, E) for input (B, L, E).",
+    "shape-dependent": "The module runs only for some shapes: look for .T, view() or matmuls whose sizes match "
+                       "only by accident.",
+}
+FINDING_IDS: tuple[str, ...] = tuple(FIXES)
+
+# "warning": the finding can be intended (a module that adds positions is not permutation
+# equivariant); every other finding is a bug. Either kind fails the check.
+SEVERITY: dict[str, Severity] = {fid: "warning" if fid == "not-equivariant" else "error" for fid in FIXES}
+
+# A diagnosis (key) explains these symptoms, which are then reported inside it rather than on their own.
+# In order: the most specific diagnosis first.
+EXPLAINS: dict[str, frozenset[str]] = {
+    "softmax-dim": frozenset({"batch-mixing", "not-equivariant", "causal-leak", "nan-on-masked-row",
+                              "mask-ignored"}),
+    "matmul-order": frozenset({"batch-mixing", "not-equivariant", "causal-leak", "shape-dependent",
+                               "wrong-output-shape", "mask-ignored"}),
+    "head-merge": frozenset({"batch-mixing", "not-equivariant", "causal-leak", "mask-ignored"}),
+    "batch-mixing": frozenset({"not-equivariant", "shape-dependent", "wrong-output-shape", "causal-leak",
+                               "mask-ignored"}),
+    "mask-after-softmax": frozenset({"mask-ignored"}),
+    "causal-leak": frozenset({"mask-ignored"}),  # a row the broken causal mask empties sees padding too
+    "dropout-in-eval": frozenset({"batch-mixing", "not-equivariant", "mask-ignored", "causal-leak"}),  # random
+}

@@ -1,0 +1,129 @@
+"""The doctor's report: its findings, what it inferred, what it could not verify, and how it prints.
+
+Shape legend: B batch, L length, E embed dim.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from .findings import EXPLAINS, FIXES, SEVERITY, Severity
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = ["Finding", "Report", "merge", "render"]
+
+
+@dataclass
+class Finding:
+    """One bug: its id (see :data:`selfattn.check.FINDING_IDS`), what was seen, the evidence and the fix."""
+
+    id: str
+    message: str
+    evidence: dict
+    fix: str
+
+    @classmethod
+    def of(cls, fid: str, message: str, evidence: dict) -> Finding:
+        """A finding with the catalogue's fix for ``fid``.
+
+        Args:
+            fid: a finding id from the catalogue.
+            message: what the probe saw.
+            evidence: the numbers or examples behind it (JSON-serialisable).
+
+        Returns:
+            The finding.
+        """
+        return cls(fid, message, evidence, FIXES[fid])
+
+    @property
+    def severity(self) -> Severity:
+        """"error" (a bug) or "warning" (may be intended, e.g. a module with positions is not equivariant)."""
+        return SEVERITY[self.id]
+
+
+@dataclass
+class Report:
+    """What :func:`selfattn.check` found.
+
+    ``passed`` is True when there is no finding. ``not_verified`` maps each probe that raised
+    to "not verified: <exception type>: <message>"; those properties were not checked.
+    """
+
+    passed: bool
+    inferred: dict
+    findings: list[Finding] = field(default_factory=list)
+    not_verified: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """The report as plain data (the ``--json`` output).
+
+        Returns:
+            {"passed", "inferred", "findings": [{"id", "message", "evidence", "fix"}, ...], "not_verified"}.
+        """
+        return {"passed": self.passed, "inferred": self.inferred, "findings": [asdict(f) for f in self.findings],
+                "not_verified": self.not_verified}
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON (values JSON cannot hold are written with ``str``)."""
+        return json.dumps(self.to_dict(), indent=1, default=str)
+
+    @property
+    def ids(self) -> set[str]:
+        """The ids of the findings."""
+        return {f.id for f in self.findings}
+
+
+def merge(findings: Iterable[Finding]) -> list[Finding]:
+    """Keep the first finding of each id and fold the symptoms a diagnosis explains into it.
+
+    Args:
+        findings: in the order the probes reported them.
+
+    Returns:
+        One finding per id, in first-reported order; an explained symptom's evidence is under
+        its diagnosis' ``evidence["also seen"][symptom id]``.
+    """
+    by_id: dict[str, Finding] = {}
+    for f in findings:
+        by_id.setdefault(f.id, f)
+    for fid, explained in EXPLAINS.items():
+        if fid in by_id:
+            for other in sorted(explained & set(by_id)):
+                by_id[fid].evidence.setdefault("also seen", {})[other] = by_id.pop(other).evidence
+    return list(by_id.values())
+
+
+def render(report: Report, console: Console) -> None:
+    """Print a readable report.
+
+    Args:
+        report: what :func:`selfattn.check` returned.
+        console: a ``rich.console.Console`` to print to.
+    """
+    from rich.panel import Panel
+    from rich.table import Table
+
+    status = "[green]PASSED[/green]: no finding" if report.passed else \
+        f"[red]{len(report.findings)} finding(s)[/red]"
+    inferred = Table(show_header=False, box=None)
+    for k, v in report.inferred.items():
+        inferred.add_row(f"[bold]{k}[/bold]", json.dumps(v, default=str) if isinstance(v, (dict, list)) else str(v))
+    console.print(Panel(inferred, title="what the doctor inferred"))
+    for f in report.findings:
+        colour = "red" if f.severity == "error" else "yellow"
+        body = f"{f.message}\n\n[bold]evidence[/bold]: {json.dumps(f.evidence, default=str)[:1500]}\n\n" \
+               f"[bold]fix[/bold]: {f.fix}"
+        console.print(Panel(body, title=f"[{colour}]{f.id}[/{colour}] ({f.severity})"))
+    if report.not_verified:
+        unverified = Table(show_header=False, box=None)
+        for probe, why in report.not_verified.items():
+            unverified.add_row(f"[bold]{probe}[/bold]", why)
+        console.print(Panel(unverified, title="[yellow]probes that could not run[/yellow]"))
+        status += f" [yellow]({len(report.not_verified)} probe(s) not verified)[/yellow]"
+    console.print(status)
