@@ -4,7 +4,8 @@
     python scripts/gpu_check.py --device cpu --quick   # the same logic on tiny sizes (a smoke test)
 
 Part 1 runs every backend on awkward shapes and masks in bfloat16 and float16 and holds it to the
-test suite's rule: error <= 2x that of the same plain math in that dtype (vs float64), plus ulps.
+test suite's rule (selfattn.testing): error <= 2x that of the same plain math in that dtype (vs the
+float64 oracle), plus ulps.
 Part 2 times forward and forward+backward of selfattn ``auto``, raw SDPA (is_causal, or a dense
 mask) and compiled FlexAttention on causal, sliding-window and packed-document (causal) masks,
 and prints TFLOP/s (counting only visible (query, key) pairs) and ratios, next to the measured
@@ -17,42 +18,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
-import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 import selfattn
-from selfattn import masks
+from selfattn import masks, testing
 from selfattn.backends import REGISTRY
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _time(fn: Callable[[], object], device: str, repeats: int) -> float:
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _plain(q, k, v, visible):
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    s = s.masked_fill(~visible, float("-inf"))
-    return torch.softmax(s, -1).nan_to_num(0) @ v
+from selfattn.bench.timing import time_one
 
 
 def correctness(device: str, quick: bool) -> bool:
@@ -70,10 +45,9 @@ def correctness(device: str, quick: bool) -> bool:
             for name, mask in cases.items():
                 if name == "doc&causal" and lk != 203:
                     mask = masks.document(torch.arange(lk) // 300) & masks.causal("bottom_right")
-                visible = mask.dense(lq, lk, device)
-                ref = _plain(q.double(), k.double(), v.double(), visible)
-                naive = _plain(q.to(dtype), k.to(dtype), v.to(dtype), visible).double()
-                bar = 2 * (naive - ref).abs().max().item() + 16 * torch.finfo(dtype).eps * ref.abs().max().item()
+                ref = testing.reference_attention(q, k, v, mask=mask)
+                naive = testing.reference_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask=mask, dtype=None,
+                                                    safe=False)
                 for backend in REGISTRY:
                     try:
                         with torch.no_grad():
@@ -83,11 +57,10 @@ def correctness(device: str, quick: bool) -> bool:
                         print(f"  {str(dtype)[6:]:8s} {(b, hq, hkv, lq, lk, d)!s:28s} {name:10s} "
                               f"{backend:9s} not run: {e}")
                         continue
-                    err = (out.double() - ref).abs().max().item()
-                    good = err <= bar and bool(torch.isfinite(out).all())
-                    ok &= good
+                    c = testing.compare_to_reference(out, ref, naive, name=backend)
+                    ok &= c.ok
                     print(f"  {str(dtype)[6:]:8s} {(b, hq, hkv, lq, lk, d)!s:28s} {name:10s} {backend:9s} "
-                          f"err {err:.2e}  bar {bar:.2e}  {'ok' if good else 'FAIL'}")
+                          f"err {c.error:.2e}  bar {c.tolerance:.2e}  {'ok' if c.ok else 'FAIL'}")
     return ok
 
 
@@ -95,7 +68,7 @@ def matmul_rate(device: str, quick: bool) -> float:
     n = 1024 if quick else 8192
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
-    t = _time(lambda: a @ b, device, 5 if quick else 20)
+    t = time_one(lambda: a @ b, 5 if quick else 20, device).median
     return 2 * n**3 / t / 1e12
 
 
@@ -160,7 +133,7 @@ def speed(device: str, quick: bool) -> None:
                 times = {}
                 for name, fn in impls.items():
                     try:
-                        times[name] = _time(fn, device, 3 if quick else 10)
+                        times[name] = time_one(fn, 3 if quick else 10, device).median
                     except Exception as e:  # report and go on: one anchor failing must not hide the rest
                         print(f"  {name} failed: {type(e).__name__}: {str(e)[:120]}")
                 cells = [f"{times[n] * 1e3:7.2f}ms {flops / times[n] / 1e12:6.1f}T" if n in times else f"{'-':>16s}"

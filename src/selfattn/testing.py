@@ -1,12 +1,346 @@
-"""Helpers for users' own test suites."""
+"""Helpers for users' own test suites: a float64 oracle, the tolerance rule, and checkers.
+
+The oracle (:func:`reference_attention`) is the textbook math ``softmax(q k^T * scale + bias,
+score_mod, masked) @ v`` written here, independently of every selfattn backend, and computed in
+float64 by default. The rule (:func:`tolerance`) judges an implementation against it: its error
+may be at most ``factor`` times the error of the same plain math done in the implementation's own
+dtype (the "naive" error), plus a floor of a few ulps of the largest value. So a bfloat16 kernel is
+held to what bfloat16 can do, and a float32 kernel to what float32 can do.
+
+:func:`check_against_reference` applies the rule to any attention function ``fn(q, k, v, **kw)``
+for outputs (factor 2) and gradients (factor 3); :func:`assert_attention_correct` runs
+:func:`selfattn.check` on a whole module.
+
+Shape legend: B batch, Hq query heads, Hkv key/value heads (Hq % Hkv == 0), Lq/Lk query/key
+lengths, D head dim of q and k, Dv head dim of v.
+
+Example:
+    >>> from selfattn import testing
+    >>> q, k, v = torch.randn(2, 8, 100, 64), torch.randn(2, 2, 100, 64), torch.randn(2, 2, 100, 64)
+    >>> testing.check_against_reference(my_attention, q, k, v, causal=True)   # raises if it is off
+"""
 
 from __future__ import annotations
 
-from torch import nn
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
 
 from .check import Report, check
+from .masks import Mask
 
-__all__ = ["assert_attention_correct"]
+__all__ = [
+    "Comparison",
+    "assert_attention_correct",
+    "assert_close_to_reference",
+    "check_against_reference",
+    "compare_to_reference",
+    "max_error",
+    "reference_attention",
+    "reference_lse",
+    "reference_mask",
+    "tolerance",
+]
+
+Causal = bool | Literal["top_left", "bottom_right"]
+ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+OUTPUT_FACTOR = 2.0  # outputs may be off by twice the naive error (plus the ulp floor)
+GRADIENT_FACTOR = 3.0  # gradients go through one more matmul chain: three times
+
+
+def reference_mask(lq: int, lk: int, *, mask: Mask | Tensor | None = None, causal: Causal = False,
+                   device: torch.device | str | None = None) -> Tensor | None:
+    """The (query, key) pairs that may attend, as one dense bool tensor.
+
+    Args:
+        lq: number of queries Lq.
+        lk: number of keys Lk.
+        mask: a :class:`selfattn.masks.Mask`, a bool tensor broadcastable to (B, Hq, Lq, Lk)
+            (True = may attend), or None (every key visible).
+        causal: False, True (top-left, needs Lq == Lk), ``"top_left"`` (query i sees keys j <= i)
+            or ``"bottom_right"`` (query i sees keys j <= i + Lk - Lq, as in decoding).
+        device: where to build it (default: the mask's device, else the CPU).
+
+    Returns:
+        A bool tensor broadcastable to (B, Hq, Lq, Lk), or None when nothing is hidden.
+
+    Example:
+        >>> reference_mask(2, 4, causal="bottom_right")[0, 0].int()
+        tensor([[1, 1, 1, 0],
+                [1, 1, 1, 1]], dtype=torch.int32)
+    """
+    if causal is True and lq != lk:
+        raise ValueError(f"causal=True needs Lq == Lk, got Lq={lq}, Lk={lk}; pass 'top_left' or 'bottom_right'")
+    if causal not in (False, True, "top_left", "bottom_right"):
+        raise ValueError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
+    visible: Tensor | None
+    if mask is None:
+        visible = None
+    elif isinstance(mask, Mask):
+        visible = mask.dense(lq, lk, device)
+    elif isinstance(mask, Tensor) and mask.dtype == torch.bool:
+        visible = mask if device is None else mask.to(device)
+    else:
+        raise TypeError(f"mask must be None, a selfattn.masks.Mask or a bool tensor, got {mask!r:.80}")
+    if visible is not None:
+        visible = visible.reshape((1,) * (4 - visible.dim()) + tuple(visible.shape))
+    if causal is not False:
+        where = device if visible is None else visible.device
+        shift = lk - lq if causal == "bottom_right" else 0
+        i = torch.arange(lq, device=where).view(-1, 1) + shift  # the query's position in key coordinates
+        j = torch.arange(lk, device=where).view(1, -1)
+        below = (j <= i).view(1, 1, lq, lk)
+        visible = below if visible is None else visible & below
+    return visible
+
+
+def _masked_scores(q: Tensor, k: Tensor, mask: Mask | Tensor | None, bias: Tensor | None, causal: Causal,
+                   scale: float | None, score_mod: ScoreFn | None, dtype: torch.dtype | None) -> Tensor:
+    """Scores (B, Hq, Lq, Lk) in ``dtype`` (None: q's), -inf where the mask hides a key."""
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be 4-D (B, H, L, D), got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    if hq % hkv:
+        raise ValueError(f"q has {hq} heads and k has {hkv}; Hq must be a multiple of Hkv")
+    dtype = q.dtype if dtype is None else dtype
+    q, k = q.to(dtype), k.to(dtype).repeat_interleave(hq // hkv, dim=1)  # GQA: each kv head serves Hq/Hkv
+    scale = 1 / math.sqrt(d) if scale is None else scale
+    s = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + bias.to(s.dtype)
+    if score_mod is not None:
+        bi = torch.arange(b, device=s.device).view(-1, 1, 1, 1)
+        hi = torch.arange(hq, device=s.device).view(1, -1, 1, 1)
+        i = (torch.arange(lq, device=s.device) + lk - lq).view(1, 1, -1, 1)  # key coordinates, bottom-right
+        j = torch.arange(lk, device=s.device).view(1, 1, 1, -1)
+        s = score_mod(s, bi, hi, i, j)
+    visible = reference_mask(lq, lk, mask=mask, causal=causal, device=s.device)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return s
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
+                        bias: Tensor | None = None, causal: Causal = False, scale: float | None = None,
+                        score_mod: ScoreFn | None = None, safe: bool = True,
+                        dtype: torch.dtype | None = torch.float64) -> Tensor:
+    """Textbook attention, the oracle: ``softmax(mask(score_mod(q k^T * scale + bias))) @ v``.
+
+    Written for clarity, not speed: it builds the whole (B, Hq, Lq, Lk) score matrix and repeats
+    K/V for grouped-query attention. It is differentiable, so gradients can be checked too.
+
+    Args:
+        q: queries (B, Hq, Lq, D).
+        k: keys (B, Hkv, Lk, D).
+        v: values (B, Hkv, Lk, Dv).
+        mask: a :class:`selfattn.masks.Mask`, a bool tensor broadcastable to (B, Hq, Lq, Lk)
+            (True = may attend), or None.
+        bias: float tensor broadcastable to (B, Hq, Lq, Lk), added to the scaled scores.
+        causal: False, True (top-left, needs Lq == Lk), ``"top_left"`` or ``"bottom_right"``, as
+            :func:`selfattn.attention` means it.
+        scale: multiplies q k^T; None for 1/sqrt(D).
+        score_mod: a :mod:`selfattn.scores` modifier or a function ``(score, b, h, i, j) -> score``
+            applied to the scores after bias, before masking; b, h, i, j are broadcastable int
+            index tensors, i the query's position in key coordinates (row + Lk - Lq), j the key's.
+        safe: True gives 0 for a row that sees no key; False is the naive math (NaN there).
+        dtype: the dtype to compute in, float64 by default; None computes in q's own dtype (the
+            "naive same-dtype" math that :func:`tolerance` measures an implementation against).
+
+    Returns:
+        The output (B, Hq, Lq, Dv) in ``dtype`` (q's dtype when ``dtype`` is None).
+
+    Example:
+        >>> ref = reference_attention(q, k, v, causal=True)                 # float64
+        >>> naive = reference_attention(q, k, v, causal=True, dtype=None, safe=False)
+    """
+    s = _masked_scores(q, k, mask, bias, causal, scale, score_mod, dtype)
+    v = v.to(s.dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if not safe:
+        return torch.softmax(s, dim=-1) @ v
+    alive = torch.isfinite(s).any(-1, keepdim=True)
+    s = torch.where(alive, s, torch.zeros_like(s))
+    return (torch.softmax(s, dim=-1) * alive) @ v
+
+
+def reference_lse(q: Tensor, k: Tensor, *, mask: Mask | Tensor | None = None, bias: Tensor | None = None,
+                  causal: Causal = False, scale: float | None = None, score_mod: ScoreFn | None = None,
+                  dtype: torch.dtype | None = torch.float64) -> Tensor:
+    """The logsumexp of each row's scores, as returned by ``attention(..., return_lse=True)``.
+
+    Args:
+        q, k, mask, bias, causal, scale, score_mod, dtype: as in :func:`reference_attention`
+            (v is not needed).
+
+    Returns:
+        (B, Hq, Lq) in ``dtype``; -inf on rows that see no key.
+
+    Example:
+        >>> lse = reference_lse(q, k, mask=masks.sliding_window(20))
+    """
+    return torch.logsumexp(_masked_scores(q, k, mask, bias, causal, scale, score_mod, dtype), dim=-1)
+
+
+def tolerance(err_naive: float, ref: Tensor, dtype: torch.dtype, factor: float) -> float:
+    """The rule: ``factor`` x the naive error, plus a floor of a few ulps of the largest value.
+
+    In float64 the naive math is the oracle itself (error 0), so the floor is all there is: 64 ulps
+    there, room for summing one row in several runs; 16 ulps elsewhere, where the naive error
+    dominates.
+
+    Args:
+        err_naive: max abs error of the plain math done in ``dtype``, against ``ref``.
+        ref: the float64 reference values (any shape).
+        dtype: the dtype of the implementation under test.
+        factor: how many times the naive error is allowed (2 for outputs, 3 for gradients).
+
+    Returns:
+        The largest max abs error allowed.
+
+    Example:
+        >>> tolerance(1e-3, ref, torch.bfloat16, 2.0)
+    """
+    ulps = 64 if dtype == torch.float64 else 16
+    return factor * err_naive + ulps * torch.finfo(dtype).eps * max(1.0, ref.abs().max().item())
+
+
+def max_error(a: Tensor, ref: Tensor) -> float:
+    """Max abs difference of ``a`` and ``ref``, in float64 (NaN if ``a`` has a NaN)."""
+    return (a.double() - ref.double()).abs().max().item()
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One tensor held to the rule: its error, the tolerance, and the naive error behind it."""
+
+    name: str
+    error: float
+    tolerance: float
+    naive_error: float
+    finite: bool
+
+    @property
+    def ok(self) -> bool:
+        """All values finite and the error within the tolerance."""
+        return self.finite and self.error <= self.tolerance
+
+    def __str__(self) -> str:
+        if not self.finite:
+            return f"{self.name}: non-finite values"
+        verdict = "<=" if self.ok else ">"
+        return (f"{self.name}: error {self.error:.3g} {verdict} tolerance {self.tolerance:.3g} "
+                f"(naive {self.naive_error:.3g})")
+
+
+def compare_to_reference(actual: Tensor, ref: Tensor, naive: Tensor, *, factor: float = OUTPUT_FACTOR,
+                         name: str = "out") -> Comparison:
+    """Measure ``actual`` against the oracle with the rule, without raising.
+
+    Args:
+        actual: the implementation's result, in its own dtype (any shape).
+        ref: the float64 oracle's result, same shape.
+        naive: the plain math's result in ``actual``'s dtype, same shape (NaN counts as 0, so
+            ``safe=False`` results may be passed).
+        factor: multiple of the naive error allowed (2 for outputs, 3 for gradients).
+        name: what ``actual`` is, for messages.
+
+    Returns:
+        A :class:`Comparison`; ``.ok`` says whether it passes.
+    """
+    err_naive = max_error(naive.nan_to_num(0), ref)
+    return Comparison(name=name, error=max_error(actual, ref), naive_error=err_naive,
+                      tolerance=tolerance(err_naive, ref, actual.dtype, factor),
+                      finite=bool(torch.isfinite(actual).all()))
+
+
+def assert_close_to_reference(actual: Tensor, ref: Tensor, naive: Tensor, *, factor: float = OUTPUT_FACTOR,
+                              name: str = "out") -> Comparison:
+    """Like :func:`compare_to_reference`, but raise AssertionError when the rule is broken.
+
+    The message gives the error, the tolerance and the naive error.
+
+    Example:
+        >>> ref = reference_attention(q, k, v)
+        >>> naive = reference_attention(q, k, v, dtype=None, safe=False)
+        >>> assert_close_to_reference(my_attention(q, k, v), ref, naive)
+    """
+    result = compare_to_reference(actual, ref, naive, factor=factor, name=name)
+    if not result.ok:
+        raise AssertionError(str(result))
+    return result
+
+
+def check_against_reference(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *,
+                            mask: Mask | Tensor | None = None, bias: Tensor | None = None,
+                            causal: Causal = False, scale: float | None = None,
+                            score_mod: ScoreFn | None = None, grads: bool = True, seed: int = 0,
+                            reference_score_mod: ScoreFn | None = None, name: str | None = None,
+                            **fn_kwargs: object) -> list[Comparison]:
+    """Hold an attention function to the rule: output (factor 2) and, with ``grads``, dq, dk, dv
+    (factor 3), each against the float64 oracle and the naive math in q's dtype.
+
+    ``fn`` is called as ``fn(q, k, v, **kwargs)`` with only the attention arguments that are set
+    (a function without mask support can be checked without masks), plus ``fn_kwargs``.
+
+    Args:
+        fn: the attention function under test; returns (B, Hq, Lq, Dv) in q's dtype.
+        q: queries (B, Hq, Lq, D), any float dtype and device.
+        k: keys (B, Hkv, Lk, D).
+        v: values (B, Hkv, Lk, Dv).
+        mask, bias, causal, scale, score_mod: as in :func:`reference_attention`; given to both.
+        grads: also check the gradients, for a random upstream gradient drawn from ``seed + 1``.
+        seed: seeds that upstream gradient.
+        reference_score_mod: the modifier the oracle applies instead of ``score_mod`` (e.g. an
+            independent dense formula of the same modifier); default ``score_mod``.
+        name: label for messages (default: fn's name).
+        **fn_kwargs: passed to ``fn`` only (e.g. ``backend="chunked"`` for selfattn.attention).
+
+    Returns:
+        The :class:`Comparison` of each checked tensor ("out", then "dq", "dk", "dv").
+
+    Raises:
+        AssertionError: wrong dtype or shape, non-finite values, or an error over the tolerance.
+
+    Example:
+        >>> check_against_reference(selfattn.attention, q, k, v, causal="bottom_right", backend="chunked")
+        >>> check_against_reference(my_flash_attention, q, k, v, causal=True)
+    """
+    label = name or getattr(fn, "__name__", "fn")
+    given = dict(mask=mask, bias=bias, causal=causal, scale=scale, score_mod=score_mod)
+    call_kwargs = {key: val for key, val in given.items() if val is not None and val is not False}
+    oracle_kwargs = dict(given, score_mod=score_mod if reference_score_mod is None else reference_score_mod)
+    if "bias" in call_kwargs:
+        oracle_kwargs["bias"] = bias.double()  # type: ignore[union-attr]
+
+    q64, k64, v64 = (t.detach().double().requires_grad_(grads) for t in (q, k, v))
+    ref = reference_attention(q64, k64, v64, **oracle_kwargs)  # type: ignore[arg-type]
+    qn, kn, vn = (t.detach().clone().requires_grad_(grads) for t in (q, k, v))
+    naive_kwargs = dict(oracle_kwargs, bias=bias, safe=False, dtype=None)
+    naive = reference_attention(qn, kn, vn, **naive_kwargs)  # type: ignore[arg-type]
+
+    qa, ka, va = (t.detach().requires_grad_(True) for t in (q, k, v)) if grads else (q, k, v)
+    out = fn(qa, ka, va, **call_kwargs, **fn_kwargs)
+    if not isinstance(out, Tensor) or out.dtype != q.dtype or out.shape != ref.shape:
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, Tensor) else type(out).__name__
+        raise AssertionError(f"{label}: expected a {q.dtype} tensor of shape {tuple(ref.shape)}, got {got}")
+    results = [compare_to_reference(out, ref, naive, factor=OUTPUT_FACTOR, name=f"{label}: out")]
+    if grads:
+        g = torch.Generator().manual_seed(seed + 1)
+        dout = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(q.device)
+        gref = torch.autograd.grad(ref, (q64, k64, v64), dout)
+        gnaive = torch.autograd.grad(naive, (qn, kn, vn), dout.to(q.dtype))
+        gout = torch.autograd.grad(out, (qa, ka, va), dout.to(q.dtype))
+        results += [compare_to_reference(a, r, n, factor=GRADIENT_FACTOR, name=f"{label}: d{x}")
+                    for x, a, n, r in zip("qkv", gout, gnaive, gref, strict=True)]
+    failed = [str(r) for r in results if not r.ok]
+    if failed:
+        raise AssertionError("\n".join(failed))
+    return results
 
 
 def assert_attention_correct(module: nn.Module | type | str, **kwargs: object) -> Report:

@@ -10,7 +10,10 @@ Suites:
 
 The modules and overhead suites time their implementations in turns in one process, so all see
 the same machine noise. Every point of the masks suite runs in its own process (see ``worker``),
-so its peak memory is its own. Results are medians; ratios are against an anchor of the same run.
+so its peak memory is its own. Results are medians (with every repeat and their relative
+spread); ratios are against an anchor of the same run. Timing is :mod:`selfattn.bench.timing`.
+
+Shape legend: B batch, L length, E embed dim, H heads, D head dim.
 """
 
 from __future__ import annotations
@@ -19,11 +22,9 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 from torch import nn
 
+from .timing import Timing, time_call, time_interleaved
 from .worker import MASK_CASES, make_step
 
 __all__ = ["main"]
@@ -113,21 +115,9 @@ def _spawn(spec: dict) -> dict:
     return {"status": "ok", **res}
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: str) -> dict[str, list[float]]:
-    """Time each function ``repeats`` times, taking turns, so all see the same machine noise."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - t0)
-    return times
+def _measured(t: Timing) -> dict:
+    """The result fields of one timed implementation: median, every repeat, relative spread."""
+    return {"time_s": t.median, "times": t.times, "spread": t.spread}
 
 
 def _modules(args: argparse.Namespace, progress: Progress, task: TaskID) -> list[dict]:
@@ -154,13 +144,11 @@ def _modules(args: argparse.Namespace, progress: Progress, task: TaskID) -> list
                 m.to(device=device, dtype=dtype).eval()
             steps = {name: make_step(calls[name], [x, *mods[name].parameters()], mode == "fwd+bwd")
                      for name in mods}
-            first = time.perf_counter()
-            steps["tutorial"]()
-            once = time.perf_counter() - first
+            once = time_call(steps["tutorial"], device)
             repeats = args.repeats or max(3, min(30 if not args.quick else 10, int(20 / max(once, 1e-4))))
-            for name, ts in _interleaved(steps, repeats, device).items():
+            for name, t in time_interleaved(steps, repeats, device).items():
                 out.append(dict(suite="modules", B=b, L=length, E=e, H=h, impl=name, mode=mode, status="ok",
-                                time_s=statistics.median(ts), times=ts))
+                                **_measured(t)))
             progress.advance(task)
     return out
 
@@ -180,10 +168,10 @@ def _overhead(args: argparse.Namespace, progress: Progress, task: TaskID) -> lis
         fns = {"selfattn": lambda c=causal: selfattn.attention(q, k, v, causal=c),
                "sdpa": lambda c=causal: F.scaled_dot_product_attention(q, k, v, is_causal=c)}
         with torch.no_grad():
-            times = _interleaved(fns, n, device)
-        for name, ts in times.items():
+            timings = time_interleaved(fns, n, device)
+        for name, t in timings.items():
             out.append(dict(suite="overhead", case="causal" if causal else "none", impl=name, mode="fwd",
-                            L=4096, B=1, H=8, D=64, status="ok", time_s=statistics.median(ts), times=ts))
+                            L=4096, B=1, H=8, D=64, status="ok", **_measured(t)))
         progress.advance(task)
     return out
 
@@ -233,10 +221,11 @@ def _decode(args: argparse.Namespace, progress: Progress, task: TaskID) -> list[
             y = m.proj(o.transpose(1, 2).reshape(1, 1, e))
 
     with torch.no_grad():
-        times = _interleaved({"selfattn": ours, "sdpa": raw}, args.repeats or (20 if args.quick else 50), device)
+        timings = time_interleaved({"selfattn": ours, "sdpa": raw}, args.repeats or (20 if args.quick else 50),
+                                   device)
     progress.advance(task)
     return [dict(suite="decode", case=f"{layers}x{e}, cache {cached}", impl=name, mode="decode step", L=cached,
-                 status="ok", time_s=statistics.median(ts), times=ts) for name, ts in times.items()]
+                 status="ok", **_measured(t)) for name, t in timings.items()]
 
 
 def _ratio_tables(results: list[dict], suite: str, split: str | None, key_fields: tuple[str, ...],

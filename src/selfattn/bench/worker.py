@@ -2,7 +2,7 @@
 
 A fresh process per point makes the peak-memory reading its own: on the CPU the kernel's
 high-water mark (VmHWM) is reset after the warm-up and read after one step; on CUDA the
-allocator's peak is used. Prints one JSON line: time_s (median), times, peak_bytes.
+allocator's peak is used. Prints one JSON line: time_s (median), times, spread, first_s, peak_bytes.
 
 Shape legend: B batch, H heads, L length, D head dim.
 """
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import gc
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,6 +23,7 @@ import selfattn
 from selfattn import masks
 
 from .anchors import compiled_flex, flex_block_mask, textbook_attention
+from .timing import Timing, sync, time_call, time_one
 
 WINDOW = 256
 DOCS = 8
@@ -95,11 +94,6 @@ class _Memory:
         return self._status("VmHWM") - self.base
 
 
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
 def make_step(fn: Callable[[], Tensor], params: list[Tensor], backward: bool) -> Callable[[], None]:
     """One timed step: fn() under no_grad, or fn().sum().backward() with fresh gradients."""
     def step() -> None:
@@ -164,27 +158,21 @@ def run_point(spec: dict) -> dict:
     # warm-up: kernels, allocator and (flex) compilation; at full size only where compilation needs it
     warm_prepare, _ = build(spec, small=spec.get("impl") != "flex")
     warm_prepare()()
-    _sync(device)
+    sync(device)
     del warm_prepare
     prepare, _inputs = build(spec, small=False)
     mem = _Memory(device)
     mem.start()
     step = prepare()
-    t0 = time.perf_counter()
-    step()
-    _sync(device)
-    first = time.perf_counter() - t0
+    first = time_call(step, device)
     peak = mem.stop()
     budget = spec.get("seconds", 10.0)  # repeat until about this much time is spent, or `repeats`
     repeats = min(spec["repeats"], int(budget / max(first, 1e-6)))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    times = times or [first]  # one run already took the whole budget: it is the measurement
-    return {"time_s": statistics.median(times), "times": times, "first_s": first, "peak_bytes": peak}
+    timing = time_one(step, repeats, device, warmup=0)
+    if not timing.times:  # one run already took the whole budget: it is the measurement
+        timing = Timing([first])
+    return {"time_s": timing.median, "times": timing.times, "spread": timing.spread, "first_s": first,
+            "peak_bytes": peak}
 
 
 def main() -> int:
