@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint bench check-install clean
+.PHONY: demo test lint bench check-install clean fuzz
 
 $(BIN)/selfattn: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,11 @@ test: $(BIN)/selfattn
 
 lint: $(BIN)/selfattn
 	$(BIN)/ruff check src tests examples scripts
+
+# The long property-based search (random examples, database kept under .hypothesis/).
+FUZZ_SECONDS ?= 3600
+fuzz: $(BIN)/selfattn
+	$(BIN)/python scripts/fuzz.py --seconds $(FUZZ_SECONDS)
 
 bench: $(BIN)/selfattn
 	$(BIN)/selfattn bench --quick

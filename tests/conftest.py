@@ -13,3 +13,24 @@ def small_tiles():
 
     with chunked.options(block_q=32, block_k=48):
         yield chunked
+
+
+def _hypothesis_profiles() -> None:
+    """'ci' (default): fixed seed, bounded, no database. 'fuzz': random, long, with the database under
+    .hypothesis/ (chosen with SELFATTN_FUZZ=1 or --hypothesis-profile=fuzz)."""
+    import os
+
+    from hypothesis import HealthCheck, settings
+    from hypothesis.database import DirectoryBasedExampleDatabase
+
+    common = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                                        HealthCheck.filter_too_much])
+    settings.register_profile("ci", max_examples=int(os.environ.get("SELFATTN_EXAMPLES", "250")), derandomize=True,
+                              database=None, print_blob=True, **common)
+    settings.register_profile("fuzz", max_examples=int(os.environ.get("SELFATTN_EXAMPLES", "2000")),
+                              database=DirectoryBasedExampleDatabase(".hypothesis/examples"), print_blob=True,
+                              **common)
+    settings.load_profile("fuzz" if os.environ.get("SELFATTN_FUZZ") else "ci")
+
+
+_hypothesis_profiles()

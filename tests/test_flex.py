@@ -81,3 +81,17 @@ def test_flex_explains_what_it_cannot_do_on_cpu():
         selfattn.attention(q, k, v, backend="flex")
     with pytest.raises(ValueError, match="float64"), torch.no_grad():
         selfattn.attention(q.double(), k.double(), v.double(), backend="flex")
+
+
+@pytest.mark.filterwarnings("ignore:backend='flex'")
+def test_flex_sees_a_mask_tensor_changed_in_place(flex_cpu):
+    """catches: a cached BlockMask served after the mask's lengths were changed in place (stale mask,
+    error 0.7 against the oracle)."""
+    q, k, v = make_qkv(2, 4, 4, 64, 64, 16, requires_grad=False)
+    lengths = torch.tensor([64, 20])
+    mask = masks.padding(lengths, queries=True) & masks.causal()
+    selfattn.attention(q, k, v, mask=mask, backend="flex")
+    lengths[1] = 40
+    got = selfattn.attention(q, k, v, mask=mask, backend="flex")
+    want = selfattn.attention(q, k, v, mask=mask, backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -54,23 +54,6 @@ def fenced_blocks(text: str) -> list[Block]:
 
 PYTHON_BLOCKS = [b for b in fenced_blocks(README.read_text(encoding="utf-8")) if b.lang in ("python", "py")]
 
-# Blocks that cannot run as written, keyed by a line they contain. Once the README is fixed the
-# key no longer matches (or the block runs), and the block is executed like any other.
-SKIP_AS_WRITTEN = {
-    "y = mha(prompt, cache=cache, positions=pos)": (
-        "uses `prompt`, `pos`, `next_tok` and `pos_t`, which the README never defines "
-        "(test_readme_kv_cache_example runs it with them defined)"
-    ),
-}
-
-
-def _skip_reason(block: Block) -> str | None:
-    for key, reason in SKIP_AS_WRITTEN.items():
-        if key in block.source:
-            return reason
-    return None
-
-
 def _run(block: Block, namespace: dict) -> None:
     code = compile(block.source, f"README.md:{block.line}", "exec")
     exec(code, namespace)
@@ -81,8 +64,7 @@ def _namespace_before(index: int) -> dict:
     torch.manual_seed(0)
     namespace: dict = {"__name__": "__readme__"}
     for block in PYTHON_BLOCKS[:index]:
-        if _skip_reason(block) is None:
-            _run(block, namespace)
+        _run(block, namespace)
     return namespace
 
 
@@ -92,28 +74,5 @@ def test_readme_has_python_examples():
 
 @pytest.mark.parametrize("index", range(len(PYTHON_BLOCKS)), ids=[f"line{b.line}" for b in PYTHON_BLOCKS])
 def test_readme_python_block(index):
-    block = PYTHON_BLOCKS[index]
-    reason = _skip_reason(block)
-    if reason is not None:
-        pytest.skip(f"README.md:{block.line} cannot run as written: {reason}")
     namespace = _namespace_before(index)
-    _run(block, namespace)
-
-
-def test_readme_kv_cache_example():
-    """The KV-cache example, with the inputs the README leaves undefined supplied."""
-    matches = [i for i, b in enumerate(PYTHON_BLOCKS) if "selfattn.KVCache(" in b.source]
-    if not matches:
-        pytest.skip("README.md no longer has a KVCache example")
-    index = matches[0]
-    namespace = _namespace_before(index)
-    mha = namespace["mha"]
-    batch, prompt_len = 2, 5
-    namespace.update(
-        prompt=torch.randn(batch, prompt_len, mha.embed_dim),
-        pos=torch.tensor([[0, 1, 2, 3, 4], [-1, -1, 0, 1, 2]]),  # the second prompt is left-padded
-        next_tok=torch.randn(batch, 1, mha.embed_dim),
-        pos_t=torch.tensor([[5], [3]]),
-    )
     _run(PYTHON_BLOCKS[index], namespace)
-    assert namespace["y"].shape == (batch, 1, mha.embed_dim)

@@ -15,6 +15,11 @@ from .masks import Mask
 from .scores import ScoreMod
 
 
+def _dim(tensor: str, index: int, doc: str) -> property:
+    """A read-only size of one of the call's tensors."""
+    return property(lambda self: getattr(self, tensor).shape[index], doc=doc)
+
+
 @dataclass(frozen=True)
 class AttentionCall:
     """Everything a backend needs; built only by ``functional`` after validation."""
@@ -30,40 +35,18 @@ class AttentionCall:
     need_weights: bool = False
     score_mod: ScoreMod | None = None  # applied to the scaled (+ bias) scores, before the mask
 
-    @property
-    def batch(self) -> int:
-        return self.q.shape[0]
-
-    @property
-    def hq(self) -> int:
-        return self.q.shape[1]
-
-    @property
-    def hkv(self) -> int:
-        return self.k.shape[1]
+    batch = _dim("q", 0, "B")
+    hq = _dim("q", 1, "Hq, the query heads")
+    hkv = _dim("k", 1, "Hkv, the key/value heads")
+    lq = _dim("q", 2, "Lq, the query length")
+    lk = _dim("k", 2, "Lk, the key length")
+    head_dim = _dim("q", 3, "D, the head dim of q and k")
+    v_head_dim = _dim("v", 3, "Dv, the head dim of v (and of the output)")
 
     @property
     def groups(self) -> int:
         """G = Hq // Hkv query heads per key/value head."""
-        return self.q.shape[1] // self.k.shape[1]
-
-    @property
-    def lq(self) -> int:
-        return self.q.shape[2]
-
-    @property
-    def lk(self) -> int:
-        return self.k.shape[2]
-
-    @property
-    def head_dim(self) -> int:
-        """D, the head dim of q and k."""
-        return self.q.shape[3]
-
-    @property
-    def v_head_dim(self) -> int:
-        """Dv, the head dim of v (and of the output)."""
-        return self.v.shape[3]
+        return self.hq // self.hkv
 
     @property
     def device(self) -> torch.device:

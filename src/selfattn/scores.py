@@ -182,14 +182,28 @@ def _fit(mod: ScoreMod, out: object, shape: torch.Size, what: str) -> Tensor:
     return out
 
 
+def _call(mod: ScoreMod, fn: Callable[..., Tensor], args: tuple[Tensor, ...], shape: torch.Size, what: str) -> object:
+    """``fn(*args)``; an error inside the user's function becomes a ValueError that names the
+    modifier and the shapes it was given (out-of-memory errors pass through)."""
+    try:
+        return fn(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except (RuntimeError, IndexError, TypeError) as e:
+        given = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(("b", "h", "i", "j"), args[-4:], strict=True))
+        raise ValueError(f"score_mod {mod!r} failed in {what} for scores of shape {tuple(shape)} (B, Hq, Lq, Lk), "
+                         f"given {given}: {type(e).__name__}: {e}") from e
+
+
 def apply_score_mod(mod: ScoreMod, score: Tensor, idx: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
     """``mod(score, b, h, i, j)`` on a (B, Hq, rows, keys) block of scores, checked to keep its shape
     and dtype; idx from :func:`selfattn.masks.positions`."""
-    return _fit(mod, mod(score, *idx), score.shape, "its call").to(score.dtype).expand(score.shape)
+    out = _call(mod, mod, (score, *idx), score.shape, "its call")
+    return _fit(mod, out, score.shape, "its call").to(score.dtype).expand(score.shape)
 
 
 def score_mod_bias(mod: ScoreMod, idx: tuple[Tensor, Tensor, Tensor, Tensor], dtype: torch.dtype) -> Tensor:
     """The bias of an additive modifier on a block, broadcastable to (B, Hq, rows, keys), checked
     like :func:`apply_score_mod`."""
     shape = torch.broadcast_shapes(*(t.shape for t in idx))
-    return _fit(mod, mod.bias(*idx), shape, "its bias").to(dtype)
+    return _fit(mod, _call(mod, mod.bias, idx, shape, "its bias"), shape, "its bias").to(dtype)

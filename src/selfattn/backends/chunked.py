@@ -157,7 +157,7 @@ class ChunkedBackend(Backend):
                      scale=call.scale, dropout_p=call.dropout_p, seed=seed, fused=fused,
                      groups=schedule(call.mask, call.lq, call.lk, block_q=bq, fused=fused, device=call.device),
                      lq=call.lq, lk=call.lk, bq=bq, bk=opts.block_k, score_mod=call.score_mod,
-                     batch_size=call.batch, hq=call.hq)
+                     batch_size=call.batch, hq=call.hq, compute_dtype=compute_dtype(call.dtype))
         out, lse = _ChunkedAttention.apply(call.q, call.k, call.v, call.bias, plan)
         return out, lse.float(), None
 
@@ -188,6 +188,7 @@ class _Plan:
     score_mod: ScoreMod | None
     batch_size: int
     hq: int
+    compute_dtype: torch.dtype
 
     def positions(self, batch: slice, q0: int, q1: int, k0: int, k1: int,
                   device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -331,10 +332,10 @@ def _span_mask(plan: _Plan, bias: Tensor | None, batch: slice, q0: int, q1: int,
     """(visible, bias, causal) of one span: the mask only on partial spans, the bias on every span,
     and causal=True (no mask tensor) for a diagonal square of a pure causal mask."""
     bias = _items(_slice_bias(bias, q0, q1, k0, k1), batch)
-    if plan.score_mod is not None and plan.score_mod.additive:  # folded into the span's bias
-        dtype = bias.dtype if bias is not None else torch.float32
-        mod_bias = score_mod_bias(plan.score_mod, plan.positions(batch, q0, q1, k0, k1, device), dtype)
-        bias = mod_bias if bias is None else bias + mod_bias
+    if plan.score_mod is not None and plan.score_mod.additive:  # folded into the span's bias, in compute dtype
+        idx = plan.positions(batch, q0, q1, k0, k1, device)
+        mod_bias = score_mod_bias(plan.score_mod, idx, plan.compute_dtype)
+        bias = mod_bias if bias is None else bias.to(mod_bias.dtype) + mod_bias
     m = plan.mask
     if not partial or m is None:
         return None, bias, False

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .._call import AttentionCall
+from .._call import AttentionCall, compute_dtype
 from ..masks import Causal, positions
 from ..scores import score_mod_bias
 from ._common import additive_mask, unit_stride
@@ -81,10 +81,10 @@ class SdpaBackend(Backend):
         if call.mask is not None and not is_causal:
             visible = call.mask.dense(call.lq, call.lk, call.device)  # (B|1, Hq|1, Lq, Lk)
         bias = call.bias
-        if call.score_mod is not None:  # additive (supports() checked): a dense bias
+        if call.score_mod is not None:  # additive (checked): with the bias, summed in the compute dtype
             idx = positions(torch.arange(call.batch), call.hq, 0, call.lq, 0, call.lk, call.lq, call.lk, call.device)
-            mod_bias = score_mod_bias(call.score_mod, idx, bias.dtype if bias is not None else q.dtype)
-            bias = mod_bias if bias is None else bias + mod_bias
+            mod_bias = score_mod_bias(call.score_mod, idx, compute_dtype(q.dtype))
+            bias = mod_bias if bias is None else bias.to(mod_bias.dtype) + mod_bias
         needs_float = bias is not None or call.return_lse
         attn_mask = additive_mask(visible, bias, q.dtype) if needs_float else visible
         dead = None  # (B|1, Hq|1, Lq, 1): rows that see no key

@@ -1,0 +1,203 @@
+"""Differential checking of one attention call: every backend against the float64 oracle.
+
+``check_call`` runs a :class:`strategies.Case` through one backend (or ``auto``) and holds its
+output, lse and every gradient (q, k, v, bias) to the rule of :mod:`selfattn.testing`; a backend
+that declines must say why (``explain`` raises ValueError naming it) and ``auto`` must then run.
+The naive same-dtype math follows torch's type promotion (a float32 bias on half inputs stays
+float32), so rounding a wider bias to the input dtype is caught, not excused.
+
+Shape legend: B batch, Hq/Hkv heads, Lq/Lk lengths, D/Dv head dims.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import Counter
+
+import torch
+from strategies import Case
+from torch import Tensor
+
+import selfattn
+from selfattn import testing
+from selfattn.backends import chunked
+from selfattn.masks import positions
+
+BACKENDS = ["reference", "sdpa", "chunked", "auto"]
+COUNTS: Counter[str] = Counter()  # examples run per backend (declines counted apart)
+
+
+def _visible(case: Case) -> Tensor | None:
+    return testing.reference_mask(case.lq, case.lk, mask=case.mask, causal=case.causal)
+
+
+def naive(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, case: Case) -> Tensor:
+    """The plain math in the inputs' dtype with torch's type promotion; NaN on dead rows."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    scale = 1 / math.sqrt(q.shape[-1]) if case.scale is None else case.scale
+    s = q @ k.transpose(-1, -2) * scale
+    if bias is not None:
+        s = s + bias
+    if case.score_mod is not None:
+        s = case.score_mod(s, *positions(torch.arange(case.b), case.hq, 0, case.lq, 0, case.lk, case.lq, case.lk))
+    visible = _visible(case)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    return (torch.softmax(s, -1).to(v.dtype) @ v).to(q.dtype)
+
+
+class _FlashFormula(torch.autograd.Function):
+    """The same plain math, differentiated the way fused kernels do it (dS = P * (dP - rowsum(dO * O)))
+    in the inputs' dtype: a second naive yardstick for gradients, since autograd through softmax can be
+    exact by accident (one visible key gives an exactly zero dk) where any kernel shows rounding noise."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, case: Case,  # type: ignore[override]
+                prescale: bool) -> Tensor:
+        scale = 1 / math.sqrt(q.shape[-1]) if case.scale is None else case.scale
+        with torch.enable_grad():
+            if prescale:  # another summation order kernels use: (q * scale) @ k^T
+                raw = (q.detach() * scale) @ k.detach().transpose(-1, -2)
+            else:
+                raw = q.detach() @ k.detach().transpose(-1, -2) * scale
+            if bias is not None:
+                raw = raw + bias.detach()
+            raw = raw.detach().requires_grad_()
+            s = raw
+            if case.score_mod is not None:
+                idx = positions(torch.arange(case.b), case.hq, 0, case.lq, 0, case.lk, case.lq, case.lk)
+                s = case.score_mod(s, *idx)
+            visible = _visible(case)
+            if visible is not None:
+                s = s.masked_fill(~visible, float("-inf"))
+        p = torch.softmax(s.detach(), -1).nan_to_num(0)
+        out = (p.to(v.dtype) @ v).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, p, raw, s)
+        ctx.scale, ctx.bias_shape = scale, None if bias is None else bias.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):  # type: ignore[override]
+        q, k, v, out, p, raw, s = ctx.saved_tensors
+        dp = dout @ v.transpose(-1, -2)
+        delta = (dout * out).sum(-1, keepdim=True)
+        ds = p * (dp - delta)
+        if s.grad_fn is not None:
+            (ds,) = torch.autograd.grad(s, raw, ds.to(s.dtype))
+        dsq = ds.to(q.dtype)
+        dq = dsq @ k * ctx.scale
+        dk = dsq.transpose(-1, -2) @ q * ctx.scale
+        dv = p.to(v.dtype).transpose(-1, -2) @ dout
+        dbias = None if ctx.bias_shape is None else ds.sum_to_size(ctx.bias_shape)
+        return dq, dk, dv, dbias, None, None
+
+
+def naive_flash(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, case: Case, prescale: bool) -> Tensor:
+    g = q.shape[1] // k.shape[1]
+    return _FlashFormula.apply(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), bias, case, prescale)
+
+
+def _gradient_floor(name: str, t: dict[str, Tensor], dout: Tensor, case: Case) -> float:
+    """A few ulps of the magnitude a gradient is computed from, not of its result: in a saturated
+    softmax dS = P * (dP - rowsum(dO * O)) cancels to ~0, and any kernel keeps ulps of |dP| there
+    while a naive formula can be exact by accident."""
+    amax = {n: x.detach().abs().max().item() for n, x in t.items()}
+    scale = 1 / math.sqrt(case.d) if case.scale is None else case.scale
+    dp = dout.abs().max().item() * amax["v"] * math.sqrt(case.dv)  # |dO . v| of one (query, key)
+    magnitude = {"q": scale * amax["k"] * dp * math.sqrt(case.lk), "k": scale * amax["q"] * dp * math.sqrt(case.lq),
+                 "v": dout.abs().max().item() * math.sqrt(case.lq), "bias": dp}[name]
+    dtype = case.dtype if name != "bias" or case.bias_dtype is None else case.bias_dtype
+    return (64 if dtype == torch.float64 else 16) * torch.finfo(dtype).eps * magnitude
+
+
+def _kwargs(case: Case, bias: Tensor | None) -> dict:
+    return dict(mask=case.mask, bias=bias, causal=case.causal, scale=case.scale, score_mod=case.score_mod)
+
+
+@contextlib.contextmanager
+def _grad_mode(mode: str):
+    if mode == "inference":
+        with torch.inference_mode():
+            yield
+    elif mode == "no_grad":
+        with torch.no_grad():
+            yield
+    else:
+        yield
+
+
+def check_call(case: Case, backend: str, *, grad_mode: str = "grad") -> str:
+    """Run ``case`` on ``backend`` and assert the rule; returns "ran" or "declined: <why>"."""
+    built = case.tensors()
+    wants = dict(zip("qkv", case.grads, strict=True)) | {"bias": case.bias_grad}
+    use_grad = grad_mode == "grad"
+    leaves = {n: b.leaf.detach().clone().requires_grad_(use_grad and wants[n]) for n, b in built.items()}
+    inputs = {n: built[n].make(leaves[n]) for n in built}
+    bias = inputs.get("bias")
+    kwargs = _kwargs(case, bias)
+    with chunked.options(block_q=case.block_q, block_k=case.block_k), _grad_mode(grad_mode):
+        try:
+            selfattn.explain(inputs["q"], inputs["k"], inputs["v"], return_lse=case.return_lse, backend=backend,
+                             **kwargs)
+        except ValueError as e:
+            assert backend != "auto", f"auto found no backend: {e}"
+            assert f"backend={backend!r} cannot run this call" in str(e)
+            try:
+                selfattn.attention(inputs["q"], inputs["k"], inputs["v"], backend=backend, **kwargs)
+            except ValueError:
+                pass
+            else:
+                if not case.return_lse:
+                    raise
+            COUNTS[f"{backend} declined"] += 1
+            return f"declined: {e}"
+        result = selfattn.attention(inputs["q"], inputs["k"], inputs["v"], return_lse=case.return_lse,
+                                    backend=backend, **kwargs)
+    out, lse = result if case.return_lse else (result, None)
+    COUNTS[backend] += 1
+
+    want_shape = (case.b, case.hq, case.lq, case.dv)
+    assert out.shape == want_shape and out.dtype == case.dtype, (out.shape, out.dtype)
+    leaves64 = {n: b.leaf.detach().double().requires_grad_(leaves[n].requires_grad) for n, b in built.items()}
+    in64 = {n: built[n].make(leaves64[n]) for n in built}
+    ref = testing.reference_attention(in64["q"], in64["k"], in64["v"], **_kwargs(case, in64.get("bias")))
+    leaves_n = {n: b.leaf.detach().clone().requires_grad_(leaves[n].requires_grad) for n, b in built.items()}
+    in_n = {n: built[n].make(leaves_n[n]) for n in built}
+    nv = naive(in_n["q"], in_n["k"], in_n["v"], in_n.get("bias"), case)
+    testing.assert_close_to_reference(out, ref, nv, name=f"{backend}: out")
+
+    if lse is not None:
+        assert lse.shape == want_shape[:3] and lse.dtype == torch.float32
+        lse_ref = testing.reference_lse(in64["q"], in64["k"], **_kwargs(case, in64.get("bias")))
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref)), "lse: -inf on the wrong rows"
+        finite = torch.isfinite(lse_ref)
+        if finite.any():
+            err = (lse.double() - lse_ref)[finite].abs().max().item()
+            # lse carries the score rounding of the input dtype: allow the naive score error
+            s_err = 0 if case.dtype == torch.float64 else torch.finfo(case.dtype).eps * 8 * (
+                1 + lse_ref[finite].abs().max().item())
+            assert err <= s_err + 1e-5 * (1 + lse_ref[finite].abs().max().item()), f"{backend}: lse error {err:.3g}"
+
+    names = [n for n in leaves if leaves[n].requires_grad]
+    if names and out.requires_grad:
+        dout = torch.randn(want_shape, generator=torch.Generator().manual_seed(case.seed + 1), dtype=torch.float64)
+        got = torch.autograd.grad(out, [leaves[n] for n in names], dout.to(out.dtype))
+        want = torch.autograd.grad(ref, [leaves64[n] for n in names], dout)
+        nvg = torch.autograd.grad(nv, [leaves_n[n] for n in names], dout.to(nv.dtype), allow_unused=True)
+        yardsticks = [nvg]
+        for prescale in (False, True):
+            leaves_f = {n: b.leaf.detach().clone().requires_grad_(leaves[n].requires_grad) for n, b in built.items()}
+            in_f = {n: built[n].make(leaves_f[n]) for n in built}
+            nf = naive_flash(in_f["q"], in_f["k"], in_f["v"], in_f.get("bias"), case, prescale)
+            yardsticks.append(torch.autograd.grad(nf, [leaves_f[n] for n in names], dout.to(nf.dtype),
+                                                  allow_unused=True))
+        for index, (n, a, r) in enumerate(zip(names, got, want, strict=True)):
+            err_naive = max(testing.max_error(torch.zeros_like(a) if y[index] is None else y[index].nan_to_num(0), r)
+                            for y in yardsticks)
+            err = testing.max_error(a, r)
+            tol = max(testing.tolerance(err_naive, r, a.dtype, 3.0), _gradient_floor(n, in64, dout, case))
+            assert torch.isfinite(a).all(), f"{backend}: d{n} non-finite"
+            assert err <= tol, f"{backend}: d{n}: error {err:.3g} > tolerance {tol:.3g} (naive {err_naive:.3g})"
+    return "ran"
