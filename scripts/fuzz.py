@@ -23,11 +23,15 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=600.0, help="time budget (default 600)")
     parser.add_argument("--chunk", type=int, default=200, help="examples per test between progress reports")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1: the calls are small)")
     args = parser.parse_args()
     os.environ["SELFATTN_FUZZ"] = "1"
     os.environ["SELFATTN_EXAMPLES"] = str(args.chunk)
     os.chdir(ROOT)
 
+    import torch
+
+    torch.set_num_threads(args.threads)
     import conftest  # noqa: F401  (registers and loads the hypothesis profiles)
     import fuzzing
     import test_fuzz

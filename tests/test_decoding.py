@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import selfattn
-from selfattn import KVCache, rope
+from selfattn import KVCache, rope, testing
 
 
 def _complex_rope(x: torch.Tensor, pos: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -101,9 +101,7 @@ def test_cached_decoding_equals_full_forward(num_kv_heads, use_rope):
         with torch.no_grad():
             full = _full(mha, seqs[i])[0]
             ref = _full(mha64, seqs[i].double())[0]
-        err, err_full = (cached.double() - ref).abs().max().item(), (full.double() - ref).abs().max().item()
-        assert err <= 2 * err_full + 16 * torch.finfo(torch.float32).eps * max(1.0, ref.abs().max().item()), \
-            f"sequence {i}: cached error {err:.3g}, full forward error {err_full:.3g}"
+        testing.assert_close_to_reference(cached, ref, full, name=f"sequence {i}: cached vs full forward")
 
 
 def test_cache_errors():

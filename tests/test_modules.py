@@ -13,15 +13,12 @@ from seed_models import (
 from torch import nn
 
 import selfattn
-from selfattn import masks
+from selfattn import masks, testing
 
 
 def _within_float32_rule(ours: torch.Tensor, theirs: torch.Tensor, ref64: torch.Tensor) -> None:
-    """|ours - ref64| <= 2 |theirs - ref64| + eps-scaled: we may not be worse than the other float32 code."""
-    err = (ours.double() - ref64).abs().max().item()
-    err_theirs = (theirs.double() - ref64).abs().max().item()
-    tol = 2 * err_theirs + 16 * torch.finfo(torch.float32).eps * max(1.0, ref64.abs().max().item())
-    assert err <= tol, f"error {err:.3g} > {tol:.3g} (theirs {err_theirs:.3g})"
+    """The rule with the other float32 code as the naive yardstick: we may not be worse than it."""
+    testing.assert_close_to_reference(ours, ref64, theirs)
 
 
 def _x(b=4, length=10, e=64, seed=0):

@@ -6,18 +6,13 @@ D head dim of q and k, Dv head dim of v.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from .masks import Mask
 from .scores import ScoreMod
-
-
-def _dim(tensor: str, index: int, doc: str) -> property:
-    """A read-only size of one of the call's tensors."""
-    return property(lambda self: getattr(self, tensor).shape[index], doc=doc)
 
 
 @dataclass(frozen=True)
@@ -35,13 +30,20 @@ class AttentionCall:
     need_weights: bool = False
     score_mod: ScoreMod | None = None  # applied to the scaled (+ bias) scores, before the mask
 
-    batch = _dim("q", 0, "B")
-    hq = _dim("q", 1, "Hq, the query heads")
-    hkv = _dim("k", 1, "Hkv, the key/value heads")
-    lq = _dim("q", 2, "Lq, the query length")
-    lk = _dim("k", 2, "Lk, the key length")
-    head_dim = _dim("q", 3, "D, the head dim of q and k")
-    v_head_dim = _dim("v", 3, "Dv, the head dim of v (and of the output)")
+    # sizes, set once from the tensors: B, Hq, Hkv, Lq, Lk, D (q and k), Dv (v and the output)
+    batch: int = field(init=False)
+    hq: int = field(init=False)
+    hkv: int = field(init=False)
+    lq: int = field(init=False)
+    lk: int = field(init=False)
+    head_dim: int = field(init=False)
+    v_head_dim: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        b, hq, lq, d = self.q.shape
+        for name, value in (("batch", b), ("hq", hq), ("hkv", self.k.shape[1]), ("lq", lq),
+                            ("lk", self.k.shape[2]), ("head_dim", d), ("v_head_dim", self.v.shape[3])):
+            object.__setattr__(self, name, value)
 
     @property
     def groups(self) -> int:

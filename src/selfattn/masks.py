@@ -74,11 +74,11 @@ def positions(items: Tensor, heads: int, q0: int, q1: int, k0: int, k1: int, lq:
     """Broadcastable 4-D (b, h, i, j) index tensors of a block: batch items ``items`` (1-D),
     heads ``0:heads``, query rows ``q0:q1`` as positions (row + query_offset) and keys ``k0:k1``."""
     off = query_offset(lq, lk)
-    b = items.to(device).view(-1, 1, 1, 1)
-    h = torch.arange(heads, device=device).view(1, -1, 1, 1)
-    i = torch.arange(q0 + off, q1 + off, device=device).view(1, 1, -1, 1)
-    j = torch.arange(k0, k1, device=device).view(1, 1, 1, -1)
-    return b, h, i, j
+    if device is not None and items.device != torch.device(device):
+        items = items.to(device)
+    return (items.view(-1, 1, 1, 1), torch.arange(heads, device=device).view(1, -1, 1, 1),
+            torch.arange(q0 + off, q1 + off, device=device).view(1, 1, -1, 1),
+            torch.arange(k0, k1, device=device).view(1, 1, 1, -1))
 
 
 def query_offset(lq: int, lk: int) -> int:

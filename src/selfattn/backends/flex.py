@@ -80,6 +80,10 @@ class FlexBackend(Backend):
                 reasons.append("gradients on the CPU (FlexAttention has no CPU backward: inference only)")
         return reasons
 
+    def cached_block_masks(self) -> int:
+        """How many BlockMasks are cached (at most 32; keyed on mask, tensor versions, shape, device)."""
+        return len(_BLOCK_MASKS)
+
     def run(self, call: AttentionCall) -> tuple[Tensor, Tensor | None, None]:
         flex = _compiled(call.device.type)
         if call.device.type == "cpu":

@@ -52,8 +52,8 @@ class SdpaBackend(Backend):
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         reasons = super().not_supported_reasons(call)
-        elements = call.batch * call.hq * call.lq * call.lk
-        if call.score_mod is not None and call.score_mod.additive and elements > DENSE_BIAS_LIMIT:
+        if call.score_mod is not None and call.score_mod.additive and (
+                elements := call.batch * call.hq * call.lq * call.lk) > DENSE_BIAS_LIMIT:
             reasons.append(f"{call.score_mod!r} as a dense bias would have {elements:,} elements "
                            f"(> {DENSE_BIAS_LIMIT:,}); chunked applies it tile by tile")
         if bias_rounds_in_kernel(call):
