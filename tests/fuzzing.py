@@ -12,6 +12,7 @@ Shape legend: B batch, Hq/Hkv heads, Lq/Lk lengths, D/Dv head dims.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections import Counter
 
@@ -25,6 +26,7 @@ from selfattn.backends import chunked
 from selfattn.masks import positions
 
 BACKENDS = ["reference", "sdpa", "chunked", "auto"]
+AUTOCAST = torch.bfloat16
 COUNTS: Counter[str] = Counter()  # examples run per backend (declines counted apart)
 
 
@@ -130,7 +132,10 @@ def call_kwargs(case: Case, bias: Tensor | None) -> dict:
 
 @contextlib.contextmanager
 def _grad_mode(mode: str):
-    if mode == "inference":
+    if mode == "autocast":
+        with torch.autocast("cpu", dtype=AUTOCAST):
+            yield
+    elif mode == "inference":
         with torch.inference_mode():
             yield
     elif mode == "no_grad":
@@ -144,7 +149,7 @@ def check_call(case: Case, backend: str, *, grad_mode: str = "grad") -> str:
     """Run ``case`` on ``backend`` and assert the rule; returns "ran" or "declined: <why>"."""
     built = case.tensors()
     wants = dict(zip("qkv", case.grads, strict=True)) | {"bias": case.bias_grad}
-    use_grad = grad_mode == "grad"
+    use_grad = grad_mode in ("grad", "autocast")
     leaves = {n: b.leaf.detach().clone().requires_grad_(use_grad and wants[n]) for n, b in built.items()}
     inputs = {n: built[n].make(leaves[n]) for n in built}
     bias = inputs.get("bias")
@@ -170,13 +175,24 @@ def check_call(case: Case, backend: str, *, grad_mode: str = "grad") -> str:
     out, lse = result if case.return_lse else (result, None)
     COUNTS[backend] += 1
 
+    # Under autocast the inputs are cast first (float64 excepted): the oracle and the naive math see
+    # the cast values, and the rule is that of the autocast dtype.
+    casts = {n: grad_mode == "autocast" and b.leaf.dtype != torch.float64 for n, b in built.items()}
+    case = dataclasses.replace(case, dtype=AUTOCAST if casts["q"] else case.dtype,
+                               bias_dtype=AUTOCAST if casts.get("bias") else case.bias_dtype)
+
+    def made(n: str, leaf: Tensor, dtype: torch.dtype | None) -> Tensor:
+        x = built[n].make(leaf)
+        x = x.to(AUTOCAST) if casts[n] else x
+        return x if dtype is None else x.to(dtype)
+
     want_shape = (case.b, case.hq, case.lq, case.dv)
     assert out.shape == want_shape and out.dtype == case.dtype, (out.shape, out.dtype)
     leaves64 = {n: b.leaf.detach().double().requires_grad_(leaves[n].requires_grad) for n, b in built.items()}
-    in64 = {n: built[n].make(leaves64[n]) for n in built}
+    in64 = {n: made(n, leaves64[n], torch.float64) for n in built}
     ref = testing.reference_attention(in64["q"], in64["k"], in64["v"], **call_kwargs(case, in64.get("bias")))
     leaves_n = {n: b.leaf.detach().clone().requires_grad_(leaves[n].requires_grad) for n, b in built.items()}
-    in_n = {n: built[n].make(leaves_n[n]) for n in built}
+    in_n = {n: made(n, leaves_n[n], None) for n in built}
     nv = naive(in_n["q"], in_n["k"], in_n["v"], in_n.get("bias"), case)
     result = testing.compare_to_reference(out, ref, nv, name=f"{backend}: out")
     assert result.finite, f"{backend}: out has non-finite values"
@@ -204,7 +220,7 @@ def check_call(case: Case, backend: str, *, grad_mode: str = "grad") -> str:
         yardsticks = [nvg]
         for prescale in (False, True):
             leaves_f = {n: b.leaf.detach().clone().requires_grad_(leaves[n].requires_grad) for n, b in built.items()}
-            in_f = {n: built[n].make(leaves_f[n]) for n in built}
+            in_f = {n: made(n, leaves_f[n], None) for n in built}
             nf = naive_flash(in_f["q"], in_f["k"], in_f["v"], in_f.get("bias"), case, prescale)
             yardsticks.append(torch.autograd.grad(nf, [leaves_f[n] for n in names], dout.to(nf.dtype),
                                                   allow_unused=True))
