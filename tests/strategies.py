@@ -66,7 +66,7 @@ def build(shape: tuple[int, int, int, int], layout: str, dtype: torch.dtype, gen
 
 @st.composite
 def mask_leaf(draw: st.DrawFn, b: int, h: int, lq: int, lk: int) -> Mask:
-    kind = draw(st.sampled_from(["causal", "window", "padding", "document", "tensor"]))
+    kind = draw(st.sampled_from(["causal", "window", "padding", "document", "tensor", "ignore"]))
     if kind == "causal":
         return masks.causal(draw(st.sampled_from(["top_left", "bottom_right"])))
     if kind == "window":
@@ -77,6 +77,9 @@ def mask_leaf(draw: st.DrawFn, b: int, h: int, lq: int, lk: int) -> Mask:
     if kind == "document" and lq <= lk:
         ids = torch.tensor(sorted(draw(st.lists(st.integers(0, 4), min_size=lk, max_size=lk))))
         return masks.document(ids if draw(st.booleans()) else ids.expand(b, lk).clone())
+    if kind == "ignore":  # nn.MultiheadAttention's polarity, read in place
+        kpm = torch.rand(b, lk, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))) < 0.3
+        return masks.from_torch_key_padding_mask(kpm)
     return masks.from_tensor(draw(bool_tensor(b, h, lq, lk)))
 
 
@@ -105,8 +108,8 @@ def mask_tree(draw: st.DrawFn, b: int, h: int, lq: int, lk: int, depth: int = 2)
 
 
 def _tilt(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
-    """Additive, and exactly so in floating point (powers of two times small integers)."""
-    return score + 0.25 * (i - j) - 0.5 * h
+    """Additive, with inexact constants: its bias must be computed in the compute dtype to match."""
+    return score + 0.05 * (i - j).to(score.dtype) - 0.1 * h.to(score.dtype)
 
 
 def _square(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:

@@ -19,7 +19,7 @@ B, H = 2, 3
 
 @st.composite
 def leaf(draw, lq: int, lk: int) -> Mask:
-    kind = draw(st.sampled_from(["causal", "window", "padding", "document", "tensor"]))
+    kind = draw(st.sampled_from(["causal", "window", "padding", "document", "tensor", "ignore"]))
     if kind == "causal":
         return masks.causal(draw(st.sampled_from(["top_left", "bottom_right"])))
     if kind == "window":
@@ -31,6 +31,10 @@ def leaf(draw, lq: int, lk: int) -> Mask:
         ids = torch.tensor(sorted(draw(st.lists(st.integers(0, 4), min_size=lk, max_size=lk))))
         return masks.document(ids if draw(st.booleans()) else ids.expand(B, lk).clone())
     seed = draw(st.integers(0, 2**31 - 1))
+    if kind == "ignore":  # True = hidden, as nn.MultiheadAttention's masks
+        shape = draw(st.sampled_from([(lq, lk), (B * H, lq, lk)]))
+        t = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) > 0.6
+        return masks.from_torch_attn_mask(t, num_heads=H if len(shape) == 3 else None)
     shape = draw(st.sampled_from([(B, H, lq, lk), (1, 1, lq, lk), (B, 1, 1, lk), (lq, lk), (1, H, lq, 1)]))
     return masks.from_tensor(torch.rand(shape, generator=torch.Generator().manual_seed(seed)) > 0.4)
 

@@ -127,3 +127,61 @@ def test_score_mod_of_the_wrong_shape_is_a_value_error(backend, fn, additive):
     want = "not additive" if declines else r"score_mod .*(returned shape|failed in) .*\(1, 2, 12, 12\)"
     with pytest.raises(ValueError, match=want):
         selfattn.attention(q, k, v, score_mod=mod, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_additive_modifier_keeps_float64(backend):
+    """catches: an additive modifier's bias computed in float32 (error 2e-8 on float64 inputs, where
+    the reference has 3e-16)."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16, dtype=torch.float64, requires_grad=False)
+    mod = scores.custom(lambda s, b, h, i, j: s + (j % 7).to(s.dtype) / 3, additive=True)
+    ref = testing.reference_attention(q, k, v, score_mod=mod)
+    assert testing.max_error(selfattn.attention(q, k, v, score_mod=mod, backend=backend), ref) < 1e-13
+
+
+@pytest.mark.parametrize("backend", [*BACKENDS, "auto"])
+def test_additive_modifier_is_not_rounded_on_half_inputs(backend):
+    """catches: an additive modifier's float32 bias rounded to bfloat16 inside a fused kernel (error 0.27
+    where the reference, which adds it in float32, has 0.002)."""
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 16, dtype=torch.bfloat16, requires_grad=False)
+    mod = scores.custom(lambda s, b, h, i, j: s + 256.0 + 0.3 * (j % 4).to(s.dtype), additive=True)
+    try:
+        out = selfattn.attention(q, k, v, score_mod=mod, backend=backend)
+    except ValueError as e:
+        assert backend == "sdpa" and "round" in str(e)
+        return
+    ref = testing.reference_attention(q.double(), k.double(), v.double(), score_mod=mod)
+    assert testing.max_error(out, ref) < 0.02
+
+
+@pytest.mark.parametrize("fn", [lambda s, b, h, i, j: s.sum(), lambda s, b, h, i, j: s[..., :1]])
+def test_score_mod_that_reduces_is_a_value_error(fn):
+    """catches: a modifier that reduces the scores to a broadcastable shape, silently accepted."""
+    q, k, v = make_qkv(1, 2, 2, 4, 8, 8, requires_grad=False)
+    with pytest.raises(ValueError, match="returned shape"):
+        selfattn.attention(q, k, v, score_mod=fn, backend="reference")
+
+
+def test_score_mod_that_raises_is_named():
+    """catches: any exception inside the user's modifier surfacing raw, without its name and the shapes."""
+    def broken(s, b, h, i, j):
+        return s * (1 / int(h.min()))  # h starts at 0: ZeroDivisionError
+
+    q, k, v = make_qkv(1, 2, 2, 4, 8, 8, requires_grad=False)
+    with pytest.raises(ValueError, match=r"score_mod .* failed .*ZeroDivisionError"):
+        selfattn.attention(q, k, v, score_mod=broken, backend="reference")
+
+
+def test_torch_convention_masks_are_live():
+    """catches: from_torch_key_padding_mask / from_torch_attn_mask keeping a copy, so a training loop
+    that changes its padding mask in place keeps the old one."""
+    q, k, v = make_qkv(2, 2, 2, 6, 6, 8, dtype=torch.float64, requires_grad=False)
+    kpm = torch.zeros(2, 6, dtype=torch.bool)
+    am = torch.zeros(6, 6, dtype=torch.bool)
+    m = masks.from_torch_key_padding_mask(kpm) & masks.from_torch_attn_mask(am)
+    selfattn.attention(q, k, v, mask=m)
+    kpm[0, 3:] = True
+    am[:, 0] = True
+    want = testing.reference_attention(q, k, v, mask=~(kpm[:, None, None, :] | am))
+    for backend in BACKENDS:
+        assert testing.max_error(selfattn.attention(q, k, v, mask=m, backend=backend), want) < 1e-12

@@ -180,3 +180,18 @@ def test_check_gives_fn_only_the_arguments_that_are_set():
     testing.check_against_reference(plain, q, k, v)
     with pytest.raises(AssertionError, match=r"wrong dtype: expected a torch\.float32 tensor of shape"):
         testing.check_against_reference(lambda q, k, v: plain(q, k, v).double(), q, k, v, name="wrong dtype")
+
+
+def test_naive_overflow_does_not_widen_the_tolerance():
+    """catches: a plain float16 result that overflows (inf, then NaN) being counted as error max|ref|,
+    so that an implementation returning zeros passed."""
+    q = k = torch.full((1, 1, 4, 64), 40.0, dtype=torch.float16)  # q.k = 102400 > 65504
+    v = torch.randn(1, 1, 4, 64, generator=torch.Generator().manual_seed(0)).half()
+
+    def zeros(q, k, v, **kwargs):
+        return torch.zeros_like(q) + 0 * (q.sum() + k.sum() + v.sum())
+
+    with pytest.raises(AssertionError):
+        testing.check_against_reference(zeros, q, k, v, grads=False)
+    testing.check_against_reference(lambda q, k, v, **kw: torch.nn.functional.scaled_dot_product_attention(
+        q.float(), k.float(), v.float()).half(), q, k, v, grads=False)

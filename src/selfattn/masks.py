@@ -485,9 +485,10 @@ def _tile_reduce(t: Tensor, dim: int, block: int, fill: bool, reduce: str) -> Te
 
 
 class FromTensor(Mask):
-    """Key j is visible from query row r when ``t[b, h, r, j]`` is True (t broadcastable)."""
+    """Key j is visible from query row r when ``t[b, h, r, j]`` is True (t broadcastable); with
+    ``ignore=True``, when it is False (the ``nn.MultiheadAttention`` convention, read in place)."""
 
-    def __init__(self, t: Tensor) -> None:
+    def __init__(self, t: Tensor, ignore: bool = False) -> None:
         if not isinstance(t, Tensor):
             raise TypeError(f"from_tensor needs a bool tensor, got {type(t).__name__}")
         if t.dtype != torch.bool:
@@ -496,6 +497,7 @@ class FromTensor(Mask):
         if not 1 <= t.dim() <= 4:
             raise ValueError(f"a mask tensor must have 1 to 4 dims (B, H, Lq, Lk), got shape {tuple(t.shape)}")
         self.t = t[(None,) * (4 - t.dim())]  # (B|1, H|1, Lq|1, Lk|1), a view: changes to t are seen
+        self.ignore = ignore
 
     def check(self, batch, heads, lq, lk):
         want = (batch, heads, lq, lk)
@@ -504,22 +506,29 @@ class FromTensor(Mask):
                              f"(B, Hq, Lq, Lk) = {want}; use size 1 for dims that broadcast")
 
     def predicate(self, lq, lk, device=None):
-        t, off = self.t.to(device), query_offset(lq, lk)
+        t, off, ignore = self.t.to(device), query_offset(lq, lk), self.ignore
         keep = [size > 1 for size in t.shape]  # broadcast dims are read at index 0
-        return lambda b, h, i, j: t[b * keep[0], h * keep[1], (i - off) * keep[2], j * keep[3]]
+
+        def visible(b, h, i, j):
+            x = t[b * keep[0], h * keep[1], (i - off) * keep[2], j * keep[3]]
+            return ~x if ignore else x
+        return visible
 
     def block(self, q0, q1, k0, k1, lq, lk, device=None):
         """Fast path: a slice of the tensor (the predicate on a rectangle, without a gather)."""
         t = self.t.to(device) if device is not None else self.t
         rows = slice(None) if t.shape[2] == 1 else slice(q0, q1)
         cols = slice(None) if t.shape[3] == 1 else slice(k0, k1)
-        return t[:, :, rows, cols]
+        x = t[:, :, rows, cols]
+        return ~x if self.ignore else x
 
     def _tile_bounds(self, lq, lk, bq, bk, device):
         t = self.t.to(device) if device is not None else self.t
-        full = _tile_reduce(_tile_reduce(t, 2, bq, True, "all"), 3, bk, True, "all")
-        empty = ~_tile_reduce(_tile_reduce(t, 2, bq, False, "any"), 3, bk, False, "any")
-        return full, empty
+        every = _tile_reduce(_tile_reduce(t, 2, bq, True, "all"), 3, bk, True, "all")  # every pair True
+        some = _tile_reduce(_tile_reduce(t, 2, bq, False, "any"), 3, bk, False, "any")  # some pair True
+        if self.ignore:  # visible = ~t: full where no pair is True, empty where every pair is
+            return ~some, every
+        return every, ~some
 
     def batch_heads(self):
         return self.t.shape[0], self.t.shape[1]
@@ -528,7 +537,9 @@ class FromTensor(Mask):
         return (self.t,)
 
     def __repr__(self) -> str:
-        return f"from_tensor(shape {tuple(self.t.shape)})"
+        return f"from_tensor(shape {tuple(self.t.shape)}{', ignore=True' if self.ignore else ''})"
+
+
 def causal(align: str = "top_left") -> Mask:
     """Causal mask: key j visible from query i when ``j <= i`` (top_left) or
     ``j <= i + Lk - Lq`` (bottom_right).
@@ -589,7 +600,7 @@ def from_torch_key_padding_mask(key_padding_mask: Tensor) -> Mask:
                         f"got {getattr(key_padding_mask, 'dtype', type(key_padding_mask).__name__)}")
     if key_padding_mask.dim() != 2:
         raise ValueError(f"key_padding_mask must be (B, Lk), got shape {tuple(key_padding_mask.shape)}")
-    return FromTensor(~key_padding_mask[:, None, None, :])
+    return FromTensor(key_padding_mask[:, None, None, :], ignore=True)
 
 
 def from_torch_attn_mask(attn_mask: Tensor, num_heads: int | None = None) -> Mask:
@@ -605,11 +616,15 @@ def from_torch_attn_mask(attn_mask: Tensor, num_heads: int | None = None) -> Mas
         raise TypeError("from_torch_attn_mask takes a bool attn_mask (True = not allowed); "
                         "a float attn_mask is additive, pass it to attention() as bias=")
     if attn_mask.dim() == 2:
-        return FromTensor(~attn_mask)
+        return FromTensor(attn_mask, ignore=True)
     if attn_mask.dim() != 3:
         raise ValueError(f"attn_mask must be (Lq, Lk) or (B*H, Lq, Lk), got shape {tuple(attn_mask.shape)}")
     if num_heads is None or num_heads < 1 or attn_mask.shape[0] % num_heads:
         raise ValueError(f"a 3-D attn_mask of shape {tuple(attn_mask.shape)} packs batch and heads; "
                          f"pass num_heads (a divisor of {attn_mask.shape[0]}), got {num_heads!r}")
     lq, lk = attn_mask.shape[1:]
-    return FromTensor(~attn_mask.reshape(-1, num_heads, lq, lk))
+    try:
+        packed = attn_mask.view(-1, num_heads, lq, lk)  # a view: changes to attn_mask are seen
+    except RuntimeError:  # strides that cannot be split without a copy
+        packed = attn_mask.reshape(-1, num_heads, lq, lk)
+    return FromTensor(packed, ignore=True)

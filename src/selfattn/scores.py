@@ -34,7 +34,8 @@ class ScoreMod:
     def __call__(self, score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def bias(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor:
+    def bias(self, b: Tensor, h: Tensor, i: Tensor, j: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
+        """``score_mod(s) - s`` of an additive modifier, computed in ``dtype`` (broadcastable to the scores)."""
         raise TypeError(f"{self!r} is not additive")
 
     def num_heads(self) -> int | None:
@@ -50,12 +51,12 @@ class _Alibi(ScoreMod):
             raise TypeError(f"alibi slopes must be a 1-D float tensor (one per head), got {slopes!r}")
         self.slopes = slopes
 
-    def bias(self, b, h, i, j):
-        slopes = self.slopes.to(i.device)[h]
-        return -slopes * (i - j).abs()
+    def bias(self, b, h, i, j, dtype=torch.float32):
+        slopes = self.slopes.to(device=i.device, dtype=dtype)[h]
+        return -slopes * (i - j).abs().to(dtype)
 
     def __call__(self, score, b, h, i, j):
-        return score + self.bias(b, h, i, j).to(score.dtype)
+        return score + self.bias(b, h, i, j, score.dtype)
 
     def num_heads(self) -> int:
         return self.slopes.numel()
@@ -86,10 +87,10 @@ class _Custom(ScoreMod):
     def __call__(self, score, b, h, i, j):
         return self.fn(score, b, h, i, j)
 
-    def bias(self, b, h, i, j):
+    def bias(self, b, h, i, j, dtype=torch.float32):
         if not self.additive:
-            return super().bias(b, h, i, j)
-        zero = torch.zeros((), dtype=torch.float32, device=i.device)
+            return super().bias(b, h, i, j, dtype)
+        zero = torch.zeros((1, 1, 1, 1), dtype=dtype, device=i.device)  # 4-D, so it sets the result's dtype
         return self.fn(zero, b, h, i, j)
 
     def __repr__(self) -> str:
@@ -106,10 +107,11 @@ class _Chain(ScoreMod):
             score = m(score, b, h, i, j)
         return score
 
-    def bias(self, b, h, i, j):
+    def bias(self, b, h, i, j, dtype=torch.float32):
         if not self.additive:
-            return super().bias(b, h, i, j)
-        return sum((m.bias(b, h, i, j) for m in self.mods), torch.zeros((), device=i.device))
+            return super().bias(b, h, i, j, dtype)
+        return sum((m.bias(b, h, i, j, dtype) for m in self.mods), torch.zeros((1, 1, 1, 1), dtype=dtype,
+                                                                                device=i.device))
 
     def num_heads(self) -> int | None:
         sizes = {n for m in self.mods if (n := m.num_heads()) is not None}
@@ -182,28 +184,47 @@ def _fit(mod: ScoreMod, out: object, shape: torch.Size, what: str) -> Tensor:
     return out
 
 
-def _call(mod: ScoreMod, fn: Callable[..., Tensor], args: tuple[Tensor, ...], shape: torch.Size, what: str) -> object:
+def _call(mod: ScoreMod, fn: Callable[..., object], args: tuple[Tensor, ...], shape: torch.Size, what: str) -> object:
     """``fn(*args)``; an error inside the user's function becomes a ValueError that names the
     modifier and the shapes it was given (out-of-memory errors pass through)."""
     try:
         return fn(*args)
     except torch.OutOfMemoryError:
         raise
-    except (RuntimeError, IndexError, TypeError) as e:
+    except Exception as e:
         given = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(("b", "h", "i", "j"), args[-4:], strict=True))
         raise ValueError(f"score_mod {mod!r} failed in {what} for scores of shape {tuple(shape)} (B, Hq, Lq, Lk), "
                          f"given {given}: {type(e).__name__}: {e}") from e
 
 
+def _fit(mod: ScoreMod, out: object, shape: torch.Size, what: str, exact: bool) -> Tensor:
+    """``out`` if it has ``shape`` (or, unless ``exact``, broadcasts to it), else a ValueError that
+    names the modifier and both shapes."""
+    if not isinstance(out, Tensor):
+        raise TypeError(f"score_mod {mod!r} returned {type(out).__name__} from {what}; it must return a tensor")
+    if out.shape == shape:
+        return out
+    try:
+        fits = not exact and torch.broadcast_shapes(out.shape, shape) == shape
+    except RuntimeError:
+        fits = False
+    if not fits:
+        raise ValueError(f"score_mod {mod!r} returned shape {tuple(out.shape)} from {what} for scores of shape "
+                         f"{tuple(shape)} (B, Hq, Lq, Lk); it must return the scores' shape: write it with "
+                         "broadcasting ops on (score, b, h, i, j) and don't reduce or reshape them")
+    return out
+
+
 def apply_score_mod(mod: ScoreMod, score: Tensor, idx: tuple[Tensor, Tensor, Tensor, Tensor]) -> Tensor:
-    """``mod(score, b, h, i, j)`` on a (B, Hq, rows, keys) block of scores, checked to keep its shape
-    and dtype; idx from :func:`selfattn.masks.positions`."""
+    """``mod(score, b, h, i, j)`` on a (B, Hq, rows, keys) block of scores, checked to return exactly
+    the scores' shape, in their dtype; idx from :func:`selfattn.masks.positions`."""
     out = _call(mod, mod, (score, *idx), score.shape, "its call")
-    return _fit(mod, out, score.shape, "its call").to(score.dtype).expand(score.shape)
+    return _fit(mod, out, score.shape, "its call", exact=True).to(score.dtype)
 
 
 def score_mod_bias(mod: ScoreMod, idx: tuple[Tensor, Tensor, Tensor, Tensor], dtype: torch.dtype) -> Tensor:
-    """The bias of an additive modifier on a block, broadcastable to (B, Hq, rows, keys), checked
-    like :func:`apply_score_mod`."""
+    """The bias of an additive modifier on a block, computed in ``dtype`` and broadcastable to
+    (B, Hq, rows, keys), checked like :func:`apply_score_mod`."""
     shape = torch.broadcast_shapes(*(t.shape for t in idx))
-    return _fit(mod, _call(mod, mod.bias, idx, shape, "its bias"), shape, "its bias").to(dtype)
+    bias = _call(mod, lambda *a: mod.bias(*a, dtype=dtype), idx, shape, "its bias")
+    return _fit(mod, bias, shape, "its bias", exact=False).to(dtype)

@@ -22,12 +22,18 @@ __all__ = ["ALL_DTYPES", "Backend", "bias_rounds_in_kernel"]
 ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
-def bias_rounds_in_kernel(call: AttentionCall) -> bool:
-    """True when a kernel that adds its mask in q's dtype would round the bias: selfattn adds
-    bias in the compute dtype (at least float32), so a float32 bias on float16/bfloat16 inputs
-    is only exact in a kernel that upcasts it."""
-    bias = call.bias
-    return bias is not None and bias.dtype != call.dtype and call.dtype in (torch.float16, torch.bfloat16)
+def bias_rounds_in_kernel(call: AttentionCall) -> str | None:
+    """Why a kernel that adds its mask in q's dtype would round this call's additive terms, or
+    None. selfattn adds bias and additive score modifiers in the compute dtype (at least
+    float32), so on float16/bfloat16 inputs only a kernel that upcasts them is exact: a bias of
+    another dtype, or any additive modifier (its bias is computed in float32)."""
+    if call.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if call.bias is not None and call.bias.dtype != call.dtype:
+        return f"bias is {call.bias.dtype} but q is {call.dtype}"
+    if call.score_mod is not None and call.score_mod.additive:
+        return f"{call.score_mod!r} is a float32 bias and q is {call.dtype}"
+    return None
 
 
 class Backend:

@@ -127,8 +127,8 @@ def _fused_obstacles(call: AttentionCall) -> list[str]:
         out.append("Dv != D")
     if call.score_mod is not None and not call.score_mod.additive:
         out.append(f"{call.score_mod!r} is not additive")
-    if bias_rounds_in_kernel(call):
-        out.append(f"a {call.bias.dtype} bias would be rounded to {call.dtype}")  # type: ignore[union-attr]
+    if rounding := bias_rounds_in_kernel(call):
+        out.append(f"{rounding} (the fused op would round it to q's dtype)")
     return out
 
 

@@ -56,9 +56,9 @@ class SdpaBackend(Backend):
                 elements := call.batch * call.hq * call.lq * call.lk) > DENSE_BIAS_LIMIT:
             reasons.append(f"{call.score_mod!r} as a dense bias would have {elements:,} elements "
                            f"(> {DENSE_BIAS_LIMIT:,}); chunked applies it tile by tile")
-        if bias_rounds_in_kernel(call):
-            reasons.append(f"bias is {call.bias.dtype} but q is {call.dtype}: SDPA adds its mask in q's dtype, "  # type: ignore[union-attr]
-                           "which would round the bias; cast bias to q's dtype to use SDPA")
+        if rounding := bias_rounds_in_kernel(call):
+            reasons.append(f"{rounding}: SDPA adds its mask in q's dtype, which would round it "
+                           "(cast bias to q's dtype to use SDPA)")
         if call.return_lse:
             if call.device.type != "cpu" or _cpu_lse_op() is None:
                 reasons.append(f"return_lse on {call.device.type} (torch has no SDPA op that returns lse "
