@@ -1,0 +1,354 @@
+"""Context-parallel attention (selfattn.distributed) against single-process selfattn.attention.
+
+Each test spawns W processes with torch.multiprocessing (gloo on 127.0.0.1) that run many cases in
+one go and write their measurements to JSON; the test then judges them. Every spawn has a hard
+timeout, and every collective inside has its own, so nothing can hang.
+
+Shape legend: B batch, H query heads, Hkv key/value heads, L global length, W world size,
+D head dim, Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import selfattn
+from selfattn import distributed as sad
+from selfattn import masks, scores, testing
+from selfattn.backends import chunked
+
+F64_EXACT = 1e-12  # float64: distributed and single-process agree to this, relative to max(1, |ref|)
+LSE_F32 = 4 * torch.finfo(torch.float32).eps  # lse is returned in float32 by both
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn_name: str, world: int, port: int, outdir: str, backend: str) -> None:
+    """Runs in each spawned process: join the group, run ``fn_name``, write its result (or the error)."""
+    code = 1
+    try:
+        torch.set_num_threads(1)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        result = globals()[fn_name](rank, world)
+        Path(outdir, f"{rank}.json").write_text(json.dumps(result))
+        code = 0
+    except BaseException:
+        Path(outdir, f"{rank}.err").write_text(traceback.format_exc())
+    finally:
+        os._exit(code)  # no teardown: a group left broken by a failure test must not hang the exit
+
+
+def _spawn(fn_name: str, world: int, tmp_path: Path, limit: float = 120.0, backend: str = "gloo") -> list[dict]:
+    """Run ``fn_name(rank, world)`` on ``world`` processes; their results, by rank. Fails past ``limit`` s."""
+    outdir = tmp_path / f"{fn_name}-{world}"
+    outdir.mkdir()
+    ctx = mp.spawn(_entry, args=(fn_name, world, _free_port(), str(outdir), backend), nprocs=world, join=False)
+    deadline = time.monotonic() + limit
+    done = False
+    while not done and time.monotonic() < deadline:
+        try:
+            done = ctx.join(timeout=1.0)
+        except mp.ProcessExitedException:
+            break
+    if not done:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    errors = {r: (outdir / f"{r}.err").read_text() for r in range(world) if (outdir / f"{r}.err").exists()}
+    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
+    assert done, f"{fn_name} on {world} ranks did not finish within {limit} s"
+    return [json.loads((outdir / f"{r}.json").read_text()) for r in range(world)]
+
+
+# ----------------------------------------------------------------------------- cases (run in the workers)
+
+
+def _cases(batch: int, heads: int, length: int) -> dict[str, dict]:
+    """Every kind of mask and score modifier, on global positions (the same on every rank)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.sort(torch.randint(0, 4, (batch, length), generator=gen), dim=1).values
+    lengths = torch.tensor([length - 5, length // 3][:batch])
+    dense = torch.rand(batch, heads, length, length, generator=gen) < 0.6
+    return {
+        "none": {},
+        "causal": dict(causal=True),
+        "window": dict(mask=masks.sliding_window(7, 3)),
+        "documents": dict(mask=masks.document(ids) & masks.causal()),
+        "padding": dict(mask=masks.padding(lengths, queries=True)),
+        "composed": dict(mask=(masks.document(ids) & masks.causal()) | ~masks.sliding_window(30, 30)),
+        "from_tensor": dict(mask=masks.from_tensor(dense)),
+        "alibi": dict(causal=True, score_mod=scores.alibi(scores.alibi_slopes(heads))),
+        "softcap": dict(mask=masks.document(ids), score_mod=scores.softcap(2.0), scale=1.0),
+        "custom": dict(score_mod=lambda s, b, h, i, j: s + 0.2 * torch.sin(0.3 * i - 0.7 * j + h)),
+    }
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return (a.double() - ref.double()).abs().max().item() / max(1.0, ref.double().abs().max().item())
+
+
+def _lse_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.equal(torch.isneginf(a), torch.isneginf(ref)):
+        return math.inf
+    fin = torch.isfinite(ref)
+    return _rel(a[fin], ref[fin]) if bool(fin.any()) else 0.0
+
+
+def _single(q, k, v, gout, **kw) -> tuple[torch.Tensor, ...]:
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out, lse = selfattn.attention(q, k, v, return_lse=True, **kw)
+    out.backward(gout)
+    return out.detach(), lse, q.grad, k.grad, v.grad
+
+
+def _sharded(q, k, v, gout, layout: str, strategy: str, **kw) -> tuple[torch.Tensor, ...]:
+    ql, kl, vl = (sad.shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v))
+    out, lse = sad.attention(ql, kl, vl, layout=layout, strategy=strategy, return_lse=True, timeout=20, **kw)
+    out.backward(sad.shard(gout, layout=layout))
+    return out.detach(), lse, ql.grad, kl.grad, vl.grad
+
+
+def _errors(got: tuple, ref: tuple, layout: str) -> dict[str, float]:
+    out, lse, dq, dk, dv = got
+    r_out, r_lse, r_dq, r_dk, r_dv = (sad.shard(t, layout=layout) if t.dim() == 4 else
+                                      sad.shard(t.unsqueeze(-1), layout=layout).squeeze(-1) for t in ref)
+    return {"out": _rel(out, r_out), "lse": _lse_err(lse, r_lse), "dq": _rel(dq, r_dq), "dk": _rel(dk, r_dk),
+            "dv": _rel(dv, r_dv)}
+
+
+def exact_worker(rank: int, world: int) -> dict:
+    """Every case x layout x strategy, float64 (plus one float32 case held to the rule, and dropout)."""
+    torch.manual_seed(0)
+    hkv, chunk, batch = max(1, world), 12, 2
+    heads, length = 2 * hkv, 2 * world * chunk  # GQA (2 query heads per kv head); L divisible by 2W
+    q = torch.randn(batch, heads, length, 8, dtype=torch.float64)
+    k = torch.randn(batch, hkv, length, 8, dtype=torch.float64)
+    v = torch.randn(batch, hkv, length, 6, dtype=torch.float64)  # Dv != D
+    gout = torch.randn(batch, heads, length, 6, dtype=torch.float64)
+    results: dict[str, dict] = {}
+    for name, kw in _cases(batch, heads, length).items():
+        ref = _single(q, k, v, gout, **kw)
+        for layout in ("contiguous", "zigzag"):
+            for strategy in ("ring", "all_to_all"):
+                results[f"{layout}/{strategy}/{name}"] = _errors(_sharded(q, k, v, gout, layout, strategy, **kw),
+                                                                ref, layout)
+    # dropout: the ring draws the single-process chunked pattern for the same seed
+    for layout in ("contiguous", "zigzag"):
+        kw = dict(mask=masks.sliding_window(9), dropout_p=0.3)
+        torch.manual_seed(123)
+        ref = _single(q, k, v, gout, backend="chunked", **kw)
+        torch.manual_seed(123)
+        results[f"{layout}/ring/dropout"] = _errors(_sharded(q, k, v, gout, layout, "ring", **kw), ref, layout)
+    # all_to_all dropout: a valid pattern per head group, fixed by the seed
+    outs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        outs.append(_sharded(q, k, v, gout, "zigzag", "all_to_all", causal=True, dropout_p=0.5)[0])
+    plain = _sharded(q, k, v, gout, "zigzag", "all_to_all", causal=True)[0]
+    results["a2a_dropout"] = {"repeatable": bool(torch.equal(*outs)), "changes": not torch.allclose(outs[0], plain),
+                              "finite": bool(torch.isfinite(outs[0]).all())}
+    # float32, held to the rule against the float64 oracle
+    kw32 = dict(mask=masks.document(torch.arange(length).div(7, rounding_mode="floor")), causal=True)
+    q32, k32, v32 = q.float(), k.float(), v.float()
+    ref64 = sad.shard(testing.reference_attention(q32, k32, v32, **kw32), layout="zigzag")
+    naive = sad.shard(testing.reference_attention(q32, k32, v32, dtype=None, safe=False, **kw32), layout="zigzag")
+    for strategy in ("ring", "all_to_all"):
+        got = _sharded(q32, k32, v32, gout.float(), "zigzag", strategy, **kw32)[0]
+        c = testing.compare_to_reference(got, ref64, naive)
+        results[f"float32/{strategy}"] = {"ok": c.ok, "error": c.error, "tolerance": c.tolerance}
+    results["balance"] = _balance(q)
+    return results
+
+
+def _balance(q: torch.Tensor) -> dict:
+    """Work per rank for causal attention in each layout, and the pairs skipped."""
+    out = {}
+    for layout in ("contiguous", "zigzag"):
+        ql = sad.shard(q, layout=layout).requires_grad_()
+        with sad.record() as stats:
+            sad.attention(ql, ql, ql, layout=layout, causal=True, timeout=20).sum().backward()
+        out[layout] = {"work": stats.work, "skipped": stats.skipped, "blocks": stats.blocks}
+    return out
+
+
+def failure_worker(rank: int, world: int) -> dict:
+    """Bad lengths, mismatched shapes and layouts, and a rank that raises before the call."""
+    seen: dict[str, str] = {}
+
+    def catch(name: str, fn) -> None:
+        t0 = time.monotonic()
+        try:
+            fn()
+            seen[name] = "no error"
+        except (ValueError, RuntimeError) as e:
+            seen[name] = f"{type(e).__name__}: {e}"
+        seen[name + "_s"] = str(time.monotonic() - t0)
+
+    x = torch.randn(1, 2, 6 * world, 4, dtype=torch.float64)
+    catch("shard_indivisible", lambda: sad.shard(torch.randn(1, 3, 6 * world + 1, 4)))
+    odd = torch.randn(1, 2, 3, 4, dtype=torch.float64)
+    catch("zigzag_odd", lambda: sad.attention(odd, odd, odd, layout="zigzag", timeout=5))
+    mine = sad.shard(x) if rank != 1 else torch.randn(1, 2, 8, 4, dtype=torch.float64)
+    catch("shape_mismatch", lambda: sad.attention(mine, mine, mine, timeout=5))
+    local = sad.shard(x)
+    catch("layout_mismatch", lambda: sad.attention(local, local, local, layout="zigzag" if rank == 2 else "contiguous",
+                                                   timeout=5))
+    catch("heads_indivisible", lambda: sad.attention(local, local, local, strategy="all_to_all", timeout=5))
+    if rank == world - 1:
+        catch("dead_rank", lambda: (_ for _ in ()).throw(RuntimeError("this rank failed in user code")))
+        time.sleep(4.5)  # stay alive (the group open) while the others time out
+    else:
+        catch("dead_rank", lambda: sad.attention(local, local, local, timeout=2))
+    return seen
+
+
+def nccl_worker(rank: int, world: int) -> dict:
+    """The float64 exactness cases on CUDA tensors over NCCL (a subset)."""
+    torch.manual_seed(0)
+    dev = torch.device("cuda", rank)
+    length = 2 * world * 32
+    q, k, v = (torch.randn(2, 2 * world, length, 16, dtype=torch.float64, device=dev) for _ in range(3))
+    gout = torch.randn(2, 2 * world, length, 16, dtype=torch.float64, device=dev)
+    results = {}
+    for name, kw in _cases(2, 2 * world, length).items():
+        kw = {key: (val if not isinstance(val, torch.Tensor) else val.to(dev)) for key, val in kw.items()}
+        ref = _single(q, k, v, gout, **kw)
+        for strategy in ("ring", "all_to_all"):
+            results[f"zigzag/{strategy}/{name}"] = _errors(_sharded(q, k, v, gout, "zigzag", strategy, **kw), ref,
+                                                           "zigzag")
+    return results
+
+
+# ----------------------------------------------------------------------------- tests
+
+
+def _judge(results: list[dict], world: int) -> None:
+    for rank, res in enumerate(results):
+        for key, errs in res.items():
+            if key == "balance":
+                continue
+            if key == "a2a_dropout":
+                assert all(errs.values()), f"rank {rank}: all_to_all dropout {errs}"
+            elif key.startswith("float32"):
+                assert errs["ok"], f"rank {rank} {key}: {errs}"
+            else:
+                bad = {n: e for n, e in errs.items() if e > (LSE_F32 if n == "lse" else F64_EXACT)}
+                assert not bad, f"W={world} rank {rank} {key}: {bad}"
+
+
+@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda w: f"W{w}")
+def exact_run(request, tmp_path_factory):
+    """One spawn per world size runs every exactness case and the causal balance count."""
+    world = request.param
+    return world, _spawn("exact_worker", world, tmp_path_factory.mktemp(f"exact{world}"))
+
+
+def test_exact_every_mask_layout_strategy(exact_run):
+    """catches: a rank evaluating masks or score modifiers on local instead of global positions, a wrong
+    merge of partial results (fully masked blocks, -inf lse), dK/dV returned to the wrong owner, zigzag
+    chunks out of order, head groups mixed up by all_to_all (GQA, per-head masks, ALiBi slopes), and a
+    ring dropout pattern that differs from the single-process one."""
+    world, res = exact_run
+    _judge(res, world)
+
+
+def test_zigzag_balances_causal_work(exact_run):
+    """catches: zigzag not giving each rank the same causal work, and empty blocks computed instead of skipped."""
+    world, res = exact_run
+    bal = [r["balance"] for r in res]
+    zig = [b["zigzag"]["work"] for b in bal]
+    assert len(set(zig)) == 1, f"zigzag causal work per rank: {zig}"
+    if world > 1:
+        assert len({b["contiguous"]["work"] for b in bal}) > 1  # the imbalance zigzag removes
+        assert all(b["zigzag"]["skipped"] > 0 for b in bal)
+        assert sum(b["contiguous"]["skipped"] for b in bal) > 0
+
+
+def test_failures_are_loud_not_hangs(tmp_path):
+    """catches: a missing rank hanging the others forever, mismatched shapes or layouts across ranks
+    computing garbage (or deadlocking), and lengths that do not split being silently truncated."""
+    world = 3
+    res = _spawn("failure_worker", world, tmp_path, limit=90)
+    for rank, seen in enumerate(res):
+        assert "divisible" in seen["shard_indivisible"], seen["shard_indivisible"]
+        assert "2W" in seen["zigzag_odd"], seen["zigzag_odd"]
+        assert seen["shape_mismatch"].startswith("ValueError") and "rank 1" in seen["shape_mismatch"]
+        assert seen["layout_mismatch"].startswith("ValueError") and "layout" in seen["layout_mismatch"]
+        assert "divisible by W" in seen["heads_indivisible"], seen["heads_indivisible"]
+        if rank < world - 1:
+            assert seen["dead_rank"].startswith("RuntimeError") and f"rank {world - 1}" in seen["dead_rank"]
+            assert float(seen["dead_rank_s"]) < 2 + 2, seen["dead_rank_s"]
+
+
+def test_rejects_bad_arguments_without_a_group():
+    """catches: calling without torch.distributed initialised giving an obscure error deep inside torch."""
+    x = torch.randn(1, 2, 8, 4)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        sad.attention(x, x, x)
+
+
+def test_import_does_not_initialise_distributed():
+    """catches: importing selfattn (or selfattn.distributed) starting a process group as a side effect."""
+    code = ("import selfattn, torch.distributed as d; from selfattn import distributed; "
+            "assert not d.is_initialized()")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_exact_larger(world, tmp_path):
+    """catches: errors that only show when blocks span several sub-blocks and chunked tiles (L in the hundreds)."""
+    res = _spawn("large_worker", world, tmp_path, limit=600)
+    _judge(res, world)
+
+
+def large_worker(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    length, heads = 384, 2 * world
+    ids = torch.arange(length).div(50, rounding_mode="floor")
+    q = torch.randn(1, heads, length, 16, dtype=torch.float64)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    gout = torch.randn_like(q)
+    results = {}
+    for name, kw in {"documents": dict(mask=masks.document(ids), causal=True),
+                     "window": dict(mask=masks.sliding_window(40))}.items():
+        ref = _single(q, k, v, gout, **kw)
+        for layout in ("contiguous", "zigzag"):
+            for strategy in ("ring", "all_to_all"):
+                results[f"{layout}/{strategy}/{name}"] = _errors(_sharded(q, k, v, gout, layout, strategy, **kw),
+                                                                ref, layout)
+    with chunked.options(block_q=32, block_k=48):
+        kw = dict(causal=True, dropout_p=0.2)
+        torch.manual_seed(5)
+        ref = _single(q, k, v, gout, backend="chunked", **kw)
+        torch.manual_seed(5)
+        results["zigzag/ring/dropout-tiles"] = _errors(_sharded(q, k, v, gout, "zigzag", "ring", **kw), ref, "zigzag")
+    return results
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA and NCCL")
+def test_nccl_exact(tmp_path):
+    """catches: the ring or all_to_all breaking on CUDA tensors over NCCL (device placement, coalesced P2P works)."""
+    world = min(2, torch.cuda.device_count())
+    _judge(_spawn("nccl_worker", world, tmp_path, limit=300, backend="nccl"), world)
