@@ -404,23 +404,39 @@ class _Ring:
     batch: int
     heads: int
     stats: Stats | None
+    sub: int = 1  # query rows of a sub-block (and keys of a fine tile)
+    fine: Tensor | None = None  # classes of (sub x sub) tiles of the whole call, (L / sub, L / sub), or None
 
     def chunks(self, rank: int) -> list[int]:
         return _chunks_of(self.spec.layout, rank, self.g.world)
 
-    def rows(self, keys: int, itemsize: int) -> int:
-        """Query rows per sub-block: at most ``_ROWS``, so that its scores shrink with the chunk (1 / W),
-        and fewer where (B, H, R, c) scores would pass ``_SCORE_BYTES``."""
-        return max(1, min(self.chunk, _ROWS, _SCORE_BYTES // max(1, self.batch * self.heads * keys * itemsize)))
+    def plan_tiles(self, device: torch.device) -> None:
+        """Choose the sub-block size R and, when R divides the chunk, the fine tile map that trims
+        each sub-block's keys to the tiles the mask leaves non-empty.
+
+        R is at most ``_ROWS``, so that (B, H, R, c) scores shrink with the chunk (1 / W), and less
+        where they would pass ``_SCORE_BYTES``.
+        """
+        c = self.chunk
+        most = max(1, min(c, _ROWS, _SCORE_BYTES // max(1, self.batch * self.heads * c * 8)))
+        divisor = max(d for d in range(1, most + 1) if c % d == 0)
+        self.sub = divisor if divisor >= min(32, most) else most
+        if self.spec.mask is not None and c % self.sub == 0 and self.sub < c:
+            self.fine = _pair_classes_tensor(self.spec.mask, self.length, self.sub, device)
+
+
+def _pair_classes_tensor(mask: Mask, length: int, tile: int, device: torch.device) -> Tensor:
+    """EMPTY / PARTIAL / FULL of every (tile x tile) square of the call, over batch and heads: (L / tile,) * 2."""
+    t = mask.tiles(length, length, tile, tile, device).cpu()  # (B', H', n, n)
+    empty, full = (t == EMPTY).flatten(0, 1).all(0), (t == FULL).flatten(0, 1).all(0)
+    return torch.where(empty, EMPTY, torch.where(full, FULL, _masks.PARTIAL))
 
 
 def _pair_classes(mask: Mask | None, length: int, chunk: int, device: torch.device) -> list[list[int]]:
     nc = length // chunk
     if mask is None:
         return [[FULL] * nc for _ in range(nc)]
-    t = mask.tiles(length, length, chunk, chunk, device).cpu()  # (B', H', nC, nC)
-    empty, full = (t == EMPTY).flatten(0, 1).all(0), (t == FULL).flatten(0, 1).all(0)
-    return torch.where(empty, EMPTY, torch.where(full, FULL, _masks.PARTIAL)).tolist()
+    return _pair_classes_tensor(mask, length, chunk, device).tolist()
 
 
 def _keep(ring: _Ring, q0: int, q1: int, k0: int, k1: int, device: torch.device) -> Tensor:
@@ -457,8 +473,12 @@ def _block_scores(ring: _Ring, q: Tensor, k: Tensor, q0: int, k0: int, partial: 
             idx = _masks.positions(torch.arange(b), h, q0, q0 + r, k0, k0 + nk, ring.length, ring.length, q.device)
             s = _scores.apply_score_mod(spec.score_mod, raw.reshape(b, h, r, nk), idx).view(raw.shape)
         if partial and spec.mask is not None:
-            visible = spec.mask.block(q0, q0 + r, k0, k0 + nk, ring.length, ring.length, q.device)
-            s = s.masked_fill(~visible.expand(b, h, r, nk).reshape(s.shape), float("-inf"))
+            visible = spec.mask.block(q0, q0 + r, k0, k0 + nk, ring.length, ring.length, q.device)  # (B'|1, H'|1, R, c)
+            if visible.shape[1] == 1:
+                visible = visible.unsqueeze(2)  # broadcast over (Hkv, G)
+            else:
+                visible = visible.reshape(visible.shape[0], hkv, h // hkv, r, nk)
+            s = s.masked_fill(~visible, float("-inf"))
     return raw, s
 
 
@@ -542,10 +562,11 @@ def _unpack(buf: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
     return out
 
 
-def _visit(ring: _Ring, owner: int) -> Iterator[tuple[int, int, int, int, bool]]:
-    """(local query offset, global query start, local key offset, global key start, partial) of
-    every pair of this rank's query chunks and ``owner``'s key chunks that the mask leaves non-empty."""
-    c = ring.chunk
+def _visit(ring: _Ring, owner: int) -> Iterator[tuple[int, int, int, int, int, int, bool]]:
+    """Every sub-block to compute against ``owner``'s keys: (local query row, global query row, rows,
+    local key, global key, keys, partial). Pairs of chunks the mask leaves empty are skipped, and
+    within a partial pair each sub-block's keys are trimmed to its non-empty tiles."""
+    c, sub = ring.chunk, ring.sub
     for ai, a in enumerate(ring.chunks(ring.g.rank)):
         for bi, kb in enumerate(ring.chunks(owner)):
             cls = ring.classes[a][kb]
@@ -555,15 +576,24 @@ def _visit(ring: _Ring, owner: int) -> Iterator[tuple[int, int, int, int, bool]]
                 continue
             if ring.stats is not None:
                 ring.stats.blocks += 1
-                ring.stats.work += c * c
-            for r0 in range(0, c, ring.rows(c, 8)):
-                yield ai * c + r0, a * c + r0, bi * c, kb * c, cls != FULL
+            for r0 in range(0, c, sub):
+                rows, k0, k1, partial = min(sub, c - r0), 0, c, cls != FULL
+                if partial and ring.fine is not None:
+                    tiles = ring.fine[(a * c + r0) // sub, kb * c // sub:(kb + 1) * c // sub]
+                    live = (tiles != EMPTY).nonzero().flatten().tolist()
+                    if not live:
+                        continue
+                    k0, k1 = live[0] * sub, (live[-1] + 1) * sub
+                    partial = bool((tiles[live[0]:live[-1] + 1] != FULL).any())
+                if ring.stats is not None:
+                    ring.stats.work += rows * (k1 - k0)
+                yield ai * c + r0, a * c + r0, rows, bi * c + k0, kb * c + k0, k1 - k0, partial
 
 
 def _ring_forward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     ct = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, h, n, _ = q.shape
-    c, step = ring.chunk, None
+    step = None
     out = torch.zeros(b, h, n, v.shape[3], dtype=ct, device=q.device)
     lse = torch.full((b, h, n), float("-inf"), dtype=ct, device=q.device)
     shapes = (k.shape, v.shape)
@@ -573,10 +603,10 @@ def _ring_forward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor,
         step = _Pass(ring, kv, "a K/V block") if s < world - 1 else None
         kb, vb = _unpack(kv, shapes)
         t0 = time.perf_counter()
-        for lq, gq, lk, gk, partial in _visit(ring, (rank - s) % world):
-            rows = slice(lq, min(lq + ring.rows(c, 8), (lq // c + 1) * c))
-            o_new, l_new = _block_forward(ring, q[:, :, rows].to(ct), kb[:, :, lk:lk + c].to(ct),
-                                          vb[:, :, lk:lk + c].to(ct), gq, gk, partial)
+        for lq, gq, nq, lk, gk, nk, partial in _visit(ring, (rank - s) % world):
+            rows = slice(lq, lq + nq)
+            o_new, l_new = _block_forward(ring, q[:, :, rows].to(ct), kb[:, :, lk:lk + nk].to(ct),
+                                          vb[:, :, lk:lk + nk].to(ct), gq, gk, partial)
             l_old = lse[:, :, rows]
             l_sum = torch.logaddexp(l_old, l_new)
             base = l_sum.nan_to_num(neginf=0.0)  # rows still without a key keep weight 0 on both sides
@@ -593,7 +623,6 @@ def _ring_forward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor,
 def _ring_backward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                    dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     ct = lse.dtype
-    c = ring.chunk
     world, rank = ring.g.world, ring.g.rank
     delta = (dout.to(ct) * out.to(ct)).sum(-1)  # (B, H, n)
     lse_b = lse.masked_fill(torch.isneginf(lse), float("inf"))
@@ -608,14 +637,14 @@ def _ring_backward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         mine = torch.zeros(kv.numel(), dtype=ct, device=q.device)  # this rank's share of the block's dK/dV
         dk, dv = _unpack(mine, grad_shapes)
         t0 = time.perf_counter()
-        for lq, gq, lk, gk, partial in _visit(ring, (rank - s) % world):
-            rows = slice(lq, min(lq + ring.rows(c, 8), (lq // c + 1) * c))
-            gq_, gk_, gv_ = _block_backward(ring, q[:, :, rows].to(ct), kb[:, :, lk:lk + c].to(ct),
-                                            vb[:, :, lk:lk + c].to(ct), dout[:, :, rows].to(ct),
+        for lq, gq, nq, lk, gk, nk, partial in _visit(ring, (rank - s) % world):
+            rows, keys = slice(lq, lq + nq), slice(lk, lk + nk)
+            gq_, gk_, gv_ = _block_backward(ring, q[:, :, rows].to(ct), kb[:, :, keys].to(ct),
+                                            vb[:, :, keys].to(ct), dout[:, :, rows].to(ct),
                                             lse_b[:, :, rows], delta[:, :, rows], gq, gk, partial)
             dq[:, :, rows] += gq_
-            dk[:, :, lk:lk + c] += gk_
-            dv[:, :, lk:lk + c] += gv_
+            dk[:, :, keys] += gk_
+            dv[:, :, keys] += gv_
         if ring.stats is not None:
             ring.stats.compute_s += time.perf_counter() - t0
         grads = mine if grad_step is None else grad_step.result() + mine
@@ -830,5 +859,6 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | Non
     spec.mask = mask_all
     ring = _Ring(g=g, spec=spec, length=length, chunk=chunk, batch=q.shape[0], heads=q.shape[1],
                  classes=_pair_classes(mask_all, length, chunk, q.device), stats=_STATS.get())
+    ring.plan_tiles(q.device)
     out, lse = _RingAttention.apply(q, k, v, ring)
     return (out, lse.float()) if return_lse else out
