@@ -1,0 +1,154 @@
+"""``selfattn bench --suite distributed``: context-parallel attention at a fixed total length.
+
+For W = 1, 2, 4 processes (gloo on 127.0.0.1, one CPU thread each) every rank runs
+``selfattn.distributed.attention`` forward and backward on its L / W tokens, and reports its
+time, its peak extra memory during the step, and how much of its communication was hidden
+behind compute: ``hidden = 1 - exposed / alone``, where ``exposed`` is the time the step spent
+waiting for transfers and ``alone`` the time the same transfers take with no compute (all_to_all
+does not overlap, so its share is 0 by construction and ``alone`` is what it costs).
+
+Shape legend: B batch, H heads, L total length, W world size, D head dim.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .worker import _Memory
+
+__all__ = ["CASES", "run_point"]
+
+CASES = ["causal", "documents(8)+causal"]
+WORLDS = [1, 2, 4]
+H, D = 8, 64
+
+
+def _case(name: str, length: int) -> dict:
+    from .. import masks
+
+    if name == "causal":
+        return dict(causal=True)
+    ids = torch.arange(length).div(length // 8, rounding_mode="floor")
+    return dict(mask=masks.document(ids) & masks.causal())
+
+
+def _alone(strategy: str, q: torch.Tensor, world: int, timeout: datetime.timedelta) -> float:
+    """Seconds the step's transfers take with nothing to overlap them."""
+    rank = dist.get_rank()
+    if world == 1:
+        return 0.0
+    t0 = time.perf_counter()
+    if strategy == "all_to_all":
+        for _ in range(6):  # q, k, v and out in the forward; dout and dq, dk, dv swaps back in the backward
+            buf = q.reshape(world, -1).contiguous()
+            dist.all_to_all_single(torch.empty_like(buf), buf, async_op=True).wait(timeout)
+        return time.perf_counter() - t0
+    kv = torch.cat([q.reshape(-1), q.reshape(-1)])
+    for size, hops in ((kv, 2 * (world - 1)), (kv, world)):  # K/V forward and backward; dK/dV back to owners
+        for _ in range(hops):
+            ops = [dist.P2POp(dist.isend, size, (rank + 1) % world),
+                   dist.P2POp(dist.irecv, torch.empty_like(size), (rank - 1) % world)]
+            for w in dist.batch_isend_irecv(ops):
+                w.wait(timeout)
+    return time.perf_counter() - t0
+
+
+def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
+    code = 1
+    try:
+        torch.set_num_threads(1)
+        timeout = datetime.timedelta(seconds=600)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timeout)
+        from .. import distributed as sad
+
+        length, layout, strategy = spec["L"], spec["layout"], spec["strategy"]
+        torch.manual_seed(0)
+        n = length // world
+        q, k, v = (torch.randn(1, H, n, D, requires_grad=True) for _ in range(3))
+        kw = _case(spec["case"], length)
+
+        def step() -> None:
+            for t in (q, k, v):
+                t.grad = None
+            sad.attention(q, k, v, layout=layout, strategy=strategy, timeout=600, **kw).sum().backward()
+
+        step()  # warm-up
+        mem = _Memory("cpu")
+        dist.barrier()
+        mem.start()
+        times, waits = [], []
+        for _ in range(spec["repeats"]):
+            dist.barrier()
+            with sad.record() as stats:
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            waits.append(stats.wait_s)
+        peak = mem.stop()
+        dist.barrier()
+        alone = _alone(strategy, q.detach(), world, timeout)
+        Path(out, f"{rank}.json").write_text(json.dumps(dict(time_s=sorted(times)[len(times) // 2],
+                                                             wait_s=min(waits), alone_s=alone, peak_bytes=peak)))
+        code = 0
+    except BaseException as e:
+        Path(out, f"{rank}.err").write_text(f"{type(e).__name__}: {e}")
+    finally:
+        os._exit(code)
+
+
+def run_point(spec: dict) -> dict:
+    """Run one point (case, L, W, layout, strategy, repeats) on W spawned processes; the slowest rank's
+    time, the largest peak memory and the hidden share of communication."""
+    world = spec["W"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        ctx = mp.spawn(_rank, args=(world, port, spec, out), nprocs=world, join=False)
+        deadline = time.monotonic() + spec.get("limit_s", 1800)
+        done = False
+        while not done and time.monotonic() < deadline:
+            try:
+                done = ctx.join(timeout=1.0)
+            except mp.ProcessExitedException:
+                break
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+        errors = [Path(out, f"{r}.err").read_text() for r in range(world) if Path(out, f"{r}.err").exists()]
+        if errors or not done:
+            return {"status": "error", "note": (errors or ["timed out"])[0][:200]}
+        ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+    alone = max(r["alone_s"] for r in ranks)
+    wait = max(r["wait_s"] for r in ranks)
+    hidden = None if alone == 0 or spec["strategy"] == "all_to_all" else max(0.0, min(1.0, 1 - wait / alone))
+    return {"status": "ok", "time_s": max(r["time_s"] for r in ranks), "wait_s": wait, "comm_alone_s": alone,
+            "peak_bytes": max(r["peak_bytes"] for r in ranks), "hidden": hidden}
+
+
+def points(lengths: list[int] | None, quick: bool, repeats: int | None) -> list[dict]:
+    """The grid: every case at each total length, W = 1, 2, 4, zigzag, ring and all_to_all."""
+    out = []
+    for length in lengths or ([4096] if quick else [8192]):
+        for case in CASES:
+            for strategy in ("ring", "all_to_all"):
+                for world in WORLDS:
+                    out.append(dict(suite="distributed", case=case, L=length, W=world, layout="zigzag",
+                                    strategy=strategy, H=H, D=D, mode="fwd+bwd", repeats=repeats or 2))
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_point(json.loads(sys.argv[1]))))
