@@ -7,6 +7,9 @@ Suites:
 - masks: masked attention from 1k to 64k tokens: selfattn (auto, chunked) vs raw SDPA (with the
   dense mask where a mask is needed), SDPA is_causal, the tutorial's textbook math and compiled
   FlexAttention (CPU: forward only, as it has no CPU backward).
+- distributed: ``selfattn.distributed.attention`` on W = 1, 2, 4 processes at a fixed total length
+  (time, per-rank peak memory, communication hidden behind compute); see ``bench.distributed``.
+  Not part of ``all``.
 
 The modules and overhead suites time their implementations in turns in one process, so all see
 the same machine noise. Every point of the masks suite runs in its own process (see ``worker``),
@@ -33,6 +36,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextC
 from rich.table import Table
 from torch import nn
 
+from . import distributed as _distributed
 from .timing import Timing, time_call, time_interleaved
 from .worker import MASK_CASES, make_step
 
@@ -296,6 +300,29 @@ def _plots(results: list[dict], folder: Path) -> list[Path]:
     return paths
 
 
+def _distributed_table(results: list[dict]) -> Table:
+    """One row per point: time and peak memory per rank, each also as a ratio to W = 1."""
+    table = Table(title="context parallelism (zigzag, fwd+bwd, per rank; x = ratio to W=1; hidden = share of "
+                        "communication overlapped by compute)")
+    for col in ("case", "L", "strategy", "W", "time s", "x", "peak MiB", "x", "comm alone s", "hidden"):
+        table.add_column(col)
+    rows = [r for r in results if r["suite"] == "distributed"]
+    base = {(r["case"], r["L"], r["strategy"]): r for r in rows if r["W"] == 1 and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] != "ok":
+            table.add_row(r["case"], str(r["L"]), r["strategy"], str(r["W"]), r["status"], "", r.get("note", ""),
+                          "", "", "")
+            continue
+        b = base.get((r["case"], r["L"], r["strategy"]))
+        mib = r["peak_bytes"] / 2**20
+        hidden = "-" if r["hidden"] is None else f"{100 * r['hidden']:.0f}%"
+        table.add_row(r["case"], str(r["L"]), r["strategy"], str(r["W"]), f"{r['time_s']:.2f}",
+                      f"{r['time_s'] / b['time_s']:.2f}" if b else "", f"{mib:.0f}",
+                      f"{r['peak_bytes'] / max(1, b['peak_bytes']):.2f}" if b else "",
+                      f"{r['comm_alone_s']:.3f}", hidden)
+    return table
+
+
 def main(args: argparse.Namespace) -> int:
     console = Console()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -308,7 +335,8 @@ def main(args: argparse.Namespace) -> int:
     console.print(f"selfattn bench: {meta}")
     modes = args.modes or ["fwd", "fwd+bwd"]
     points = _mask_points(args, args.device) if "masks" in suites else []
-    total = (len(points) + (2 if "overhead" in suites else 0) + (1 if "decode" in suites else 0)
+    dpoints = _distributed.points(args.lengths, args.quick, args.repeats) if "distributed" in suites else []
+    total = (len(points) + len(dpoints) + (2 if "overhead" in suites else 0) + (1 if "decode" in suites else 0)
              + (len(MODULE_SHAPES) * len(modes) if "modules" in suites else 0))
     results: list[dict] = []
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()]
@@ -321,6 +349,10 @@ def main(args: argparse.Namespace) -> int:
         if "decode" in suites:
             results += _decode(args, progress, task)
         results += _run_points(points, args, progress, task)
+        for p in dpoints:
+            progress.update(task, description=f"distributed {p['case']} {p['strategy']} W={p['W']} L={p['L']}")
+            results.append({**p, **_distributed.run_point(p)})
+            progress.advance(task)
 
     tables = [
         *_ratio_tables(results, "modules", None, ("B", "L", "E", "H", "mode"), "torch",
@@ -332,6 +364,8 @@ def main(args: argparse.Namespace) -> int:
         *_ratio_tables(results, "masks", "case", ("mode", "L"), "sdpa",
                        f"H={H}, D={D}, x = ratio to raw SDPA, MiB = peak extra memory"),
     ]
+    if dpoints:
+        tables.append(_distributed_table(results))
     for table in tables:
         console.print(table)
     if args.json:
