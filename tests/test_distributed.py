@@ -77,7 +77,7 @@ def _spawn(fn_name: str, world: int, tmp_path: Path, limit: float = 120.0, backe
                 p.kill()
     errors = {r: (outdir / f"{r}.err").read_text() for r in range(world) if (outdir / f"{r}.err").exists()}
     assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
-    assert done, f"{fn_name} on {world} ranks did not finish within {limit} s"
+    assert done, f"{fn_name} on {world} ranks: a process died without a result, or ran past {limit} s"
     return [json.loads((outdir / f"{r}.json").read_text()) for r in range(world)]
 
 
