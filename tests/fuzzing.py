@@ -107,29 +107,43 @@ def _finite_error(naive_value: Tensor, ref: Tensor) -> float:
     return testing.max_error(naive_value[finite], ref[finite]) if bool(finite.any()) else 0.0
 
 
-def output_floor(t: dict[str, Tensor], case: Case) -> float:
-    """A few ulps of |v| times the largest score: a weight exp(s - max) carries a relative error of
-    about eps * |s|, which the naive math can avoid by accident (in float64 it is the oracle itself)."""
+def _score_magnitude(t: dict[str, Tensor], case: Case) -> float:
+    """The largest |score|: a weight exp(s - max) carries a relative rounding error of about eps * |s|."""
     g = case.hq // case.hkv
     scale = 1 / math.sqrt(case.d) if case.scale is None else case.scale
     s = (t["q"] @ t["k"].repeat_interleave(g, 1).transpose(-1, -2) * scale).abs().max().item()
-    if "bias" in t:
-        s += t["bias"].abs().max().item()
-    ulps = 64 if case.dtype == torch.float64 else 16
-    return ulps * torch.finfo(case.dtype).eps * t["v"].abs().max().item() * max(1.0, s)
+    return max(1.0, s + (t["bias"].abs().max().item() if "bias" in t else 0.0))
+
+
+def _ulps(dtype: torch.dtype) -> float:
+    return (64 if dtype == torch.float64 else 16) * torch.finfo(dtype).eps
+
+
+def _accidental(case: Case) -> bool:
+    """Whether the naive yardstick can be exact by accident: in float32 and float64, where the inputs'
+    dtype is the compute dtype (in float64 the naive math is the oracle itself). In float16/bfloat16 the
+    rounding of the inputs' dtype is in every naive value, and the plain rule stands alone."""
+    return case.dtype in (torch.float32, torch.float64)
+
+
+def output_floor(t: dict[str, Tensor], case: Case) -> float:
+    """A few ulps of |v| times the largest score, where the naive math can avoid that rounding by accident."""
+    return _ulps(case.dtype) * t["v"].abs().max().item() * _score_magnitude(t, case) if _accidental(case) else 0.0
 
 
 def _gradient_floor(name: str, t: dict[str, Tensor], dout: Tensor, case: Case) -> float:
-    """A few ulps of the magnitude a gradient is computed from, not of its result: in a saturated
-    softmax dS = P * (dP - rowsum(dO * O)) cancels to ~0, and any kernel keeps ulps of |dP| there
-    while a naive formula can be exact by accident."""
+    """A few ulps of the magnitude a gradient is computed from, not of its result, times the largest
+    score: in a saturated softmax dS = P * (dP - rowsum(dO * O)) cancels to ~0 and P itself carries
+    eps * |s| of rounding, which any kernel shows while a naive formula can be exact by accident."""
     amax = {n: x.detach().abs().max().item() for n, x in t.items()}
     scale = 1 / math.sqrt(case.d) if case.scale is None else case.scale
     dp = dout.abs().max().item() * amax["v"] * math.sqrt(case.dv)  # |dO . v| of one (query, key)
     magnitude = {"q": scale * amax["k"] * dp * math.sqrt(case.lk), "k": scale * amax["q"] * dp * math.sqrt(case.lq),
                  "v": dout.abs().max().item() * math.sqrt(case.lq), "bias": dp}[name]
+    if not _accidental(case):
+        return 0.0
     dtype = case.dtype if name != "bias" or case.bias_dtype is None else case.bias_dtype
-    return (64 if dtype == torch.float64 else 16) * torch.finfo(dtype).eps * magnitude
+    return _ulps(dtype) * magnitude * _score_magnitude(t, case)
 
 
 def call_kwargs(case: Case, bias: Tensor | None) -> dict:

@@ -37,12 +37,12 @@ class Built:
 
 
 def build(shape: tuple[int, int, int, int], layout: str, dtype: torch.dtype, gen: torch.Generator,
-          scale: float = 1.0) -> Built:
-    """A (B, H, L, D) tensor in ``layout``; values drawn in float64 then cast."""
+          scale: float = 1.0, shift: float = 0.0) -> Built:
+    """A (B, H, L, D) tensor in ``layout``; values ``shift + scale * N(0, 1)`` drawn in float64 then cast."""
     b, h, length, d = shape
 
     def leaf(*s: int) -> Tensor:
-        return (torch.randn(*s, generator=gen, dtype=torch.float64) * scale).to(dtype)
+        return (torch.randn(*s, generator=gen, dtype=torch.float64) * scale + shift).to(dtype)
 
     if layout == "transposed":  # stored (B, H, D, L): the last dim has stride L
         return Built(leaf(b, h, d, length), lambda x: x.transpose(-1, -2), layout)
@@ -151,7 +151,8 @@ class Case:
             ("v", (self.b, self.hkv, self.lk, self.dv)))}
         if self.bias_shape is not None:
             full = (1,) * (4 - len(self.bias_shape)) + self.bias_shape
-            built = build(full, self.bias_layout, self.bias_dtype or self.dtype, gen, scale=2.0)
+            built = build(full, self.bias_layout, self.bias_dtype or self.dtype, gen, scale=2.0,
+                          shift=self.extras.get("bias_shift", 0.0))
             n = len(self.bias_shape)
             out["bias"] = Built(built.leaf, lambda x, f=built.view, n=n: f(x).reshape(f(x).shape[4 - n:]),
                                 built.layout)
@@ -185,6 +186,7 @@ def cases(draw: st.DrawFn, max_len: int = 40, dims: tuple[int, ...] = (1, 2, 3, 
         case.bias_dtype = draw(st.sampled_from([dtype, dtype, torch.float32]))
         case.bias_layout = draw(st.sampled_from(["contiguous", "transposed", "expand_batch", "offset_slice"]))
         case.bias_grad = draw(st.booleans())
+        case.extras["bias_shift"] = draw(st.sampled_from([0.0, 0.0, 40.0]))  # large values show rounding
     mod = draw(st.sampled_from(["none", "none", "alibi", "softcap", "tilt", "square"]))
     case.score_mod = {
         "none": None,

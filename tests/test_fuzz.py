@@ -53,7 +53,8 @@ REGRESSIONS = {
                                     return_lse=True),
     "q-strided-chunked": _regression(layouts={"q": "strided_last", "k": "contiguous", "v": "channels_last"}, hq=2,
                                      hkv=2, lq=9, lk=13),
-    "f32-bias-bf16": _regression(dtype=torch.bfloat16, bias_shape=(1, 1, 8, 8), bias_dtype=torch.float32, lq=8, lk=8),
+    "f32-bias-bf16": _regression(dtype=torch.bfloat16, bias_shape=(1, 1, 16, 16), bias_dtype=torch.float32, lq=16,
+                                 lk=16, extras={"bias_shift": 40.0}),
 }
 
 
