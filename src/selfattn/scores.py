@@ -167,23 +167,6 @@ def chain(*mods: ScoreMod) -> ScoreMod:
     return _Chain(mods)
 
 
-def _fit(mod: ScoreMod, out: object, shape: torch.Size, what: str) -> Tensor:
-    """``out`` if it broadcasts to ``shape``, else a ValueError that names the modifier and both shapes."""
-    if not isinstance(out, Tensor):
-        raise TypeError(f"score_mod {mod!r} returned {type(out).__name__} from {what}; it must return a tensor")
-    if out.shape == shape:
-        return out
-    try:
-        fits = torch.broadcast_shapes(out.shape, shape) == shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(f"score_mod {mod!r} returned shape {tuple(out.shape)} from {what} for scores of shape "
-                         f"{tuple(shape)} (B, Hq, Lq, Lk); it must return the scores' shape: write it with "
-                         "broadcasting ops on (score, b, h, i, j) and don't reduce or reshape them")
-    return out
-
-
 def _call(mod: ScoreMod, fn: Callable[..., object], args: tuple[Tensor, ...], shape: torch.Size, what: str) -> object:
     """``fn(*args)``; an error inside the user's function becomes a ValueError that names the
     modifier and the shapes it was given (out-of-memory errors pass through)."""
