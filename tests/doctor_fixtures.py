@@ -2,7 +2,8 @@
 
 Each class docstring names the bug; BUGGY maps class -> (expected finding id, check() kwargs).
 All take (embed_dim) and forward(x, mask=None) with the tutorial's keep convention (1 = attend),
-unless noted.
+unless noted, and fill masked scores with the dtype-safe torch.finfo(dtype).min (the tutorial's
+-1e9 does not fit in float16), so that each carries exactly one bug.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class _Base(nn.Module):
 
     @staticmethod
     def masked(scores, mask):
-        return scores if mask is None else scores.masked_fill(mask == 0, -1e9)
+        return scores if mask is None else scores.masked_fill(mask == 0, torch.finfo(scores.dtype).min)
 
 
 class WholeTranspose(_Base):
@@ -47,7 +48,7 @@ class MissingScale(_Base):
         q, k, v = self.qkv(x)
         scores = q @ k.transpose(-2, -1)
         if mask is not None:
-            scores = scores.masked_fill(mask == 0, -1e9)
+            scores = scores.masked_fill(mask == 0, torch.finfo(scores.dtype).min)
         return torch.softmax(scores, dim=-1) @ v
 
 
@@ -127,7 +128,7 @@ class MaskInverted(_Base):
         q, k, v = self.qkv(x)
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.embed_dim)
         if mask is not None:
-            scores = scores.masked_fill(mask == 1, -1e9)
+            scores = scores.masked_fill(mask == 1, torch.finfo(scores.dtype).min)
         return torch.softmax(scores, dim=-1) @ v
 
 
@@ -138,7 +139,8 @@ class _Causal(_Base):
         q, k, v = self.qkv(x)
         length = x.shape[1]
         hidden = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(self.diagonal)
-        scores = (q @ k.transpose(-2, -1) / math.sqrt(self.embed_dim)).masked_fill(hidden, -1e9)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.embed_dim)
+        scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
         scores = self.masked(scores, mask)
         return torch.softmax(scores, dim=-1) @ v
 
@@ -220,3 +222,123 @@ BUGGY = {
     InfFillNaN: ("nan-on-masked-row", {}),
     DetachedValues: ("no-grad", {}),
 }
+
+
+# -- modules the white box must judge: wrong formulas with no black-box symptom, and position terms --
+class _Heads(nn.Module):
+    """Multi-head attention pieces: fused qkv, out proj, (B, H, L, D) helpers; mask: (B, L, L) bool keep."""
+
+    def __init__(self, embed_dim: int, num_heads: int = 4, max_len: int = 64) -> None:
+        super().__init__()
+        self.embed_dim, self.num_heads, self.head_dim = embed_dim, num_heads, embed_dim // num_heads
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+        self.proj = nn.Linear(embed_dim, embed_dim)
+        self.max_len = max_len
+
+    def split(self, x):
+        b, length, _ = x.shape
+        return [t.view(b, length, self.num_heads, self.head_dim).transpose(1, 2) for t in self.qkv(x).chunk(3, -1)]
+
+    def finish(self, w, v):
+        b, _, length, _ = v.shape
+        return self.proj((w @ v).transpose(1, 2).reshape(b, length, self.embed_dim))
+
+    @staticmethod
+    def masked(scores, mask):
+        return scores if mask is None else scores.masked_fill(~mask.bool()[:, None], torch.finfo(scores.dtype).min)
+
+
+class EinsumSwappedKV(_Heads):
+    """Keys and values swapped in einsum form: softmax(Q V^T) K (no black-box symptom)."""
+
+    def forward(self, x, mask=None):
+        q, k, v = self.split(x)
+        scores = self.masked(torch.einsum("bhid,bhjd->bhij", q, v) / math.sqrt(self.head_dim), mask)
+        return self.finish(torch.softmax(scores, -1), k)
+
+
+class PrecedenceScale(_Heads):
+    """Scale written ``s * hd ** -1 / 2``: operator precedence makes it 1 / (2 hd)."""
+
+    def forward(self, x, mask=None):
+        q, k, v = self.split(x)
+        scores = self.masked(q @ k.transpose(-2, -1) * self.head_dim ** -1 / 2, mask)
+        return self.finish(torch.softmax(scores, -1), v)
+
+
+class VisibleKeysScale(_Heads):
+    """Each row divided by sqrt(number of visible keys) instead of sqrt(head_dim)."""
+
+    def forward(self, x, mask=None):
+        q, k, v = self.split(x)
+        b, _, length, _ = q.shape
+        visible = torch.full((b, 1, length, 1), float(length), dtype=q.dtype) if mask is None else \
+            mask[:, None].sum(-1, True).to(q.dtype)
+        scores = self.masked(q @ k.transpose(-2, -1) / visible.clamp(min=1).sqrt(), mask)
+        return self.finish(torch.softmax(scores, -1), v)
+
+
+class RelativeBias(_Heads):
+    """Correct: a learned relative-position bias per head (T5/Swin style), added to the scores before softmax."""
+
+    def __init__(self, embed_dim: int, num_heads: int = 4, max_len: int = 64) -> None:
+        super().__init__(embed_dim, num_heads, max_len)
+        self.rel = nn.Parameter(torch.randn(num_heads, 2 * max_len - 1))
+
+    def bias(self, length):
+        i = torch.arange(length)
+        return self.rel[:, i[None, :] - i[:, None] + self.max_len - 1]  # (H, L, L)
+
+    def forward(self, x, mask=None):
+        q, k, v = self.split(x)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim) + self.bias(x.shape[1])
+        return self.finish(torch.softmax(self.masked(scores, mask), -1), v)
+
+
+class Alibi(_Heads):
+    """Correct: ALiBi (bidirectional form), a fixed bias -slope_h * |i - j| added to the scores."""
+
+    def forward(self, x, mask=None):
+        q, k, v = self.split(x)
+        i = torch.arange(x.shape[1])
+        slopes = (2.0 ** (-8.0 * torch.arange(1, self.num_heads + 1) / self.num_heads)).to(q.dtype)
+        distance = (i[None] - i[:, None]).abs()
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim) - slopes[:, None, None] * distance
+        return self.finish(torch.softmax(self.masked(scores, mask), -1), v)
+
+
+class BiasAfterSoftmax(RelativeBias):
+    """A relative-position term added to the weights after the softmax (rows no longer sum to 1)."""
+
+    def forward(self, x, mask=None):
+        q, k, v = self.split(x)
+        w = torch.softmax(self.masked(q @ k.transpose(-2, -1) / math.sqrt(self.head_dim), mask), -1)
+        return self.finish(w + 0.1 * self.bias(x.shape[1]), v)
+
+
+class KeyPaddingMask(_Heads):
+    """Correct, x-transformers style: forward(x, mask) with a (B, L) bool key mask, True = real token."""
+
+    def forward(self, x, mask=None):
+        q, k, v = self.split(x)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, None, None, :], torch.finfo(scores.dtype).min)
+        return self.finish(torch.softmax(scores, -1), v)
+
+
+class HFStyleAdditive(_Heads):
+    """Correct, Hugging Face style: forward(hidden_states, attention_mask) with an additive (B, 1, 1, L) mask;
+    returns a tuple (output, weights)."""
+
+    def forward(self, hidden_states, attention_mask=None, output_attentions=False):
+        q, k, v = self.split(hidden_states)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        w = torch.softmax(scores, -1)
+        return self.finish(w, v), w
+
+
+WHITE_BOX_BUGS = {EinsumSwappedKV: "definition-mismatch", PrecedenceScale: "definition-mismatch",
+                  VisibleKeysScale: "definition-mismatch", BiasAfterSoftmax: "definition-mismatch"}

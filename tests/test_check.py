@@ -30,17 +30,45 @@ class TorchMHAWrapper(nn.Module):
         return self.m(x, x, x, need_weights=False)[0]
 
 
-PASSING = [sm.TutorialSelfAttention, sm.TutorialOptimizedSelfAttention, sm.TutorialMultiHeadAttention,
-           sm.CorrectedSelfAttention, selfattn.SelfAttention, selfattn.MultiHeadAttention, TorchMHAWrapper,
-           fx.CausalCorrect]
+PASSING = [selfattn.SelfAttention, selfattn.MultiHeadAttention, TorchMHAWrapper, fx.CausalCorrect, fx.RelativeBias,
+           fx.Alibi, fx.KeyPaddingMask, fx.HFStyleAdditive]
+# Correct in float32; their masked_fill(mask == 0, -1e9) raises in float16 (-1e9 does not fit).
+HALF_OVERFLOW = [sm.TutorialSelfAttention, sm.TutorialOptimizedSelfAttention, sm.TutorialMultiHeadAttention,
+                 sm.CorrectedSelfAttention]
 
 
-@pytest.mark.parametrize("seed", range(20))
+def _no_false_alarm(cls, seed):
+    report = check(cls, seed=seed)
+    assert report.passed and not report.findings, [(f.id, f.message, f.evidence) for f in report.findings]
+
+
+@pytest.mark.parametrize("seed", range(2))
 @pytest.mark.parametrize("cls", PASSING, ids=lambda c: c.__name__)
 def test_correct_modules_pass_without_false_alarms(cls, seed):
-    """catches: probes so strict that a correct module (the seeds', ours, torch's) gets a finding."""
-    report = check(cls, seed=seed)
-    assert report.passed, [(f.id, f.message, f.evidence) for f in report.findings]
+    """catches: probes so strict that a correct module (ours, torch's, with positions or any mask style) gets a
+    finding."""
+    _no_false_alarm(cls, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2, 20))
+@pytest.mark.parametrize("cls", PASSING, ids=lambda c: c.__name__)
+def test_correct_modules_pass_without_false_alarms_20_seeds(cls, seed):
+    """catches: a false alarm that only some probe inputs trigger."""
+    _no_false_alarm(cls, seed)
+
+
+@pytest.mark.parametrize("cls", HALF_OVERFLOW, ids=lambda c: c.__name__)
+def test_tutorial_classes_get_exactly_half_precision_overflow(cls):
+    """catches: the tutorial's float16 crash (masked_fill(mask == 0, -1e9)) kept as a note, or buried among
+    false alarms."""
+    report = check(cls)
+    assert not report.passed and report.ids == {"half-precision-overflow"}
+    (finding,) = report.findings
+    assert finding.severity == "error"
+    assert any("value cannot be converted" in why for why in finding.evidence.values()), finding.evidence
+    assert "finfo" in finding.fix and "scaled_dot_product_attention" in finding.fix
+    assert report.coverage["mask"] == "verified" and report.coverage["half_precision"] == "verified"
 
 
 @pytest.mark.parametrize("cls", list(fx.BUGGY), ids=lambda c: c.__name__)
@@ -57,23 +85,25 @@ def test_each_bug_gets_exactly_its_id(cls):
 def test_every_finding_id_has_a_fix():
     for fid in ("batch-mixing", "missing-scale", "wrong-scale", "softmax-dim", "matmul-order", "head-merge",
                 "mask-ignored", "mask-inverted", "causal-leak", "nan-on-masked-row", "half-precision-overflow",
-                "non-finite", "dropout-in-eval", "no-grad", "not-equivariant", "wrong-output-shape"):
+                "non-finite", "dropout-in-eval", "no-grad", "not-equivariant", "wrong-output-shape",
+                "mask-broadcast", "definition-mismatch", "nan-on-empty-sequence"):
         assert fid in FINDING_IDS
+        assert fid in Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
 
 
 def test_causal_flag_requires_causality():
     """catches: --causal not enforced on a bidirectional module."""
     assert check(fx.CausalCorrect, causal=True).passed
-    assert check(sm.TutorialSelfAttention, causal=True).ids == {"causal-leak"}
+    assert check(selfattn.SelfAttention, causal=True).ids == {"causal-leak"}
 
 
 def test_inferred_call_and_mask_convention():
     report = check(sm.TutorialMultiHeadAttention(32, 4))
     assert report.inferred["call"] == "forward(x)"
-    assert report.inferred["mask"]["convention"] == "True/1 = may attend"
-    assert report.inferred["mask"]["shape"] == "(L, L)"  # (B, L, L) does not broadcast against heads
+    assert report.inferred["mask"]["kind"] == "keep"
+    assert report.inferred["mask"]["shape"] == "(B, 1, L, L)"  # (B, L, L) does not broadcast against heads
     report = check(fx.MaskInverted)  # no declared convention: an ignore-convention module is fine
-    assert report.passed and report.inferred["mask"]["convention"] == "True = masked"
+    assert report.passed and report.inferred["mask"]["kind"] == "ignore"
 
 
 def test_module_state_is_restored():
@@ -132,8 +162,9 @@ def test_probe_that_raises_is_not_verified():
     report = check(_RaisesUnderAutograd)
     assert report.not_verified == {"gradients": "not verified: RuntimeError: no autograd here"}
     assert report.passed and report.findings == []
-    assert report.inferred["white box"] == {"without mask": "matches the definition",
-                                            "with a causal mask": "matches the definition"}
+    assert report.inferred["white box"]["without mask"].startswith("matches the definition")
+    assert report.inferred["white box"]["with a causal mask"].startswith("matches the definition")
+    assert report.coverage["gradients"] == "not verified: RuntimeError: no autograd here"
     assert json.loads(report.to_json())["not_verified"] == report.not_verified
     console = Console(file=io.StringIO(), width=200)
     render(report, console)
@@ -146,11 +177,11 @@ def test_probes_do_not_depend_on_state_left_by_another():
     report = check(_RefusesEmptyRows)
     assert set(report.not_verified) == {"fully masked rows", "half precision"}
     assert all(why == "not verified: ValueError: a row has no visible key" for why in report.not_verified.values())
-    assert report.passed and report.inferred["mask"]["convention"] == "True/1 = may attend"
+    assert report.passed and report.inferred["mask"]["kind"] == "keep"
 
 
 def test_assert_attention_correct():
-    selfattn.testing.assert_attention_correct(sm.TutorialSelfAttention(16))
+    selfattn.testing.assert_attention_correct(selfattn.SelfAttention(16))
     with pytest.raises(AssertionError, match="missing-scale"):
         selfattn.testing.assert_attention_correct(fx.MissingScale(16))
 
@@ -170,10 +201,13 @@ def test_cli_json_exit_codes_and_files_untouched(tmp_path):
     assert ok.returncode == 0, ok.stderr
     data = json.loads(ok.stdout)
     assert data["passed"] is True and data["findings"] == [] and "inferred" in data
+    assert set(data["coverage"]) >= {"mask", "padding", "causal", "batch_independence", "equivariance",
+                                     "half_precision", "gradients", "white_box"}
     bad = _cli(f"{user}:MaskInverted", "--mask-convention", "keep", "--json")
     assert bad.returncode == 1
     (finding,) = json.loads(bad.stdout)["findings"]
-    assert set(finding) == {"id", "message", "evidence", "fix"} and finding["id"] == "mask-inverted"
+    assert set(finding) == {"id", "severity", "message", "evidence", "fix"} and finding["id"] == "mask-inverted"
+    assert finding["severity"] == "error"
     missing = _cli(f"{user}:NoSuchClass")
     assert missing.returncode == 2 and "NoSuchClass" in missing.stdout
     init = _cli(f"{user}:MHAViewMerge", "--init", '{"embed_dim": 32, "num_heads": 8}', "--json")

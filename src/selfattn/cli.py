@@ -28,9 +28,25 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--mask-convention", choices=["keep", "ignore"],
                    help="your module's documented mask convention: keep (True/1 = may attend) or "
                         "ignore (True = masked); a module that behaves the other way gets mask-inverted")
+    c.add_argument("--mask", metavar="'KIND (SHAPE)'",
+                   help="your module's mask, e.g. 'additive (B,1,1,L)', 'keep (B,L)', 'ignore (L,L)'; kinds: keep, "
+                        "ignore (bool), keep-int, keep-float (1 = may attend), additive (0 / large negative); "
+                        "shapes: (L,L), (B,L,L), (B,1,L,L), (B,1,1,L), (B,L) (default: inferred)")
+    c.add_argument("--call", metavar="PYTHON",
+                   help="how to call the module, a Python function of (module, x, mask) returning the output, "
+                        "e.g. \"lambda m, x, mask: m(x, attention_mask=mask)[0]\" (the file's names, torch, nn "
+                        "and F are in scope; mask is None or what --mask describes)")
+    c.add_argument("--factory", metavar="PYTHON",
+                   help="build the module with this Python function of no argument instead of the class's "
+                        "constructor, e.g. \"lambda: Attn(Config(hidden_size=16))\" (the file's names in scope)")
+    c.add_argument("--allow-nonstandard", action="store_true",
+                   help="the module is not textbook attention on purpose: no definition-mismatch finding")
     c.add_argument("--causal", action="store_true", help="the module must be causal")
     c.add_argument("--seed", type=int, default=0, help="seed of the random probe inputs")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
+    c.add_argument("--mutate", action="store_true",
+                   help="instead of checking the class, check mutants of its source (small AST edits) and print "
+                        "the share the doctor names (its kill rate) and the mutants it misses")
 
     b = sub.add_parser("bench", help="time and memory against the anchors, in one run")
     b.add_argument("--suite", choices=["modules", "overhead", "decode", "masks", "distributed", "all"], default="all",
@@ -74,9 +90,25 @@ def _check(args: argparse.Namespace) -> int:
     from .check import CannotRun, check, render
 
     console = Console()
+    options = {"init": args.init, "embed_dim": args.embed_dim, "mask_convention": args.mask_convention,
+               "mask": args.mask, "call": args.call, "causal": args.causal, "allow_nonstandard": args.allow_nonstandard,
+               "seed": args.seed}
+    if args.mutate:
+        from .check.mutate import main as mutate_main
+
+        return mutate_main(args.target, options, as_json=args.json)
+    target = args.target
     try:
-        report = check(args.target, init=args.init, embed_dim=args.embed_dim,
-                       mask_convention=args.mask_convention, causal=args.causal, seed=args.seed)
+        if args.factory:
+            from .check.target import load_file, user_callable
+
+            namespace = vars(load_file(args.target.rpartition(":")[0]))
+            target = user_callable(args.factory, namespace)
+            options["call"] = user_callable(args.call, namespace) if args.call else None
+        report = check(target, **options)
+    except ValueError as e:
+        console.print(f"[red]bad option[/red]: {e}")
+        return 2
     except CannotRun as e:
         if args.json:
             print(json.dumps({"passed": False, "error": str(e)}))

@@ -28,12 +28,20 @@ FIXES: dict[str, str] = {
     "mask-ignored": "Apply the mask to the scores before the softmax (scores.masked_fill(~visible, -inf)).",
     "mask-inverted": "Flip the mask polarity (or fix the convention you documented): keep = may attend.",
     "mask-after-softmax": "Mask the scores before the softmax, so the weights of visible keys sum to 1.",
+    "mask-broadcast": "A (B, L) key mask hides keys: reshape it to (B, 1, 1, L) (mask[:, None, None, :]), "
+                      "not (B, 1, L, 1), so it broadcasts over the query axis.",
     "causal-leak": "Hide exactly the future: visible when j <= i (torch.ones(L, L).tril() as keep-mask); "
                    "the diagonal must stay visible.",
     "nan-on-masked-row": "Give rows with no visible key an output of 0 (or use a finite fill), e.g. "
                          "selfattn.attention, which returns 0 there.",
+    "nan-on-empty-sequence": "Drop sequences that are all padding, or give their rows an output of 0 (as "
+                             "selfattn.attention does); torch's MultiheadAttention and SDPA return NaN there.",
     "half-precision-overflow": "Fill masked scores with a dtype-safe value (torch.finfo(scores.dtype).min "
-                               "or -inf with a guard for empty rows), not a float32 constant like -1e9.",
+                               "or -inf with a guard for empty rows), not a float32 constant like -1e9; or pass "
+                               "a bool mask to torch.nn.functional.scaled_dot_product_attention.",
+    "definition-mismatch": "The output follows no formula of attention: compare your code with softmax(Q K^T / "
+                           "sqrt(head_dim) + mask) V, term by term (scale, operands, normalisation). If the "
+                           "module is non-standard on purpose, pass --allow-nonstandard.",
     "non-finite": "Subtract the row max before exp (torch.softmax does) and keep the scores finite.",
     "dropout-in-eval": "Use nn.Dropout (or F.dropout(..., training=self.training)) so eval() turns it off.",
     "no-grad": "Don't detach or compute under no_grad inside forward; every parameter should get a gradient.",
@@ -46,12 +54,18 @@ FIXES: dict[str, str] = {
 FINDING_IDS: tuple[str, ...] = tuple(FIXES)
 
 # "warning": the finding can be intended (a module that adds positions is not permutation
-# equivariant); every other finding is a bug. Either kind fails the check.
-SEVERITY: dict[str, Severity] = {fid: "warning" if fid == "not-equivariant" else "error" for fid in FIXES}
+# equivariant) or is the accepted behaviour of torch's own modules (NaN for a sequence that is all
+# padding); every other finding is an error (a bug). Only errors fail the check.
+SEVERITY: dict[str, Severity] = {fid: "warning" if fid in ("not-equivariant", "nan-on-empty-sequence") else "error"
+                                 for fid in FIXES}
 
 # A diagnosis (key) explains these symptoms, which are then reported inside it rather than on their own.
 # In order: the most specific diagnosis first.
+# definition-mismatch (the white box found no formula) is a symptom of every more specific bug.
 EXPLAINS: dict[str, frozenset[str]] = {
+    "definition-mismatch": frozenset({"not-equivariant"}),
+    "mask-broadcast": frozenset({"mask-ignored", "nan-on-masked-row", "definition-mismatch"}),
+    "mask-inverted": frozenset({"mask-ignored", "definition-mismatch"}),
     "softmax-dim": frozenset({"batch-mixing", "not-equivariant", "causal-leak", "nan-on-masked-row",
                               "mask-ignored"}),
     "matmul-order": frozenset({"batch-mixing", "not-equivariant", "causal-leak", "shape-dependent",
@@ -63,3 +77,5 @@ EXPLAINS: dict[str, frozenset[str]] = {
     "causal-leak": frozenset({"mask-ignored"}),  # a row the broken causal mask empties sees padding too
     "dropout-in-eval": frozenset({"batch-mixing", "not-equivariant", "mask-ignored", "causal-leak"}),  # random
 }
+EXPLAINS = {fid: explained | {"definition-mismatch"} if fid != "definition-mismatch" else explained
+            for fid, explained in EXPLAINS.items()}

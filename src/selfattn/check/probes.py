@@ -1,15 +1,17 @@
-"""The doctor's probes: each one question put to the module, answered with findings and notes.
+"""The doctor's probes: each one question put to the module, answered with findings, notes and coverage.
 
 A probe is a plain function of a :class:`Context` (what every probe may read: the module, how it
 is called, the probe input) and of the results of earlier probes it needs, passed in explicitly
-(the dependency matrix from :func:`causality`, the mask caller from :func:`mask_convention`). It
-returns an :class:`Outcome` and changes nothing the other probes read. :func:`examine` runs them in
-order; a probe that raises is reported as "not verified: <why>" and the others still run.
+(the dependency matrix from :func:`causality`, the mask caller from :func:`mask_convention`, the
+positions the white box found). It returns an :class:`Outcome` and changes nothing the other
+probes read. :func:`examine` runs them in order; a probe that raises is reported as "not verified:
+<why>" (in ``not_verified`` and in the coverage of its property) and the others still run.
 
 Black-box probes: shapes, determinism, finite outputs, extreme logits, batch independence,
-causality, permutation equivariance, mask convention, padding, fully masked rows, half precision,
-gradients. White box: Q, K, V captured from the module's nn.Linear layers and the attention
-recomputed under the correct definition and under each known bug (see :mod:`.whitebox`).
+causality, mask convention (every common shape and kind), padding, fully masked rows, half
+precision, gradients, permutation equivariance. White box: Q, K, V captured from the module's
+linear maps and the attention recomputed under the definition and under each known bug (see
+:mod:`.whitebox`).
 
 Shape legend: B batch, L length, E embed dim.
 """
@@ -25,8 +27,17 @@ import torch
 from torch import Tensor, nn
 
 from . import whitebox
-from .report import Finding, Report, merge
-from .target import Caller, CannotRun, accepts_mask, dependency, embed_dim_of, find_call_style, num_heads_of
+from .report import COVERED, Finding, Report, merge
+from .target import (
+    Caller,
+    CannotRun,
+    MaskSpec,
+    dependency,
+    embed_dim_of,
+    find_call_style,
+    mask_parameters,
+    num_heads_of,
+)
 
 __all__ = [
     "Context",
@@ -51,7 +62,8 @@ __all__ = [
 T = TypeVar("T")
 
 _RTOL = 1e-4
-_MASK_SHAPES = {"BLL": "(B, L, L)", "LL": "(L, L)", "B1LL": "(B, 1, L, L)"}
+_SHAPE_ORDER = ("BLL", "B1LL", "BL", "B11L", "LL")  # per-item shapes first: padding differs per item
+_KIND_ORDER = ("keep", "keep-int", "keep-float", "additive")  # bool "keep" also finds bool "ignore"
 
 
 @dataclass(frozen=True)
@@ -63,11 +75,13 @@ class Context:
     """
 
     module: nn.Module
-    call: Caller  # forward(x) or forward(q, k, v), without a mask
+    call: Caller  # forward(x) or forward(q, k, v) (or the user's adapter), without a mask
     x: Tensor  # (B, L, E) the probe input
     gen: torch.Generator
-    declared: str | None  # the mask convention the user declared: "keep", "ignore" or None
+    declared: str | None  # the bool mask convention the user declared: "keep", "ignore" or None
     causal: bool  # the user requires a causal module
+    spec: MaskSpec | None = None  # the mask kind and shape the user stated
+    allow_nonstandard: bool = False  # the module says it is not textbook attention
 
     def randn(self, *shape: int) -> Tensor:
         """Standard normal values of ``shape`` from :attr:`gen`."""
@@ -76,11 +90,12 @@ class Context:
 
 @dataclass
 class Outcome(Generic[T]):
-    """What a probe returns: its findings, its notes for ``Report.inferred``, and a value later probes use."""
+    """What a probe returns: findings, notes for ``Report.inferred``, coverage, and a value later probes use."""
 
     findings: list[Finding] = field(default_factory=list)
     notes: dict = field(default_factory=dict)
     value: T | None = None
+    coverage: dict[str, str] = field(default_factory=dict)
 
 
 def not_verified(err: Exception) -> str:
@@ -115,21 +130,41 @@ def _padding_keep(b: int, length: int) -> Tensor:
     return keep
 
 
-def _empty_row_keep(b: int, length: int) -> Tensor:
-    """(B, L, L) keep-mask: :func:`_padding_keep` with query row 1 seeing no key at all."""
+def _empty_row_keep(b: int, length: int, key_only: bool) -> Tensor:
+    """(B, L, L) keep-mask: :func:`_padding_keep` with query row 1 (key-only masks: all of item 0) seeing no key."""
     keep = _padding_keep(b, length)
-    keep[:, 1] = False
+    if key_only:
+        keep[0] = False
+    else:
+        keep[:, 1] = False
     return keep
 
 
+def _probe_keep(b: int, length: int, key_only: bool) -> Tensor:
+    """(B, L, L) keep-mask no module has built in: a band (key-only: a different set of hidden keys per item)."""
+    i = torch.arange(length)
+    if not key_only:
+        band = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - 2)
+        return band.expand(b, length, length)
+    hidden = (i[None, :] == (torch.arange(b)[:, None] + 1) % length) | (i[None, :] == (torch.arange(b)[:, None] + 4)
+                                                                        % length)
+    return (~hidden)[:, None, :].expand(b, length, length)
+
+
+def _as_tensor(m: object) -> Tensor | None:
+    return m if isinstance(m, Tensor) else None
+
+
 # -- shapes and calling ------------------------------------------------------------------------
-def calling(module: nn.Module, embed_dim: int, gen: torch.Generator) -> Outcome[tuple[Caller, Tensor]]:
+def calling(module: nn.Module, embed_dim: int, gen: torch.Generator,
+            adapter: Callable | None = None) -> Outcome[tuple[Caller, Tensor]]:
     """Find how the module is called and which shapes it runs for; pick the probe input.
 
     Args:
         module: the module, in eval mode.
         embed_dim: E, the size of the input's last dimension.
         gen: the probes' random generator (first draws).
+        adapter: the user's ``call(module, x, mask)``, used instead of guessing.
 
     Returns:
         Findings wrong-output-shape, batch-mixing or shape-dependent; notes call, output and
@@ -141,7 +176,7 @@ def calling(module: nn.Module, embed_dim: int, gen: torch.Generator) -> Outcome[
     e = embed_dim
     shapes = [(3, 7), (2, 5), (1, 6), (2, e), (1, e)] + ([(e, e)] if e <= 64 else [])
     ran, failed, wrong, reasons = [], [], [], []
-    call: Caller | None = None
+    call: Caller | None = Caller(module, "adapter", adapter=adapter) if adapter is not None else None
     for b, length in shapes:
         x = torch.randn(b, length, e, generator=gen)
         if call is None:
@@ -161,9 +196,9 @@ def calling(module: nn.Module, embed_dim: int, gen: torch.Generator) -> Outcome[
     if call is None or (not ran and not wrong):
         last = reasons[-1] if reasons else failed[-1][1]
         raise CannotRun(f"the module failed on every input shape tried: {last}")
-    found = Outcome[tuple[Caller, Tensor]](notes={
-        "call": "forward(x)" if call.style == "x" else "forward(q, k, v) with q = k = v = x",
-        "output": "tensor (or first item of a tuple)"})
+    how = {"x": "forward(x)", "qkv": "forward(q, k, v) with q = k = v = x", "adapter": "your call(module, x, mask)"}
+    found = Outcome[tuple[Caller, Tensor]](notes={"call": how[call.style],
+                                                  "output": "tensor (or first tensor of a tuple or dict)"})
     if wrong:
         found.findings.append(Finding.of("wrong-output-shape", "the output shape differs from the input shape "
                                          "(B, L, E)", {"input -> output": {str(i): str(o) for i, o in wrong}}))
@@ -229,7 +264,7 @@ def batch_independence(ctx: Context, out: Tensor) -> Outcome[None]:
     """
     x = ctx.x
     if x.shape[0] < 2:
-        return Outcome()
+        return Outcome(coverage={"batch_independence": "not verified: the module runs only with batch size 1"})
     x2 = x.clone()
     x2[0] = ctx.randn(*x.shape[1:])
     with torch.no_grad():
@@ -271,7 +306,7 @@ def causality(ctx: Context) -> Outcome[Tensor]:
     return found
 
 
-def equivariance(ctx: Context, out: Tensor, dep: Tensor) -> Outcome[None]:
+def equivariance(ctx: Context, out: Tensor, dep: Tensor, positions: str | None) -> Outcome[None]:
     """Permuting the tokens must permute the output (else: not-equivariant).
 
     Args:
@@ -279,12 +314,17 @@ def equivariance(ctx: Context, out: Tensor, dep: Tensor) -> Outcome[None]:
         out: (B, L, E) the module's output on ``ctx.x``.
         dep: (L, L) from :func:`causality`; when some key is hidden (causal or local attention)
             permutations need not commute, and nothing is checked.
+        positions: the position term the white box recognised (rotary, relative bias), or None;
+            a module with one is not expected to be equivariant.
 
     Returns:
-        At most a not-equivariant finding.
+        At most a not-equivariant finding; coverage "not applicable" with the reason.
     """
+    if positions:
+        return Outcome(coverage={"equivariance": f"not applicable: the module has {positions}"})
     if not dep.all():
-        return Outcome()
+        return Outcome(coverage={"equivariance": "not applicable: some keys are hidden without a mask "
+                                                 "(causal or local attention)"})
     perm = torch.randperm(ctx.x.shape[1], generator=ctx.gen)
     with torch.no_grad():
         out_p = ctx.call(ctx.x[:, perm])
@@ -294,64 +334,167 @@ def equivariance(ctx: Context, out: Tensor, dep: Tensor) -> Outcome[None]:
                                "same way", {"relative difference": _rel(out_p, out[:, perm])})])
 
 
+def _candidates(ctx: Context) -> list[Caller]:
+    """Every (mask argument, kind, shape) to try, most specific first; the user's statement if any."""
+    if ctx.call.style == "adapter":
+        args: list[str | None] = [None]
+    else:
+        args = mask_parameters(ctx.module, ctx.call.style)
+    if ctx.call.make_mask is not None or ctx.spec is not None:
+        spec = ctx.spec or MaskSpec(ctx.declared or "keep", "BLL")
+        return [ctx.call.with_mask(spec, arg) for arg in args]
+    kinds = [ctx.declared] if ctx.declared else list(_KIND_ORDER)
+    return [ctx.call.with_mask(MaskSpec(kind, shape), arg) for arg in args for shape in _SHAPE_ORDER for kind in kinds]
+
+
+def _describe(caller: Caller) -> dict:
+    note = {"convention": caller.spec.describe() if caller.spec else "your make_mask(keep)"}
+    if caller.spec is not None:  # the old fields, kept for users who read them
+        note["shape"] = caller.spec.describe().rpartition("shape ")[2]
+        note["kind"] = caller.spec.kind
+    if caller.mask_arg:
+        note["argument"] = caller.mask_arg
+    return note
+
+
 def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
-    """Find the mask shape and convention the module takes, from what a band mask hides.
+    """Find the mask argument, shape and kind the module takes, from which tokens each row then depends on.
+
+    Every mask argument of forward (mask, attn_mask, attention_mask, key_padding_mask, ... or the
+    next positional one) is tried with shapes (B, L, L), (B, 1, L, L), (B, L), (B, 1, 1, L), (L, L)
+    and kinds bool, integer 1/0, float 1/0 and additive (0 / large negative), or only what the user
+    stated. A mask that hides a band (key-only masks: a set of keys per item) must hide exactly those keys.
 
     Args:
         ctx: the probe context.
         dep: (L, L) from :func:`causality` (the keys the module sees without a mask).
 
     Returns:
-        Note mask (shape and convention, "not accepted", or why it was not understood);
-        findings mask-inverted (the module's convention is not the declared one) or mask-ignored;
-        value: the caller that passes a mask, or None if no mask is understood.
+        Note mask (convention found, "not accepted", or what was tried); findings mask-inverted
+        (not the declared convention, or an additive mask with the wrong sign), mask-broadcast (a
+        key mask spread over queries) or mask-ignored; value: the caller that passes a mask, or None.
     """
-    if not accepts_mask(ctx.module, ctx.call.style):
-        return Outcome(notes={"mask": "not accepted"})
+    candidates = _candidates(ctx)
+    if not candidates:
+        return Outcome(notes={"mask": "not accepted"}, coverage={"mask": "not applicable: forward takes no mask",
+                                                                 "padding": "not applicable: forward takes no mask"})
     x = ctx.x
     b, length, _ = x.shape
-    i = torch.arange(length)
-    keep = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - 2)  # a band: no module has it built in
-    keep_b = keep.expand(b, length, length)
-    tried = {}
-    for shape in ("BLL", "LL", "B1LL"):
-        caller = Caller(ctx.module, ctx.call.style, shape, "keep")
-        mask = caller.module_mask(keep_b)
+    with torch.no_grad():
+        plain = ctx.call(x)
+    tried: dict[str, str] = {}
+    inverted: Caller | None = None
+    leaky: Caller | None = None
+    takes_bool: set[tuple[str | None, str]] = set()  # (argument, shape) where a bool mask was accepted
+    for caller in candidates:
+        if leaky is not None and not (caller.spec and leaky.spec and caller.spec.kind == "additive" and
+                                      (caller.mask_arg, caller.spec.shape) == (leaky.mask_arg, leaky.spec.shape)):
+            continue  # once a mask acts, only its additive reading may still fit exactly: no more shapes
+        label = f"{caller.mask_arg or 'positional'} {caller.spec.kind if caller.spec else 'make_mask'} " \
+                f"{caller.spec.shape if caller.spec else ''}".strip()
+        keep = _probe_keep(b, length, caller.key_only)
         try:
-            d = dependency(lambda t, c=caller, mk=mask: c(t, mk), x)
-        except Exception as err:  # this shape is not the module's: try the next one
-            tried[shape] = f"{type(err).__name__}: {err}"[:160]
+            mask = caller.module_mask(keep)
+            with torch.no_grad():
+                masked_out = caller(x, mask)
+                if masked_out.shape != x.shape:
+                    raise ValueError(f"output shape {tuple(masked_out.shape)} with this mask")
+                if caller.spec is not None and not any(_close(caller(x, caller.module_mask(k)), plain) for k in (
+                        torch.ones_like(keep), torch.zeros_like(keep))):  # zeros: a module reading the mask inverted
+                    raise ValueError("a mask that hides nothing (or everything) does not give the unmasked output: "
+                                     "it broadcasts into other dimensions")
+        except Exception as err:  # not this argument, shape or kind: try the next one
+            tried[label] = f"{type(err).__name__}: {err}"[:120]
             continue
-        eye = torch.eye(length, dtype=torch.bool)  # a row always depends on its own query
-        as_keep, as_ignore = (keep & dep) | eye, (~keep & dep) | eye
-        rows = (keep & dep).any(-1) & (~keep & dep).any(-1)  # rows where the two readings differ
-        with torch.no_grad():
-            changed = not _close(caller(x, mask), ctx.call(x))
-        if torch.equal(d[rows], as_keep[rows]):
-            convention = "keep"
-        elif torch.equal(d[rows], as_ignore[rows]):
-            convention = "ignore"
-        elif not changed:
-            tried[shape] = "accepted, but changed nothing"
+        if caller.spec is not None and caller.spec.kind == "keep":
+            takes_bool.add((caller.mask_arg, caller.spec.shape))
+        if _close(masked_out, plain):
+            tried[label] = "accepted, but changed nothing"
             continue
-        else:  # the mask acts, but leaks (e.g. applied after the softmax): the white box tells
-            convention = ctx.declared or "keep"
-            tried[shape] = "accepted; its effect matches neither convention, assumed " + convention
-        note = {"shape": _MASK_SHAPES[shape],
-                "convention": "True/1 = may attend" if convention == "keep" else "True = masked"}
-        if shape in tried:
-            note["note"] = tried[shape]
-        found = Outcome[Caller](notes={"mask": note}, value=Caller(ctx.module, ctx.call.style, shape, convention))
-        if ctx.declared and ctx.declared != convention:
-            found.findings.append(Finding.of(
-                "mask-inverted", f"you declared the '{ctx.declared}' convention, but the module treats the "
-                f"mask the other way ('{convention}')",
-                {"row 3 sees keys (declared mask keeps 1, 2, 3)": d[3].nonzero().flatten().tolist()}))
-        return found
-    found = Outcome[Caller](notes={"mask": {"not understood": tried}})
-    if any("changed nothing" in v for v in tried.values()):
+        d = dependency(lambda t, c=caller, mk=mask: c(t, mk), x)
+        off = ~torch.eye(length, dtype=torch.bool)  # a row's own token is its query too: not compared
+        k0 = keep[0]
+        as_keep, as_ignore = k0 & dep & off, ~k0 & dep & off
+        rows = (k0 & dep).any(-1) & (~k0 & dep).any(-1)  # rows where the two readings differ
+        if torch.equal((d & off)[rows], as_keep[rows]):
+            broadcast = None if caller.key_only else _key_mask_broadcast(ctx, candidates, plain)
+            return broadcast or _found(ctx, caller, d)
+        sane = bool(masked_out.abs().max() < 100 * (1 + plain.abs().max()))  # a mask added after softmax blows up
+        if sane and torch.equal((d & off)[rows], as_ignore[rows]):
+            if caller.spec is not None and caller.spec.kind == "keep" and ctx.spec is None and not ctx.declared:
+                return _found(ctx, caller.with_mask(MaskSpec("ignore", caller.spec.shape)), d)
+            if caller.spec is None or caller.spec.kind == "keep" or ctx.spec is not None or \
+                    (caller.mask_arg, caller.spec.shape) not in takes_bool:  # a bool module reads 0/-10000 inverted
+                inverted = inverted or caller
+            tried[label] = "acts the other way round: hides what the mask keeps"
+            continue
+        if caller.key_only and _hides_queries(masked_out, plain, k0[0]):
+            return _broadcast_finding(caller, k0[0])
+        tried[label] = "accepted; its effect matches no convention"
+        leaky = leaky or caller
+    if inverted is not None:
+        return Outcome([Finding.of("mask-inverted", "the module hides the tokens its mask keeps (declared or "
+                                   "additive convention, used the other way round: wrong sign or flipped polarity)",
+                                   {"mask": _describe(inverted), "tried": tried})],
+                       {"mask": _describe(inverted)}, None,
+                       {"mask": "verified", "padding": "not verified: the mask acts the other way round"})
+    if leaky is not None:  # the mask acts, but leaks (e.g. applied after the softmax): padding and the white box tell
+        return Outcome(notes={"mask": {**_describe(leaky), "note": "its effect matches no convention", "tried": tried}},
+                       value=leaky, coverage={"mask": "verified"})
+    found = Outcome[Caller](notes={"mask": {"not understood": tried}},
+                            coverage={"mask": "not verified: no mask argument, shape or kind the doctor tries was "
+                                              "accepted; state it with --mask or give --call",
+                                      "padding": "not verified: no mask understood"})
+    if tried and all("changed nothing" in v or "Error" in v for v in tried.values()) and \
+            any("changed nothing" in v for v in tried.values()):
         found.findings.append(Finding.of("mask-ignored", "the module accepts a mask but its output does not "
                                          "depend on it", tried))
+        found.coverage = {"mask": "verified", "padding": "not verified: the mask changes nothing"}
+    return found
+
+
+def _hides_queries(masked_out: Tensor, plain: Tensor, kv: Tensor) -> bool:
+    """Did a key mask with keys ``kv`` (L,) visible change exactly the rows of the hidden *queries* of item 0?"""
+    diff = (masked_out[0] - plain[0]).abs().amax(-1)
+    changed_rows = (diff > _RTOL * (1 + plain.abs().max())) | diff.isnan()
+    return bool(torch.equal(changed_rows, ~kv))
+
+
+def _broadcast_finding(caller: Caller, kv: Tensor) -> Outcome[Caller]:
+    what = caller.spec.describe() if caller.spec else "key mask"
+    return Outcome([Finding.of("mask-broadcast", f"the key mask ({what}) hides query rows instead of keys: it is "
+                               "broadcast over the query axis", {"rows changed by the mask (item 0)": (~kv).nonzero()
+                                                                 .flatten().tolist(), "keys it should hide":
+                                                                 (~kv).nonzero().flatten().tolist()})],
+                   {"mask": _describe(caller)}, None,
+                   {"mask": "verified", "padding": "not verified: the mask is applied along the wrong axis"})
+
+
+def _key_mask_broadcast(ctx: Context, candidates: list[Caller], plain: Tensor) -> Outcome[Caller] | None:
+    """A module that takes a full mask may also take a (B, L) key mask; check that one hides keys, not queries."""
+    b, length, _ = ctx.x.shape
+    keep = _probe_keep(b, length, True)
+    for caller in candidates:
+        if not caller.key_only:
+            continue
+        try:
+            with torch.no_grad():
+                out = caller(ctx.x, caller.module_mask(keep))
+        except Exception:  # this key-only form is not accepted: nothing to check
+            continue
+        if out.shape == plain.shape and _hides_queries(out, plain, keep[0, 0]):
+            return _broadcast_finding(caller, keep[0, 0])
+    return None
+
+
+def _found(ctx: Context, caller: Caller, d: Tensor) -> Outcome[Caller]:
+    found = Outcome[Caller](notes={"mask": _describe(caller)}, value=caller, coverage={"mask": "verified"})
+    kind = caller.spec.kind if caller.spec else None
+    if ctx.declared and kind in ("keep", "ignore") and ctx.declared != kind:
+        found.findings.append(Finding.of(
+            "mask-inverted", f"you declared the '{ctx.declared}' convention, but the module treats the "
+            f"mask the other way ('{kind}')",
+            {"row 3 sees keys (declared mask keeps 1, 2, 3)": d[3].nonzero().flatten().tolist()}))
     return found
 
 
@@ -366,7 +509,7 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
         At most a mask-ignored finding.
     """
     if masked is None:
-        return Outcome()
+        return Outcome(coverage={"padding": "not verified: no mask understood"})
     x = ctx.x
     b, length, _ = x.shape
     n = length - 2
@@ -375,70 +518,77 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
     x2[0, n:] = ctx.randn(length - n, x.shape[2])
     with torch.no_grad():
         a, c = masked(x, mask), masked(x2, mask)
-    if _close(c[0, :n], a[0, :n]):
-        return Outcome()
-    return Outcome([Finding.of("mask-ignored", "changing padded (masked) keys changes the outputs of real tokens",
-                               {"relative change": _rel(c[0, :n], a[0, :n])})])
+    found = Outcome[None](coverage={"padding": "verified"})
+    if not _close(c[0, :n], a[0, :n]):
+        found.findings.append(Finding.of("mask-ignored", "changing padded (masked) keys changes the outputs of real "
+                                         "tokens", {"relative change": _rel(c[0, :n], a[0, :n])}))
+    return found
 
 
 def masked_rows(ctx: Context, masked: Caller | None) -> Outcome[None]:
     """A query row whose keys are all masked must give a finite output (else: nan-on-masked-row).
 
-    Args:
-        ctx: the probe context.
-        masked: the caller from :func:`mask_convention`; None: nothing is checked.
-
-    Returns:
-        At most a nan-on-masked-row finding.
+    With a key-only mask the doctor pads a whole sequence instead; NaN there is the warning
+    nan-on-empty-sequence (torch's MultiheadAttention does it). ``masked`` is the caller from
+    :func:`mask_convention`; without one, nothing is checked.
     """
     if masked is None:
         return Outcome()
     b, length, _ = ctx.x.shape
     with torch.no_grad():
-        o = masked(ctx.x, masked.module_mask(_empty_row_keep(b, length)))
+        o = masked(ctx.x, masked.module_mask(_empty_row_keep(b, length, masked.key_only)))
     if torch.isfinite(o).all():
         return Outcome()
+    if masked.key_only:  # torch's own MultiheadAttention and SDPA do this: a warning, not a bug
+        return Outcome([Finding.of("nan-on-empty-sequence", "a sequence whose keys are all padding gives NaN or inf",
+                                   {"non-finite outputs": int((~torch.isfinite(o)).sum()), "masked": "all of item 0"})])
     return Outcome([Finding.of("nan-on-masked-row", "a query row whose keys are all masked gives NaN or inf",
-                               {"non-finite outputs": int((~torch.isfinite(o)).sum()), "masked row": 1})])
+                               {"non-finite outputs": int((~torch.isfinite(o)).sum()), "masked": "row 1"})])
 
 
 def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
-    """A copy in float16 and bfloat16 must stay finite where float32 is (else: half-precision-overflow).
+    """A copy in float16 and bfloat16 must run and stay finite where float32 does (else: half-precision-overflow).
 
     Args:
         ctx: the probe context.
         masked: the caller from :func:`mask_convention`; when given, each dtype is also run with
-            a mask that leaves one query row without keys.
+            a mask that leaves a query row without keys.
 
     Returns:
-        Note half precision (per dtype: ok with the difference to float32, or what it raised);
-        at most a half-precision-overflow finding.
+        Note half precision (per dtype: ok with the difference to float32); at most one
+        half-precision-overflow finding, with what raised or how many values were not finite.
     """
     x = ctx.x
-    notes, findings = {}, []
-    mask = None if masked is None else masked.module_mask(_empty_row_keep(x.shape[0], x.shape[1]))
+    notes, failures = {}, {}
+    keep = None if masked is None else _empty_row_keep(x.shape[0], x.shape[1], masked.key_only)
     with torch.no_grad():
         ref_plain = ctx.call(x)
-        ref_masked = masked(x, mask) if masked is not None else None
+        ref_masked = masked(x, masked.module_mask(keep)) if masked is not None else None
     for dtype in (torch.float16, torch.bfloat16):
         m = copy.deepcopy(ctx.module).to(dtype).eval()
         for with_mask in ((False, True) if masked is not None else (False,)):
             label = f"{str(dtype)[6:]}{' with mask' if with_mask else ''}"
-            c = Caller(m, ctx.call.style, masked.mask_shape if masked else None, masked.convention if masked else None)
             ref = ref_masked if with_mask else ref_plain
+            if ref is None or not torch.isfinite(ref).all():
+                continue
             try:
                 with torch.no_grad():
-                    out = c(x.to(dtype), mask) if with_mask else c(x.to(dtype))
-            except Exception as err:  # many modules are float32 only: a note, not a finding
-                notes[label] = f"raises {type(err).__name__}: {err}"[:200]
+                    if with_mask and masked is not None:
+                        out = masked.for_module(m)(x.to(dtype), masked.module_mask(keep, dtype))
+                    else:
+                        out = ctx.call.for_module(m)(x.to(dtype))
+            except Exception as err:  # float32 runs: the half copy should too
+                failures[label] = f"raises {type(err).__name__}: {err}"[:200]
                 continue
-            if torch.isfinite(ref).all() and not torch.isfinite(out).all():
-                findings.append(Finding.of("half-precision-overflow", f"in {label} the output has NaN or inf where "
-                                           "float32 is finite",
-                                           {"dtype": label, "non-finite values": int((~torch.isfinite(out)).sum())}))
+            if not torch.isfinite(out).all():
+                failures[label] = f"{int((~torch.isfinite(out)).sum())} non-finite values"
             else:
                 notes[label] = f"ok (max difference to float32 {_rel(out.float(), ref):.2g})"
-    return Outcome(findings, {"half precision": notes})
+    found = Outcome[None](notes={"half precision": {**notes, **failures}})
+    if failures:
+        found.findings.append(Finding.of("half-precision-overflow", "in half precision the module raises or gives "
+                                         "NaN/inf where float32 runs and is finite", failures))
+    return found
 
 
 def gradients(ctx: Context) -> Outcome[None]:
@@ -462,53 +612,108 @@ def gradients(ctx: Context) -> Outcome[None]:
 
 
 # -- white box ---------------------------------------------------------------------------------
-def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[None]:
+def _raw(caller: Caller, mask: object, keep: Tensor) -> Tensor | None:
+    """The mask the module received, as float64 (B, 1, L, L), for formulas that use its values."""
+    m = _as_tensor(mask)
+    if m is None or caller.spec is None:
+        return None
+    m = m.double()
+    shaped = {"LL": lambda: m[None, None], "BLL": lambda: m[:, None], "B1LL": lambda: m,
+              "BL": lambda: m[:, None, None, :], "B11L": lambda: m}[caller.spec.shape]()
+    return shaped.expand(keep.shape[0], 1, *keep.shape[-2:])
+
+
+def _informative_input(ctx: Context, heads: list[int]) -> Tensor:
+    """ctx.x, scaled up (at most 3 times) while the scores Q K^T / sqrt(D) are too small (std < 0.5) to tell the
+    scale, the softmax axis and the other formulas apart (small initialisations: GPT-2's std 0.02)."""
+    x = ctx.x
+    for _ in range(3):
+        cap = whitebox.capture(ctx.module, lambda t=x: ctx.call(t), x)
+        split = None if isinstance(cap, str) else whitebox.qkv_heads(cap, heads[0])
+        if split is None:
+            return x
+        qh, kh, _ = split
+        spread = float((qh @ kh.transpose(-1, -2)).std() / qh.shape[-1] ** 0.5)
+        if not spread < 0.5:
+            return x
+        x = x * min(30.0, (1.0 / max(spread, 1e-6)) ** 0.5)
+    return x
+
+
+def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     """Recompute the attention from the captured Q, K, V and name the formula the output follows.
 
     Args:
         ctx: the probe context.
-        masked: the caller from :func:`mask_convention`; when given, a run with a causal mask is added.
+        masked: the caller from :func:`mask_convention`; when given, a run with a causal mask
+            (key-only masks: a padding mask) is added.
         dep: (L, L) from :func:`causality`; a module that sees no future key is recomputed causally.
 
     Returns:
-        Note white box (per run: matches the definition, matches a bug, or why nothing matched;
-        or why it was skipped); a finding for each known bug the output follows.
+        Note white box (per run: matches the definition, matches a bug, or nothing matched; or
+        why it was skipped); a finding for each known bug the output follows, definition-mismatch
+        when no formula does (unless ``ctx.allow_nonstandard``); value: the position term found
+        (rotary, relative bias) or None.
     """
-    x = ctx.x
-    b, length, e = x.shape
+    b, length, e = ctx.x.shape
     hint = num_heads_of(ctx.module)
     heads = [hint] if hint else [h for h in (1, 2, 4, 8, 16, 32) if e % h == 0]
+    x = _informative_input(ctx, heads)
     runs: list[tuple[str, Tensor | None]] = [("without mask", None)]
     if masked is not None:
-        i = torch.arange(length)
-        runs.append(("with a causal mask", (i[None, :] <= i[:, None]).expand(b, length, length)))
+        if masked.key_only:
+            runs.append(("with a padding mask", _padding_keep(b, length)))
+        else:
+            i = torch.arange(length)
+            runs.append(("with a causal mask", (i[None, :] <= i[:, None]).expand(b, length, length)))
     if not (dep & _future(length)).any():
         own = torch.ones(length, length, dtype=torch.bool).tril()
-        runs = [(label, own if k is None else k & own) for label, k in runs]
-    findings, results = [], {}
+        runs = [(label, own.expand(b, length, length) if k is None else k & own) for label, k in runs]
+    findings, results, positions, bias = [], {}, None, None
     for label, keep in runs:
-        def call(keep: Tensor | None = keep, with_mask: bool = label != "without mask") -> Tensor:
-            return masked(x, masked.module_mask(keep)) if with_mask and masked is not None else ctx.call(x)
+        with_mask = label != "without mask" and masked is not None
+        mask = masked.module_mask(keep) if with_mask and masked is not None and keep is not None else None
+
+        def call(mask: object = mask, with_mask: bool = with_mask) -> Tensor:
+            return masked(x, mask) if with_mask and masked is not None else ctx.call(x)
 
         cap = whitebox.capture(ctx.module, call, x)
         if isinstance(cap, str):
-            return Outcome(findings, {"white box": f"skipped: {cap}"})
+            return Outcome(findings, {"white box": f"skipped: {cap}"},
+                           coverage={"white_box": f"not verified: {cap}"})
         with torch.no_grad():
             out = call()
         k4 = None if keep is None else keep.reshape(-1, 1, *keep.shape[-2:])
+        raw = _raw(masked, mask, k4) if with_mask and masked is not None and k4 is not None else None
         try:
-            fid, evidence = whitebox.identify(cap, out, heads, k4)
-        except LookupError as err:  # no formula matches: said in the note, no finding
+            fid, evidence = whitebox.identify(cap, out, heads, k4, raw, bias)
+        except LookupError as err:
             results[label] = str(err)
+            if not ctx.allow_nonstandard:
+                findings.append(Finding.of("definition-mismatch", f"the output ({label}) follows no formula of "
+                                           f"attention: {err}", {"closest": str(err), "projections": cap.how}))
             continue
-        results[label] = "matches the definition" if fid is None else f"matches {fid}: {evidence.get('matches')}"
+        bias = evidence.pop("_bias", bias)
+        positions = positions or evidence.get("positions")
+        results[label] = f"matches the definition: {evidence['formula']}" if fid is None else \
+            f"matches {fid}: {evidence.get('matches')}"
         if fid is not None:
             findings.append(Finding.of(fid, f"the output follows a known bug ({label}): {evidence['matches']}",
                                        {**evidence, "projections": cap.how}))
-    return Outcome(findings, {"white box": results})
+    if x is not ctx.x:
+        results["input scale"] = f"x times {float(x[0, 0, 0] / ctx.x[0, 0, 0]):.3g} (the scores were too small to " \
+                                 "tell formulas apart)"
+    cover = "verified" if not ctx.allow_nonstandard or all("matches" in r for r in results.values()) else \
+        "not verified: --allow-nonstandard and no formula matched"
+    return Outcome(findings, {"white box": results}, positions, {"white_box": cover})
 
 
 # -- orchestration -----------------------------------------------------------------------------
+_COVERS = {"batch independence": "batch_independence", "causality": "causal", "permutation equivariance":
+           "equivariance", "mask convention": "mask", "padding": "padding", "half precision": "half_precision",
+           "gradients": "gradients", "white box": "white_box"}
+
+
 @dataclass
 class _Collected:
     """What the probes returned so far, in the order they ran."""
@@ -516,10 +721,13 @@ class _Collected:
     inferred: dict
     findings: list[Finding] = field(default_factory=list)
     not_verified: dict[str, str] = field(default_factory=dict)
+    coverage: dict[str, str] = field(default_factory=dict)
 
     def take(self, outcome: Outcome[T]) -> T | None:
         self.findings += outcome.findings
         self.inferred.update(outcome.notes)
+        for prop, status in outcome.coverage.items():
+            self.coverage.setdefault(prop, status)
         return outcome.value
 
     def run(self, name: str, probe: Callable[..., Outcome[T]], *args: object, default: T | None = None) -> T | None:
@@ -527,20 +735,30 @@ class _Collected:
             outcome = probe(*args)
         except Exception as err:  # the property stays unchecked and the report says so; the other probes run
             self.not_verified[name] = not_verified(err)
+            if name in _COVERS:
+                self.coverage.setdefault(_COVERS[name], self.not_verified[name])
             return default
+        if name in _COVERS:
+            outcome.coverage.setdefault(_COVERS[name], "verified")
         return self.take(outcome)
 
 
-def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: bool, seed: int) -> Report:
+def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: bool, seed: int,
+            spec: MaskSpec | None = None, adapter: Callable | None = None,
+            make_mask: Callable[[Tensor], Tensor] | None = None, allow_nonstandard: bool = False) -> Report:
     """Run every probe on ``module`` (in eval mode), in order, passing each the results it needs.
 
     Args:
         module: the module; its gradients are cleared (the caller restores them).
         inferred: what is known before the probes run (module name, how it was built); the
             probes' notes are added after it.
-        declared: the mask convention the user declared ("keep", "ignore") or None.
+        declared: the bool mask convention the user declared ("keep", "ignore") or None.
         causal: the user requires a causal module.
         seed: seed of the probe inputs and of torch's global generator during the probes.
+        spec: the mask kind and shape the user stated, or None (inferred).
+        adapter: ``call(module, x, mask)`` replacing the guessed call, or None.
+        make_mask: ``make_mask(keep)`` turning a keep-mask into the module's mask, or None.
+        allow_nonstandard: no definition-mismatch finding when no formula matches.
 
     Returns:
         The report.
@@ -553,8 +771,9 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
     got = _Collected({**inferred, "embed_dim": e})
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        call, x = got.take(calling(module, e, gen))
-        ctx = Context(module, call, x, gen, declared, causal)
+        call, x = got.take(calling(module, e, gen, adapter))
+        call.make_mask = make_mask
+        ctx = Context(module, call, x, gen, declared, causal, spec, allow_nonstandard)
         try:
             with torch.no_grad():
                 out = call(x)
@@ -565,13 +784,16 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         got.run("extreme logits", extreme_logits, ctx, out)
         got.run("batch independence", batch_independence, ctx, out)
         dep = got.run("causality", causality, ctx, default=torch.ones(x.shape[1], x.shape[1], dtype=torch.bool))
-        got.run("permutation equivariance", equivariance, ctx, out, dep)
         masked = got.run("mask convention", mask_convention, ctx, dep)
         got.run("padding", padding, ctx, masked)
         got.run("fully masked rows", masked_rows, ctx, masked)
         got.run("half precision", half_precision, ctx, masked)
         got.run("gradients", gradients, ctx)
-        got.run("white box", white_box, ctx, masked, dep)
+        positions = got.run("white box", white_box, ctx, masked, dep)
+        got.run("permutation equivariance", equivariance, ctx, out, dep, positions)
+    if masked is None:
+        got.coverage.setdefault("padding", "not verified: no mask understood")
     findings = merge(got.findings)
-    return Report(passed=not findings, inferred=got.inferred, findings=findings, not_verified=got.not_verified)
-
+    coverage = {prop: got.coverage.get(prop, "not verified: the probe did not run") for prop in COVERED}
+    return Report(passed=not any(f.severity == "error" for f in findings), inferred=got.inferred, findings=findings,
+                  not_verified=got.not_verified, coverage=coverage)

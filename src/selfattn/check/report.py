@@ -15,7 +15,12 @@ from .findings import EXPLAINS, FIXES, SEVERITY, Severity
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["Finding", "Report", "merge", "render"]
+__all__ = ["COVERED", "Finding", "Report", "merge", "render"]
+
+# The properties the report's coverage always names, each "verified", "not applicable: <why>" or
+# "not verified: <why>".
+COVERED = ("mask", "padding", "causal", "batch_independence", "equivariance", "half_precision", "gradients",
+           "white_box")
 
 
 @dataclass
@@ -46,28 +51,36 @@ class Finding:
         """"error" (a bug) or "warning" (may be intended, e.g. a module with positions is not equivariant)."""
         return SEVERITY[self.id]
 
+    def to_dict(self) -> dict:
+        """{"id", "severity", "message", "evidence", "fix"}."""
+        return {"id": self.id, "severity": self.severity, **{k: v for k, v in asdict(self).items() if k != "id"}}
+
 
 @dataclass
 class Report:
     """What :func:`selfattn.check` found.
 
-    ``passed`` is True when there is no finding. ``not_verified`` maps each probe that raised
-    to "not verified: <exception type>: <message>"; those properties were not checked.
+    ``passed`` is True when no finding is an error (warnings, e.g. not-equivariant, do not fail).
+    ``not_verified`` maps each probe that raised to "not verified: <exception type>: <message>";
+    ``coverage`` says for each property of :data:`COVERED` whether it was "verified", is "not
+    applicable: <why>" or is "not verified: <why>".
     """
 
     passed: bool
     inferred: dict
     findings: list[Finding] = field(default_factory=list)
     not_verified: dict[str, str] = field(default_factory=dict)
+    coverage: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """The report as plain data (the ``--json`` output).
 
         Returns:
-            {"passed", "inferred", "findings": [{"id", "message", "evidence", "fix"}, ...], "not_verified"}.
+            {"passed", "inferred", "coverage", "findings": [{"id", "severity", "message", "evidence", "fix"},
+            ...], "not_verified"}.
         """
-        return {"passed": self.passed, "inferred": self.inferred, "findings": [asdict(f) for f in self.findings],
-                "not_verified": self.not_verified}
+        return {"passed": self.passed, "inferred": self.inferred, "coverage": self.coverage,
+                "findings": [f.to_dict() for f in self.findings], "not_verified": self.not_verified}
 
     def to_json(self) -> str:
         """:meth:`to_dict` as indented JSON (values JSON cannot hold are written with ``str``)."""
@@ -109,12 +122,20 @@ def render(report: Report, console: Console) -> None:
     from rich.panel import Panel
     from rich.table import Table
 
-    status = "[green]PASSED[/green]: no finding" if report.passed else \
-        f"[red]{len(report.findings)} finding(s)[/red]"
+    errors = sum(f.severity == "error" for f in report.findings)
+    status = f"[green]PASSED[/green]: no error ({len(report.findings)} warning(s))" if report.passed else \
+        f"[red]{errors} error(s)[/red], {len(report.findings) - errors} warning(s)"
     inferred = Table(show_header=False, box=None)
     for k, v in report.inferred.items():
         inferred.add_row(f"[bold]{k}[/bold]", json.dumps(v, default=str) if isinstance(v, (dict, list)) else str(v))
     console.print(Panel(inferred, title="what the doctor inferred"))
+    unchecked = {p: s for p, s in report.coverage.items() if s.startswith("not verified")}
+    coverage = Table(show_header=False, box=None)
+    for prop, state in report.coverage.items():
+        colour = "yellow" if prop in unchecked else "green" if state == "verified" else "dim"
+        coverage.add_row(f"[bold]{prop}[/bold]", f"[{colour}]{state}[/{colour}]")
+    console.print(Panel(coverage, title="coverage" + (f" [yellow]({len(unchecked)} NOT VERIFIED)[/yellow]"
+                                                       if unchecked else "")))
     for f in report.findings:
         colour = "red" if f.severity == "error" else "yellow"
         body = f"{f.message}\n\n[bold]evidence[/bold]: {json.dumps(f.evidence, default=str)[:1500]}\n\n" \
@@ -126,4 +147,6 @@ def render(report: Report, console: Console) -> None:
             unverified.add_row(f"[bold]{probe}[/bold]", why)
         console.print(Panel(unverified, title="[yellow]probes that could not run[/yellow]"))
         status += f" [yellow]({len(report.not_verified)} probe(s) not verified)[/yellow]"
+    if unchecked:
+        status += f" [yellow]; not verified: {', '.join(unchecked)}[/yellow]"
     console.print(status)
