@@ -406,6 +406,7 @@ class _Ring:
     stats: Stats | None
     sub: int = 1  # query rows of a sub-block (and keys of a fine tile)
     fine: Tensor | None = None  # classes of (sub x sub) tiles of the whole call, (L / sub, L / sub), or None
+    fused: bool = False  # blocks run in the chunked backend's fused kernel (else plain math here)
 
     def chunks(self, rank: int) -> list[int]:
         return _chunks_of(self.spec.layout, rank, self.g.world)
@@ -482,9 +483,28 @@ def _block_scores(ring: _Ring, q: Tensor, k: Tensor, q0: int, k0: int, partial: 
     return raw, s
 
 
+def _fused_terms(ring: _Ring, q: Tensor, k: Tensor, q0: int, k0: int,
+                 partial: bool) -> tuple[Tensor | None, Tensor | None]:
+    """(visible, bias) of a block for the fused kernel: the mask on partial blocks, an additive
+    modifier as a bias in the compute dtype, both on global positions."""
+    spec, b, h, r, nk = ring.spec, q.shape[0], q.shape[1], q.shape[2], k.shape[2]
+    visible = None
+    if partial and spec.mask is not None:
+        visible = spec.mask.block(q0, q0 + r, k0, k0 + nk, ring.length, ring.length, q.device)
+    bias = None
+    if spec.score_mod is not None:  # additive (ring.fused checked it)
+        idx = _masks.positions(torch.arange(b), h, q0, q0 + r, k0, k0 + nk, ring.length, ring.length, q.device)
+        bias = _scores.score_mod_bias(spec.score_mod, idx, q.dtype)
+    return visible, bias
+
+
 def _block_forward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, q0: int, k0: int,
                    partial: bool) -> tuple[Tensor, Tensor]:
     """Output and lse of query rows q0: (global) against one key chunk: (B, H, R, Dv), (B, H, R)."""
+    if ring.fused:
+        visible, bias = _fused_terms(ring, q, k, q0, k0, partial)
+        out, lse = _chunked.fused_block(q, k, v, scale=ring.spec.scale, visible=visible, bias=bias)
+        return out, lse.to(q.dtype)
     b, h, r, _ = q.shape
     _, s = _block_scores(ring, q, k, q0, k0, partial)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)  # -inf on rows that see no key here
@@ -496,12 +516,16 @@ def _block_forward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, q0: int, k0: in
     return out.reshape(b, h, r, -1), lse.reshape(b, h, r)
 
 
-def _block_backward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-                    q0: int, k0: int, partial: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """dq (B, H, R, D), dk (B, Hkv, c, D), dv (B, Hkv, c, Dv) of one block, from the global lse.
+def _block_backward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, out: Tensor, lse: Tensor,
+                    delta: Tensor, q0: int, k0: int, partial: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """dq (B, H, R, D), dk (B, Hkv, c, D), dv (B, Hkv, c, Dv) of one block, from the global out and lse.
 
     ``lse`` is +inf on rows that see no key, so their probabilities are 0; ``delta`` = rowsum(dO * O).
     """
+    if ring.fused:
+        visible, bias = _fused_terms(ring, q, k, q0, k0, partial)
+        return _chunked.fused_block_backward(dout, q, k, v, out, lse, scale=ring.spec.scale, visible=visible,
+                                             bias=bias)
     spec = ring.spec
     b, h, r, _ = q.shape
     hkv = k.shape[1]
@@ -640,7 +664,7 @@ def _ring_backward(ring: _Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, ls
         for lq, gq, nq, lk, gk, nk, partial in _visit(ring, (rank - s) % world):
             rows, keys = slice(lq, lq + nq), slice(lk, lk + nk)
             gq_, gk_, gv_ = _block_backward(ring, q[:, :, rows].to(ct), kb[:, :, keys].to(ct),
-                                            vb[:, :, keys].to(ct), dout[:, :, rows].to(ct),
+                                            vb[:, :, keys].to(ct), dout[:, :, rows].to(ct), out[:, :, rows].to(ct),
                                             lse_b[:, :, rows], delta[:, :, rows], gq, gk, partial)
             dq[:, :, rows] += gq_
             dk[:, :, keys] += gk_
@@ -860,5 +884,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | Non
     ring = _Ring(g=g, spec=spec, length=length, chunk=chunk, batch=q.shape[0], heads=q.shape[1],
                  classes=_pair_classes(mask_all, length, chunk, q.device), stats=_STATS.get())
     ring.plan_tiles(q.device)
+    ring.fused = (spec.dropout_p == 0 and (spec.score_mod is None or spec.score_mod.additive)
+                  and _chunked.fused_block_available(q.device, q.shape[3], v.shape[3]))
     out, lse = _RingAttention.apply(q, k, v, ring)
     return (out, lse.float()) if return_lse else out

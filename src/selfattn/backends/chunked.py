@@ -45,6 +45,9 @@ __all__ = [
     "current_options",
     "draw_seed",
     "dropout_pattern",
+    "fused_block",
+    "fused_block_available",
+    "fused_block_backward",
     "options",
     "schedule",
 ]
@@ -119,12 +122,10 @@ def _fused_bwd_op():
 def _fused_obstacles(call: AttentionCall) -> list[str]:
     """Why the fused kernel cannot compute this call exactly (empty: it can)."""
     out = []
-    if call.device.type != "cpu" or _fused_op() is None or _fused_bwd_op() is None:
-        out.append(f"no fused kernel with lse on {call.device.type}")
+    if not fused_block_available(call.device, call.head_dim, call.v_head_dim):
+        out.append(f"no fused kernel with lse on {call.device.type} for D={call.head_dim}, Dv={call.v_head_dim}")
     if call.dropout_p > 0:
         out.append("dropout")
-    if call.head_dim != call.v_head_dim:
-        out.append("Dv != D")
     if call.score_mod is not None and not call.score_mod.additive:
         out.append(f"{call.score_mod!r} is not additive")
     if rounding := bias_rounds_in_kernel(call):
@@ -406,12 +407,60 @@ def _forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None) 
 
 def _fused_span(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None,
                 bias: Tensor | None, causal: bool) -> tuple[Tensor, Tensor]:
+    return fused_block(q, k, v, scale=plan.scale, visible=visible, bias=bias, causal=causal)
+
+
+def fused_block_available(device: torch.device, head_dim: int, v_head_dim: int) -> bool:
+    """Whether :func:`fused_block` runs here: torch's fused CPU flash op, which returns lse and has a
+    backward that takes the global out and lse, with v's head dim equal to q's."""
+    return (device.type == "cpu" and head_dim == v_head_dim
+            and _fused_op() is not None and _fused_bwd_op() is not None)
+
+
+def fused_block(q: Tensor, k: Tensor, v: Tensor, *, scale: float, visible: Tensor | None = None,
+                bias: Tensor | None = None, causal: bool = False) -> tuple[Tensor, Tensor]:
+    """One block of attention in the fused kernel: queries ``q`` against keys ``k``/``v`` only.
+
+    For callers that merge blocks themselves (context parallelism): the pieces of a call merge exactly
+    by their lse, and :func:`fused_block_backward` takes the merged (global) out and lse.
+
+    Args:
+        q: (B, Hq, R, D); k: (B, Hkv, C, D); v: (B, Hkv, C, D), Hq % Hkv == 0, unit-stride last dims
+            not required. Check :func:`fused_block_available` first.
+        scale: multiplier of the scores.
+        visible: bool, broadcastable to (B, Hq, R, C), True = may attend; None = every key.
+        bias: float, broadcastable to (B, Hq, R, C), added in q's dtype (the kernel's).
+        causal: top-left causal within the block (R == C on the diagonal).
+
+    Returns:
+        out (B, Hq, R, D) and lse (B, Hq, R), -inf (and out 0) on rows that see no key of this block.
+    """
+    q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     attn_mask = additive_mask(visible, bias, q.dtype)
-    o, lse = _fused_op()(q, k, v, 0.0, causal, attn_mask=attn_mask, scale=plan.scale)
+    o, lse = _fused_op()(q, k, v, 0.0, causal, attn_mask=attn_mask, scale=scale)
     if attn_mask is not None:
-        dead = ~(attn_mask != float("-inf")).any(-1)  # rows of this span that see no key
+        dead = ~(attn_mask != float("-inf")).any(-1)  # rows of this block that see no key
         lse = lse.masked_fill(dead, float("-inf"))
     return o, lse
+
+
+def fused_block_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *, scale: float,
+                         visible: Tensor | None = None, bias: Tensor | None = None,
+                         causal: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of one block from the merged (global) out and lse of its query rows.
+
+    Args:
+        dout, out: (B, Hq, R, D), the gradient and the merged output of these rows.
+        lse: (B, Hq, R), their merged logsumexp; +inf on rows that see no key at all (their
+            probabilities are then 0).
+        q, k, v, scale, visible, bias, causal: as given to :func:`fused_block`.
+
+    Returns:
+        dq (B, Hq, R, D), dk (B, Hkv, C, D), dv (B, Hkv, C, D): this block's share.
+    """
+    q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
+    attn_mask = additive_mask(visible, bias, q.dtype)
+    return _fused_bwd_op()(dout, q, k, v, out, lse, 0.0, causal, attn_mask=attn_mask, scale=scale)
 
 
 def _math_span(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, visible: Tensor | None,
@@ -448,9 +497,8 @@ def _backward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
             visible, span_bias, causal = _span_mask(plan, bias, batch, q0, q1, k0, k1, partial, q.device)
             ks, vs = k[batch, :, k0:k1], v[batch, :, k0:k1]
             if plan.fused:
-                attn_mask = additive_mask(visible, span_bias, q.dtype)
-                gq, gk, gv = _fused_bwd_op()(dob, qb, ks, vs, ob, lb, 0.0, causal,
-                                             attn_mask=attn_mask, scale=plan.scale)
+                gq, gk, gv = fused_block_backward(dob, qb, ks, vs, ob, lb, scale=plan.scale, visible=visible,
+                                                  bias=span_bias, causal=causal)
             else:
                 keep = _span_keep(plan, (b, hq), batch, q0, q1, k0, k1, q.device)
                 idx = _mod_positions(plan, batch, q0, q1, k0, k1, q.device)
