@@ -1,4 +1,4 @@
-"""``attention()``: validate once, choose a backend, run it. The only place a backend is chosen.
+"""``attention()``: validate once, ask ``backends.dispatch`` for a backend, run it.
 
 Shape legend: B batch, Hq query heads, Hkv key/value heads (Hq % Hkv == 0), Lq/Lk query/key
 lengths, D head dim of q and k, Dv head dim of v.
@@ -28,6 +28,7 @@ Causal = bool | Literal["top_left", "bottom_right"]
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("selfattn_backend", default=None)
+
 
 def _name(x: object) -> str:
     return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else repr(x)
