@@ -314,11 +314,11 @@ def _distributed_table(results: list[dict]) -> Table:
                           "", "", "")
             continue
         b = base.get((r["case"], r["L"], r["strategy"]))
-        mib = r["peak_bytes"] / 2**20
+        mib = max(0, r["peak_bytes"]) / 2**20  # resident growth; the allocator's reuse can make it ~0
         hidden = "-" if r["hidden"] is None else f"{100 * r['hidden']:.0f}%"
+        peak_ratio = f"{r['peak_bytes'] / b['peak_bytes']:.2f}" if b and b["peak_bytes"] >= 2**20 else "-"
         table.add_row(r["case"], str(r["L"]), r["strategy"], str(r["W"]), f"{r['time_s']:.2f}",
-                      f"{r['time_s'] / b['time_s']:.2f}" if b else "", f"{mib:.0f}",
-                      f"{r['peak_bytes'] / max(1, b['peak_bytes']):.2f}" if b else "",
+                      f"{r['time_s'] / b['time_s']:.2f}" if b else "", f"{mib:.0f}", peak_ratio,
                       f"{r['comm_alone_s']:.3f}", hidden)
     return table
 
