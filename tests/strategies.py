@@ -77,9 +77,14 @@ def mask_leaf(draw: st.DrawFn, b: int, h: int, lq: int, lk: int) -> Mask:
     if kind == "document" and lq <= lk:
         ids = torch.tensor(sorted(draw(st.lists(st.integers(0, 4), min_size=lk, max_size=lk))))
         return masks.document(ids if draw(st.booleans()) else ids.expand(b, lk).clone())
-    if kind == "ignore":  # nn.MultiheadAttention's polarity, read in place
-        kpm = torch.rand(b, lk, generator=torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))) < 0.3
-        return masks.from_torch_key_padding_mask(kpm)
+    if kind == "ignore":  # nn.MultiheadAttention's polarity (True = hidden), read in place
+        gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+        form = draw(st.sampled_from(["key_padding", "attn_2d", "attn_3d"]))
+        if form == "key_padding":
+            return masks.from_torch_key_padding_mask(torch.rand(b, lk, generator=gen) < 0.3)
+        shape = (lq, lk) if form == "attn_2d" else (b * h, lq, lk)
+        return masks.from_torch_attn_mask(torch.rand(shape, generator=gen) > 0.6,
+                                          num_heads=h if form == "attn_3d" else None)
     return masks.from_tensor(draw(bool_tensor(b, h, lq, lk)))
 
 

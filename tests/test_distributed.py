@@ -24,12 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import selfattn
 from selfattn import distributed as sad
 from selfattn import masks, scores, testing
 from selfattn.backends import chunked
+from selfattn.bench.distributed import spawn_and_join
 
 F64_EXACT = 1e-12  # float64: distributed and single-process agree to this, relative to max(1, |ref|)
 LSE_F32 = 4 * torch.finfo(torch.float32).eps  # lse is returned in float32 by both
@@ -63,18 +63,7 @@ def _spawn(fn_name: str, world: int, tmp_path: Path, limit: float = 120.0, backe
     """Run ``fn_name(rank, world)`` on ``world`` processes; their results, by rank. Fails past ``limit`` s."""
     outdir = tmp_path / f"{fn_name}-{world}"
     outdir.mkdir()
-    ctx = mp.spawn(_entry, args=(fn_name, world, _free_port(), str(outdir), backend), nprocs=world, join=False)
-    deadline = time.monotonic() + limit
-    done = False
-    while not done and time.monotonic() < deadline:
-        try:
-            done = ctx.join(timeout=1.0)
-        except mp.ProcessExitedException:
-            break
-    if not done:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+    done = spawn_and_join(_entry, (fn_name, world, _free_port(), str(outdir), backend), world, limit)
     errors = {r: (outdir / f"{r}.err").read_text() for r in range(world) if (outdir / f"{r}.err").exists()}
     assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
     assert done, f"{fn_name} on {world} ranks: a process died without a result, or ran past {limit} s"

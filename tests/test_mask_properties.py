@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import mask_tree
 
 from selfattn import masks
 from selfattn.masks import Mask, positions
@@ -18,43 +19,9 @@ B, H = 2, 3
 
 
 @st.composite
-def leaf(draw, lq: int, lk: int) -> Mask:
-    kind = draw(st.sampled_from(["causal", "window", "padding", "document", "tensor", "ignore"]))
-    if kind == "causal":
-        return masks.causal(draw(st.sampled_from(["top_left", "bottom_right"])))
-    if kind == "window":
-        return masks.sliding_window(draw(st.integers(0, lk + 1)), draw(st.integers(0, 3)))
-    if kind == "padding":
-        lengths = draw(st.lists(st.integers(0, lk + 1), min_size=B, max_size=B))
-        return masks.padding(torch.tensor(lengths), queries=draw(st.booleans()))
-    if kind == "document" and lq <= lk:
-        ids = torch.tensor(sorted(draw(st.lists(st.integers(0, 4), min_size=lk, max_size=lk))))
-        return masks.document(ids if draw(st.booleans()) else ids.expand(B, lk).clone())
-    seed = draw(st.integers(0, 2**31 - 1))
-    if kind == "ignore":  # True = hidden, as nn.MultiheadAttention's masks
-        shape = draw(st.sampled_from([(lq, lk), (B * H, lq, lk)]))
-        t = torch.rand(shape, generator=torch.Generator().manual_seed(seed)) > 0.6
-        return masks.from_torch_attn_mask(t, num_heads=H if len(shape) == 3 else None)
-    shape = draw(st.sampled_from([(B, H, lq, lk), (1, 1, lq, lk), (B, 1, 1, lk), (lq, lk), (1, H, lq, 1)]))
-    return masks.from_tensor(torch.rand(shape, generator=torch.Generator().manual_seed(seed)) > 0.4)
-
-
-@st.composite
-def mask_tree(draw, lq: int, lk: int, depth: int = 2) -> Mask:
-    if depth == 0 or draw(st.booleans()):
-        return draw(leaf(lq, lk))
-    op = draw(st.sampled_from(["&", "|", "~"]))
-    a = draw(mask_tree(lq, lk, depth - 1))
-    if op == "~":
-        return ~a
-    b = draw(mask_tree(lq, lk, depth - 1))
-    return a & b if op == "&" else a | b
-
-
-@st.composite
 def case(draw):
     lq, lk = draw(st.integers(1, 23)), draw(st.integers(1, 23))
-    return lq, lk, draw(mask_tree(lq, lk))
+    return lq, lk, draw(mask_tree(B, H, lq, lk))
 
 
 def _from_predicate(mask: Mask, lq: int, lk: int) -> torch.Tensor:

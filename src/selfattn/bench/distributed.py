@@ -19,6 +19,7 @@ import socket
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ import torch.multiprocessing as mp
 
 from .worker import _Memory
 
-__all__ = ["CASES", "run_point"]
+__all__ = ["CASES", "run_point", "spawn_and_join"]
 
 CASES = ["causal", "documents(8)+causal"]
 WORLDS = [1, 2, 4]
@@ -108,6 +109,23 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         os._exit(code)
 
 
+def spawn_and_join(fn: Callable[..., None], args: tuple, world: int, limit_s: float) -> bool:
+    """Run ``fn(rank, *args)`` on ``world`` spawned processes; True when all ended within ``limit_s``
+    seconds (those still running then are killed, so a hung rank never hangs the caller)."""
+    ctx = mp.spawn(fn, args=args, nprocs=world, join=False)
+    deadline = time.monotonic() + limit_s
+    done = False
+    while not done and time.monotonic() < deadline:
+        try:
+            done = ctx.join(timeout=1.0)
+        except mp.ProcessExitedException:
+            break
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+    return done
+
+
 def run_point(spec: dict) -> dict:
     """Run one point (case, L, W, layout, strategy, repeats) on W spawned processes; the slowest rank's
     time, the largest peak memory and the hidden share of communication."""
@@ -116,17 +134,7 @@ def run_point(spec: dict) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        ctx = mp.spawn(_rank, args=(world, port, spec, out), nprocs=world, join=False)
-        deadline = time.monotonic() + spec.get("limit_s", 1800)
-        done = False
-        while not done and time.monotonic() < deadline:
-            try:
-                done = ctx.join(timeout=1.0)
-            except mp.ProcessExitedException:
-                break
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
+        done = spawn_and_join(_rank, (world, port, spec, out), world, spec.get("limit_s", 1800))
         errors = [Path(out, f"{r}.err").read_text() for r in range(world) if Path(out, f"{r}.err").exists()]
         if errors or not done:
             return {"status": "error", "note": (errors or ["timed out"])[0][:200]}
