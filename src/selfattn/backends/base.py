@@ -30,9 +30,10 @@ def bias_rounds_in_kernel(call: AttentionCall) -> str | None:
     if call.dtype not in (torch.float16, torch.bfloat16):
         return None
     if call.bias is not None and call.bias.dtype != call.dtype:
-        return f"bias is {call.bias.dtype} but q is {call.dtype}"
+        return f"bias is {call.bias.dtype} but q is {call.dtype} (cast bias to q's dtype to accept the rounding)"
     if call.score_mod is not None and call.score_mod.additive:
-        return f"{call.score_mod!r} is a float32 bias and q is {call.dtype}"
+        return (f"{call.score_mod!r} is a float32 bias and q is {call.dtype} (pass it as bias= in q's dtype "
+                "to accept the rounding)")
     return None
 
 

@@ -57,8 +57,7 @@ class SdpaBackend(Backend):
             reasons.append(f"{call.score_mod!r} as a dense bias would have {elements:,} elements "
                            f"(> {DENSE_BIAS_LIMIT:,}); chunked applies it tile by tile")
         if rounding := bias_rounds_in_kernel(call):
-            reasons.append(f"{rounding}: SDPA adds its mask in q's dtype, which would round it "
-                           "(cast bias to q's dtype to use SDPA)")
+            reasons.append(f"SDPA adds its mask in q's dtype, which would round it: {rounding}")
         if call.return_lse:
             if call.device.type != "cpu" or _cpu_lse_op() is None:
                 reasons.append(f"return_lse on {call.device.type} (torch has no SDPA op that returns lse "
