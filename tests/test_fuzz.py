@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from strategies import Case, cases
 
 import selfattn
-from selfattn import testing
+from selfattn import scores, testing
 from selfattn.backends import chunked
 
 BACKENDS = ["reference", "sdpa", "chunked", "auto"]
@@ -58,6 +58,9 @@ REGRESSIONS = {
     # found by the long search: a saturated softmax (scale 3, |score| ~ 50) where the plain math's dv
     # happened to be exact while every kernel shows eps * |score| of rounding (a floor of the harness)
     "saturated-dv": _regression(lq=2, lk=16, d=16, dv=16, seed=7, scale=3.0, grads=(False, False, True)),
+    # found by the long search: under autocast a float32 leaf's gradient has bfloat16 precision
+    "autocast-dv": _regression(lq=2, lk=19, d=2, dv=1, seed=180, scale=1.0, grads=(False, False, True),
+                               score_mod=scores.alibi(scores.alibi_slopes(1)), extras={"grad_mode": "autocast"}),
     "saturated-dv-bias": _regression(lq=3, lk=3, d=128, dv=128, scale=3.0, grads=(False, False, True),
                                      bias_shape=(1, 1), bias_dtype=torch.float32),
 }
@@ -67,7 +70,8 @@ REGRESSIONS = {
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_regressions(name, backend):
     """catches: each minimal failing example the search has found (see the dict's comments)."""
-    check_call(REGRESSIONS[name], backend)
+    case = REGRESSIONS[name]
+    check_call(case, backend, grad_mode=case.extras.get("grad_mode", "grad"))
 
 
 @given(case=cases())
