@@ -60,6 +60,7 @@ REGRESSIONS = {
     "saturated-dv": _regression(lq=2, lk=16, d=16, dv=16, seed=7, scale=3.0, grads=(False, False, True)),
     # found by the long search: under autocast a float32 leaf's gradient has bfloat16 precision
     "autocast-dv": _regression(lq=2, lk=19, d=2, dv=1, seed=180, scale=1.0, grads=(False, False, True),
+                               mask=torch.tensor([0, 0, 1, 1, 0, 0, 1, 1, 0, 0, 1, 1, 1, 0, 1, 0, 0, 0, 0]).bool(),
                                score_mod=scores.alibi(scores.alibi_slopes(1)), extras={"grad_mode": "autocast"}),
     "saturated-dv-bias": _regression(lq=3, lk=3, d=128, dv=128, scale=3.0, grads=(False, False, True),
                                      bias_shape=(1, 1), bias_dtype=torch.float32),
