@@ -87,11 +87,11 @@ def test_flex_explains_what_it_cannot_do_on_cpu():
 def test_flex_sees_a_mask_tensor_changed_in_place(flex_cpu):
     """catches: a cached BlockMask served after the mask's lengths were changed in place (stale mask,
     error 0.7 against the oracle)."""
-    q, k, v = make_qkv(2, 4, 4, 64, 64, 16, requires_grad=False)
-    lengths = torch.tensor([64, 20])
-    mask = masks.padding(lengths, queries=True) & masks.causal()
-    selfattn.attention(q, k, v, mask=mask, backend="flex")
-    lengths[1] = 40
+    q, k, v = make_qkv(2, 2, 2, 256, 256, 16, requires_grad=False)  # two 128-key blocks per row
+    lengths = torch.tensor([256, 100])
+    mask = masks.padding(lengths) & masks.causal()
+    selfattn.attention(q, k, v, mask=mask, backend="flex")  # item 1's second key block: empty
+    lengths[1] = 200  # now partly visible: a stale block mask would still skip it
     got = selfattn.attention(q, k, v, mask=mask, backend="flex")
     want = selfattn.attention(q, k, v, mask=mask, backend="reference")
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
