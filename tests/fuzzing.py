@@ -36,18 +36,8 @@ def visible_of(case: Case) -> Tensor | None:
 
 def naive(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, case: Case) -> Tensor:
     """The plain math in the inputs' dtype with torch's type promotion; NaN on dead rows."""
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    scale = 1 / math.sqrt(q.shape[-1]) if case.scale is None else case.scale
-    s = q @ k.transpose(-1, -2) * scale
-    if bias is not None:
-        s = s + bias
-    if case.score_mod is not None:
-        s = case.score_mod(s, *positions(torch.arange(case.b), case.hq, 0, case.lq, 0, case.lk, case.lq, case.lk))
-    visible = visible_of(case)
-    if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    return (torch.softmax(s, -1).to(v.dtype) @ v).to(q.dtype)
+    return testing.reference_attention(q, k, v, bias=bias, mask=case.mask, causal=case.causal, scale=case.scale,
+                                       score_mod=case.score_mod, safe=False, dtype=None)
 
 
 class _FlashFormula(torch.autograd.Function):

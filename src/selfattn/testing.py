@@ -108,11 +108,15 @@ def _masked_scores(q: Tensor, k: Tensor, mask: Mask | Tensor | None, bias: Tenso
     hkv, lk = k.shape[1], k.shape[2]
     if hq % hkv:
         raise ValueError(f"q has {hq} heads and k has {hkv}; Hq must be a multiple of Hkv")
-    dtype = q.dtype if dtype is None else dtype
+    naive = dtype is None
+    dtype = q.dtype if naive else dtype
     q, k = q.to(dtype), k.to(dtype).repeat_interleave(hq // hkv, dim=1)  # GQA: each kv head serves Hq/Hkv
     scale = 1 / math.sqrt(d) if scale is None else scale
     s = q @ k.transpose(-1, -2) * scale
     if bias is not None:
+        if naive:  # torch's type promotion, up to the compute dtype: a float32 bias on half inputs stays float32
+            wide = torch.promote_types(s.dtype, bias.dtype)
+            s = s.to(torch.float32 if wide == torch.float64 and s.dtype != torch.float64 else wide)
         s = s + bias.to(s.dtype)
     if score_mod is not None:
         bi = torch.arange(b, device=s.device).view(-1, 1, 1, 1)
@@ -150,7 +154,8 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor 
             index tensors, i the query's position in key coordinates (row + Lk - Lq), j the key's.
         safe: True gives 0 for a row that sees no key; False is the naive math (NaN there).
         dtype: the dtype to compute in, float64 by default; None computes in q's own dtype (the
-            "naive same-dtype" math that :func:`tolerance` measures an implementation against).
+            "naive same-dtype" math that :func:`tolerance` measures an implementation against), with
+            torch's type promotion for a wider bias up to float32 (the compute dtype).
 
     Returns:
         The output (B, Hq, Lq, Dv) in ``dtype`` (q's dtype when ``dtype`` is None).
@@ -160,12 +165,13 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor 
         >>> naive = reference_attention(q, k, v, causal=True, dtype=None, safe=False)
     """
     s = _masked_scores(q, k, mask, bias, causal, scale, score_mod, dtype)
-    v = v.to(s.dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    out_dtype = q.dtype if dtype is None else dtype
+    v = v.to(out_dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     if not safe:
-        return torch.softmax(s, dim=-1) @ v
+        return torch.softmax(s, dim=-1).to(out_dtype) @ v
     alive = torch.isfinite(s).any(-1, keepdim=True)
     s = torch.where(alive, s, torch.zeros_like(s))
-    return (torch.softmax(s, dim=-1) * alive) @ v
+    return (torch.softmax(s, dim=-1) * alive).to(out_dtype) @ v
 
 
 def reference_lse(q: Tensor, k: Tensor, *, mask: Mask | Tensor | None = None, bias: Tensor | None = None,
