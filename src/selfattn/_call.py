@@ -29,6 +29,7 @@ class AttentionCall:
     return_lse: bool
     need_weights: bool = False
     score_mod: ScoreMod | None = None  # applied to the scaled (+ bias) scores, before the mask
+    sinks: Tensor | None = None  # (Hq,) float: one logit per head in every row's softmax, with no value
 
     # sizes, set once from the tensors: B, Hq, Hkv, Lq, Lk, D (q and k), Dv (v and the output)
     batch: int = field(init=False)
@@ -61,7 +62,7 @@ class AttentionCall:
     @property
     def requires_grad(self) -> bool:
         return torch.is_grad_enabled() and any(
-            t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.bias))
+            t is not None and t.requires_grad for t in (self.q, self.k, self.v, self.bias, self.sinks))
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -50,7 +50,7 @@ def _check_tensor(name: str, t: object) -> Tensor:
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, mask: object, bias: object, causal: object,
               scale: object, dropout_p: object, return_lse: object, score_mod: object = None,
-              need_weights: bool = False) -> AttentionCall:
+              need_weights: bool = False, sinks: object = None) -> AttentionCall:
     q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
     b, hq, lq, d = q.shape
     if k.dtype != q.dtype or v.dtype != q.dtype:
@@ -145,9 +145,20 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mask: object, bias: object, causa
     if mod is not None and mod.num_heads() not in (None, hq):
         raise ValueError(f"score_mod {mod!r} is built for {mod.num_heads()} heads, but q has {hq}")
 
+    if sinks is not None:
+        if not isinstance(sinks, Tensor):
+            raise TypeError(f"sinks must be None or a float tensor of shape (Hq,), got {type(sinks).__name__}")
+        if not sinks.dtype.is_floating_point:
+            raise TypeError(f"sinks must be a float tensor (one logit per query head), got dtype {sinks.dtype}")
+        if tuple(sinks.shape) != (hq,):
+            raise ValueError(f"sinks must have shape (Hq,) = ({hq},), one logit per query head, "
+                             f"got {tuple(sinks.shape)}")
+        if sinks.device != q.device:
+            raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}; move it with .to(q.device)")
+
     return AttentionCall(q=q, k=k, v=v, mask=m, bias=bias, scale=scale_f,  # type: ignore[arg-type]
                          dropout_p=float(dropout_p), return_lse=return_lse, need_weights=need_weights,
-                         score_mod=mod)
+                         score_mod=mod, sinks=sinks)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -175,7 +186,7 @@ class Explanation:
 def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
             bias: Tensor | None = None, causal: Causal = False, scale: float | None = None,
             dropout_p: float = 0.0, backend: str = "auto", return_lse: bool = False,
-            score_mod: _scores.ScoreMod | ScoreFn | None = None) -> Explanation:
+            score_mod: _scores.ScoreMod | ScoreFn | None = None, sinks: Tensor | None = None) -> Explanation:
     """Which backend ``attention(q, k, v, **same_kwargs)`` would run, and why not the others.
 
     Example:
@@ -184,7 +195,7 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
           reference: supported, but sdpa is preferred: ...
     """
     q, k, v, bias = _autocast(q, k, v, bias)
-    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod)
+    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod, sinks=sinks)
     choice = dispatch.choose(call, _forced_name(backend), explain=True)
     return Explanation(choice.backend, {n: "; ".join(r) for n, r in choice.not_chosen.items()},
                        choice.why, choice.not_chosen)
@@ -228,16 +239,18 @@ def _run(call: AttentionCall, name: str) -> tuple[Tensor, Tensor | None, Tensor 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = ...,
               bias: Tensor | None = ..., causal: Causal = ..., scale: float | None = ...,
               dropout_p: float = ..., backend: str = ..., return_lse: Literal[False] = ...,
-              score_mod: _scores.ScoreMod | ScoreFn | None = ...) -> Tensor: ...
+              score_mod: _scores.ScoreMod | ScoreFn | None = ..., sinks: Tensor | None = ...) -> Tensor: ...
 @overload
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = ...,
               bias: Tensor | None = ..., causal: Causal = ..., scale: float | None = ...,
               dropout_p: float = ..., backend: str = ..., return_lse: Literal[True],
-              score_mod: _scores.ScoreMod | ScoreFn | None = ...) -> tuple[Tensor, Tensor]: ...
+              score_mod: _scores.ScoreMod | ScoreFn | None = ...,
+              sinks: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
               bias: Tensor | None = None, causal: Causal = False, scale: float | None = None,
               dropout_p: float = 0.0, backend: str = "auto", return_lse: bool = False,
-              score_mod: _scores.ScoreMod | ScoreFn | None = None) -> Tensor | tuple[Tensor, Tensor]:
+              score_mod: _scores.ScoreMod | ScoreFn | None = None,
+              sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention, ``softmax(q @ k^T * scale + bias, masked) @ v``.
 
     Args:
@@ -256,6 +269,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
             (-inf on rows that see no key); it carries no gradient.
         score_mod: a :mod:`selfattn.scores` modifier (alibi, softcap, custom) or a function
             ``(score, b, h, i, j) -> score``, applied to the scaled (+ bias) scores before the mask.
+        sinks: attention sinks, a float tensor (Hq,): one learned logit per query head that joins
+            every row's softmax denominator and carries no value, so a row's weights sum to less
+            than 1 (as in gpt-oss). Differentiable. With sinks, lse includes the sink term.
 
     Returns:
         out (B, Hq, Lq, Dv) in q's dtype, or (out, lse). A query row that sees no key gives
@@ -267,7 +283,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
         >>> out = selfattn.attention(q, k, v, causal=True)
     """
     q, k, v, bias = _autocast(q, k, v, bias)
-    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod)
+    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod, sinks=sinks)
     out, lse, _ = _run(call, dispatch.choose(call, _forced_name(backend)).backend)
     return (out, lse) if return_lse else out  # type: ignore[return-value]
 
@@ -275,13 +291,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
 def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
                            bias: Tensor | None = None, causal: Causal = False,
                            scale: float | None = None, dropout_p: float = 0.0,
-                           score_mod: _scores.ScoreMod | ScoreFn | None = None) -> tuple[Tensor, Tensor]:
+                           score_mod: _scores.ScoreMod | ScoreFn | None = None,
+                           sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Like :func:`attention`, also returning the weights (B, Hq, Lq, Lk) (after dropout).
 
-    Materialises the (Lq, Lk) weights, so it always runs the reference backend.
+    Materialises the (Lq, Lk) weights, so it always runs the reference backend. With ``sinks``,
+    the sink's own weight is left out, so rows sum to less than 1.
     """
     q, k, v, bias = _autocast(q, k, v, bias)
-    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, False, score_mod, need_weights=True)
+    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, False, score_mod, need_weights=True,
+                     sinks=sinks)
     out, _, weights = _run(call, dispatch.choose(call).backend)
     if weights is None:
         raise RuntimeError("the backend chosen for need_weights returned no weights")

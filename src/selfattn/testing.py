@@ -133,7 +133,7 @@ def _masked_scores(q: Tensor, k: Tensor, mask: Mask | Tensor | None, bias: Tenso
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
                         bias: Tensor | None = None, causal: Causal = False, scale: float | None = None,
                         score_mod: ScoreFn | None = None, safe: bool = True,
-                        dtype: torch.dtype | None = torch.float64) -> Tensor:
+                        dtype: torch.dtype | None = torch.float64, sinks: Tensor | None = None) -> Tensor:
     """Textbook attention, the oracle: ``softmax(mask(score_mod(q k^T * scale + bias))) @ v``.
 
     Written for clarity, not speed: it builds the whole (B, Hq, Lq, Lk) score matrix and repeats
@@ -156,6 +156,7 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor 
         dtype: the dtype to compute in, float64 by default; None computes in q's own dtype (the
             "naive same-dtype" math that :func:`tolerance` measures an implementation against), with
             torch's type promotion for a wider bias up to float32 (the compute dtype).
+        sinks: (Hq,) logits, one per query head, that join each row's softmax with no value.
 
     Returns:
         The output (B, Hq, Lq, Dv) in ``dtype`` (q's dtype when ``dtype`` is None).
@@ -164,9 +165,11 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor 
         >>> ref = reference_attention(q, k, v, causal=True)                 # float64
         >>> naive = reference_attention(q, k, v, causal=True, dtype=None, safe=False)
     """
-    s = _masked_scores(q, k, mask, bias, causal, scale, score_mod, dtype)
+    s = _with_sinks(_masked_scores(q, k, mask, bias, causal, scale, score_mod, dtype), sinks)
     out_dtype = q.dtype if dtype is None else dtype
     v = v.to(out_dtype).repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if sinks is not None:  # the sink column has no value: drop its weight
+        v = torch.cat([v, v.new_zeros(*v.shape[:2], 1, v.shape[3])], dim=2)
     if not safe:
         return torch.softmax(s, dim=-1).to(out_dtype) @ v
     alive = torch.isfinite(s).any(-1, keepdim=True)
@@ -176,12 +179,12 @@ def reference_attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor 
 
 def reference_lse(q: Tensor, k: Tensor, *, mask: Mask | Tensor | None = None, bias: Tensor | None = None,
                   causal: Causal = False, scale: float | None = None, score_mod: ScoreFn | None = None,
-                  dtype: torch.dtype | None = torch.float64) -> Tensor:
+                  dtype: torch.dtype | None = torch.float64, sinks: Tensor | None = None) -> Tensor:
     """The logsumexp of each row's scores, as returned by ``attention(..., return_lse=True)``.
 
     Args:
-        q, k, mask, bias, causal, scale, score_mod, dtype: as in :func:`reference_attention`
-            (v is not needed).
+        q, k, mask, bias, causal, scale, score_mod, dtype, sinks: as in :func:`reference_attention`
+            (v is not needed); with sinks, the sink term is in the sum.
 
     Returns:
         (B, Hq, Lq) in ``dtype``; -inf on rows that see no key.
@@ -189,7 +192,17 @@ def reference_lse(q: Tensor, k: Tensor, *, mask: Mask | Tensor | None = None, bi
     Example:
         >>> lse = reference_lse(q, k, mask=masks.sliding_window(20))
     """
-    return torch.logsumexp(_masked_scores(q, k, mask, bias, causal, scale, score_mod, dtype), dim=-1)
+    return torch.logsumexp(_with_sinks(_masked_scores(q, k, mask, bias, causal, scale, score_mod, dtype), sinks),
+                           dim=-1)
+
+
+def _with_sinks(s: Tensor, sinks: Tensor | None) -> Tensor:
+    """Scores (B, Hq, Lq, Lk) with one more column per row holding its head's sink logit."""
+    if sinks is None:
+        return s
+    if sinks.shape != (s.shape[1],):
+        raise ValueError(f"sinks must have shape (Hq,) = ({s.shape[1]},), got {tuple(sinks.shape)}")
+    return torch.cat([s, sinks.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
 
 
 def tolerance(err_naive: float, ref: Tensor, dtype: torch.dtype, factor: float) -> float:
@@ -287,7 +300,8 @@ def assert_close_to_reference(actual: Tensor, ref: Tensor, naive: Tensor, *, fac
 def check_against_reference(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: Tensor, *,
                             mask: Mask | Tensor | None = None, bias: Tensor | None = None,
                             causal: Causal = False, scale: float | None = None,
-                            score_mod: ScoreFn | None = None, grads: bool = True, seed: int = 0,
+                            score_mod: ScoreFn | None = None, sinks: Tensor | None = None,
+                            grads: bool = True, seed: int = 0,
                             reference_score_mod: ScoreFn | None = None, name: str | None = None,
                             **fn_kwargs: object) -> list[Comparison]:
     """Hold an attention function to the rule: output (factor 2) and, with ``grads``, dq, dk, dv
@@ -301,8 +315,9 @@ def check_against_reference(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: 
         q: queries (B, Hq, Lq, D), any float dtype and device.
         k: keys (B, Hkv, Lk, D).
         v: values (B, Hkv, Lk, Dv).
-        mask, bias, causal, scale, score_mod: as in :func:`reference_attention`; given to both.
-        grads: also check the gradients, for a random upstream gradient drawn from ``seed + 1``.
+        mask, bias, causal, scale, score_mod, sinks: as in :func:`reference_attention`; given to both.
+        grads: also check the gradients, for a random upstream gradient drawn from ``seed + 1``
+            (and the gradient of ``sinks`` when given).
         seed: seeds that upstream gradient.
         reference_score_mod: the modifier the oracle applies instead of ``score_mod`` (e.g. an
             independent dense formula of the same modifier); default ``score_mod``.
@@ -310,7 +325,7 @@ def check_against_reference(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: 
         **fn_kwargs: passed to ``fn`` only (e.g. ``backend="chunked"`` for selfattn.attention).
 
     Returns:
-        The :class:`Comparison` of each checked tensor ("out", then "dq", "dk", "dv").
+        The :class:`Comparison` of each checked tensor ("out", then "dq", "dk", "dv", "dsinks").
 
     Raises:
         AssertionError: wrong dtype or shape, non-finite values, or an error over the tolerance.
@@ -325,12 +340,19 @@ def check_against_reference(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: 
     oracle_kwargs = dict(given, score_mod=score_mod if reference_score_mod is None else reference_score_mod)
     if "bias" in call_kwargs:
         oracle_kwargs["bias"] = bias.double()  # type: ignore[union-attr]
+    grad_sinks = grads and sinks is not None
+    s64 = sn = sa = None
+    if sinks is not None:
+        s64 = sinks.detach().double().requires_grad_(grad_sinks)
+        sn = sinks.detach().clone().requires_grad_(grad_sinks)
+        sa = sinks.detach().clone().requires_grad_(grad_sinks)
+        call_kwargs["sinks"] = sa
 
     q64, k64, v64 = (t.detach().double().requires_grad_(grads) for t in (q, k, v))
-    ref = reference_attention(q64, k64, v64, **oracle_kwargs)  # type: ignore[arg-type]
+    ref = reference_attention(q64, k64, v64, **oracle_kwargs, sinks=s64)  # type: ignore[arg-type]
     qn, kn, vn = (t.detach().clone().requires_grad_(grads) for t in (q, k, v))
     naive_kwargs = dict(oracle_kwargs, bias=bias, safe=False, dtype=None)
-    naive = reference_attention(qn, kn, vn, **naive_kwargs)  # type: ignore[arg-type]
+    naive = reference_attention(qn, kn, vn, **naive_kwargs, sinks=sn)  # type: ignore[arg-type]
 
     qa, ka, va = (t.detach().requires_grad_(True) for t in (q, k, v)) if grads else (q, k, v)
     out = fn(qa, ka, va, **call_kwargs, **fn_kwargs)
@@ -341,11 +363,15 @@ def check_against_reference(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: 
     if grads:
         g = torch.Generator().manual_seed(seed + 1)
         dout = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(q.device)
-        gref = torch.autograd.grad(ref, (q64, k64, v64), dout)
-        gnaive = torch.autograd.grad(naive, (qn, kn, vn), dout.to(q.dtype))
-        gout = torch.autograd.grad(out, (qa, ka, va), dout.to(q.dtype))
+        names = ["q", "k", "v"] + (["sinks"] if grad_sinks else [])
+        extra = [s64, sn, sa] if grad_sinks else [None, None, None]
+        ins64, insn, insa = ([*xs, e] if grad_sinks else list(xs) for xs, e in
+                             zip([(q64, k64, v64), (qn, kn, vn), (qa, ka, va)], extra, strict=True))
+        gref = torch.autograd.grad(ref, ins64, dout)
+        gnaive = torch.autograd.grad(naive, insn, dout.to(q.dtype))
+        gout = torch.autograd.grad(out, insa, dout.to(q.dtype))
         results += [compare_to_reference(a, r, n, factor=GRADIENT_FACTOR, name=f"{label}: d{x}")
-                    for x, a, n, r in zip("qkv", gout, gnaive, gref, strict=True)]
+                    for x, a, n, r in zip(names, gout, gnaive, gref, strict=True)]
     failed = [str(r) for r in results if not r.ok]
     if failed:
         raise AssertionError("\n".join(failed))

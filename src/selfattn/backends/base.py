@@ -47,6 +47,7 @@ class Backend:
     supports_lse: ClassVar[bool] = True
     supports_weights: ClassVar[bool] = False
     supports_bias_grad: ClassVar[bool] = True
+    supports_sinks: ClassVar[bool] = False
     score_mods: ClassVar[Literal["any", "additive", "none"]] = "any"
 
     def unavailable(self) -> str | None:
@@ -73,6 +74,8 @@ class Backend:
         if (not self.supports_bias_grad and call.bias is not None and call.bias.requires_grad
                 and torch.is_grad_enabled()):
             reasons.append("bias requires grad (this backend gives no gradient for bias)")
+        if call.sinks is not None and not self.supports_sinks:
+            reasons.append("sinks (this backend has no sink term in its softmax)")
         mod = call.score_mod
         if mod is not None and self.score_mods == "none":
             reasons.append(f"score_mod={mod!r} (this backend takes no score modifiers)")

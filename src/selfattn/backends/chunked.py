@@ -138,6 +138,7 @@ class ChunkedBackend(Backend):
 
     name = "chunked"
     supports_bias_grad = False
+    supports_sinks = True
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         reasons = super().not_supported_reasons(call)
@@ -159,7 +160,7 @@ class ChunkedBackend(Backend):
                      groups=schedule(call.mask, call.lq, call.lk, block_q=bq, fused=fused, device=call.device),
                      lq=call.lq, lk=call.lk, bq=bq, bk=opts.block_k, score_mod=call.score_mod,
                      batch_size=call.batch, hq=call.hq, compute_dtype=compute_dtype(call.dtype))
-        out, lse = _ChunkedAttention.apply(call.q, call.k, call.v, call.bias, plan)
+        out, lse = _ChunkedAttention.apply(call.q, call.k, call.v, call.bias, call.sinks, plan)
         return out, lse.float(), None
 
 
@@ -539,28 +540,61 @@ def _math_span_backward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, dout: Tens
     return dq.reshape(b, hq, bq, -1), dk, dv
 
 
+def add_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """Let each head's sink logit join the softmax of rows already computed without it.
+
+    The sink adds exp(sink) to the denominator and nothing to the numerator, so the output is
+    rescaled by exp(lse - lse'), lse' = logaddexp(lse, sink); a row that saw no key keeps output 0.
+
+    Args:
+        out: (B, Hq, L, Dv); lse: (B, Hq, L), -inf on rows that see no key; sinks: (Hq,).
+
+    Returns:
+        (out', lse') in out's and lse's dtypes; lse' is -inf only where a row sees no key and its sink is -inf.
+    """
+    ct = lse.dtype
+    total = torch.logaddexp(lse, sinks.to(ct).view(1, -1, 1))
+    share = torch.exp(lse - total.masked_fill(torch.isneginf(total), 0.0))  # no key and a -inf sink: 0
+    return (out.to(ct) * share.unsqueeze(-1)).to(out.dtype), total
+
+
+def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """d loss / d sinks from the final (sink-included) out and lse: the sink's probability
+    p = exp(sink - lse) times -rowsum(dout * out), summed over batch and rows: (Hq,)."""
+    ct = lse.dtype
+    delta = (dout.to(ct) * out.to(ct)).sum(-1)  # (B, Hq, L)
+    p_sink = torch.exp(sinks.to(ct).view(1, -1, 1) - lse.masked_fill(torch.isneginf(lse), 0.0))
+    return -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+
+
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,  # type: ignore[override]
-                plan: _Plan) -> tuple[Tensor, Tensor]:
+                sinks: Tensor | None, plan: _Plan) -> tuple[Tensor, Tensor]:
         if plan.fused:  # the fused op reads the last dim as unit-stride
             q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
         out, lse = _forward(plan, q, k, v, bias)
-        ctx.save_for_backward(q, k, v, bias, out, lse)  # torch checks they are not changed in place
+        if sinks is not None:
+            # The backward needs nothing else: with the sink-included (out, lse) its probabilities
+            # exp(s - lse) and rowsum(dout * out) are those of the softmax with the sink.
+            out, lse = add_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, bias, sinks, out, lse)  # torch checks they are not changed in place
         ctx.plan = plan
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None]:  # type: ignore[override]
-        q, k, v, bias, out, lse = ctx.saved_tensors
+    def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor, Tensor, Tensor, None, Tensor | None, None]:  # type: ignore[override]
+        q, k, v, bias, sinks, out, lse = ctx.saved_tensors
         plan: _Plan = ctx.plan
         if plan.mask is not None and plan.mask_version is not None and plan.mask.version() != plan.mask_version:
             raise RuntimeError(f"the tensors of mask {plan.mask!r} were changed in place between the forward and "
                                "the backward of chunked attention, so the gradient would belong to another mask; "
                                "change them only after backward(), or pass a copy")
-        dq, dk, dv = _backward(plan, q, k, v, bias, out, lse, dout.contiguous())
-        return dq, dk, dv, None, None
+        dout = dout.contiguous()
+        dq, dk, dv = _backward(plan, q, k, v, bias, out, lse, dout)
+        dsinks = sinks_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[4] else None
+        return dq, dk, dv, None, dsinks, None
 
 
 BACKEND = ChunkedBackend()

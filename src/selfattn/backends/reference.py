@@ -28,6 +28,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
     supports_weights: ClassVar[bool] = True
+    supports_sinks: ClassVar[bool] = True
 
     def run(self, call: AttentionCall) -> tuple[Tensor, Tensor, Tensor | None]:
         """Returns (out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32, weights (B, Hq, Lq, Lk) or None)."""
@@ -45,7 +46,12 @@ class ReferenceBackend(Backend):
         if call.mask is not None:
             visible = split_heads(call.mask.dense(lq, lk, call.device), hkv, g)
             s = s.masked_fill(~visible, float("-inf"))
-        w, lse = safe_softmax(s)
+        if call.sinks is not None:  # one more logit per row, with no value: dropped after the softmax
+            sink = call.sinks.to(ct).reshape(1, hkv, g, 1, 1).expand(*s.shape[:-1], 1)
+            w, lse = safe_softmax(torch.cat([s, sink], dim=-1))
+            w = w[..., :-1]
+        else:
+            w, lse = safe_softmax(s)
         w_used = F.dropout(w, call.dropout_p) if call.dropout_p > 0 else w
         out = torch.matmul(w_used, v)  # (B, Hkv, G, Lq, Dv)
         out = out.reshape(b, hq, lq, call.v_head_dim).to(call.dtype)
