@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint bench check-install clean fuzz
+.PHONY: demo test lint bench readme-tables check-install clean fuzz
 
 $(BIN)/selfattn: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,11 @@ fuzz: $(BIN)/selfattn
 
 bench: $(BIN)/selfattn
 	$(BIN)/selfattn bench --quick
+
+# README.md's performance tables, rewritten from the JSON of full bench runs, e.g.
+# selfattn bench --suite masks --lengths 16384 65536 --json bench-results/masks.json
+readme-tables: $(BIN)/selfattn
+	$(BIN)/python scripts/readme_tables.py bench-results/*.json
 
 # Build the wheel, install it with torch into a fresh virtualenv (no extras) and run it from there.
 check-install:

@@ -25,19 +25,22 @@ def test_demo_runs_and_writes_the_heatmap(tmp_path, capsys):
 
 def test_bench_masks_smoke(tmp_path):
     """catches: a bench that reports numbers it did not measure (every point must carry its
-    own time and peak memory, measured in a worker process)."""
+    own time, from one worker that times its implementations interleaved, and its own peak
+    memory, measured in a worker process of its own)."""
     path = tmp_path / "r.json"
-    rc = main(["bench", "--suite", "masks", "--cases", "causal", "sliding_window(256)", "--lengths", "512",
-               "--impls", "chunked", "sdpa", "textbook", "--modes", "fwd", "fwd+bwd", "--repeats", "1",
+    rc = main(["bench", "--suite", "masks", "--cases", "sliding_window(256)", "--lengths", "512",
+               "--impls", "chunked", "sdpa", "textbook", "--modes", "fwd", "fwd+bwd", "--repeats", "2",
                "--json", str(path), "--plot", str(tmp_path / "plots")])
     assert rc == 0
     data = json.loads(path.read_text())
     rows = data["results"]
-    assert len(rows) == 2 * 2 * 3
+    assert len(rows) == 2 * 3
     for r in rows:
         assert r["status"] == "ok", r
         assert r["time_s"] > 0 and len(r["times"]) >= 1
         assert r["peak_bytes"] >= 0
+        if r["impl"] != "sdpa":  # a ratio to the anchor, per repeat of the same interleaved run
+            assert r["ratios"]["sdpa"]["n"] == len(r["times"])
     # the textbook code keeps the (8, 512, 512) float32 score matrix alive: at least 8 MiB
     tb = [r for r in rows if r["impl"] == "textbook" and r["mode"] == "fwd+bwd"]
     assert all(r["peak_bytes"] > 8 * 2**20 for r in tb)

@@ -1,8 +1,14 @@
-"""One benchmark point, run in a fresh process: ``python -m selfattn.bench.worker '<json spec>'``.
+"""Masks-suite measurements, run in a fresh process: ``python -m selfattn.bench.worker '<json spec>'``.
 
-A fresh process per point makes the peak-memory reading its own: on the CPU the kernel's
-high-water mark (VmHWM) is reset after the warm-up and read after one step; on CUDA the
-allocator's peak is used. Prints one JSON line: time_s (median), times, spread, first_s, peak_bytes.
+Two kinds of spec, because time and memory need different conditions:
+
+- ``"impls": [...]`` (:func:`time_group`): every implementation of one point (case, mode, L) is
+  built in this one process and timed in turns (:func:`selfattn.bench.timing.time_interleaved`),
+  so a ratio between two of them compares repeats that saw the same machine noise, repeat by
+  repeat. Prints ``{impl: {time_s, times, spread, first_s} | {error}}``.
+- ``"impl": name`` (:func:`measure_memory`): one implementation alone, so the peak-memory reading
+  is its own: on the CPU the kernel's high-water mark (VmHWM) is reset after the warm-up and read
+  after one step; on CUDA the allocator's peak is used. Prints ``{peak_bytes, first_s}``.
 
 Shape legend: B batch, H heads, L length, D head dim.
 """
@@ -23,10 +29,12 @@ import selfattn
 from selfattn import masks
 
 from .anchors import compiled_flex, flex_block_mask, textbook_attention
-from .timing import Timing, sync, time_call, time_one
+from .timing import Timing, sync, time_call, time_interleaved
 
 WINDOW = 256
 DOCS = 8
+MIN_ROUNDS = 3  # interleaved rounds of a point, at least (unless one round is longer than LONG_ROUND_S)
+LONG_ROUND_S = 60.0
 
 
 @dataclass
@@ -38,8 +46,13 @@ class MaskCase:
 
 
 def mask_case(name: str, length: int, device: str) -> MaskCase:
+    """The mask of case ``name`` at length L, its FlexAttention ``mask_mod`` and its batch."""
     if name == "causal":
         return MaskCase(1, masks.causal(), lambda b, h, q, kv: q >= kv)
+    if name in PADDED_LENGTHS:  # keys-only padding: padded query rows are computed (and discarded)
+        lengths = torch.tensor([int(f * length) for f in PADDED_LENGTHS[name]], device=device)
+        return MaskCase(len(lengths), masks.padding(lengths) & masks.causal(),
+                        lambda b, h, q, kv: (kv < lengths[b]) & (q >= kv), lengths)
     if name == "padding+causal":
         lengths = torch.tensor([length, length // 2], device=device)
         return MaskCase(2, masks.padding(lengths) & masks.causal(),
@@ -58,8 +71,17 @@ def mask_case(name: str, length: int, device: str) -> MaskCase:
     raise ValueError(f"unknown mask case {name!r}")
 
 
-MASK_CASES = ["causal", "padding+causal", "padding(queries)+causal", f"sliding_window({WINDOW})",
+# the padded batches the issue tracks: each item's real length as a fraction of L
+PADDED_LENGTHS = {"padding(3L/4)+causal": (0.75,), "padding(3L/4,L)+causal": (0.75, 1.0)}
+MASK_CASES = ["causal", "padding+causal", "padding(queries)+causal", *PADDED_LENGTHS, f"sliding_window({WINDOW})",
               f"document({DOCS} docs)", "dense"]
+
+
+def case_batch(name: str) -> int:
+    """B of a mask case (without building its tensors)."""
+    if name in PADDED_LENGTHS:
+        return len(PADDED_LENGTHS[name])
+    return 2 if name.startswith("padding") else 1
 
 
 class _Memory:
@@ -152,33 +174,68 @@ def _attention_step(spec: dict, small: bool) -> tuple[Callable[[], Callable[[], 
     return prepare, [q, k, v]
 
 
-def run_point(spec: dict) -> dict:
-    build = _attention_step
-    device = spec["device"]
-    # warm-up: kernels, allocator and (flex) compilation; at full size only where compilation needs it
-    warm_prepare, _ = build(spec, small=spec.get("impl") != "flex")
+def _warm_step(spec: dict, device: str) -> None:
+    """Run one step untimed: kernels, allocator and (flex) compilation. Small inputs do, except
+    for flex, whose compiled kernel is specialised to the full shape."""
+    warm_prepare, _ = _attention_step(spec, small=spec["impl"] != "flex")
     warm_prepare()()
     sync(device)
-    del warm_prepare
-    prepare, _inputs = build(spec, small=False)
+
+
+def measure_memory(spec: dict) -> dict:
+    """Peak extra memory of one step of ``spec["impl"]``, alone in this process (and that step's time)."""
+    device = spec["device"]
+    _warm_step(spec, device)
+    prepare, _inputs = _attention_step(spec, small=False)
     mem = _Memory(device)
     mem.start()
     step = prepare()
     first = time_call(step, device)
-    peak = mem.stop()
-    budget = spec.get("seconds", 10.0)  # repeat until about this much time is spent, or `repeats`
-    repeats = min(spec["repeats"], int(budget / max(first, 1e-6)))
-    timing = time_one(step, repeats, device, warmup=0)
-    if not timing.times:  # one run already took the whole budget: it is the measurement
-        timing = Timing([first])
-    return {"time_s": timing.median, "times": timing.times, "spread": timing.spread, "first_s": first,
-            "peak_bytes": peak}
+    return {"peak_bytes": mem.stop(), "first_s": first}
+
+
+def time_group(spec: dict) -> dict[str, dict]:
+    """Time every implementation of ``spec["impls"]`` at one point, in turns in this process.
+
+    Each is warmed up and run once (``first_s``); then rounds of one step each are timed until
+    about ``spec["seconds"]`` per implementation is spent: at least ``MIN_ROUNDS`` (a spread needs
+    several) and at most ``spec["repeats"]``. When a single round takes longer than that budget
+    and than ``LONG_ROUND_S`` (the longest lengths), those first runs are the measurement. An
+    implementation that raises gets ``{"error": ...}`` and the others are still timed.
+    """
+    device = spec["device"]
+    steps: dict[str, Callable[[], None]] = {}
+    first: dict[str, float] = {}
+    out: dict[str, dict] = {}
+    for impl in spec["impls"]:
+        one = dict(spec, impl=impl)
+        try:
+            _warm_step(one, device)
+            prepare, _inputs = _attention_step(one, small=False)
+            steps[impl] = prepare()
+            first[impl] = time_call(steps[impl], device)
+        except Exception as e:  # reported in the table; the other implementations still run
+            steps.pop(impl, None)
+            out[impl] = {"error": f"{type(e).__name__}: {e}"[:500]}
+            gc.collect()
+    if steps:
+        budget = spec.get("seconds", 10.0) * len(steps)
+        one_round = sum(first.values())
+        rounds = (0 if one_round > max(budget, LONG_ROUND_S)
+                  else min(spec["repeats"], max(MIN_ROUNDS, int(budget / one_round))))
+        if rounds > 0:
+            timings = time_interleaved(steps, rounds, device, warmup=0)
+        else:  # one round took the whole budget: it is the measurement
+            timings = {impl: Timing([first[impl]]) for impl in steps}
+        for impl, t in timings.items():
+            out[impl] = {"time_s": t.median, "times": t.times, "spread": t.spread, "first_s": first[impl]}
+    return {impl: out[impl] for impl in spec["impls"]}
 
 
 def main() -> int:
     spec = json.loads(sys.argv[1])
     try:
-        result = run_point(spec)
+        result: dict = time_group(spec) if "impls" in spec else measure_memory(spec)
     except Exception as e:  # report, the parent shows it in the table
         result = {"error": f"{type(e).__name__}: {e}"[:500]}
     print(json.dumps(result))

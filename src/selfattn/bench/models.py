@@ -1,0 +1,201 @@
+"""The ``models`` suite: a Llama-shaped transformers model trained on one packed row.
+
+Hidden 512, 8 query heads, 2 key/value heads, 4 layers, random weights, vocabulary 1024 (small,
+so the logits do not dwarf attention), float32. One row of ``length`` tokens packs 8 documents
+(``position_ids`` restart at each), the layout of packed pre-training. A step is forward +
+backward of the language-model loss, with ``attn_implementation`` set to:
+
+- ``selfattn``: :mod:`selfattn.integrations.transformers` (a document & causal mask object);
+- ``sdpa`` and ``eager``: transformers' own, which materialise the (L, L) packed mask;
+- ``none``: attention replaced by passing the values through (same shapes, no mixing): what
+  the rest of the model costs.
+
+Two parts are measured: ``model``, the whole training step; and ``attention``, one layer's
+attention alone as the model runs it (transformers builds the packed-row mask through the
+implementation's mask function, then its attention function runs forward + backward), whose
+time and peak memory are the attention part (a peak measured on the whole step may fall outside
+attention, so differences of whole-step peaks would understate it).
+
+Each point runs in its own process, so its peak memory is its own; time is the median of the
+repeats, with the first (warm-up) step reported apart.
+
+Shape legend: L tokens in the row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+import torch
+
+from .worker import _Memory
+
+__all__ = ["DOCS", "IMPLS", "attention_step", "measure", "model_step", "points", "run_point", "run_suite"]
+
+IMPLS = ["selfattn", "sdpa", "eager", "none"]
+DOCS = 8
+HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB = 512, 8, 2, 4, 1024
+
+
+def _document_lengths(length: int, docs: int, seed: int = 0) -> list[int]:
+    """``docs`` lengths summing to ``length``, uneven (between 1/2 and 3/2 of the mean)."""
+    g = torch.Generator().manual_seed(seed)
+    w = 0.5 + torch.rand(docs, generator=g, dtype=torch.float64)
+    sizes = (w / w.sum() * length).floor().long()
+    sizes[-1] += length - int(sizes.sum())
+    return sizes.tolist()
+
+
+def _passthrough(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
+                 **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """No attention: each query head takes its key/value head's value at its own position."""
+    g = query.shape[1] // value.shape[1]
+    return value.repeat_interleave(g, 1).transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from ..integrations import transformers as sa_hf
+    sa_hf.register()
+    AttentionInterface.register("none", _passthrough)
+    AttentionMaskInterface.register("none", lambda *a, **k: None)
+
+
+def model_step(impl: str, length: int, seed: int = 0):
+    """(step, model): one forward + backward of the packed-row loss with ``impl``."""
+    import transformers
+
+    _register()
+    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
+                                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                                   max_position_embeddings=length)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, VOCAB, (1, length), generator=g)
+    pos = torch.cat([torch.arange(n) for n in _document_lengths(length, DOCS, seed)]).unsqueeze(0)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, position_ids=pos, labels=ids).loss
+        loss.backward()
+    return step, model
+
+
+def attention_step(impl: str, length: int, seed: int = 0):
+    """One layer's attention part alone, as the model runs it: transformers builds the mask of the
+    packed row through ``impl``'s mask function (from ``position_ids``), then ``impl``'s attention
+    function runs forward + backward on (1, 8, L, 64) queries and (1, 2, L, 64) keys/values."""
+    import transformers
+    from transformers.masking_utils import create_causal_mask
+    from transformers.models.llama import modeling_llama
+
+    _register()
+    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                                   num_hidden_layers=1, vocab_size=VOCAB, max_position_embeddings=length)
+    cfg._attn_implementation = impl
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.training = HEADS // KV_HEADS, True, True
+    fn = modeling_llama.eager_attention_forward if impl == "eager" else transformers.AttentionInterface()[impl]
+    g = torch.Generator().manual_seed(seed + 1)
+    d = HIDDEN // HEADS
+    q = torch.randn(1, HEADS, length, d, generator=g, requires_grad=True)
+    k = torch.randn(1, KV_HEADS, length, d, generator=g, requires_grad=True)
+    v = torch.randn(1, KV_HEADS, length, d, generator=g, requires_grad=True)
+    pos = torch.cat([torch.arange(n) for n in _document_lengths(length, DOCS, seed)]).unsqueeze(0)
+    embeds = torch.empty(1, length, HIDDEN)
+
+    def step() -> None:
+        mask = create_causal_mask(config=cfg, inputs_embeds=embeds, attention_mask=None, cache=None,
+                                  position_ids=pos)
+        out, _ = fn(module, q, k, v, mask, dropout=0.0, scaling=d ** -0.5)
+        out.sum().backward()
+        q.grad = k.grad = v.grad = None
+    return step
+
+
+def estimate_bytes(impl: str, length: int, part: str = "model") -> int:
+    """Rough peak of the implementations that hold (L, L) tensors, to skip points that cannot fit:
+    eager keeps scores and weights of every layer for the backward; sdpa builds the bool mask and
+    its float form."""
+    if impl == "eager":
+        return (LAYERS if part == "model" else 1) * HEADS * length * length * 4 * 3
+    if impl == "sdpa":
+        return length * length * (1 + 4) * 2
+    return 0
+
+
+def run_point(impl: str, length: int, repeats: int, part: str = "model") -> dict:
+    """Time and peak memory of ``repeats`` steps after one warm-up, in this process.
+
+    part: "model" (the whole training step) or "attention" (one layer's mask and attention)."""
+    step = model_step(impl, length)[0] if part == "model" else attention_step(impl, length)
+    mem = _Memory("cpu")
+    mem.start()
+    t0 = time.perf_counter()
+    step()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    peak = mem.stop()
+    times.sort()
+    median = times[len(times) // 2] if times else first
+    return {"impl": impl, "length": length, "part": part, "time_s": median, "times": times, "first_s": first,
+            "peak_bytes": peak}
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def points(lengths: list[int], impls: list[str], parts: tuple[str, ...] = ("attention", "model")) -> list[dict]:
+    """Every (part, impl, length) to measure; the "attention" part has no ``none`` baseline."""
+    return [dict(suite="models", part=part, L=length, impl=impl) for part in parts for length in lengths
+            for impl in impls if not (part == "attention" and impl == "none")]
+
+
+def measure(point: dict, repeats: int) -> dict:
+    """One point in its own process (its peak memory is its own); skipped, with why, when it would
+    not fit in memory or fails."""
+    impl, length, part = point["impl"], point["L"], point["part"]
+    need, have = estimate_bytes(impl, length, part), _available_bytes()
+    if need > 0.6 * have:
+        return {"status": "skipped", "note": f"needs ~{need / 2**30:.0f} GiB of {have / 2**30:.0f} GiB available"}
+    cmd = [sys.executable, "-m", "selfattn.bench.models", impl, str(length), str(repeats), part]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"status": "error", "note": tail[0][:200]}
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"status": "ok", "time_s": out["time_s"], "times": out["times"], "first_s": out["first_s"],
+            "peak_bytes": out["peak_bytes"]}
+
+
+def run_suite(lengths: list[int], impls: list[str], repeats: int = 1, parts: tuple[str, ...] = ("attention", "model"),
+              progress: Any = None) -> list[dict]:
+    """:func:`measure` every point of :func:`points`."""
+    rows = []
+    for point in points(lengths, impls, parts):
+        if progress is not None:
+            progress(f"models ({point['part']}): {point['impl']} at L={point['L']}")
+        rows.append({**point, **measure(point, repeats)})
+    return rows
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(os.environ.get("SELFATTN_BENCH_THREADS", torch.get_num_threads())))
+    print(json.dumps(run_point(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
