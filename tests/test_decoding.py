@@ -139,3 +139,34 @@ def test_tiny_gpt_quick_trains_and_cached_generation_matches():
     summary = mod.main(["--quick", "--steps", "60"])
     assert summary["loss_last10"] < 0.8 * summary["loss_first10"]
     assert summary["cached_equals_uncached"]
+
+
+def test_batch_decoding_in_step_with_rollback_and_divergence_equals_full_forward():
+    """catches: the fast path of a batch that writes one run of slots (no per-slot marks while it
+    extends the prefix every sequence fills) losing track of what is written once the batch
+    stops moving in step: a rollback to an earlier position, then sequences at different
+    positions, must still see exactly their own tokens at positions <= their own."""
+    torch.manual_seed(0)
+    e, h, b = 32, 4, 2
+    mha = selfattn.MultiHeadAttention(e, h, num_kv_heads=2).eval()
+    seqs = torch.randn(b, 16, e)
+    cache = KVCache(b, 16, 2, e // h)
+    with torch.no_grad():
+        mha(seqs[:, :6], cache=cache, positions=torch.arange(6).expand(b, 6))   # prefill, in step
+        for p in range(6, 9):                                                    # steps, in step
+            mha(seqs[:, p:p + 1], cache=cache, positions=torch.full((b, 1), p))
+        assert cache.written.all(-1).tolist() == [False, False] and cache.written[:, :9].all()
+        y = mha(seqs[:, 7:8], cache=cache, positions=torch.full((b, 1), 7))     # rollback: slot 8 is stale
+        full = mha(seqs[:, :8], causal=True)
+        torch.testing.assert_close(y, full[:, 7:8])
+        # diverge: sequence 0 moves on from 8, sequence 1 rewrites 8 with another token
+        other = torch.randn(b, 1, e)
+        y = mha(torch.cat([seqs[:1, 8:9], other[1:]]), cache=cache, positions=torch.tensor([[8], [8]]))
+        torch.testing.assert_close(y[:1], mha(seqs[:1, :9], causal=True)[:, 8:9])
+        torch.testing.assert_close(y[1:], mha(torch.cat([seqs[1:, :8], other[1:]], 1), causal=True)[:, 8:9])
+        y = mha(seqs[:, 9:10], cache=cache, positions=torch.tensor([[9], [-1]]))  # sequence 1 pads this step
+        torch.testing.assert_close(y[:1], mha(seqs[:1, :10], causal=True)[:, 9:10])
+        torch.testing.assert_close(y[1:], mha.proj.bias.expand(1, 1, e))           # padding sees nothing
+        assert cache.written[:, :10].tolist() == [[True] * 10, [True] * 9 + [False]]
+    cache.reset()
+    assert not cache.written.any()

@@ -39,19 +39,26 @@ class KVCache(nn.Module):
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("written", torch.zeros(batch_size, max_len, dtype=torch.bool, device=device),
+        # slots written outside the prefix that every sequence fills (which _fill.full tracks): a
+        # decode step that extends that prefix marks nothing, one op less per layer and step
+        self.register_buffer("_written", torch.zeros(batch_size, max_len, dtype=torch.bool, device=device),
                              persistent=False)
-        self._used = 0  # slots 0.._used-1 hold at least one sequence's token
-        self._full = 0  # slots 0.._full-1 hold a token of every sequence
+        self._fill = _Fill()
 
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
 
+    @property
+    def written(self) -> Tensor:
+        """Bool (B, S): which slots of each sequence hold a token (a new tensor)."""
+        full = self._fill.full
+        return self._written | (torch.arange(self.max_len, device=self._written.device) < full)
+
     def reset(self) -> None:
         """Forget every cached token (the buffers are kept)."""
-        self.written.zero_()
-        self._used = self._full = 0
+        self._written.zero_()
+        self._fill.used = self._fill.full = 0
 
     def update(self, positions: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Write new keys/values at their positions and return what attention needs.
@@ -67,28 +74,40 @@ class KVCache(nn.Module):
             None when every new token sees every slot in use (all sequences full up to the
             lowest new position), so attention needs no mask.
         """
-        kbuf, vbuf, written = self.k, self.v, self.written  # one module attribute lookup each
+        # per step, this runs once per layer: buffers come straight from _buffers (not through
+        # nn.Module.__getattr__), the fill state is a plain object (no nn.Module.__setattr__), and
+        # the common step (the whole batch writes one run of slots) takes narrow views and copies
+        # each new key/value once, into its slot
+        buffers, fill = self._buffers, self._fill
+        kbuf, vbuf, written = buffers["k"], buffers["v"], buffers["_written"]
         b, g, t, d = k.shape
-        if (b, g, d) != (kbuf.shape[0], kbuf.shape[1], kbuf.shape[3]) or v.shape != k.shape:
+        kshape = kbuf.shape
+        if b != kshape[0] or g != kshape[1] or d != kshape[3] or v.shape != k.shape:
             raise ValueError(f"k/v of shape {tuple(k.shape)}/{tuple(v.shape)} do not fit a cache of "
-                             f"(B, G, S, D) = {tuple(kbuf.shape)}")
+                             f"(B, G, S, D) = {tuple(kshape)}")
         if positions.shape != (b, t) or positions.dtype.is_floating_point:
             raise ValueError(f"positions must be an int tensor (B, T) = ({b}, {t}), got "
                              f"{positions.dtype} {tuple(positions.shape)}")
         if t == 0:
             raise ValueError("update needs at least one new token (T >= 1)")
         rows = positions.tolist()  # one transfer; the bookkeeping below is plain Python
-        lo, hi = min(min(r) for r in rows), max(max(r) for r in rows)
-        if hi >= kbuf.shape[2]:
-            raise ValueError(f"position {hi} does not fit a cache of max_len {kbuf.shape[2]}; "
+        first = rows[0]
+        lo = first[0]
+        run = lo >= 0 and first == list(range(lo, lo + t)) and all(r == first for r in rows)
+        if run:
+            hi = lo + t - 1
+        else:
+            lo, hi = min(min(r) for r in rows), max(max(r) for r in rows)
+        if hi >= kshape[2]:
+            raise ValueError(f"position {hi} does not fit a cache of max_len {kshape[2]}; "
                              "build a larger KVCache")
-        if lo >= 0 and all(r == list(range(lo, lo + t)) for r in rows):
-            # the whole batch writes one run of slots lo..lo+T-1: plain slices
-            kbuf[:, :, lo:lo + t] = k
-            vbuf[:, :, lo:lo + t] = v
-            written[:, lo:lo + t] = True
-            if lo <= self._full:
-                self._full = max(self._full, lo + t)
+        if run:  # the whole batch writes slots lo..lo+T-1: one strided copy each into the buffers
+            kbuf.narrow(2, lo, t).copy_(k)
+            vbuf.narrow(2, lo, t).copy_(v)
+            if lo <= fill.full:  # the prefix every sequence fills grows: its slots need no mark
+                fill.full = max(fill.full, lo + t)
+            else:
+                written.narrow(1, lo, t).fill_(True)
         else:
             positions = positions.to(kbuf.device)
             bi, ti = (positions >= 0).nonzero(as_tuple=True)  # padding (-1) is not written
@@ -96,12 +115,23 @@ class KVCache(nn.Module):
             kbuf[bi, :, slots] = k.transpose(1, 2)[bi, ti].to(kbuf.dtype)  # (N, G, D)
             vbuf[bi, :, slots] = v.transpose(1, 2)[bi, ti].to(vbuf.dtype)
             written[bi, slots] = True
-        self._used = used = max(self._used, hi + 1, 1)
-        k_all, v_all = kbuf[:, :, :used], vbuf[:, :, :used]
-        if lo >= used - 1 and self._full >= used:
+        fill.used = used = max(fill.used, hi + 1, 1)
+        k_all, v_all = kbuf.narrow(2, 0, used), vbuf.narrow(2, 0, used)
+        if lo >= used - 1 and fill.full >= used:
             return k_all, v_all, None  # every new token is at the end of a full sequence: sees all
         positions = positions.to(kbuf.device)
         j = torch.arange(used, device=kbuf.device)
-        visible = written[:, None, :used] & (j <= positions[:, :, None])  # (B, T, S')
+        visible = (written[:, None, :used] | (j < fill.full)) & (j <= positions[:, :, None])  # (B, T, S')
         visible &= (positions >= 0)[:, :, None]
         return k_all, v_all, visible[:, None]
+
+
+class _Fill:
+    """How far a cache is filled; a plain object, so that each step updates it without going
+    through ``nn.Module.__setattr__``."""
+
+    __slots__ = ("full", "used")
+
+    def __init__(self) -> None:
+        self.used = 0  # slots 0..used-1 hold at least one sequence's token
+        self.full = 0  # slots 0..full-1 hold a token of every sequence
