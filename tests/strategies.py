@@ -66,7 +66,7 @@ def build(shape: tuple[int, int, int, int], layout: str, dtype: torch.dtype, gen
 
 @st.composite
 def mask_leaf(draw: st.DrawFn, b: int, h: int, lq: int, lk: int) -> Mask:
-    kind = draw(st.sampled_from(["causal", "window", "padding", "document", "tensor", "ignore"]))
+    kind = draw(st.sampled_from(["causal", "window", "padding", "document", "tensor", "ignore", "mask_mod"]))
     if kind == "causal":
         return masks.causal(draw(st.sampled_from(["top_left", "bottom_right"])))
     if kind == "window":
@@ -77,6 +77,13 @@ def mask_leaf(draw: st.DrawFn, b: int, h: int, lq: int, lk: int) -> Mask:
     if kind == "document" and lq <= lk:
         ids = torch.tensor(sorted(draw(st.lists(st.integers(0, 4), min_size=lk, max_size=lk))))
         return masks.document(ids if draw(st.booleans()) else ids.expand(b, lk).clone())
+    if kind == "mask_mod":  # an opaque function: a formula, or a lookup into a hidden tensor
+        if draw(st.booleans()):
+            period, phase = draw(st.integers(2, 5)), draw(st.integers(0, 4))
+            return masks.from_mask_mod(lambda bi, hi, q, kv: (q * 3 + kv * 7 + bi + hi + phase) % period != 0,
+                                       batch=b, heads=h)
+        t = draw(bool_tensor(b, h, lq, lk)).expand(b, h, lq, lk)
+        return masks.from_mask_mod(lambda bi, hi, q, kv: t[bi, hi, q, kv], batch=b, heads=h)
     if kind == "ignore":  # nn.MultiheadAttention's polarity (True = hidden), read in place
         gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
         form = draw(st.sampled_from(["key_padding", "attn_2d", "attn_3d"]))

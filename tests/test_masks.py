@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import selfattn
 from selfattn import masks
 
 
@@ -126,3 +127,37 @@ def test_mask_constructor_errors(bad, exc, match):
     """catches: bad mask arguments accepted and failing later with an obscure error."""
     with pytest.raises(exc, match=match):
         bad()
+
+
+@pytest.mark.parametrize("fn", [
+    lambda b, h, q, kv: torch.ones(40, 40, dtype=torch.bool),  # a whole table, not indexed
+    lambda b, h, q, kv: torch.ones(3, dtype=torch.bool),
+    lambda b, h, q, kv: (q >= kv).unsqueeze(0),  # 5-D
+    lambda b, h, q, kv: (q >= kv).expand(2, 1, -1, -1),  # batch 2, declared 1
+])
+def test_from_mask_mod_refuses_a_predicate_of_the_wrong_shape(fn):
+    """catches: a predicate whose output does not broadcast over its indices, which would give a
+    dense mask of the wrong shape or a raw broadcasting error deep in a backend."""
+    m = masks.from_mask_mod(fn)
+    with pytest.raises(ValueError, match=r"mask_mod .* returned shape"):
+        m.dense(5, 7)
+    q = torch.randn(1, 1, 5, 8)
+    with pytest.raises(ValueError, match="returned shape"):
+        selfattn.attention(q, torch.randn(1, 1, 7, 8), torch.randn(1, 1, 7, 8), mask=m, backend="chunked")
+
+
+def test_from_mask_mod_matches_its_predicate_and_never_claims_wrongly():
+    """Dense form equals the predicate; FULL and EMPTY tiles are exact, also when the tile map is
+    built in many small steps."""
+    fn = lambda b, h, q, kv: ((q * 5 + kv * 3 + b + 2 * h) % 7 != 0) & (kv <= q + 40)  # noqa: E731
+    m = masks.from_mask_mod(fn, batch=2, heads=3)
+    lq, lk = 70, 110
+    b, h, q, kv = torch.meshgrid(torch.arange(2), torch.arange(3), torch.arange(lq), torch.arange(lk), indexing="ij")
+    assert torch.equal(m.dense(lq, lk).expand(2, 3, lq, lk), fn(b, h, q, kv))  # q: the query row
+    dense = masks.from_tensor(m.dense(lq, lk))
+    for step in (1 << 22, 100):
+        m.ELEMENTS_PER_STEP = step
+        tiles = m.tiles(lq, lk, 16, 24)
+        ref = dense.tiles(lq, lk, 16, 24)
+        assert torch.equal(tiles == masks.FULL, ref == masks.FULL)
+        assert torch.equal(tiles == masks.EMPTY, ref == masks.EMPTY)

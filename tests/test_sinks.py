@@ -132,3 +132,14 @@ def test_bad_sinks_are_refused(sinks, error, match):
     q = torch.randn(1, 2, 8, 4)
     with pytest.raises(error, match=match):
         selfattn.attention(q, q, q, sinks=sinks)
+
+
+@pytest.mark.parametrize("backend", SINK_BACKENDS)
+def test_a_nan_sink_gives_nan_not_a_finite_answer(backend):
+    """catches: a NaN sink hidden by the dead-row guard (weights left unnormalised, finite garbage)."""
+    q, k, v = make_qkv(1, 2, 2, 4, 4, 8, requires_grad=False)
+    sinks = torch.tensor([float("nan"), 0.0])
+    out = selfattn.attention(q, k, v, sinks=sinks, backend=backend)
+    assert out[:, 0].isnan().all() and not out[:, 1].isnan().any()
+    _, w = selfattn.attention_with_weights(q, k, v, sinks=sinks)
+    assert w[:, 0].isnan().all()

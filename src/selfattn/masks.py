@@ -50,6 +50,7 @@ __all__ = [
     "Mask",
     "causal",
     "document",
+    "from_mask_mod",
     "from_tensor",
     "from_torch_attn_mask",
     "from_torch_key_padding_mask",
@@ -193,11 +194,11 @@ def _as_mask(other: object, op: str) -> Mask:
     return other
 
 
-def _broadcast_bh(a: tuple[int, int], b: tuple[int, int], what: str) -> tuple[int, int]:
+def _broadcast_bh(a: tuple[int, int], b: tuple[int, int], what: Mask) -> tuple[int, int]:
     out = []
     for x, y, name in zip(a, b, ("batch", "head"), strict=True):
         if x != y and 1 not in (x, y):
-            raise ValueError(f"cannot combine masks with {name} sizes {x} and {y} in {what}")
+            raise ValueError(f"cannot combine masks with {name} sizes {x} and {y} in {what!r}")
         out.append(max(x, y))
     return out[0], out[1]
 
@@ -228,7 +229,7 @@ class _Binary(Mask):
 
     def __init__(self, a: Mask, b: Mask) -> None:
         self.a, self.b = a, b
-        _broadcast_bh(a.batch_heads(), b.batch_heads(), repr(self))
+        _broadcast_bh(a.batch_heads(), b.batch_heads(), self)
 
     @staticmethod
     def _op(x: Tensor, y: Tensor) -> Tensor:
@@ -242,7 +243,7 @@ class _Binary(Mask):
         return self._op(self.a.block(q0, q1, k0, k1, lq, lk, device), self.b.block(q0, q1, k0, k1, lq, lk, device))
 
     def batch_heads(self):
-        return _broadcast_bh(self.a.batch_heads(), self.b.batch_heads(), repr(self))
+        return _broadcast_bh(self.a.batch_heads(), self.b.batch_heads(), self)
 
     def tensors(self):
         return self.a.tensors() + self.b.tensors()
@@ -377,7 +378,7 @@ class Padding(Mask):
 
     def __init__(self, lengths: Tensor | Sequence[int], queries: bool = False) -> None:
         t = _as_int_tensor(lengths, "padding lengths", (1,))
-        if t.numel() and int(t.min()) < 0:
+        if t.numel() and not torch.compiler.is_compiling() and int(t.min()) < 0:  # data: not traceable
             raise ValueError(f"padding lengths must be >= 0, got {t.tolist()}")
         self.lengths, self.queries = t, queries
 
@@ -540,6 +541,67 @@ class FromTensor(Mask):
         return f"from_tensor(shape {tuple(self.t.shape)}{', ignore=True' if self.ignore else ''})"
 
 
+class FromMaskMod(Mask):
+    """Any rule given as a function ``mask_mod(b, h, q_idx, kv_idx) -> bool`` (FlexAttention's
+    convention: ``q_idx`` is the query row, ``kv_idx`` the key index).
+
+    selfattn cannot see inside the function, so its tile map is computed by evaluating it on
+    groups of query rows against all keys, O(rows x Lk) memory at a time, never (Lq, Lk) at once;
+    and since the tensors it reads are hidden, no cache trusts it (:meth:`version` is None).
+    """
+
+    ELEMENTS_PER_STEP = 1 << 22  # predicate evaluations per step of the tile map
+
+    def __init__(self, fn: MaskMod, batch: int = 1, heads: int = 1) -> None:
+        if not callable(fn):
+            raise TypeError(f"from_mask_mod needs a function (b, h, q_idx, kv_idx) -> bool, got {type(fn).__name__}")
+        for name, value in (("batch", batch), ("heads", heads)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"from_mask_mod {name} must be an int >= 1, got {value!r}")
+        self.fn, self.batch, self.heads = fn, batch, heads
+
+    def predicate(self, lq, lk, device=None):
+        fn, off = self.fn, query_offset(lq, lk)
+
+        def visible(b, h, i, j):
+            out = fn(b, h, i - off, j)
+            if not isinstance(out, Tensor) or out.dtype != torch.bool:
+                raise TypeError(f"mask_mod {fn!r} must return a bool tensor, got "
+                                f"{getattr(out, 'dtype', type(out).__name__)}")
+            want = torch.broadcast_shapes(b.shape, h.shape, i.shape, j.shape)
+            try:
+                ok = out.dim() <= 4 and torch.broadcast_shapes(out.shape, want) == want
+            except RuntimeError:
+                ok = False
+            if not ok:
+                raise ValueError(f"mask_mod {fn!r} returned shape {tuple(out.shape)} for index tensors that "
+                                 f"broadcast to {tuple(want)}; it must broadcast over (b, h, q_idx, kv_idx) "
+                                 f"(declared batch={self.batch}, heads={self.heads}), not return a whole table")
+            return out
+        return visible
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        visible, nb, nh = self.predicate(lq, lk, device), self.batch, self.heads
+        rows_per_step = max(bq, (self.ELEMENTS_PER_STEP // max(1, nb * nh * lk)) // bq * bq)
+        full, empty = [], []
+        for r0 in range(0, lq, rows_per_step):  # r0 is a multiple of bq: whole query tiles per step
+            r1 = min(r0 + rows_per_step, lq)
+            idx = positions(torch.arange(nb), nh, r0, r1, 0, lk, lq, lk, device)
+            v = visible(*idx).expand(nb, nh, r1 - r0, lk)
+            full.append(_tile_reduce(_tile_reduce(v, 2, bq, True, "all"), 3, bk, True, "all"))
+            empty.append(~_tile_reduce(_tile_reduce(v, 2, bq, False, "any"), 3, bk, False, "any"))
+        return torch.cat(full, dim=2), torch.cat(empty, dim=2)
+
+    def batch_heads(self):
+        return self.batch, self.heads
+
+    def version(self):
+        return None  # the function may read tensors selfattn cannot see
+
+    def __repr__(self) -> str:
+        return f"from_mask_mod({getattr(self.fn, '__qualname__', self.fn)!r}, batch={self.batch}, heads={self.heads})"
+
+
 def causal(align: str = "top_left") -> Mask:
     """Causal mask: key j visible from query i when ``j <= i`` (top_left) or
     ``j <= i + Lk - Lq`` (bottom_right).
@@ -587,6 +649,26 @@ def document(ids: Tensor | Sequence[int]) -> Mask:
 def from_tensor(t: Tensor) -> Mask:
     """Wrap a bool tensor broadcastable to (B, H, Lq, Lk); True = may attend."""
     return FromTensor(t)
+
+
+def from_mask_mod(fn: MaskMod, *, batch: int = 1, heads: int = 1) -> Mask:
+    """A mask from any function ``fn(b, h, q_idx, kv_idx) -> bool tensor``, FlexAttention's
+    ``mask_mod`` convention (``q_idx`` the query row, ``kv_idx`` the key index).
+
+    ``fn`` receives broadcastable int tensors (b of shape (batch, 1, 1, 1), h (1, heads, 1, 1),
+    q_idx (1, 1, rows, 1), kv_idx (1, 1, 1, keys)) and must broadcast over them. Prefer the named
+    masks where one fits: their tile maps are computed from their bounds, this one's by evaluating
+    ``fn`` (in row groups, O(rows x Lk) memory).
+
+    Args:
+        fn: the rule; True = may attend.
+        batch: batch items ``fn`` distinguishes (b runs over 0..batch-1); 1 when it ignores b.
+        heads: heads ``fn`` distinguishes; 1 when it ignores h.
+
+    Example:
+        >>> m = masks.from_mask_mod(lambda b, h, q, kv: (q - kv) % 3 == 0)
+    """
+    return FromMaskMod(fn, batch, heads)
 
 
 def from_torch_key_padding_mask(key_padding_mask: Tensor) -> Mask:

@@ -26,7 +26,7 @@ def safe_softmax(s: Tensor) -> tuple[Tensor, Tensor]:
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     p = torch.exp(s - m)
     lsum = p.sum(-1, keepdim=True)
-    w = p / torch.where(lsum > 0, lsum, torch.ones_like(lsum))
+    w = p / torch.where(lsum == 0, torch.ones_like(lsum), lsum)  # a NaN sum stays NaN
     lse = (m + torch.log(lsum.detach())).squeeze(-1)
     return w, lse
 
