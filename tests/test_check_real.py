@@ -104,5 +104,6 @@ def test_readme_llama_example_runs():
     from test_readme import fenced_blocks
 
     readme = Path(__file__).resolve().parent.parent / "README.md"
-    (block,) = [b for b in fenced_blocks(readme.read_text(encoding="utf-8")) if b.lang == "python3"]
+    (block,) = [b for b in fenced_blocks(readme.read_text(encoding="utf-8"))
+                if b.lang == "python3" and "LlamaAttention" in b.source]
     exec(compile(block.source, f"README.md:{block.line}", "exec"), {"__name__": "__readme__"})

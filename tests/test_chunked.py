@@ -141,3 +141,103 @@ def test_per_item_schedules_match_reference(lengths, small_tiles):
 
     q, k, v = make_qkv(2, 4, 2, 113, 203, 16, dtype=torch.float64)
     check_against_reference(q, k, v, backend="chunked", mask=masks.padding(lengths), causal="bottom_right")
+
+
+def _periodic_with_a_defect(b: int, lq: int, lk: int) -> masks.Mask:
+    """A tensor mask whose visibility repeats along the diagonal (so spans of one offset share a
+    pattern and can run together), except one flipped pair that only comparing blocks can see."""
+    base = torch.rand(17, generator=torch.Generator().manual_seed(3)) > 0.4
+    d = torch.arange(lq)[:, None] + (lk - lq) - torch.arange(lk)[None, :]
+    t = base[d % 17] & (d.abs() < 60)
+    t[lq // 2, lq // 2 + (lk - lq) - 5] ^= True
+    return masks.from_tensor(t.expand(b, 1, lq, lk).clone())
+
+
+_UNEVEN_DOCS = torch.tensor([[0] * 96 + [1] * 96 + [2] * 41 + [3] * 67,
+                             [0] * 30 + [1] * 96 + [2] * 96 + [3] * 78])
+
+# (mask, Lq): masks whose spans form runs of several spans with the small tiles (32-row query
+# blocks, 48-key tiles, so offsets from the diagonal repeat every 96 rows); Lk = 300. A causal
+# mask alone runs as one call (two bottom-right, merged): _WHOLE_CALL.
+_RUN_CASES = {
+    "window": (lambda lq, lk: masks.sliding_window(40), 300),
+    "band with a hole": (lambda lq, lk: masks.sliding_window(50, 20) & ~masks.sliding_window(2, 2), 300),
+    "causal&window bottom_right": (lambda lq, lk: masks.causal("bottom_right") & masks.sliding_window(120), 200),
+    "causal top_left": (lambda lq, lk: masks.causal(), 300),
+    "causal bottom_right": (lambda lq, lk: masks.causal("bottom_right"), 200),
+    "padding+causal": (lambda lq, lk: masks.padding([300, 170]) & masks.causal(), 300),
+    "padding(queries)+window": (lambda lq, lk: masks.padding([300, 130], queries=True) & masks.sliding_window(64),
+                                300),
+    "uneven documents+causal": (lambda lq, lk: masks.document(_UNEVEN_DOCS) & masks.causal(), 300),
+    "periodic tensor with a defect": (lambda lq, lk: _periodic_with_a_defect(2, lq, lk), 250),
+}
+_WHOLE_CALL = {"causal top_left", "causal bottom_right"}
+
+
+@pytest.fixture
+def kernel_batches(monkeypatch):
+    """The batch size of every call of the fused kernel, forward and backward, the query rows of
+    each, and the batch sizes of the calls that had a mask."""
+    seen: dict[str, list[int]] = {"fwd": [], "bwd": [], "masked": [], "rows": []}
+    ops = {"fwd": chunked._fused_op(), "bwd": chunked._fused_bwd_op()}
+
+    def recording(name, arg):
+        def op(*args, **kwargs):
+            seen[name].append(args[arg].shape[0])
+            seen["rows"].append(args[arg].shape[2])
+            if kwargs.get("attn_mask") is not None:
+                seen["masked"].append(args[arg].shape[0])
+            return ops[name](*args, **kwargs)
+        return lambda: op
+    monkeypatch.setattr(chunked, "_fused_op", recording("fwd", 0))
+    monkeypatch.setattr(chunked, "_fused_bwd_op", recording("bwd", 1))
+    return seen
+
+
+@pytest.mark.parametrize("noncontiguous", [False, True], ids=["contiguous", "BLHD"])
+@pytest.mark.parametrize("case", list(_RUN_CASES))
+def test_batched_runs_match_reference(case, noncontiguous, small_tiles, kernel_batches):
+    """catches: spans run together that do not share a visibility pattern (a mask's block taken
+    for another span's, one batch item's for another's, the wrong offset from the diagonal),
+    strided views off by a step, overlapping key gradients added twice or lost, and partial
+    results of a query block copied over instead of merged; in the output and the gradients,
+    with GQA, per-item masks and (BLHD) strides that keep batch items from folding together;
+    and rows that no span reaches left unwritten (lse must be -inf there, output 0)."""
+    from helpers import check_against_reference, dense_of, lse_reference
+
+    make_mask, lq = _RUN_CASES[case]
+    q, k, v = make_qkv(2, 4, 2, lq, 300, 16, noncontiguous=noncontiguous, seed=5)
+    mask = make_mask(lq, 300)
+    check_against_reference(q, k, v, backend="chunked", mask=mask)
+    with torch.no_grad():
+        _, lse = selfattn.attention(q, k, v, mask=mask, backend="chunked", return_lse=True)
+    ref = lse_reference(q, k, dense_of(mask, False, lq, 300))
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref))
+    torch.testing.assert_close(lse.double()[torch.isfinite(ref)], ref[torch.isfinite(ref)], rtol=1e-5, atol=1e-5)
+    # the check ran batched calls (else it would prove nothing about them), or the whole call at once
+    if case in _WHOLE_CALL:
+        assert set(kernel_batches["rows"]) == {lq} and not kernel_batches["masked"]
+    else:
+        assert max(kernel_batches["fwd"]) > 1 and max(kernel_batches["bwd"]) > 1, kernel_batches
+
+
+def test_sliding_window_is_a_few_calls(kernel_batches):
+    """catches: a sliding window computed span by span again (hundreds of calls at L = 4096)."""
+    q, k, v = make_qkv(1, 2, 2, 4096, 4096, 16, seed=1)
+    out = selfattn.attention(q, k, v, mask=masks.sliding_window(256), backend="chunked")
+    out.sum().backward()
+    assert len(kernel_batches["fwd"]) <= 4, kernel_batches["fwd"]
+    assert len(kernel_batches["bwd"]) <= 16, kernel_batches["bwd"]
+
+
+def test_items_of_a_shared_schedule_split_by_pattern(kernel_batches):
+    """catches: one item's padding applied to another item that shares its schedule (the long
+    item's keys past the short one's length), or a mask built where none is needed."""
+    from helpers import check_against_reference
+
+    q, k, v = make_qkv(2, 2, 1, 1024, 1024, 16, seed=2)
+    mask = masks.padding([1024, 768]) & masks.causal()
+    assert len(chunked.schedule(mask, 1024, 1024, block_q=128)) == 1  # one schedule for both items
+    with chunked.options(block_q=128):
+        check_against_reference(q, k, v, backend="chunked", mask=mask)
+    assert not kernel_batches["masked"]  # every span is causal, full or empty for each item

@@ -20,6 +20,7 @@ from . import masks as _masks
 from . import scores as _scores
 from ._call import AttentionCall
 from .backends import REGISTRY, dispatch
+from .backends._ops import specialized
 from .masks import Mask
 
 __all__ = ["Explanation", "attention", "attention_with_weights", "explain", "use_backend"]
@@ -28,6 +29,9 @@ Causal = bool | Literal["top_left", "bottom_right"]
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("selfattn_backend", default=None)
+# What torch.compile reads instead (it cannot trace ContextVar.get): the name last set or restored by
+# use_backend() in any thread; dynamo guards on it, so a compiled function retraces when it changes.
+_TRACED_FORCED: str | None = None
 
 
 def _name(x: object) -> str:
@@ -117,6 +121,8 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mask: object, bias: object, causa
                              f"(B, Hq, Lq, Lk) = {want}; use size 1 for dims that broadcast")
         bias = bias.reshape(shape)
 
+    if (scale is not None or dropout_p) and torch.compiler.is_compiling():
+        scale, dropout_p = specialized(scale), specialized(dropout_p)  # a float dynamo made dynamic: a constant
     if scale is None:
         scale_f = 1.0 / math.sqrt(d)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
@@ -206,7 +212,9 @@ def _forced_name(backend: object) -> str | None:
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     if backend != "auto" and backend not in REGISTRY:
         raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {sorted(REGISTRY)}")
-    return _FORCED.get() if backend == "auto" else backend
+    if backend != "auto":
+        return backend
+    return _TRACED_FORCED if torch.compiler.is_compiling() else _FORCED.get()
 
 
 def _autocast(q: object, k: object, v: object, bias: object) -> tuple:
@@ -311,14 +319,20 @@ def attention_with_weights(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tens
 def use_backend(name: str) -> Iterator[None]:
     """Force ``backend='auto'`` calls inside the block to use ``name``.
 
+    Under ``torch.compile`` it is read while tracing and guarded on: enter it around a compiled
+    call (a change retraces), not inside the compiled function.
+
     Example:
         >>> with selfattn.use_backend("reference"):
         ...     out = selfattn.attention(q, k, v)
     """
     if name not in REGISTRY:
         raise ValueError(f"unknown backend {name!r}; expected one of {sorted(REGISTRY)}")
+    global _TRACED_FORCED
     token = _FORCED.set(name)
+    _TRACED_FORCED = name
     try:
         yield
     finally:
         _FORCED.reset(token)
+        _TRACED_FORCED = _FORCED.get()

@@ -114,7 +114,7 @@ class _Chain(ScoreMod):
                                                                                 device=i.device))
 
     def num_heads(self) -> int | None:
-        sizes = {n for m in self.mods if (n := m.num_heads()) is not None}
+        sizes = {m.num_heads() for m in self.mods} - {None}  # (a walrus here is not traceable by dynamo)
         if len(sizes) > 1:
             raise ValueError(f"chained score modifiers are built for different head counts {sorted(sizes)}")
         return sizes.pop() if sizes else None

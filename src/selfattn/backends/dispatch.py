@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from .._call import AttentionCall
 from ..masks import EMPTY
-from . import REGISTRY
+from . import REGISTRY, _ops
 from .chunked import ChunkedBackend
 from .sdpa import SdpaBackend
 
@@ -53,6 +55,8 @@ def _empty_tile_fraction(call: AttentionCall, block: int) -> float:
     """Share of (block x block) tiles that the mask leaves empty."""
     if call.mask is None:
         return 0.0
+    if torch.compiler.is_compiling():  # no data-dependent decision in a graph: the mask's structure only
+        return _ops.static_empty_fraction(call.mask, call.lq, call.lk, block)
     tiles = call.mask.tiles(call.lq, call.lk, block, block, call.device)
     return float((tiles == EMPTY).float().mean())
 
@@ -72,15 +76,16 @@ def preferences(call: AttentionCall) -> list[tuple[str, str]]:
             order.append(("flex", "on CUDA, compiled FlexAttention skips empty blocks and applies score "
                                   "modifiers in its fused kernel"))
         elements = _dense_mask_elements(call)
+        shown = f"{elements:,}" if not torch.compiler.is_compiling() else "a traced number of"  # may be symbolic
         if elements > DENSE_MASK_MEMORY_LIMIT:
-            order.append(("chunked", f"a dense mask would have {elements:,} elements "
+            order.append(("chunked", f"a dense mask would have {shown} elements "
                                      f"(> {DENSE_MASK_MEMORY_LIMIT:,}); chunked needs O(L * block) memory"))
         elif (elements > DENSE_MASK_LIMIT
               and (skipped := _empty_tile_fraction(call, chunked.block_k())) >= SKIP_FRACTION):
             order.append(("chunked", f"{skipped:.0%} of the tiles are empty and a dense mask would have "
-                                     f"{elements:,} elements (> {DENSE_MASK_LIMIT:,}); chunked skips them "
+                                     f"{shown} elements (> {DENSE_MASK_LIMIT:,}); chunked skips them "
                                      "in O(L * block) memory"))
-        order.append(("sdpa", f"the dense mask ({elements:,} elements) is small or leaves few tiles empty: "
+        order.append(("sdpa", f"the dense mask ({shown} elements) is small or leaves few tiles empty: "
                               "one fused call"))
     if on_cuda:
         order.append(("flex", "SDPA cannot run this call"))

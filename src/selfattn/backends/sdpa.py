@@ -90,7 +90,7 @@ class SdpaBackend(Backend):
         if attn_mask is not None:
             alive = (attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf"))
             alive = alive.any(-1, keepdim=True)
-            if not bool(alive.all()):
+            if torch.compiler.is_compiling() or not bool(alive.all()):  # compiled: no branch on data
                 dead = ~alive  # give dead rows every key inside the kernel, zero them below
                 attn_mask = attn_mask | dead if attn_mask.dtype == torch.bool else attn_mask.masked_fill(dead, 0.0)
 

@@ -1,0 +1,258 @@
+"""The chunked backend as torch.library custom ops, so that ``torch.compile`` sees one op per call.
+
+Under ``torch.compile``, :meth:`~selfattn.backends.chunked.ChunkedBackend.run` calls
+:func:`chunked_attention`, which calls ``selfattn::chunked_fwd`` (its backward is
+``selfattn::chunked_bwd``) instead of the Python loops over tiles. The ops take only tensors and
+primitives:
+
+- the call's tensors (q, k, v, bias, sinks) and ``tensors``: every tensor that the mask and the
+  score modifier read (padding lengths, document ids, a mask tensor, ALiBi slopes);
+- ``key``: an entry of :data:`_REGISTRY`, the call's non-tensor structure (the mask and the score
+  modifier with their tensors taken out, the chunked options, the kernel). The key is derived from
+  that structure, so masks of one structure share it (two ``padding(lengths)`` masks with different
+  tensors) and a compiled graph never depends on one mask object; it is registered while dynamo
+  traces the call (:func:`register` runs then, for real);
+- ``scale``, ``dropout_p`` and the dropout seed as a tensor, drawn inside the compiled graph.
+
+At run time the op rebuilds the mask and the modifier from the structure and the tensors it is
+given, and computes the schedule (the tile map) from the real tensors, so no data-dependent Python
+reaches dynamo. The backward op recomputes the same schedule from the saved tensors; torch's
+saved-tensor check refuses mask tensors changed in place between the forward and the backward.
+
+The same structure gives dispatch its static cost model under compile
+(:func:`static_empty_fraction`).
+
+Shape legend: B batch, Hq query heads, Lq/Lk lengths, Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import operator
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from .._call import AttentionCall, compute_dtype
+from ..masks import EMPTY, Mask
+from ..scores import ScoreMod
+from . import chunked
+from ._common import unit_stride
+
+__all__ = ["chunked_attention", "chunked_bwd", "chunked_fwd", "register", "static_empty_fraction"]
+
+Struct = tuple  # nested tuples of constants, see flatten()
+
+_REGISTRY: dict[str, Struct] = {}
+"""key -> (mask structure, score modifier structure, chunked options, fused kernel)."""
+
+
+def flatten(obj: object, tensors: list[Tensor]) -> Struct:
+    """The structure of a mask, a score modifier or None: nested tuples of constants in which each
+    tensor is replaced by its index in ``tensors`` (appended to). Masks and modifiers are taken
+    apart by their attributes (tensors, masks, modifiers, tuples, numbers, strings, functions)."""
+    if isinstance(obj, Tensor):
+        tensors.append(obj)
+        return ("tensor", len(tensors) - 1)
+    if isinstance(obj, (Mask, ScoreMod)):
+        return ("object", type(obj), tuple((name, flatten(value, tensors)) for name, value in vars(obj).items()))
+    if isinstance(obj, tuple):
+        return ("tuple", tuple(flatten(x, tensors) for x in obj))
+    if obj is None or isinstance(obj, (bool, str)):
+        return ("const", obj)
+    if isinstance(obj, int):
+        return ("const", operator.index(obj))  # an int dynamo made dynamic (a window size) is specialized
+    if isinstance(obj, float):
+        return ("const", specialized(obj))
+    if callable(obj):  # a custom score modifier's or from_mask_mod's function
+        return ("function", obj)
+    raise TypeError(f"under torch.compile the chunked backend takes masks and score modifiers apart by their "
+                    f"attributes (tensors, masks, numbers, strings, functions); it cannot take a "
+                    f"{type(obj).__name__}")
+
+
+def specialized(x: float) -> float:
+    """``x``; under torch.compile a float that dynamo made dynamic (it changed between calls) becomes
+    a constant again, guarded on its value: a set's element is specialized, and ops take plain floats."""
+    return next(iter({x}))
+
+
+def rebuild(struct: Struct, tensors: Sequence[Tensor] | None) -> object:
+    """The object that :func:`flatten` took apart, reading ``tensors``. With ``tensors=None``, a mask
+    in which every part that reads a tensor or calls a function is :class:`_Unknown`."""
+    kind = struct[0]
+    if kind == "const" or kind == "function":
+        return struct[1]
+    if kind == "tensor":
+        assert tensors is not None
+        return tensors[struct[1]]
+    if kind == "tuple":
+        return tuple(rebuild(x, tensors) for x in struct[1])
+    cls, fields = struct[1], struct[2]
+    if tensors is None and any(_reads_data(value) for _, value in fields):
+        return _Unknown()
+    obj = object.__new__(cls)
+    obj.__dict__.update({name: rebuild(value, tensors) for name, value in fields})
+    return obj
+
+
+def _reads_data(struct: Struct) -> bool:
+    if struct[0] == "tuple":
+        return any(_reads_data(x) for x in struct[1])
+    return struct[0] in ("tensor", "function")
+
+
+def describe(struct: Struct) -> str:
+    """A readable string that determines the structure (functions by qualified name and identity)."""
+    kind = struct[0]
+    if kind == "const":
+        return repr(struct[1])
+    if kind == "tensor":
+        return f"#{struct[1]}"
+    if kind == "function":
+        fn = struct[1]
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        return f"{getattr(fn, '__module__', None)}.{name}@{id(fn):#x}"
+    if kind == "tuple":
+        return "(" + ", ".join(describe(x) for x in struct[1]) + ")"
+    cls, fields = struct[1], struct[2]
+    return f"{cls.__module__}.{cls.__qualname__}(" + ", ".join(f"{n}={describe(v)}" for n, v in fields) + ")"
+
+
+class _Unknown(Mask):
+    """A part of a mask whose tiles cannot be known without its data: every tile partly visible."""
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        unknown = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=device)
+        return unknown, unknown
+
+    def __repr__(self) -> str:
+        return "unknown"
+
+
+@torch._dynamo.assume_constant_result
+def register(mask: Struct, score_mod: Struct, options: tuple, fused: bool) -> str:
+    """Register a call's structure (of its mask, its score modifier, the chunked options as (name,
+    value) pairs, the kernel) and return its key. Under torch.compile it runs while dynamo traces the
+    call (its result becomes a constant of the graph), so the key exists before the op runs."""
+    key = (f"mask={describe(mask)}; score_mod={describe(score_mod)}; "
+           f"options={', '.join(f'{n}={v!r}' for n, v in options)}; fused={fused}")
+    _REGISTRY[key] = (mask, score_mod, options, fused)  # a key names one structure (functions by identity)
+    return key
+
+
+def _options_struct(opts: chunked.ChunkedOptions) -> tuple:
+    return tuple((f.name, getattr(opts, f.name)) for f in dataclasses.fields(opts))
+
+
+def _plan(q: Tensor, k: Tensor, tensors: Sequence[Tensor], key: str, scale: float, dropout_p: float,
+          seed: Tensor | None) -> chunked._Plan:
+    try:
+        mask_struct, mod_struct, opts_struct, fused = _REGISTRY[key]
+    except KeyError:
+        raise RuntimeError(f"selfattn chunked op called with the unregistered key {key!r}: keys are registered "
+                           "when selfattn.attention is traced; call the op only through selfattn.attention") from None
+    mask, mod = rebuild(mask_struct, tensors), rebuild(mod_struct, tensors)
+    with chunked.options(**dict(opts_struct)) as opts:  # the schedule follows the options traced with
+        return chunked._Plan.build(mask, mod, q.shape, k.shape[2], q.dtype, q.device,  # type: ignore[arg-type]
+                                   scale=scale, dropout_p=dropout_p, seed=0 if seed is None else int(seed.item()),
+                                   fused=fused, opts=opts)
+
+
+@torch.library.custom_op("selfattn::chunked_fwd", mutates_args=())
+def chunked_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None, tensors: list[Tensor],
+                key: str, scale: float, dropout_p: float, seed: Tensor | None) -> tuple[Tensor, Tensor]:
+    """Chunked attention: out (B, Hq, Lq, Dv) in q's dtype and lse (B, Hq, Lq) in the compute dtype,
+    with the sinks' term when given. ``key`` and ``tensors`` describe the mask and score modifier."""
+    plan = _plan(q, k, tensors, key, scale, dropout_p, seed)
+    if plan.fused:  # the fused op reads the last dim as unit-stride
+        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
+    out, lse = chunked._forward(plan, q, k, v, bias)
+    if sinks is not None:
+        out, lse = chunked.add_sinks(out, lse, sinks)
+    return out.contiguous(), lse.contiguous()
+
+
+@chunked_fwd.register_fake
+def _chunked_fwd_fake(q, k, v, bias, sinks, tensors, key, scale, dropout_p, seed):
+    b, hq, lq, _ = q.shape
+    return q.new_empty(b, hq, lq, v.shape[3]), q.new_empty(b, hq, lq, dtype=compute_dtype(q.dtype))
+
+
+@contextlib.contextmanager
+def _autograd_inside() -> Iterator[None]:
+    """Autograd inside an op's implementation, which torch runs with autograd's dispatch keys
+    excluded: the backward takes a non-additive score modifier's derivative from autograd."""
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        yield
+
+
+@torch.library.custom_op("selfattn::chunked_bwd", mutates_args=())
+def chunked_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None,
+                out: Tensor, lse: Tensor, tensors: list[Tensor], key: str, scale: float, dropout_p: float,
+                seed: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """dq, dk, dv (shapes and dtypes of q, k, v) and dsinks ((Hq,), or empty without sinks), from the
+    forward's (out, lse) with the sinks' term: its probabilities exp(s - lse) are then the sinks'."""
+    plan = _plan(q, k, tensors, key, scale, dropout_p, seed)
+    if plan.fused:
+        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
+    dout = dout.contiguous()
+    with _autograd_inside() if plan.score_mod is not None and not plan.score_mod.additive else contextlib.nullcontext():
+        dq, dk, dv = chunked._backward(plan, q, k, v, bias, out, lse, dout)
+    dsinks = q.new_empty(0) if sinks is None else chunked.sinks_grad(dout, out, lse, sinks)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks.contiguous()
+
+
+@chunked_bwd.register_fake
+def _chunked_bwd_fake(dout, q, k, v, bias, sinks, out, lse, tensors, key, scale, dropout_p, seed):
+    dsinks = q.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, bias, sinks, tensors, key, scale, dropout_p, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, bias, sinks, out, lse, seed, *tensors)  # torch refuses in-place changes
+    ctx.key, ctx.scale, ctx.dropout_p = key, scale, dropout_p
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout: Tensor, _dlse: Tensor | None) -> tuple:
+    q, k, v, bias, sinks, out, lse, seed, *tensors = ctx.saved_tensors
+    dq, dk, dv, dsinks = chunked_bwd(dout, q, k, v, bias, sinks, out, lse, tensors, ctx.key, ctx.scale,
+                                     ctx.dropout_p, seed)
+    return dq, dk, dv, None, None if sinks is None else dsinks, [None] * len(tensors), None, None, None, None
+
+
+chunked_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def chunked_attention(call: AttentionCall, opts: chunked.ChunkedOptions, fused: bool) -> tuple[Tensor, Tensor, None]:
+    """``ChunkedBackend.run`` as one ``selfattn::chunked_fwd`` call: (out, lse float32, None)."""
+    tensors: list[Tensor] = []
+    key = register(flatten(call.mask, tensors), flatten(call.score_mod, tensors), _options_struct(opts), fused)
+    # the draw of chunked.draw_seed, kept a tensor (.item() would break the graph); the op reads it
+    seed = torch.randint(0, 1 << 62, (1,)) if call.dropout_p > 0 else None
+    out, lse = chunked_fwd(call.q, call.k, call.v, call.bias, call.sinks, tensors, key, specialized(call.scale),
+                           specialized(call.dropout_p), seed)
+    return out, lse.float(), None
+
+
+@torch._dynamo.assume_constant_result
+def _empty_fraction(struct: Struct, lq: int, lk: int, block: int) -> float:
+    mask = rebuild(struct, None)
+    if mask is None:
+        return 0.0
+    assert isinstance(mask, Mask)
+    return float((mask.tiles(lq, lk, block, block) == EMPTY).float().mean())
+
+
+def static_empty_fraction(mask: Mask | None, lq: int, lk: int, block: int) -> float:
+    """The share of (block x block) tiles that ``mask`` leaves empty whatever its tensors hold: the
+    parts that read a tensor or call a function (padding, document, from_tensor, from_mask_mod) count
+    as partly visible, the others (causal, sliding_window) exactly. It depends only on the mask's
+    structure and the lengths (specialized when dynamic), so a compiled graph can be guarded on it."""
+    return _empty_fraction(flatten(mask, []), operator.index(lq), operator.index(lk), block)
