@@ -15,8 +15,9 @@ Blocks: ``modules`` (``MultiHeadAttention`` vs ``nn.MultiheadAttention`` and the
 ``overhead`` (``attention(auto)`` vs raw SDPA), ``decode`` (a KV-cache decode step vs SDPA on
 the cached tensors), ``masks`` (masked attention at one length against its anchors) and
 ``masks-targets`` (memory vs SDPA is_causal, padded batches vs their real tokens, the longest
-length). Ratios are repeat by repeat within one interleaved run: median (min-max), see
-:mod:`selfattn.bench.ratios`.
+length) and ``models`` (a transformers Llama on a packed row; each point ran in its own process,
+so its ratios are of medians, not per repeat). Ratios are repeat by repeat within one interleaved
+run: median (min-max), see :mod:`selfattn.bench.ratios`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .ratios import format_ratio, ratio_stats
 
 __all__ = ["BLOCKS", "blocks", "load", "rewrite"]
 
-BLOCKS = ("modules", "overhead", "decode", "masks", "masks-targets")
+BLOCKS = ("modules", "overhead", "decode", "masks", "masks-targets", "models")
 _MARKED = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 _README_LENGTH = 16384  # the masks table's length when the results have it (the README's since the start)
 
@@ -46,7 +47,8 @@ def load(paths: Iterable[Path]) -> list[dict]:
         data = json.loads(Path(path).read_text())
         for r in data["results"]:
             key = tuple(sorted((k, str(v)) for k, v in r.items()
-                               if k in ("suite", "case", "mode", "L", "B", "E", "H", "impl", "strategy", "W")))
+                               if k in ("suite", "case", "mode", "L", "B", "E", "H", "impl", "strategy", "W",
+                                        "part")))
             rows[key] = {**r, "meta": data.get("meta", {})}
     return list(rows.values())
 
@@ -223,6 +225,34 @@ def _masks_targets(rows: list[dict], length: int) -> str:
     return _source(rows) + "\n\n" + _table([f"other targets, L = {length}", "measured"], body)
 
 
+def _models(rows: list[dict]) -> str | None:
+    rows = [r for r in rows if r.get("suite") == "models"]
+    keys = list(dict.fromkeys((r["part"], r["L"]) for r in rows))
+    if not any(r.get("status") == "ok" for r in rows):
+        return None
+    body = []
+    for part, length in keys:
+        sdpa = _ok(rows, part=part, L=length, impl="sdpa")
+        for impl in ("selfattn", "sdpa", "eager", "none"):
+            r = next((x for x in rows if x["part"] == part and x["L"] == length and x["impl"] == impl), None)
+            if r is None:
+                continue
+            if r.get("status") != "ok":
+                body.append([part, str(length), impl, r.get("status", "-"), r.get("note", ""), "", ""])
+                continue
+            time_x = f"{r['time_s'] / sdpa['time_s']:.2f}x" if sdpa else "-"
+            mem_x = f"{r['peak_bytes'] / sdpa['peak_bytes']:.2f}x" if sdpa and sdpa["peak_bytes"] > 0 else "-"
+            body.append([part, str(length), impl, _seconds(r["time_s"]), time_x,
+                         f"{r['peak_bytes'] / 2**20:.0f} MiB", mem_x])
+    meta = rows[0].get("meta", {})
+    source = (f"_Written by `scripts/readme_tables.py` from `selfattn bench --suite models --json` (torch "
+              f"{meta.get('torch', '?')}, {meta.get('cpus', '?')} CPUs, {(meta.get('date') or '')[:10]}); each "
+              "point in its own process, time = median step, x = ratio to sdpa's. attention = one layer's mask "
+              "and attention, fwd+bwd; model = the whole training step (none = attention replaced by a "
+              "pass-through)._")
+    return source + "\n\n" + _table(["part", "L", "attn_implementation", "time", "x sdpa", "peak", "x sdpa"], body)
+
+
 def blocks(results: list[dict], *, length: int | None = None) -> dict[str, str]:
     """The markdown of every block the results have data for: name -> text.
 
@@ -231,7 +261,7 @@ def blocks(results: list[dict], *, length: int | None = None) -> dict[str, str]:
         length: the masks tables' L (default 16384 when measured, else the longest measured).
     """
     out = {}
-    for name, make in (("modules", _modules), ("overhead", _overhead), ("decode", _decode)):
+    for name, make in (("modules", _modules), ("overhead", _overhead), ("decode", _decode), ("models", _models)):
         text = make(results)
         if text is not None:
             out[name] = text
