@@ -176,15 +176,16 @@ _WHOLE_CALL = {"causal top_left", "causal bottom_right"}
 
 @pytest.fixture
 def kernel_batches(monkeypatch):
-    """The batch size of every call of the fused kernel, forward and backward, the query rows of
-    each, and the batch sizes of the calls that had a mask."""
-    seen: dict[str, list[int]] = {"fwd": [], "bwd": [], "masked": [], "rows": []}
+    """The batch size of every call of the fused kernel, forward and backward, the query rows and
+    keys of each, and the batch sizes of the calls that had a mask."""
+    seen: dict[str, list[int]] = {"fwd": [], "bwd": [], "masked": [], "rows": [], "keys": []}
     ops = {"fwd": chunked._fused_op(), "bwd": chunked._fused_bwd_op()}
 
     def recording(name, arg):
         def op(*args, **kwargs):
             seen[name].append(args[arg].shape[0])
             seen["rows"].append(args[arg].shape[2])
+            seen["keys"].append(args[arg + 1].shape[2])
             if kwargs.get("attn_mask") is not None:
                 seen["masked"].append(args[arg].shape[0])
             return ops[name](*args, **kwargs)
@@ -221,13 +222,28 @@ def test_batched_runs_match_reference(case, noncontiguous, small_tiles, kernel_b
         assert max(kernel_batches["fwd"]) > 1 and max(kernel_batches["bwd"]) > 1, kernel_batches
 
 
+@pytest.mark.parametrize("case", ["padding+causal", "padding(queries)+window", "uneven documents+causal",
+                                  "periodic tensor with a defect"])
+def test_batched_runs_match_reference_with_no_block_kept(case, small_tiles, monkeypatch):
+    """catches: a run's mask remade from the wrong span or batch item when its block was not kept
+    from the comparison (no room left for it)."""
+    from helpers import check_against_reference
+
+    monkeypatch.setattr(chunked, "_PATTERN_ELEMENTS", 0)
+    make_mask, lq = _RUN_CASES[case]
+    q, k, v = make_qkv(2, 4, 2, lq, 300, 16, seed=6)
+    check_against_reference(q, k, v, backend="chunked", mask=make_mask(lq, 300))
+
+
 def test_sliding_window_is_a_few_calls(kernel_batches):
-    """catches: a sliding window computed span by span again (hundreds of calls at L = 4096)."""
+    """catches: a sliding window computed span by span again (hundreds of calls at L = 4096), or
+    each query block's band split into three spans (three calls and two merges per block)."""
     q, k, v = make_qkv(1, 2, 2, 4096, 4096, 16, seed=1)
     out = selfattn.attention(q, k, v, mask=masks.sliding_window(256), backend="chunked")
     out.sum().backward()
     assert len(kernel_batches["fwd"]) <= 4, kernel_batches["fwd"]
     assert len(kernel_batches["bwd"]) <= 16, kernel_batches["bwd"]
+    assert max(kernel_batches["keys"]) == 384  # 128 rows see a band of 256 + 128 keys, in one span
 
 
 def test_items_of_a_shared_schedule_split_by_pattern(kernel_batches):

@@ -34,7 +34,7 @@ import contextlib
 import contextvars
 from collections import Counter, defaultdict
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import pairwise
 from typing import Literal
 
@@ -458,6 +458,7 @@ class _Run:
     keys: int
     kind: _RunKind
     partial: bool = False
+    visible: Tensor | None = field(default=None, compare=False, repr=False)  # a masked run's block, if kept
 
     def members(self, i0: int, i1: int) -> _Run:
         """Spans i0:i1 of this run."""
@@ -493,7 +494,8 @@ class _Patterns:
         self.plan, self.device = plan, device
         self.shift_invariant = _shift_invariant(plan.mask)
         self.by_offset: dict[tuple[int, int, int], int | None] = {}  # (rows, keys, k0 - q0) -> id
-        self.kept: dict[tuple[int, ...], list[tuple[int, Tensor]]] = {}  # (rows, keys, b, h) -> ids, blocks
+        self.kept: dict[tuple[object, ...], list[int]] = {}  # (shape, visible keys per row) -> ids
+        self.blocks: dict[int, Tensor] = {}  # id -> its block, while they fit in _PATTERN_ELEMENTS
         self.kept_elements = 0
         self.next_id = 2
 
@@ -531,11 +533,10 @@ class _Patterns:
         if keys <= bk or visible.shape[3] == 1:
             return [(0, keys)]
         tiles = -(-keys // bk)
-        seen = visible.flatten(0, 2).any(0)  # (keys,): some row sees the key
-        every = visible.flatten(0, 2).all(0)
-        pad = tiles * bk - keys
-        some = torch.cat([seen, seen.new_zeros(pad)]).view(tiles, bk).any(1).tolist()
-        full = torch.cat([every, every.new_ones(pad)]).view(tiles, bk).all(1).tolist()
+        flat = visible.expand(*visible.shape[:3], keys).flatten(0, 2)
+        counts = torch.cat([flat.sum(0, dtype=torch.int32),  # rows that see each key; padded: every row
+                            flat.new_full((tiles * bk - keys,), flat.shape[0], dtype=torch.int32)]).view(tiles, bk)
+        some, full = (counts > 0).any(1).tolist(), (counts == flat.shape[0]).all(1).tolist()
         out: list[tuple[int, int, int]] = []
         for t in range(tiles):
             c = FULL if full[t] else PARTIAL if some[t] else EMPTY
@@ -553,24 +554,31 @@ class _Patterns:
         return out
 
     def _classify(self, visible: Tensor, rows: int, keys: int, keep: bool) -> int | None:
-        if not bool(visible.any()):
-            return None
-        if bool(visible.all()):
-            return self.FULL
+        """The id of a block's pattern. One pass counts each row's visible keys: that says empty,
+        full and "maybe causal", and is the fingerprint under which equal blocks are looked for
+        (then compared element by element), so a span with a pattern of its own costs no
+        comparison."""
         visible = visible.expand(*visible.shape[:2], rows, keys)
-        causal = torch.ones(rows, keys, dtype=torch.bool, device=visible.device).tril()
-        if torch.equal(visible, causal.expand_as(visible)):
+        counts = visible.sum(-1, dtype=torch.int32)  # (b, h, rows)
+        if not bool(counts.any()):
+            return None
+        if bool((counts == keys).all()):
+            return self.FULL
+        tril = torch.arange(1, rows + 1, dtype=torch.int32, device=counts.device).clamp_(max=keys)
+        if torch.equal(counts, tril.expand_as(counts)) and torch.equal(
+                visible, torch.ones(rows, keys, dtype=torch.bool, device=visible.device).tril().expand_as(visible)):
             return self.CAUSAL
         new = self.next_id
         self.next_id += 1
         if not keep:
             return new
-        same_shape = self.kept.setdefault((rows, keys, *visible.shape[:2]), [])
-        for pid, other in same_shape:
-            if torch.equal(visible, other):
+        same = self.kept.setdefault((tuple(visible.shape), tuple(counts.flatten().tolist())), [])
+        for pid in same:
+            if pid in self.blocks and torch.equal(visible, self.blocks[pid]):
                 return pid
         if self.kept_elements + visible.numel() <= _PATTERN_ELEMENTS:  # past it: a pattern of its own
-            same_shape.append((new, visible))
+            same.append(new)
+            self.blocks[new] = visible
             self.kept_elements += visible.numel()
         return new
 
@@ -688,7 +696,7 @@ def _runs(plan: _Plan, bias: Tensor | None, device: torch.device, coalesce: bool
     for (b0, b1, rows, keys, pid), spans_of_group in groups.items():
         kind: _RunKind = "full" if pid == _Patterns.FULL else "causal" if pid == _Patterns.CAUSAL else "masked"
         for q0, k0, dq, dk, n in _chains(spans_of_group):
-            runs.append(_Run(batches[b0, b1], q0, k0, dq, dk, n, rows, keys, kind))
+            runs.append(_Run(batches[b0, b1], q0, k0, dq, dk, n, rows, keys, kind, visible=patterns.blocks.get(pid)))
     return runs
 
 
@@ -702,8 +710,10 @@ def _run_mask(plan: _Plan, run: _Run, bias: Tensor | None, dtype: torch.dtype,
         return additive_mask(visible, span_bias, dtype), causal
     if run.kind == "masked":  # the run's items were verified to see the same: its first item stands for all
         assert plan.mask is not None
-        visible = plan.mask.block(run.q0, q1, run.k0, k1, plan.lq, plan.lk, device)
-        visible = visible[run.batch.indices(plan.batch_size)[0]:][:1] if visible.shape[0] > 1 else visible
+        visible = run.visible
+        if visible is None:
+            visible = plan.mask.block(run.q0, q1, run.k0, k1, plan.lq, plan.lk, device)
+            visible = visible[run.batch.indices(plan.batch_size)[0]:][:1] if visible.shape[0] > 1 else visible
         # in one pass (additive_mask fills zeros, then masks them)
         zero, hidden = (torch.full((), x, dtype=dtype, device=device) for x in (0.0, float("-inf")))
         return torch.where(visible, zero, hidden), False
@@ -835,7 +845,9 @@ def _key_pieces(run: _Run, per_row_span: int, per_key: int, bk: int) -> list[_Ru
     if run.kind not in ("full", "masked") or per_key * run.keys <= room or room < 4 * per_key * bk:
         return [run]
     width = room // per_key // bk * bk
-    return [replace(run, k0=run.k0 + c0, keys=min(width, run.keys - c0)) for c0 in range(0, run.keys, width)]
+    return [replace(run, k0=run.k0 + c0, keys=min(width, run.keys - c0),
+                    visible=None if run.visible is None else run.visible[..., c0:c0 + width])
+            for c0 in range(0, run.keys, width)]
 
 
 def _fused_backward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, out: Tensor, lse: Tensor,
