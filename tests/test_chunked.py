@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import make_qkv
+from helpers import check_against_reference, make_qkv
 
 import selfattn
 from selfattn import masks
@@ -155,7 +155,6 @@ def _periodic_with_a_defect(b: int, lq: int, lk: int) -> masks.Mask:
 
 _UNEVEN_DOCS = torch.tensor([[0] * 96 + [1] * 96 + [2] * 41 + [3] * 67,
                              [0] * 30 + [1] * 96 + [2] * 96 + [3] * 78])
-
 # (mask, Lq): masks whose spans form runs of several spans with the small tiles (32-row query
 # blocks, 48-key tiles, so offsets from the diagonal repeat every 96 rows); Lk = 300. A causal
 # mask alone runs as one call (two bottom-right, merged): _WHOLE_CALL.
@@ -220,6 +219,18 @@ def test_batched_runs_match_reference(case, noncontiguous, small_tiles, kernel_b
         assert set(kernel_batches["rows"]) == {lq} and not kernel_batches["masked"]
     else:
         assert max(kernel_batches["fwd"]) > 1 and max(kernel_batches["bwd"]) > 1, kernel_batches
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_items_folded_into_one_call_after_runs_of_one_item(first):
+    """catches: the copy-or-merge choice of a call that folds several batch items made from the
+    first item's state alone: an item whose span was covered earlier got overwritten, or an item
+    whose span was not got merged into uninitialised memory (garbage, NaN)."""
+    ids = torch.zeros(2, 128, dtype=torch.long)
+    ids[first, 8:] = 1
+    q, k, v = make_qkv(2, 1, 1, 128, 128, 8, seed=3)
+    with chunked.options(block_q=8, block_k=8):
+        check_against_reference(q, k, v, backend="chunked", mask=masks.document(ids))
 
 
 @pytest.mark.parametrize("case", ["padding+causal", "padding(queries)+window", "uneven documents+causal",

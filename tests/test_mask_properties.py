@@ -74,3 +74,29 @@ def test_in_place_change_of_a_mask_tensor_is_seen_and_versioned():
     ft = masks.from_tensor(t)
     t[0, 1] = False
     assert not bool(ft.dense(5, 5)[0, 0, 0, 1])
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
+@given(case())
+def test_a_shift_invariant_mask_is_constant_along_diagonals(c):
+    """catches: a mask that claims shift_invariant() while its visibility depends on more than
+    j - i; the chunked backend would then reuse one block for spans whose patterns differ."""
+    lq, lk, mask = c
+    if mask.shift_invariant():
+        dense = mask.dense(lq, lk).expand(B, H, lq, lk)
+        assert torch.equal(dense[:, :, 1:, 1:], dense[:, :, :-1, :-1])
+        assert torch.equal(dense, dense[:1, :1].expand_as(dense))
+
+
+def test_shift_invariance_of_the_built_in_masks():
+    c, w = masks.causal(), masks.sliding_window(4, 2)
+    assert all(m.shift_invariant() for m in (c, w, masks.causal("bottom_right"), c & w, c | ~w, ~c))
+    lengths = torch.tensor([3, 5])
+    assert not any(m.shift_invariant() for m in (
+        masks.padding(lengths), c & masks.padding(lengths), masks.document(torch.tensor([0, 0, 1])),
+        masks.from_tensor(torch.ones(3, 3, dtype=torch.bool)) | c))
+
+    class Shifted(type(c)):  # a subclass may change the rule: it must say so itself
+        pass
+
+    assert not Shifted().shift_invariant()

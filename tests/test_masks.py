@@ -161,3 +161,13 @@ def test_from_mask_mod_matches_its_predicate_and_never_claims_wrongly():
         ref = dense.tiles(lq, lk, 16, 24)
         assert torch.equal(tiles == masks.FULL, ref == masks.FULL)
         assert torch.equal(tiles == masks.EMPTY, ref == masks.EMPTY)
+
+
+def test_a_composition_with_a_function_mask_has_no_version():
+    """catches: & | ~ of a from_mask_mod mask claiming a version from its tensors alone, so a
+    cache would trust a mask whose function reads a tensor changed in place."""
+    fm = masks.from_mask_mod(lambda b, h, q, kv: kv <= q)
+    n = torch.tensor([3, 5])
+    for m in (fm & masks.causal(), masks.padding(n) | fm, ~fm, ~(fm & masks.padding(n))):
+        assert m.version() is None, m
+    assert (masks.padding(n) & masks.causal()).version() == (n._version,)

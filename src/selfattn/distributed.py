@@ -729,6 +729,9 @@ class _HeadSlice(Mask):
     def tensors(self):
         return self.inner.tensors()
 
+    def version(self):
+        return self.inner.version()
+
     def check(self, batch, heads, lq, lk):
         self.inner.check(batch, self.heads, lq, lk)
 

@@ -119,6 +119,14 @@ class Mask:
         """(B, H) sizes this mask carries; 1 where it broadcasts."""
         return 1, 1
 
+    def shift_invariant(self) -> bool:
+        """Whether visibility depends only on the distance j - i between positions (for given
+        lengths), as for causal masks, sliding windows and their compositions: then every block
+        at one offset from the diagonal has the same pattern, and one block stands for all of
+        them. False unless a mask knows better; the built-in masks say so for their exact type
+        only, so a subclass that changes a rule does not inherit the answer."""
+        return False
+
     def tensors(self) -> tuple[Tensor, ...]:
         """The tensors this mask reads (lengths, ids, a bool tensor), for cache keys."""
         return ()
@@ -245,6 +253,13 @@ class _Binary(Mask):
     def batch_heads(self):
         return _broadcast_bh(self.a.batch_heads(), self.b.batch_heads(), self)
 
+    def shift_invariant(self):
+        return type(self) in (_And, _Or) and self.a.shift_invariant() and self.b.shift_invariant()
+
+    def version(self):  # None when either side cannot say (a mask that calls a function)
+        a, b = self.a.version(), self.b.version()
+        return None if a is None or b is None else a + b
+
     def tensors(self):
         return self.a.tensors() + self.b.tensors()
 
@@ -297,6 +312,12 @@ class _Not(Mask):
         full, empty = self.a._tile_bounds(lq, lk, bq, bk, device)
         return empty, full
 
+    def shift_invariant(self):
+        return type(self) is _Not and self.a.shift_invariant()
+
+    def version(self):
+        return self.a.version()
+
     def batch_heads(self):
         return self.a.batch_heads()
 
@@ -323,6 +344,9 @@ class Causal(Mask):
         """How far right of a query's row its last visible key lies: 0 (top_left) or Lk - Lq."""
         return 0 if self.align == "top_left" else query_offset(lq, lk)
 
+    def shift_invariant(self):
+        return type(self) is Causal
+
     def _shift(self, lq: int, lk: int) -> int:
         """Visible when ``j <= i - shift`` in positions."""
         return query_offset(lq, lk) - self.offset(lq, lk)
@@ -348,6 +372,9 @@ class SlidingWindow(Mask):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"sliding_window {name} must be an int >= 0, got {value!r}")
         self.left, self.right = left, right
+
+    def shift_invariant(self):
+        return type(self) is SlidingWindow
 
     def predicate(self, lq, lk, device=None):
         left, right = self.left, self.right

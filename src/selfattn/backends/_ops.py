@@ -132,7 +132,7 @@ class _Unknown(Mask):
         return "unknown"
 
 
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def register(mask: Struct, score_mod: Struct, options: tuple, fused: bool) -> str:
     """Register a call's structure (of its mask, its score modifier, the chunked options as (name,
     value) pairs, the kernel) and return its key. Under torch.compile it runs while dynamo traces the
@@ -241,7 +241,7 @@ def chunked_attention(call: AttentionCall, opts: chunked.ChunkedOptions, fused: 
     return out, lse.float(), None
 
 
-@torch._dynamo.assume_constant_result
+@torch.compiler.assume_constant_result
 def _empty_fraction(struct: Struct, lq: int, lk: int, block: int) -> float:
     mask = rebuild(struct, None)
     if mask is None:

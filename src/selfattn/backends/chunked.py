@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from .._call import AttentionCall, compute_dtype
-from ..masks import EMPTY, FULL, PARTIAL, Causal, Mask, SlidingWindow, _And, _Binary, _Not, _Or, positions
+from ..masks import EMPTY, FULL, PARTIAL, Causal, Mask, positions
 from ..scores import ScoreMod, apply_score_mod, score_mod_bias
 from ._common import additive_mask, split_heads, unit_stride
 from .base import Backend, bias_rounds_in_kernel
@@ -371,7 +371,7 @@ def _span_mask(plan: _Plan, bias: Tensor | None, batch: slice, q0: int, q1: int,
     m = plan.mask
     if not partial or m is None:
         return None, bias, False
-    if (plan.fused and isinstance(m, Causal) and k0 == q0 + m.offset(plan.lq, plan.lk)
+    if (plan.fused and type(m) is Causal and k0 == q0 + m.offset(plan.lq, plan.lk)  # exact type: see shift_invariant
             and k1 - k0 == q1 - q0):
         return None, bias, True
     return _items(m.block(q0, q1, k0, k1, plan.lq, plan.lk, device), batch), bias, False
@@ -465,19 +465,6 @@ class _Run:
         return replace(self, q0=self.q0 + i0 * self.dq, k0=self.k0 + i0 * self.dk, n=i1 - i0)
 
 
-def _shift_invariant(mask: Mask | None) -> bool:
-    """Whether visibility depends only on j - i (causal masks, sliding windows and their
-    compositions): then every span of one shape at one offset from the diagonal sees the same
-    pattern, and one block stands for all of them. Exact types only: a subclass may change the rule."""
-    if type(mask) in (Causal, SlidingWindow):
-        return True
-    if isinstance(mask, _Binary) and type(mask) in (_And, _Or):
-        return _shift_invariant(mask.a) and _shift_invariant(mask.b)
-    if isinstance(mask, _Not) and type(mask) is _Not:
-        return _shift_invariant(mask.a)
-    return False
-
-
 class _Patterns:
     """Classifies the visibility of partial spans: nothing visible (skipped), every key (no mask),
     top-left causal (the kernel's causal flag, no mask), or a block mask. Spans get one pattern id
@@ -492,7 +479,7 @@ class _Patterns:
 
     def __init__(self, plan: _Plan, device: torch.device) -> None:
         self.plan, self.device = plan, device
-        self.shift_invariant = _shift_invariant(plan.mask)
+        self.shift_invariant = plan.mask is not None and plan.mask.shift_invariant()
         self.by_offset: dict[tuple[int, int, int], int | None] = {}  # (rows, keys, k0 - q0) -> id
         self.kept: dict[tuple[object, ...], list[int]] = {}  # (shape, visible keys per row) -> ids
         self.blocks: dict[int, Tensor] = {}  # id -> its block, while they fit in _PATTERN_ELEMENTS
@@ -668,20 +655,19 @@ def _covers_all(runs: list[_Run], plan: _Plan) -> bool:
             and r.keys == plan.lk and r.batch.indices(plan.batch_size)[:2] == (0, plan.batch_size))
 
 
-def _runs(plan: _Plan, bias: Tensor | None, device: torch.device, coalesce: bool = True,
-          whole: bool = True) -> list[_Run]:
+def _runs(plan: _Plan, bias: Tensor | None, device: torch.device) -> list[_Run]:
     """The fused kernel's calls for a plan: the spans of each batch group that share a shape and a
     visibility pattern, in chains of equal steps (bands coalesced first, see _COALESCE_KEYS), or
-    (``whole``) the whole call at once where :func:`_whole_runs` can. Spans with a bias (or an
+    the whole call at once where :func:`_whole_runs` can. Spans with a bias (or an
     additive modifier's) run alone: each has its own."""
     steps = list(plan.steps())
     if bias is not None or (plan.score_mod is not None and plan.score_mod.additive):
         return [_Run(batch, q0, k0, 0, 0, 1, q1 - q0, k1 - k0, "biased", partial)
                 for batch, q0, q1, spans in steps for k0, k1, partial in spans]
-    if whole and (runs := _whole_runs(plan)) is not None:
+    if (runs := _whole_runs(plan)) is not None:
         return runs
     patterns = _Patterns(plan, device)
-    if coalesce and patterns.shift_invariant:
+    if patterns.shift_invariant:
         steps = _coalesced(steps)
     groups: dict[tuple[int | None, int | None, int, int, int], list[tuple[int, int]]] = defaultdict(list)
     batches: dict[tuple[int | None, int | None], slice] = {}
@@ -815,15 +801,21 @@ def _fused_forward(plan: _Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | 
             if dead is not None:
                 l_s = l_s.masked_fill(_for_items(dead, first, items), float("-inf"))  # type: ignore[arg-type]
             starts = [part.q0 + i * part.dq for i in range(part.n)]
-            for j0, j1, new in _segments([(items[0], s) not in written for s in starts]):
-                seg = part.members(j0, j1)
-                o_acc = _span_view(acc, items, seg.q0, seg.dq, seg.n, seg.rows)
-                l_acc = _span_view(lse, items, seg.q0, seg.dq, seg.n, seg.rows)
-                if new:
-                    o_acc.copy_(o[j0:j1])
-                    l_acc.copy_(l_s[j0:j1])
-                else:
-                    _merge_into(o_acc, l_acc, o[j0:j1], l_s[j0:j1])
+            # which spans are new, item by item: items folded into one call may differ (an earlier
+            # run may have covered a span for one item only), and are then stored one by one
+            fresh = [[(item, s) not in written for s in starts] for item in range(items[0], items[0] + items[1])]
+            stores = ([(items, slice(None), fresh[0])] if all(f == fresh[0] for f in fresh) else
+                      [((items[0] + i, 1), slice(i * hq, (i + 1) * hq), f) for i, f in enumerate(fresh)])
+            for its, heads, flags in stores:
+                for j0, j1, new in _segments(flags):
+                    seg = part.members(j0, j1)
+                    o_acc = _span_view(acc, its, seg.q0, seg.dq, seg.n, seg.rows)
+                    l_acc = _span_view(lse, its, seg.q0, seg.dq, seg.n, seg.rows)
+                    if new:
+                        o_acc.copy_(o[j0:j1, heads])
+                        l_acc.copy_(l_s[j0:j1, heads])
+                    else:
+                        _merge_into(o_acc, l_acc, o[j0:j1, heads], l_s[j0:j1, heads])
             written.update((item, t) for item in range(items[0], items[0] + items[1])  # every query block
                            for s in starts for t in range(s, s + part.rows, plan.bq))  # a whole-call run covers
     for batch, q0, q1, _ in plan.steps():  # query blocks that see no key at all: output 0, lse -inf

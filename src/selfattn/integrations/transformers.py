@@ -276,11 +276,7 @@ def _shifts_within_documents(position_ids: object, ids: object, lk: int) -> bool
 
 def _relative(m: _masks.Mask) -> bool:
     """Does the rule depend only on the distance between positions (so a common shift keeps it)?"""
-    if m is _ALL or isinstance(m, (_masks.Causal, _masks.SlidingWindow)):
-        return True
-    if isinstance(m, _masks._Binary):
-        return _relative(m.a) and _relative(m.b)
-    return False
+    return m is _ALL or m.shift_invariant()
 
 
 def _fold_window(parts: list[_masks.Mask]) -> list[_masks.Mask]:
