@@ -271,6 +271,22 @@ def test_multi_head_attention_module(backend):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def test_plain_calls_and_an_unmasked_module_compile_without_a_break():
+    """catches: the plain call's short path reaching what dynamo cannot trace (a ContextVar read)
+    before it steps aside for the full path while compiling."""
+    q, k, v = make_qkv(2, 4, 2, 24, 24, 8, dtype=torch.float64)
+    mha = selfattn.MultiHeadAttention(32, 4, num_kv_heads=2).double()
+    x = torch.randn(2, 10, 32, dtype=torch.float64)
+    calls = [lambda q, k, v: selfattn.attention(q, k, v),
+             lambda q, k, v: selfattn.attention(q, k, v, scale=0.3, dropout_p=0.0)]
+    for fn in calls:
+        assert torch._dynamo.explain(fn)(q, k, v).graph_break_count == 0
+        torch.testing.assert_close(torch.compile(fn, backend="eager", fullgraph=True)(q, k, v), fn(q, k, v),
+                                   rtol=0, atol=0)
+    assert torch._dynamo.explain(mha)(x).graph_break_count == 0
+    torch.testing.assert_close(torch.compile(mha, backend="eager", fullgraph=True)(x), mha(x), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("backend", ["chunked", pytest.param("sdpa", marks=pytest.mark.slow)])
 def test_inductor_end_to_end(backend, small_tiles):
     """catches: a fake (meta) implementation whose shapes, dtypes or strides differ from the op's, which

@@ -93,7 +93,7 @@ class KVCache(nn.Module):
         rows = positions.tolist()  # one transfer; the bookkeeping below is plain Python
         first = rows[0]
         lo = first[0]
-        run = lo >= 0 and first == list(range(lo, lo + t)) and all(r == first for r in rows)
+        run = lo >= 0 and first == list(range(lo, lo + t)) and rows.count(first) == b
         if run:
             hi = lo + t - 1
         else:

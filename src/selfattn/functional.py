@@ -21,6 +21,7 @@ from . import scores as _scores
 from ._call import AttentionCall
 from .backends import REGISTRY, dispatch
 from .backends._ops import specialized
+from .backends.base import ALL_DTYPES
 from .masks import Mask
 
 __all__ = ["Explanation", "attention", "attention_with_weights", "explain", "use_backend"]
@@ -45,11 +46,50 @@ def _check_tensor(name: str, t: object) -> Tensor:
         layout = "(B, Hkv, Lk, Dv)" if name == "v" else f"(B, H, L, D) for {name}"
         raise ValueError(f"{name} must be 4-D {layout}, got {_name(t)}; "
                          "for (B, L, D) input use .unsqueeze(1), for (B, L, H, D) use .transpose(1, 2)")
-    if not t.dtype.is_floating_point:
+    if t.dtype not in ALL_DTYPES:
         raise TypeError(f"{name} must be a floating tensor (float16, bfloat16, float32, float64), got {t.dtype}")
     if 0 in t.shape:
         raise ValueError(f"{name} has an empty dimension, got {_name(t)}")
     return t
+
+
+def _check_scale(scale: object, d: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be None or a positive number, got {type(scale).__name__}")
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}; "
+                         f"leave it None for 1/sqrt(D) = {1 / math.sqrt(d):.4g}")
+    return float(scale)
+
+
+def _check_dropout(dropout_p: object) -> float:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p must be a number in [0, 1), got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    return float(dropout_p)
+
+
+def _plain_call(q: object, k: object, v: object, scale: object, dropout_p: object) -> AttentionCall | None:
+    """The call for ``attention(q, k, v)`` with at most scale and dropout (an unmasked layer, a
+    decode step on a full cache), in a few operations: None unless q, k and v pass every check
+    :func:`_validate` makes and nothing (autocast) needs the full path. A None sends the call down
+    :func:`_validate`, which gives the precise error for bad input. Not for use while compiling."""
+    if not (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)):
+        return None
+    qs, ks, vs = q.shape, k.shape, v.shape
+    dtype, device = q.dtype, q.device
+    if not (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and dtype in ALL_DTYPES
+            and k.dtype == dtype and v.dtype == dtype and k.device == device and v.device == device
+            and qs[0] == ks[0] == vs[0] and ks[1] == vs[1] and ks[2] == vs[2] and ks[3] == qs[3]
+            and min(qs) > 0 and min(ks) > 0 and vs[3] > 0 and qs[1] % ks[1] == 0):
+        return None
+    if _autocasting(device.type):
+        return None
+    return AttentionCall(q=q, k=k, v=v, mask=None, bias=None, scale=_check_scale(scale, qs[3]),
+                         dropout_p=_check_dropout(dropout_p), return_lse=False)
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, mask: object, bias: object, causal: object,
@@ -121,22 +161,9 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mask: object, bias: object, causa
                              f"(B, Hq, Lq, Lk) = {want}; use size 1 for dims that broadcast")
         bias = bias.reshape(shape)
 
-    if (scale is not None or dropout_p) and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and (scale is not None or dropout_p):
         scale, dropout_p = specialized(scale), specialized(dropout_p)  # a float dynamo made dynamic: a constant
-    if scale is None:
-        scale_f = 1.0 / math.sqrt(d)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be None or a positive number, got {type(scale).__name__}")
-    elif not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite number > 0, got {scale!r}; "
-                         f"leave it None for 1/sqrt(D) = {1 / math.sqrt(d):.4g}")
-    else:
-        scale_f = float(scale)
-
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a number in [0, 1), got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+    scale_f, dropout_f = _check_scale(scale, d), _check_dropout(dropout_p)
     if not isinstance(return_lse, bool):
         raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
 
@@ -163,7 +190,7 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mask: object, bias: object, causa
             raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}; move it with .to(q.device)")
 
     return AttentionCall(q=q, k=k, v=v, mask=m, bias=bias, scale=scale_f,  # type: ignore[arg-type]
-                         dropout_p=float(dropout_p), return_lse=return_lse, need_weights=need_weights,
+                         dropout_p=dropout_f, return_lse=return_lse, need_weights=need_weights,
                          score_mod=mod, sinks=sinks)  # type: ignore[arg-type]
 
 
@@ -290,6 +317,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
         >>> q = k = v = torch.randn(2, 8, 128, 64)
         >>> out = selfattn.attention(q, k, v, causal=True)
     """
+    if (mask is None and bias is None and causal is False and score_mod is None and sinks is None
+            and return_lse is False and type(backend) is str and backend == "auto"
+            and not torch.compiler.is_compiling() and _FORCED.get() is None
+            and (call := _plain_call(q, k, v, scale, dropout_p)) is not None):
+        return REGISTRY[dispatch.choose_plain(call)].run(call)[0]  # no autocast here (_plain_call)
     q, k, v, bias = _autocast(q, k, v, bias)
     call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod, sinks=sinks)
     out, lse, _ = _run(call, dispatch.choose(call, _forced_name(backend)).backend)

@@ -114,15 +114,10 @@ class MultiHeadAttention(nn.Module):
         self.qkv = nn.Linear(embed_dim, embed_dim + 2 * kv_dim, bias=bias)
         self.proj = nn.Linear(embed_dim, embed_dim, bias=bias)
 
-    def _project(self, x: Tensor, context: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """q (B, H, L, D), k and v (B, G, S, D): views of the projections, never copies."""
+    def _project_cross(self, x: Tensor, context: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q (B, H, L, D) from x, k and v (B, G, S, D) from context: views of the projections."""
         b, lq, _ = x.shape
         h, g, d = self.num_heads, self.num_kv_heads, self.head_dim
-        if context is None:
-            # one view of the fused projection as (B, H + 2G, L, D) heads, then narrow views:
-            # the same strides as splitting it, in fewer ops (this runs every decode step)
-            heads = self.qkv(x).view(b, lq, h + 2 * g, d).transpose(1, 2)
-            return heads.narrow(1, 0, h), heads.narrow(1, h, g), heads.narrow(1, h + g, g)
         e, kv_dim, lk = self.embed_dim, g * d, context.shape[1]
         w, bias = self.qkv.weight, self.qkv.bias
         q = nn.functional.linear(x, w[:e], None if bias is None else bias[:e])
@@ -153,7 +148,14 @@ class MultiHeadAttention(nn.Module):
                 raise ValueError("with a cache, visibility comes from positions (each query sees its sequence's "
                                  "tokens at positions <= its own); don't pass mask, causal or context")
         b, lq, _ = x.shape
-        q, k, v = self._project(x, context)  # (B, H, L, D), (B, G, S, D), (B, G, S, D)
+        if context is None:
+            # one view of the fused projection as (B, H + 2G, L, D) heads, split into three views
+            # (q (B, H, L, D), k and v (B, G, L, D)): the strides of splitting the projection first,
+            # in fewer ops, since this runs every decode step
+            h, g = self.num_heads, self.num_kv_heads
+            q, k, v = self.qkv(x).view(b, lq, h + 2 * g, self.head_dim).transpose(1, 2).split((h, g, g), dim=1)
+        else:
+            q, k, v = self._project_cross(x, context)  # (B, H, L, D), (B, G, S, D), (B, G, S, D)
         if positions is not None and positions.dim() == 1:
             positions = positions.expand(b, -1)
         if self.rope_base is not None:
@@ -164,10 +166,12 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             k, v, mask = cache.update(positions, k, v)  # (B, G, S', D), (B, 1, L, S') or None
         dropout_p = self.dropout if self.training else 0.0
+        if mask is not None:
+            mask = _module_mask(mask)
         if need_weights:
-            out, w = attention_with_weights(q, k, v, mask=_module_mask(mask), causal=causal, dropout_p=dropout_p)
+            out, w = attention_with_weights(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p)
         else:
-            out = attention(q, k, v, mask=_module_mask(mask), causal=causal, dropout_p=dropout_p)
+            out = attention(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p)
         out = self.proj(out.transpose(1, 2).reshape(b, lq, self.embed_dim))  # (B, L, E)
         return (out, w) if need_weights else out
 

@@ -25,7 +25,8 @@ from . import REGISTRY, _ops
 from .chunked import ChunkedBackend
 from .sdpa import SdpaBackend
 
-__all__ = ["DENSE_MASK_LIMIT", "DENSE_MASK_MEMORY_LIMIT", "SKIP_FRACTION", "Choice", "choose", "preferences"]
+__all__ = ["DENSE_MASK_LIMIT", "DENSE_MASK_MEMORY_LIMIT", "SKIP_FRACTION", "Choice", "choose", "choose_plain",
+           "preferences"]
 
 DENSE_MASK_LIMIT = 1 << 18  # up to this many dense-mask elements (B' * H' * Lq * Lk), SDPA with the mask
 SKIP_FRACTION = 0.25  # beyond it, chunked when at least this share of its key tiles is empty
@@ -135,3 +136,27 @@ def choose(call: AttentionCall, forced: str | None = None, *, explain: bool = Fa
         else:
             not_chosen[other] = [f"supported, but {name} is preferred: {why}"]
     return Choice(name, why, not_chosen)
+
+
+# choose_plain's answers: one per set of facts a plain call's reasons can read
+_PLAIN: dict[tuple, str] = {}
+
+
+def _plain_facts(call: AttentionCall) -> tuple:
+    """Everything about a plain call that a backend's declared support or reasons can read: the
+    rest of such a call (its sizes, strides, values) is for the backend's kernel, not its choice."""
+    q, k, v = call.q, call.k, call.v
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (q.device.type, q.dtype, call.hq != call.hkv, call.head_dim != call.v_head_dim, call.dropout_p > 0, grad)
+
+
+def choose_plain(call: AttentionCall) -> str:
+    """``choose(call).backend`` for a call of q, k and v with nothing else (no mask, bias, score
+    modifier, sinks, lse or weights; scale and dropout allowed), the common call of an unmasked
+    layer and of a decode step on a full cache. The answer is remembered per set of facts
+    (:func:`_plain_facts`), so a step pays one dictionary lookup instead of asking every backend."""
+    facts = _plain_facts(call)
+    name = _PLAIN.get(facts)
+    if name is None:
+        name = _PLAIN[facts] = choose(call).backend
+    return name

@@ -75,6 +75,11 @@ class SdpaBackend(Backend):
 
     def run(self, call: AttentionCall) -> tuple[Tensor, Tensor | None, None]:
         q, k, v = call.q, call.k, call.v
+        if call.mask is None and call.bias is None and call.score_mod is None and not call.return_lse:
+            # q, k and v alone (an unmasked layer, a decode step): nothing to prepare
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=call.dropout_p, scale=call.scale,
+                                                 enable_gqa=call.hq != call.hkv)
+            return out, None, None
         is_causal = self.fused_causal(call)
         visible = None
         if call.mask is not None and not is_causal:
