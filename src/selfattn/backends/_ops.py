@@ -155,10 +155,10 @@ def _plan(q: Tensor, k: Tensor, tensors: Sequence[Tensor], key: str, scale: floa
         raise RuntimeError(f"selfattn chunked op called with the unregistered key {key!r}: keys are registered "
                            "when selfattn.attention is traced; call the op only through selfattn.attention") from None
     mask, mod = rebuild(mask_struct, tensors), rebuild(mod_struct, tensors)
-    with chunked.options(**dict(opts_struct)) as opts:  # the schedule follows the options traced with
-        return chunked._Plan.build(mask, mod, q.shape, k.shape[2], q.dtype, q.device,  # type: ignore[arg-type]
-                                   scale=scale, dropout_p=dropout_p, seed=0 if seed is None else int(seed.item()),
-                                   fused=fused, opts=opts)
+    opts = chunked.ChunkedOptions(**dict(opts_struct))  # the options traced with, whatever is in force now
+    return chunked._Plan.build(mask, mod, q.shape, k.shape[2], q.dtype, q.device,  # type: ignore[arg-type]
+                               scale=scale, dropout_p=dropout_p, seed=0 if seed is None else int(seed.item()),
+                               fused=fused, opts=opts)
 
 
 @torch.library.custom_op("selfattn::chunked_fwd", mutates_args=())

@@ -213,12 +213,12 @@ class _Plan:
     def build(cls, mask: Mask | None, score_mod: ScoreMod | None, q_shape: tuple[int, ...], lk: int,
               dtype: torch.dtype, device: torch.device, *, scale: float, dropout_p: float, seed: int,
               fused: bool, opts: ChunkedOptions, mask_version: tuple[int, ...] | None = None) -> _Plan:
-        """The plan of a call with q of shape (B, Hq, Lq, D) and Lk keys under ``opts`` (which must
-        be the options in force): the schedule comes from the mask's tensors as they are now."""
+        """The plan of a call with q of shape (B, Hq, Lq, D) and Lk keys under ``opts``: the
+        schedule comes from the mask's tensors as they are now."""
         b, hq, lq = q_shape[0], q_shape[1], q_shape[2]
         bq = _block_q(mask, lq, lk, fused, device, opts)
         return cls(mask=mask, mask_version=mask_version, scale=scale, dropout_p=dropout_p, seed=seed, fused=fused,
-                   groups=schedule(mask, lq, lk, block_q=bq, fused=fused, device=device),
+                   groups=schedule(mask, lq, lk, block_q=bq, fused=fused, device=device, opts=opts),
                    lq=lq, lk=lk, bq=bq, bk=opts.block_k, score_mod=score_mod,
                    batch_size=b, hq=hq, compute_dtype=compute_dtype(dtype))
 
@@ -252,13 +252,14 @@ def _union(classes: Tensor) -> Tensor:
 
 
 def schedule(mask: Mask | None, lq: int, lk: int, *, block_q: int, fused: bool = True,
-             device: torch.device | str = "cpu") -> list[Schedule]:
+             device: torch.device | str = "cpu", opts: ChunkedOptions | None = None) -> list[Schedule]:
     """The key spans each query block of a call computes, per group of batch items.
 
     One schedule is shared across the batch unless per-item schedules skip >= 10% more tiles
-    (e.g. padding masks with very different lengths). Key tiles come from :func:`options`.
+    (e.g. padding masks with very different lengths). Key tiles come from ``opts`` (default:
+    the :func:`options` in force).
     """
-    opts = current_options()
+    opts = opts or current_options()
     classes = _tile_classes(mask, lq, lk, block_q, opts.block_k, torch.device(device))
     max_keys = None if fused else opts.math_span_keys
     union = _union(classes)
