@@ -63,9 +63,10 @@ def test_plain_path_is_the_full_path(c: dict) -> None:
         assert dispatch.choose_plain(call) == dispatch.choose(call).backend
 
 
-def test_plain_call_skips_validate_and_full_calls_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    q = k = v = torch.randn(1, 2, 4, 8)
-    seen = []
+@pytest.fixture
+def validated(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Grows by one entry per call that goes through functional._validate (the full path)."""
+    seen: list[bool] = []
     real = functional._validate
 
     def spy(*args, **kwargs):
@@ -73,6 +74,12 @@ def test_plain_call_skips_validate_and_full_calls_do_not(monkeypatch: pytest.Mon
         return real(*args, **kwargs)
 
     monkeypatch.setattr(functional, "_validate", spy)
+    return seen
+
+
+def test_plain_call_skips_validate_and_full_calls_do_not(validated: list[bool]) -> None:
+    q = k = v = torch.randn(1, 2, 4, 8)
+    seen = validated
     selfattn.attention(q, k, v)
     selfattn.attention(q, k, v, scale=0.5, dropout_p=0.1)
     assert not seen
@@ -155,7 +162,7 @@ def test_plain_choice_is_remembered_per_facts() -> None:
     assert dispatch._PLAIN[dispatch._plain_facts(call)] == dispatch.choose(call).backend
 
 
-def test_backend_must_be_a_string_on_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_backend_must_be_a_string_on_every_path(validated: list[bool]) -> None:
     q = torch.randn(1, 2, 3, 4)
 
     class Always(str):
@@ -166,16 +173,9 @@ def test_backend_must_be_a_string_on_every_path(monkeypatch: pytest.MonkeyPatch)
 
     with pytest.raises(TypeError, match="backend must be a string"):
         selfattn.attention(q, q, q, backend=["auto"])  # type: ignore[arg-type]
-    seen = []
-    real = functional._validate
-
-    def spy(*args, **kwargs):
-        seen.append(True)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(functional, "_validate", spy)
+    validated.clear()
     selfattn.attention(q, q, q, backend=Always("reference"))  # a str subclass: the full path decides
-    assert seen
+    assert validated
 
 
 def test_unsupported_float_dtypes_are_a_type_error() -> None:
