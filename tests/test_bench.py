@@ -38,8 +38,9 @@ def test_ratio_is_taken_repeat_by_repeat():
     assert stats == {"median": 1.0, "min": 0.8, "max": 1.5, "n": 3}
     assert format_ratio(stats) == "1.00x (0.80-1.50)"
     unpaired = ratio_stats([2.0, 4.0], [1.0, 2.0, 3.0])  # different runs: ratio of medians, no spread
-    assert unpaired == {"median": 1.5, "min": 1.5, "max": 1.5, "n": 0} and format_ratio(unpaired) == "1.50x"
+    assert unpaired == {"median": 1.5, "min": 1.5, "max": 1.5, "n": 0} and format_ratio(unpaired) == "1.50x (unpaired)"
     assert ratio_stats([], [1.0]) is None and format_ratio(None) == ""
+    assert format_ratio(ratio_stats([3.0], [2.0])) == "1.50x (1 run)"  # no spread to show, and it says so
 
 
 def test_attach_ratios_only_within_one_point():

@@ -45,13 +45,17 @@ def _num(x: float) -> str:
 def format_ratio(stats: dict[str, float | int] | None, *, spread: bool = True) -> str:
     """``"0.96x (0.93-0.99)"``: the median ratio and its min-max over the repeats ("" for None).
 
-    No bracket when the ratio has no spread to show (a single repeat, or unpaired timings).
+    Where there is no spread to show the bracket says why: ``(1 run)`` for a single repeat (a
+    point whose one round outlasts the time budget), ``(unpaired)`` for timings that were not
+    taken in one interleaved run (a ratio of medians).
     """
     if stats is None:
         return ""
     text = f"{_num(stats['median'])}x"
-    if spread and stats["n"] > 1:
-        text += f" ({_num(stats['min'])}-{_num(stats['max'])})"
+    if spread:
+        n = stats["n"]
+        text += (f" ({_num(stats['min'])}-{_num(stats['max'])})" if n > 1 else " (1 run)" if n == 1
+                 else " (unpaired)")
     return text
 
 
