@@ -130,6 +130,7 @@ def _bad_inputs() -> list[tuple[str, tuple, dict]]:
         ("dropout 1", (q, k, v), dict(dropout_p=1.0)),
         ("dropout neg", (q, k, v), dict(dropout_p=-0.1)),
         ("dropout bool", (q, k, v), dict(dropout_p=True)),
+        ("dropout tensor", (q, k, v), dict(dropout_p=torch.tensor([0.1, 0.2]))),
         ("return_lse 0", (q, k, v), dict(return_lse=0)),
         ("causal 0", (q, k, v), dict(causal=0)),
         ("backend", (q, k, v), dict(backend="fast")),
