@@ -75,29 +75,10 @@ class SdpaBackend(Backend):
 
     def run(self, call: AttentionCall) -> tuple[Tensor, Tensor | None, None]:
         q, k, v = call.q, call.k, call.v
-        if call.mask is None and call.bias is None and call.score_mod is None and not call.return_lse:
-            # q, k and v alone (an unmasked layer, a decode step): nothing to prepare
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=call.dropout_p, scale=call.scale,
-                                                 enable_gqa=call.hq != call.hkv)
-            return out, None, None
-        is_causal = self.fused_causal(call)
-        visible = None
-        if call.mask is not None and not is_causal:
-            visible = call.mask.dense(call.lq, call.lk, call.device)  # (B|1, Hq|1, Lq, Lk)
-        bias = call.bias
-        if call.score_mod is not None:  # additive (checked): with the bias, summed in the compute dtype
-            idx = positions(torch.arange(call.batch), call.hq, 0, call.lq, 0, call.lk, call.lq, call.lk, call.device)
-            mod_bias = score_mod_bias(call.score_mod, idx, compute_dtype(q.dtype))
-            bias = mod_bias if bias is None else bias.to(mod_bias.dtype) + mod_bias
-        needs_float = bias is not None or call.return_lse
-        attn_mask = additive_mask(visible, bias, q.dtype) if needs_float else visible
-        dead = None  # (B|1, Hq|1, Lq, 1): rows that see no key
-        if attn_mask is not None:
-            alive = (attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf"))
-            alive = alive.any(-1, keepdim=True)
-            if torch.compiler.is_compiling() or not bool(alive.all()):  # compiled: no branch on data
-                dead = ~alive  # give dead rows every key inside the kernel, zero them below
-                attn_mask = attn_mask | dead if attn_mask.dtype == torch.bool else attn_mask.masked_fill(dead, 0.0)
+        if call.mask is None and call.bias is None and call.score_mod is None:
+            is_causal, attn_mask, dead = False, None, None  # an unmasked layer, a decode step: nothing to build
+        else:
+            is_causal, attn_mask, dead = self._mask(call)
 
         lse = None
         if call.return_lse:
@@ -113,6 +94,29 @@ class SdpaBackend(Backend):
             if lse is not None:
                 lse = lse.masked_fill(dead.squeeze(-1), float("-inf"))
         return out, lse, None
+
+    def _mask(self, call: AttentionCall) -> tuple[bool, Tensor | None, Tensor | None]:
+        """(is_causal, the mask SDPA is given, the rows that see no key (B|1, Hq|1, Lq, 1) or None).
+        Dead rows are given every key in the mask; run() zeroes them afterwards."""
+        is_causal = self.fused_causal(call)
+        visible = None
+        if call.mask is not None and not is_causal:
+            visible = call.mask.dense(call.lq, call.lk, call.device)  # (B|1, Hq|1, Lq, Lk)
+        bias = call.bias
+        if call.score_mod is not None:  # additive (checked): with the bias, summed in the compute dtype
+            idx = positions(torch.arange(call.batch), call.hq, 0, call.lq, 0, call.lk, call.lq, call.lk, call.device)
+            mod_bias = score_mod_bias(call.score_mod, idx, compute_dtype(call.dtype))
+            bias = mod_bias if bias is None else bias.to(mod_bias.dtype) + mod_bias
+        needs_float = bias is not None or call.return_lse
+        attn_mask = additive_mask(visible, bias, call.dtype) if needs_float else visible
+        dead = None
+        if attn_mask is not None:
+            alive = (attn_mask if attn_mask.dtype == torch.bool else attn_mask != float("-inf"))
+            alive = alive.any(-1, keepdim=True)
+            if torch.compiler.is_compiling() or not bool(alive.all()):  # compiled: no branch on data
+                dead = ~alive
+                attn_mask = attn_mask | dead if attn_mask.dtype == torch.bool else attn_mask.masked_fill(dead, 0.0)
+        return is_causal, attn_mask, dead
 
 
 BACKEND = SdpaBackend()
