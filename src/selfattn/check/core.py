@@ -32,16 +32,56 @@ from torch import Tensor
 
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
-__all__ = ["ROLE_PATTERNS", "Verdict", "examine_cores"]
+__all__ = ["ROLE_PATTERNS", "ROPE_BASES", "Verdict", "examine_cores", "rope"]
 
 ROLE_PATTERNS = {
     "q": re.compile(r"(^|[._])(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q)$"),
     "k": re.compile(r"(^|[._])(k|wk|key|keys|k_proj|to_k|key_proj|k_lin|w_k)$"),
     "v": re.compile(r"(^|[._])(v|wv|value|values|v_proj|to_v|value_proj|v_lin|w_v)$"),
 }
+ROPE_BASES = (10000.0, 500000.0, 1000000.0)
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
                     "where"})
 _MASKED = -1e3  # a score below this is a masked one (masks fill -inf, finfo.min, -10000, ...)
+
+
+def rope(t: Tensor, base: float, interleaved: bool) -> Tensor:
+    """Rotary positions 0..L-1 applied to t (..., L, D): rotate-half (Llama) or interleaved pairs."""
+    d, length = t.shape[-1], t.shape[-2]
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(length, dtype=torch.float64)[:, None] * inv  # (L, D/2)
+    t = t.double()
+    if interleaved:
+        a, b = t[..., 0::2], t[..., 1::2]
+        return torch.stack((a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()), -1).flatten(-2)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    half = torch.cat((-t[..., d // 2:], t[..., : d // 2]), -1)
+    return t * cos + half * sin
+
+
+def _rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
+    """The rotary positions a score operand was given: one of the tensors it was made from (a few operations
+    back) rotated by the standard frequencies is the operand; None if none is."""
+    if value.dim() < 2 or value.shape[-1] % 2:
+        return None
+    seen: set[int] = set()
+    todo, steps = [tid], 0
+    while todo and steps < 12:
+        found = trace.maker(todo.pop(0))
+        if found is None or id(found[0]) in seen:
+            continue
+        seen.add(id(found[0]))
+        steps += 1
+        for source in found[0].inputs:
+            if source.shape != value.shape:
+                continue
+            for base in ROPE_BASES:
+                for interleaved in (False, True):
+                    if torch.allclose(rope(source, base, interleaved), value.double(), rtol=1e-4, atol=1e-5):
+                        return f"rotary positions ({'interleaved pairs' if interleaved else 'rotate-half'}, " \
+                               f"base {base:g})"
+        todo.extend(found[0].in_ids)
+    return None
 
 
 class Unrecognised(LookupError):
@@ -351,6 +391,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, expected: Cal
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence}, facts)
+    rotary = _rotary(trace, aid, a)
+    if rotary is not None:
+        facts["positions"] = rotary
     return Verdict(None, {"formula": f"softmax({'capped ' if 'tanh' in names else ''}c Q K^T"
                                      f"{' + T' if 'position term' in facts else ''}) V from the operands of its "
                                      f"products; {said}", **evidence}, facts)
@@ -371,7 +414,9 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, expected: Callab
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence})
-    return Verdict(None, {"formula": f"scaled_dot_product_attention; {said}", **evidence})
+    rotary = _rotary(trace, op.in_ids[0], q)
+    return Verdict(None, {"formula": f"scaled_dot_product_attention; {said}", **evidence},
+                   {"positions": rotary} if rotary else {})
 
 
 def examine_cores(trace: Trace, final: Tensor, width: int, expected: Callable[[int], float | None]) -> list[Verdict]:

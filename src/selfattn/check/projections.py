@@ -20,12 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .core import ROLE_PATTERNS
+from .core import ROLE_PATTERNS, ROPE_BASES, rope
 from .trace import Linear, Op, Trace, linears
 
 __all__ = ["Capture", "capture", "identify", "qkv_heads"]
-
-_ROPE_BASES = (10000.0, 500000.0, 1000000.0)
 
 Project = Callable[[Tensor], Tensor]  # (..., E_in) float64 -> (..., E_out) float64
 
@@ -161,19 +159,6 @@ def _heads(t: Tensor, h: int) -> Tensor:
     return t.reshape(b, length, h, e // h).transpose(1, 2)  # (B, H, L, D)
 
 
-def _rope(t: Tensor, base: float, interleaved: bool) -> Tensor:
-    """Rotary positions 0..L-1 applied to t (B, H, L, D): rotate-half (Llama) or interleaved pairs."""
-    d, length = t.shape[-1], t.shape[-2]
-    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = torch.arange(length, dtype=torch.float64)[:, None] * inv  # (L, D/2)
-    if interleaved:
-        a, b = t[..., 0::2], t[..., 1::2]
-        return torch.stack((a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()), -1).flatten(-2)
-    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
-    half = torch.cat((-t[..., d // 2:], t[..., : d // 2]), -1)
-    return t * cos + half * sin
-
-
 def _masked(s: Tensor, keep: Tensor | None) -> Tensor:
     return s if keep is None else s.masked_fill(~keep, float("-inf"))
 
@@ -292,10 +277,10 @@ def _position_forms(qh: Tensor, kh: Tensor) -> list[tuple[str | None, Tensor, Te
     forms: list[tuple[str | None, Tensor, Tensor]] = [(None, qh, kh)]
     if qh.shape[-1] % 2:  # rotary positions rotate pairs of features
         return forms
-    for base in _ROPE_BASES:
+    for base in ROPE_BASES:
         for inter in (False, True):
             how = f"rotary positions ({'interleaved pairs' if inter else 'rotate-half'}, base {base:g})"
-            forms.append((how, _rope(qh, base, inter), _rope(kh, base, inter)))
+            forms.append((how, rope(qh, base, inter), rope(kh, base, inter)))
     return forms
 
 

@@ -200,8 +200,8 @@ def _by_operands(trace, out: Tensor, width: int, stated: Callable[[int], float |
     chosen = bad or verdicts[0]
     facts = {k: v for verdict in verdicts for k, v in verdict.facts.items()}
     evidence = {**chosen.evidence, "read from": "the operands of the attention's products"}
-    if "position term" in facts:
-        evidence["positions"] = facts["position term"]
+    if "position term" in facts or "positions" in facts:
+        evidence["positions"] = facts.get("positions", facts.get("position term"))
     return (chosen.fid, evidence, facts), ""
 
 
