@@ -134,6 +134,8 @@ def test_design_facts_are_reported():
     assert "adds more after it" in post.inferred["design"]["after the attention"]
     zeroed = check(ds.ZeroPaddedQueries)
     assert zeroed.inferred["design"]["padded queries"] == "the outputs of padded positions are zeroed"
+    normed = check(ds.QKNormAttention)
+    assert normed.inferred["design"]["q/k normalisation"] == "q and k are normalised (rms_norm) before the scores"
 
 
 def test_arguments_that_change_nothing_are_not_the_mask():

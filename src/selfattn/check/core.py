@@ -84,6 +84,27 @@ def _rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
     return None
 
 
+_NORMS = frozenset({"rms_norm", "layer_norm", "normalize", "rsqrt", "group_norm", "l2norm"})
+
+
+def _normalised(trace: Trace, tid: int) -> str | None:
+    """The normalisation a score operand went through a few operations back (q/k norm), or None."""
+    seen: set[int] = set()
+    todo, steps = [tid], 0
+    while todo and steps < 16:
+        found = trace.maker(todo.pop(0))
+        if found is None or id(found[0]) in seen:
+            continue
+        seen.add(id(found[0]))
+        steps += 1
+        if found[0].name in _NORMS or (found[0].module and "norm" in found[0].module.lower()):
+            return found[0].name if not found[0].module else found[0].module
+        if found[0].name in PRODUCTS or found[0].name == "linear":
+            return None  # the projection itself: no norm after it
+        todo.extend(found[0].in_ids)
+    return None
+
+
 class Unrecognised(LookupError):
     """The record holds an attention the doctor cannot follow; the message says where it stopped."""
 
@@ -394,6 +415,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, expected: Cal
     rotary = _rotary(trace, aid, a)
     if rotary is not None:
         facts["positions"] = rotary
+    norms = (_normalised(trace, aid), _normalised(trace, bid))
+    if all(norms):
+        facts["q/k normalisation"] = f"q and k are normalised ({norms[0]}) before the scores"
     return Verdict(None, {"formula": f"softmax({'capped ' if 'tanh' in names else ''}c Q K^T"
                                      f"{' + T' if 'position term' in facts else ''}) V from the operands of its "
                                      f"products; {said}", **evidence}, facts)
