@@ -32,13 +32,19 @@ from torch import Tensor
 
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
-__all__ = ["ROLE_PATTERNS", "ROPE_BASES", "Verdict", "examine_cores", "rope"]
+__all__ = ["ROLE_PATTERNS", "ROPE_BASES", "Verdict", "examine_cores", "name_role", "rope"]
 
-ROLE_PATTERNS = {
-    "q": re.compile(r"(^|[._])(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q)$"),
-    "k": re.compile(r"(^|[._])(k|wk|key|keys|k_proj|to_k|key_proj|k_lin|w_k)$"),
-    "v": re.compile(r"(^|[._])(v|wv|value|values|v_proj|to_v|value_proj|v_lin|w_v)$"),
+ROLE_PATTERNS = {  # matched against the last part of a module's dotted name, whole
+    "q": re.compile(r"(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q|linear_q|q_linear|qlinear)"),
+    "k": re.compile(r"(k|wk|key|keys|k_proj|to_k|key_proj|k_lin|w_k|linear_k|k_linear|klinear)"),
+    "v": re.compile(r"(v|wv|value|values|v_proj|to_v|value_proj|v_lin|w_v|linear_v|v_linear|vlinear)"),
 }
+
+
+def name_role(name: str) -> str | None:
+    """q, k or v when a module's name says so (``q_proj``, ``to_k``, ``attn.value``), else None."""
+    last = name.rsplit(".", 1)[-1].lower()
+    return next((role for role, pattern in ROLE_PATTERNS.items() if pattern.fullmatch(last)), None)
 ROPE_BASES = (10000.0, 500000.0, 1000000.0)
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
                     "where"})
@@ -60,27 +66,35 @@ def rope(t: Tensor, base: float, interleaved: bool) -> Tensor:
 
 
 def _rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
-    """The rotary positions a score operand was given: one of the tensors it was made from (a few operations
-    back) rotated by the standard frequencies is the operand; None if none is."""
-    if value.dim() < 2 or value.shape[-1] % 2:
-        return None
-    seen: set[int] = set()
-    todo, steps = [tid], 0
-    while todo and steps < 12:
-        found = trace.maker(todo.pop(0))
-        if found is None or id(found[0]) in seen:
+    """The rotary positions a score operand was given: a tensor it was made from (the operand, or a part of it
+    for partial rotary) equals one of its ancestors a few operations back rotated by the standard frequencies;
+    None if none does."""
+    near: list[tuple[int, Tensor]] = []  # the operand and the tensors it was made from, nearest first
+    todo, seen = [tid], {tid}
+    while todo and len(near) < 24:
+        cur = todo.pop(0)
+        got = value if cur == tid else trace.value(cur)
+        if got is not None:
+            near.append((cur, got))
+        found = trace.maker(cur)
+        if found is not None:
+            for i in found[0].in_ids:
+                if i not in seen:
+                    seen.add(i)
+                    todo.append(i)
+    for index, (_, t) in enumerate(near[:8]):
+        if t.dim() < 2 or t.shape[-1] % 2:
             continue
-        seen.add(id(found[0]))
-        steps += 1
-        for source in found[0].inputs:
-            if source.shape != value.shape:
+        for _, source in near[index + 1:]:
+            if source.shape != t.shape:
                 continue
             for base in ROPE_BASES:
                 for interleaved in (False, True):
-                    if torch.allclose(rope(source, base, interleaved), value.double(), rtol=1e-4, atol=1e-5):
+                    if torch.allclose(rope(source, base, interleaved), t.double(), rtol=1e-4, atol=1e-5):
+                        part = "" if t.shape[-1] == value.shape[-1] else \
+                            f", on {t.shape[-1]} of {value.shape[-1]} dims"
                         return f"rotary positions ({'interleaved pairs' if interleaved else 'rotate-half'}, " \
-                               f"base {base:g})"
-        todo.extend(found[0].in_ids)
+                               f"base {base:g}{part})"
     return None
 
 
@@ -254,10 +268,9 @@ def _role(trace: Trace, tid: int) -> str | None:
     part, parts = None, None
     for _ in range(80):
         if tid in trace.names:
-            name = trace.names[tid]
-            for role, pattern in ROLE_PATTERNS.items():
-                if pattern.search(name):
-                    return role
+            role = name_role(trace.names[tid])
+            if role is not None:
+                return role
             if part is not None and parts in (2, 3):
                 return ("q", "k", "v")[part + (3 - parts)]
             return None

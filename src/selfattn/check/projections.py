@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .core import ROLE_PATTERNS, ROPE_BASES, rope
+from .core import ROPE_BASES, name_role, rope
 from .trace import Linear, Op, Trace, linears
 
 __all__ = ["Capture", "capture", "identify", "qkv_heads"]
@@ -72,10 +72,6 @@ def _fused_splits(o: Tensor, e: int) -> list[tuple[Tensor, Tensor, Tensor]]:
     return splits  # type: ignore[return-value]
 
 
-def _role(name: str) -> str | None:
-    return next((r for r, pattern in ROLE_PATTERNS.items() if pattern.search(name)), None)
-
-
 def capture(trace: Trace, module: nn.Module, x: Tensor) -> Capture | str:
     """The projections in a recorded run, or why they were not found.
 
@@ -120,14 +116,14 @@ def _readings(group: list[Linear]) -> tuple[list[tuple[Tensor, Tensor, Tensor]],
         return _fused_splits(group[0].output, e), f"fused projection {group[0].name!r} split as [q | k | v]"
     if len(group) == 2:
         a, b = group
-        if _role(b.name) == "q" or "kv" in a.name.split(".")[-1]:
+        if name_role(b.name) == "q" or "kv" in a.name.split(".")[-1]:
             a, b = b, a
         if b.output.shape[-1] % 2 == 0 and (b.output.shape[-1] == 2 * a.output.shape[-1] or "kv" in b.name):
             k, v = b.output.chunk(2, dim=-1)
             return [(a.output, k, v)], f"projections {a.name!r} (q) and {b.name!r} split as [k | v]"
         return [], ""
     if len(group) == 3:
-        roles = {_role(g.name): g.output for g in group}
+        roles = {name_role(g.name): g.output for g in group}
         if set(roles) == {"q", "k", "v"}:
             return [(roles["q"], roles["k"], roles["v"])], "separate projections, recognised by name"
         return [tuple(g.output for g in group)], "separate projections, taken in call order as q, k, v"  # type: ignore
