@@ -352,8 +352,8 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor) -> tuple[str | None
     return None, "merge of the heads not recognised (the next operation reads something else)"
 
 
-def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, expected: Callable[[int], float | None]) \
-        -> Verdict | None:
+def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
+                  expected: Callable[[int], float | None]) -> Verdict | None:
     p = sm.outputs[0]
     after = _product_after(trace, sm.out_ids[0])
     if after is None:
@@ -368,6 +368,10 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, expected: Cal
     if passed:
         return Verdict("definition-mismatch", {"matches": f"the weights pass through {', '.join(passed)} between "
                                                "the softmax and the product with the values", **evidence})
+    if p.dim() < 2 or p.shape[-1] != length or p.shape[-2] != length:
+        return Verdict("definition-mismatch", {"matches": f"the weights are {tuple(p.shape[-2:])} over axes that are "
+                                               f"not the {length} tokens (a head split that mixes tokens and heads)",
+                                               **evidence})
     if dim != p.dim() - 1:
         return Verdict("softmax-dim", {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
                                        "the keys (the last dim)", **evidence})
@@ -436,9 +440,14 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, expected: Cal
                                      f"products; {said}", **evidence}, facts)
 
 
-def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, expected: Callable[[int], float | None]) -> Verdict:
+def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
+               expected: Callable[[int], float | None]) -> Verdict:
     q, k = op.inputs[0], op.inputs[1]
     d = q.shape[-1]
+    if q.dim() < 2 or q.shape[-2] != length or k.shape[-2] != length:
+        return Verdict("definition-mismatch", {"matches": f"scaled_dot_product_attention runs over an axis of size "
+                                               f"{q.shape[-2]}, not the {length} tokens (a head split that mixes "
+                                               "tokens and heads)"})
     given = op.kwargs.get("scale", op.args[6] if len(op.args) > 6 else None)
     base = 1 / math.sqrt(d) if given is None else float(given)
     origin_q, origin_k = trace.origin(op.in_ids[0]), trace.origin(op.in_ids[1])
@@ -456,13 +465,15 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, expected: Callab
                    {"positions": rotary} if rotary else {})
 
 
-def examine_cores(trace: Trace, final: Tensor, width: int, expected: Callable[[int], float | None]) -> list[Verdict]:
+def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
+                  expected: Callable[[int], float | None]) -> list[Verdict]:
     """Every attention core in the record, each with its verdict.
 
     Args:
         trace: the record of one run of the module.
         final: the module's output in that run, as the module returned it.
         width: the model width E (to name a 1/sqrt(E) scale).
+        length: the number of tokens L in the run (the weights must be (L, L)).
         expected: the scale the user or the module states for head dim D, or None for 1/sqrt(D).
 
     Returns:
@@ -475,9 +486,9 @@ def examine_cores(trace: Trace, final: Tensor, width: int, expected: Callable[[i
     verdicts = []
     for op in trace.ops:
         if op.name == "scaled_dot_product_attention":
-            verdicts.append(_sdpa_core(trace, op, final, width, expected))
+            verdicts.append(_sdpa_core(trace, op, final, width, length, expected))
         elif op.name in SOFTMAX:
-            found = _softmax_core(trace, op, final, width, expected)
+            found = _softmax_core(trace, op, final, width, length, expected)
             if found is not None:
                 verdicts.append(found)
     if not verdicts:

@@ -64,6 +64,9 @@ def causality(ctx: Context) -> Outcome[Tensor]:
         if right < 0:
             found.findings.append(Finding.of("causal-leak", "the causal mask hides the diagonal: a query does not "
                                              "see its own token", {"each query sees": f"keys i - {left} .. i - 1"}))
+        elif left == 0 and right == 0:
+            found.findings.append(Finding.of("causal-leak", "each query sees only its own token: no attention "
+                                             "between tokens", {"each query sees": "key i only"}))
         elif right == 0 and left < whole:
             found.notes["window"] = f"sliding window: each query sees itself and the {left} previous tokens"
         elif left == whole and 0 < right < whole:

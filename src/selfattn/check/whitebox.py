@@ -139,7 +139,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         cap = capture(trace, module, x)
         verdict, why = _by_projections(cap, out, heads, k4, raw, bias, stated)
         if verdict is None:
-            verdict, why = _by_operands(trace, out, e, stated, why)
+            verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why)
             if verdict is not None and verdict[0] == "definition-mismatch":  # no formula: the same as none found
                 why, verdict = verdict[1]["matches"], None
         if verdict is None:
@@ -188,11 +188,11 @@ def _by_projections(cap: Capture | str, out: Tensor, heads: list[int], keep: Ten
     return (fid, evidence, {}), ""
 
 
-def _by_operands(trace, out: Tensor, width: int, stated: Callable[[int], float | None],
+def _by_operands(trace, out: Tensor, width: int, length: int, stated: Callable[[int], float | None],
                  before: str) -> tuple[tuple | None, str]:
     """The verdict of the attention's own products (the first bug among its cores, else the definition)."""
     try:
-        verdicts = examine_cores(trace, out, width, stated)
+        verdicts = examine_cores(trace, out, width, length, stated)
     except Unrecognised as err:
         reason = f"{before}; from the operands: {err}" if before else str(err)
         return None, ("not followed: " if "no attention was found" in str(err) else "") + reason
