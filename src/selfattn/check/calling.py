@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .building import CannotRun, Sizes
+from .building import CannotRun, Sizes, num_heads_of
 from .context import Outcome, close, probe_keep, tolerance
 from .report import Finding
 from .target import Caller, MaskSpec, dependency, find_call_style, required_mask_parameter
@@ -165,6 +165,7 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         shapes = [(b, n) for n in lengths for b in ([sizes.batch] if sizes.batch else [3, 2, 1])]
     call: Caller | None = Caller(module, "adapter", adapter=adapter) if adapter is not None else None
     notes: dict = {}
+    coincidence, failed_first = "", []
     ran, wrong, failed, errors = [], [], [], []
     for b, n in shapes:
         shape = (b, n, e)
@@ -188,7 +189,14 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
             call, n = found
             notes["length"] = f"runs only at length {n} among those tried (a size its errors or tensors name; " \
                               "--length states it)"
+            heads = num_heads_of(module)
+            head_dims = {e // heads} if heads else {e // h for h in (1, 2, 4, 8, 16, 32) if e % h == 0}
+            if n in head_dims:  # a matmul whose sizes match only by accident: L x D where D x L was meant
+                coincidence = f"it runs only when the length equals the head dim ({n}): a product whose sizes " \
+                              "match only by accident (a transpose missing?); a module with a fixed length " \
+                              "equal to its head dim states it with --length"
             shapes = [(b, n) for b in ([sizes.batch] if sizes.batch else [3, 2, 1])]
+            failed_first = [str(shape) for shape, _ in failed]
             ran, wrong, failed = [], [], []
             for b, _ in shapes:
                 why = _runs(call, (b, n, e), gen, dtype, device)
@@ -209,6 +217,8 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         how[call.style] += f", with the mask it requires ({call.mask_arg})"
     found = Outcome[tuple[Caller, Tensor]](notes={"call": how[call.style],
                                                   "output": "tensor (or first tensor of a tuple or dict)", **notes})
+    if coincidence:
+        found.findings.append(Finding.of("shape-dependent", coincidence, {"fails for": failed_first}))
     if wrong:
         found.findings.append(Finding.of("wrong-output-shape", "the output shape differs from the input shape "
                                          "(B, L, E)", {"input -> output": {str(i): str(o) for i, o in wrong}}))
