@@ -14,7 +14,7 @@ Shape legend: B batch, H query heads, G kv heads, L length, E embed dim, D head 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -269,6 +269,15 @@ def qkv_heads(split: tuple[Tensor, Tensor, Tensor], h: int) -> tuple[Tensor, Ten
     return qh, kh.repeat_interleave(h // g, 1), vh.repeat_interleave(h // g, 1)
 
 
+def _head_splits(cap: Capture, heads: list[int]) -> Iterator[tuple[int, Tensor, Tensor, Tensor]]:
+    """(h, q, k, v) with q, k, v as (B, H, L, D) float64, for every reading of the projections and head count."""
+    for split in cap.splits:
+        for h in heads:
+            found = qkv_heads(split, h)
+            if found is not None:
+                yield (h, *found)
+
+
 def _position_forms(qh: Tensor, kh: Tensor) -> list[tuple[str | None, Tensor, Tensor]]:
     forms: list[tuple[str | None, Tensor, Tensor]] = [(None, qh, kh)]
     if qh.shape[-1] % 2:  # rotary positions rotate pairs of features
@@ -307,29 +316,23 @@ def identify(cap: Capture, module_out: Tensor, heads: list[int], keep: Tensor | 
     targets = _targets(cap, module_out)
     best: tuple[float, str, str, int, str | None, str] | None = None
     for positions_needed in (False, True):
-        for split in cap.splits:
-            for h in heads:
-                heads_split = qkv_heads(split, h)
-                if heads_split is None:
-                    continue
-                qh, kh, vh = heads_split
-                forms = _position_forms(qh, kh)
-                if positions_needed:  # only the rotary form whose scores best fit the softmax input
-                    forms = sorted(forms[1:], key=lambda f: -_score_fit(cap, f[1], f[2]))[:1 if cap.softmax_in
-                                                                                         else None]
-                for positions, qp, kp in forms[:1] if not positions_needed else forms:
-                    for fid, candidates in _variants(qp, kp, vh, keep, raw, stated(qp.shape[-1])).items():
-                        for desc, fn in candidates:
-                            try:
-                                err, where = _error(fn(), targets)
-                            except RuntimeError:
-                                continue
-                            label = desc if positions is None else f"{desc}, with {positions}"
-                            if best is None or err < best[0]:
-                                best = (err, fid, label, h, positions, where)
-                            if fid == "correct" and err < rtol:
-                                return None, {"formula": label, "heads": h, "relative error": err, "compared with":
-                                              where, **({"positions": positions} if positions else {})}
+        for h, qh, kh, vh in _head_splits(cap, heads):
+            forms = _position_forms(qh, kh)
+            if positions_needed:  # only the rotary form whose scores best fit the softmax input
+                forms = sorted(forms[1:], key=lambda f: -_score_fit(cap, f[1], f[2]))[:1 if cap.softmax_in else None]
+            for positions, qp, kp in forms[:1] if not positions_needed else forms:
+                for fid, candidates in _variants(qp, kp, vh, keep, raw, stated(qp.shape[-1])).items():
+                    for desc, fn in candidates:
+                        try:
+                            err, where = _error(fn(), targets)
+                        except RuntimeError:
+                            continue
+                        label = desc if positions is None else f"{desc}, with {positions}"
+                        if best is None or err < best[0]:
+                            best = (err, fid, label, h, positions, where)
+                        if fid == "correct" and err < rtol:
+                            return None, {"formula": label, "heads": h, "relative error": err, "compared with": where,
+                                          **({"positions": positions} if positions else {})}
         if best is not None and best[0] < rtol:
             return best[1], {"matches": best[2], "heads": best[3], "relative error": best[0],
                              "compared with": best[5], **({"positions": best[4]} if best[4] else {})}
@@ -349,31 +352,26 @@ def _relative_bias(cap: Capture, targets: list[Target], heads: list[int], keep: 
     if keep is not None and known is None:
         return None
     for s in cap.softmax_in:
-        for split in cap.splits:
-            for h in heads:
-                heads_split = qkv_heads(split, h)
-                if heads_split is None:
-                    continue
-                qh, kh, vh = heads_split
-                b, _, length, _ = qh.shape
-                if b < 2 or s.shape[-2:] != (length, length) or s.numel() != b * h * length * length:
-                    continue
-                s4 = s.double().reshape(b, h, length, length)
-                d = qh.shape[-1]
-                plain = qh @ kh.transpose(-1, -2) * (stated(d) or 1 / math.sqrt(d))
-                seen = torch.isfinite(s4) & (s4 > -1e4) & (True if keep is None else keep)
-                if not seen.any():
-                    continue
-                diff = torch.where(seen, s4 - plain, torch.zeros((), dtype=torch.float64))
-                ref = diff[:1] if known is None else known[None]
-                size = 1 + diff.abs().max().item()
-                if (diff - ref).abs().masked_fill(~seen, 0).max().item() > rtol * size or \
-                        diff.abs().max().item() < rtol:
-                    continue
-                cand = (torch.softmax(s4, -1).nan_to_num(0) @ vh).transpose(1, 2).reshape(b, length, -1)
-                err, where = _error(cand, targets)
-                if err < rtol:
-                    return {"formula": "softmax(QK^T / sqrt(D) + bias(head, query, key)) V", "heads": h,
-                            "relative error": err, "compared with": where, "_bias": diff[0],
-                            "positions": "a relative-position bias (depends only on query, key)"}
+        for h, qh, kh, vh in _head_splits(cap, heads):
+            b, _, length, _ = qh.shape
+            if b < 2 or s.shape[-2:] != (length, length) or s.numel() != b * h * length * length:
+                continue
+            s4 = s.double().reshape(b, h, length, length)
+            d = qh.shape[-1]
+            plain = qh @ kh.transpose(-1, -2) * (stated(d) or 1 / math.sqrt(d))
+            seen = torch.isfinite(s4) & (s4 > -1e4) & (True if keep is None else keep)
+            if not seen.any():
+                continue
+            diff = torch.where(seen, s4 - plain, torch.zeros((), dtype=torch.float64))
+            ref = diff[:1] if known is None else known[None]
+            size = 1 + diff.abs().max().item()
+            if (diff - ref).abs().masked_fill(~seen, 0).max().item() > rtol * size or \
+                    diff.abs().max().item() < rtol:
+                continue
+            cand = (torch.softmax(s4, -1).nan_to_num(0) @ vh).transpose(1, 2).reshape(b, length, -1)
+            err, where = _error(cand, targets)
+            if err < rtol:
+                return {"formula": "softmax(QK^T / sqrt(D) + bias(head, query, key)) V", "heads": h,
+                        "relative error": err, "compared with": where, "_bias": diff[0],
+                        "positions": "a relative-position bias (depends only on query, key)"}
     return None
