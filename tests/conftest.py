@@ -5,6 +5,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from torchvision_ops import define_torchvision_ops  # noqa: E402
+
+define_torchvision_ops()  # before anything imports torchvision (timm, vit_pytorch, open_clip, transformers' vision code)
+
 
 @pytest.fixture
 def small_tiles():
