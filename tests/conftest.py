@@ -5,9 +5,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from torchvision_ops import define_torchvision_ops  # noqa: E402
+from torchvision_ops import define_torchvision_ops
 
-define_torchvision_ops()  # before anything imports torchvision (timm, vit_pytorch, open_clip, transformers' vision code)
+define_torchvision_ops()  # before anything imports torchvision (timm, vit_pytorch, open_clip, transformers)
 
 
 @pytest.fixture

@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import Tensor, nn
-
 from corpus_modules import _heads, _merge
+from torch import Tensor, nn
 
 
 class MaskDroppedInHalf(nn.Module):
