@@ -23,8 +23,8 @@ _HAS_LIBRARIES = all(importlib.util.find_spec(m) for m in ("torchvision", "timm"
                                                            "diffusers", "open_clip"))
 needs_libraries = pytest.mark.skipif(not _HAS_LIBRARIES, reason="requirements-corpus.txt is not installed")
 
-# What the doctor gets wrong on the corpus today (measured): entry -> why. Error ids listed in
-# KNOWN are true findings on a module that is correct in normal use, not false alarms.
+# What the doctor gets wrong on the corpus today (measured): entry -> why. (Error ids true of a module
+# that is correct in normal use are the entry's ``known``, not false alarms.)
 NOT_YET: dict[str, str] = {
     "gpt-config-causal": "a cls(config) class loaded from a file: its *Config class is not found (module not in "
                          "sys.modules)",
@@ -48,12 +48,6 @@ NOT_YET: dict[str, str] = {
     "pre-norm-scale-by-dim": "LayerNorm before the projections: the white box finds no projection",
     "no-projection-scale-by-ch": "no projections: the white box is skipped",
 }
-KNOWN: dict[str, set[str]] = {
-    # timm's eager path fills masked scores with -inf: a query row with no visible key gives NaN (its fused
-    # SDPA path gives 0 there); a true finding about the module, not a false alarm.
-    "timm-eager": {"nan-on-masked-row"},
-    "timm-qk-norm-eager": {"nan-on-masked-row"},
-}
 
 
 def _param(name: str, **marks: str) -> object:
@@ -71,7 +65,7 @@ def test_correct_corpus_is_certified(name):
     """catches: a false alarm or a crash on a correct module as users write or import it (config classes, fixed
     windows, post-norm, q/k norm, sliding windows, KV caches, required masks, float64/bfloat16, the libraries)."""
     report = dc.check_entry(dc.CORPUS[name])
-    assert _errors(report) <= KNOWN.get(name, set()), [(f.id, f.message) for f in report.findings]
+    assert _errors(report) <= dc.CORPUS[name].known, [(f.id, f.message) for f in report.findings]
 
 
 @needs_libraries
@@ -98,7 +92,7 @@ def test_buggy_corpus_gets_its_id(name):
 def test_correct_corpus_200_seeds(name, seed):
     """catches: a false alarm that only some weight draws or probe inputs trigger (seed 0 is the default test)."""
     report = dc.check_entry(dc.CORPUS[name], seed=seed)
-    assert _errors(report) <= KNOWN.get(name, set()), [(f.id, f.message) for f in report.findings]
+    assert _errors(report) <= dc.CORPUS[name].known, [(f.id, f.message) for f in report.findings]
 
 
 def test_corpus_table_is_complete():
@@ -118,7 +112,7 @@ def test_corpus_table_is_complete():
             assert name in {n.name for n in tree.body if isinstance(n, ast.ClassDef)}, entry.name
         elif _HAS_LIBRARIES:
             assert isinstance(dc.resolve(entry.target), type), entry.name
-    assert set(NOT_YET) <= set(dc.CORPUS) and set(KNOWN) <= set(dc.CORPUS)
+    assert set(NOT_YET) <= set(dc.CORPUS)
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
