@@ -201,7 +201,7 @@ _CORRECT = [
 
 _BUGGY = [
     Entry("mask-dropped-in-half", "hand-written", "tests/corpus_buggy.py:MaskDroppedInHalf", lambda cls: cls(E, H),
-          finding="half-precision-overflow", note="float16/bfloat16 skip the mask"),
+          finding="half-precision-mismatch", note="float16/bfloat16 skip the mask"),
     Entry("backward-15-percent-off", "hand-written", "tests/corpus_buggy.py:WrongBackward", lambda cls: cls(E, H),
           finding="wrong-gradient", note="custom autograd.Function, backward x 0.85"),
     Entry("pre-norm-scale-by-dim", "hand-written", "tests/corpus_buggy.py:PreNormWrongScale",
