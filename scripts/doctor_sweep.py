@@ -14,6 +14,7 @@ The table goes into docs/doctor.md between the sweep markers.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import queue
@@ -72,6 +73,7 @@ def _worker(seed: int, memory_gib: float) -> None:
         family = line.strip()
         if family:
             print(json.dumps(check_family(family, seed)), flush=True)
+            gc.collect()
 
 
 class _Worker:
@@ -108,11 +110,27 @@ class _Worker:
         self.proc.wait()
 
 
-def sweep(names: list[str], seed: int, timeout: float, memory_gib: float = 8.0, progress: bool = True) -> list[dict]:
-    """Check each family in a worker process; a hang or a dead worker costs one family, not the sweep."""
-    rows, worker = [], None
+def sweep(names: list[str], seed: int, timeout: float, memory_gib: float = 4.0, recycle: int = 20,
+          log: Path | None = None, progress: bool = True) -> list[dict]:
+    """Check each family in a worker process; a hang or a dead worker costs one family, not the sweep.
+
+    A worker is replaced after ``recycle`` families (each family imports its modeling code and builds
+    a model: memory grows). With ``log``, each row is appended to it as a JSON line, and the families
+    already there are not checked again (a sweep that was stopped resumes).
+    """
+    done = {}
+    if log is not None and log.exists():
+        done = {r["family"]: r for r in map(json.loads, log.read_text().splitlines()) if r.get("family")}
+    rows, worker, served = [], None, 0
     for i, family in enumerate(names):
+        if family in done:
+            rows.append(done[family])
+            continue
+        if worker is not None and served >= recycle:
+            worker.stop()
+            worker, served = None, 0
         worker = worker or _Worker(seed, memory_gib)
+        served += 1
         t = time.perf_counter()
         row = worker.ask(family, timeout)
         if row is None:
@@ -124,6 +142,9 @@ def sweep(names: list[str], seed: int, timeout: float, memory_gib: float = 8.0, 
                    "reason": "the worker process ended" if died else f"no result within {timeout:.0f} s",
                    "seconds": round(time.perf_counter() - t, 1)}
         rows.append(row)
+        if log is not None:
+            with log.open("a") as f:
+                f.write(json.dumps(row) + "\n")
         if progress:
             print(f"[{i + 1}/{len(names)}] {family}: {verdict_text(row)} ({row['seconds']} s)", flush=True)
     if worker is not None:
@@ -178,7 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", nargs="*", help="only these families (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=180.0, help="seconds per family, build and check")
-    p.add_argument("--memory-gib", type=float, default=8.0, help="address-space limit of the worker process")
+    p.add_argument("--memory-gib", type=float, default=4.0, help="address-space limit of the worker process")
+    p.add_argument("--recycle", type=int, default=20, help="families per worker process")
+    p.add_argument("--log", type=Path, help="append each row here as a JSON line; families already there are skipped")
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--docs", type=Path, help="write the table into this markdown file (default with a full sweep: "
                                              "docs/doctor.md)")
@@ -192,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     names = args.families or hc.families()
-    rows = sweep(names, args.seed, args.timeout, args.memory_gib)
+    rows = sweep(names, args.seed, args.timeout, args.memory_gib, args.recycle, args.log)
     meta = {"transformers": transformers.__version__, "torch": torch.__version__, "date": date.today().isoformat(),
             "seed": args.seed, "python": platform.python_version()}
     counts = totals(rows)

@@ -44,8 +44,9 @@ TINY: dict[str, object] = {
     "n_inner": 2 * E, "mlp_dim": 2 * E, "moe_intermediate_size": 2 * E, "shared_expert_intermediate_size": 2 * E,
     "num_hidden_layers": 1, "n_layer": 1, "n_layers": 1, "num_layers": 1, "encoder_layers": 1, "decoder_layers": 1,
     "num_decoder_layers": 1,
-    "max_position_embeddings": 256, "n_positions": 256, "n_ctx": 256,
+    "max_position_embeddings": 256, "n_positions": 256, "n_ctx": 256, "rotary_dim": D,
 }
+SMALL_VOCAB = {"vocab_size": 1024}  # tried first; configs whose token ids need a larger vocabulary keep theirs
 _CROSS = ("cross", "encoder_attn", "encdec", "enc_dec", "context")
 _PROJ = ("q", "k", "v", "q_proj", "k_proj", "v_proj", "query", "key", "value", "qkv", "qkv_proj", "c_attn", "wqkv",
          "Wqkv", "query_key_value", "in_proj", "to_q", "to_k", "to_v", "q_lin", "k_lin", "v_lin", "qkv_linear",
@@ -139,8 +140,10 @@ def tiny_config(family: str, overrides: dict | None = None):
     config_cls = _config_class(family)
     sub = {k: v for k, v in (getattr(config_cls, "sub_configs", None) or {}).items() if isinstance(v, type)}
     errors = []
-    for skip in (set(), _LAYER_KEYS, _LAYER_KEYS | _KV_KEYS):
+    for vocab, skip in ((True, set()), (False, set()), (False, _LAYER_KEYS), (False, _LAYER_KEYS | _KV_KEYS)):
         kwargs = _tiny_kwargs(config_cls, skip)
+        if vocab:
+            kwargs.update({k: v for k, v in SMALL_VOCAB.items() if k in _defaults(config_cls)})
         try:
             for name, sub_cls in sub.items():
                 sub_kwargs = {**_tiny_kwargs(sub_cls, skip), **(overrides or {}).get(name, {})}
@@ -165,7 +168,7 @@ def _shrink_sub_configs(config, skip: set[str]):
     return config
 
 
-MAX_PARAMETERS = 20_000_000  # a tiny model has far fewer; more means some part kept its full size
+MAX_PARAMETERS = 60_000_000  # a tiny model has far fewer; more means some part kept its full size
 
 
 def _parameter_count(model_cls: type, config) -> int | None:
@@ -254,10 +257,35 @@ def generic_call(attention: nn.Module, rope: Callable | None) -> Callable:
     return call
 
 
-# family -> config overrides ("config") and selfattn.check options ("options") beyond the generic ones, and why
+def _unsupplied(attention: nn.Module, has_rope: bool) -> list[str]:
+    """Required forward arguments the generic adapter does not give (it gives x, the mask, positions)."""
+    params = list(inspect.signature(attention.forward).parameters.values())[1:]
+    given = {"attention_mask", "mask", "attn_mask", "position_ids"} | ({"position_embeddings"} if has_rope else set())
+    return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+            and p.name not in given]
+
+
+def _bloom_call(attention: nn.Module, model: nn.Module) -> Callable:
+    """Bloom's attention takes the residual (added inside) and the ALiBi tensor: zeros and the family's ALiBi."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    def call(m: nn.Module, x: Tensor, mask: object) -> object:
+        alibi = build_alibi_tensor(torch.ones(x.shape[:2]), m.num_heads, x.dtype)
+        return m(x, torch.zeros_like(x), alibi, attention_mask=mask)
+
+    return call
+
+
+# family -> config overrides ("config"), selfattn.check options ("options") and an adapter factory ("adapter":
+# (attention, model) -> call) beyond the generic ones, and why (the sweep table's "options needed")
 FAMILY_OPTIONS: dict[str, dict] = {
     "gemma2": {"config": {"query_pre_attn_scalar": D},
-               "why": "query_pre_attn_scalar defaults to the real models' head dim (256); set to the tiny head dim"},
+               "why": "config query_pre_attn_scalar = head dim (its default is the real models' 256)"},
+    "bloom": {"adapter": _bloom_call, "why": "call: residual = 0 and the family's ALiBi tensor"},
+    "big_bird": {"config": {"attention_type": "original_full"},
+                 "why": "config attention_type='original_full' (block-sparse needs long inputs)"},
+    "bigbird_pegasus": {"config": {"attention_type": "original_full"},
+                        "why": "config attention_type='original_full' (block-sparse needs long inputs)"},
 }
 
 
@@ -284,7 +312,12 @@ def build(family: str, seed: int = 0) -> Built:
     except Exception as e:
         raise CannotBuild(f"{type(e).__name__}: {e}"[:300]) from e
     path, attention = self_attention(model)
-    call = generic_call(attention, _rotary(model, attention))
+    rope = _rotary(model, attention)
+    missing = _unsupplied(attention, rope is not None) if "adapter" not in extra else []
+    if missing:
+        raise CannotBuild(f"{type(attention).__name__}.forward requires {', '.join(missing)}, which the generic "
+                          "adapter does not supply (no adapter for this family yet)")
+    call = extra["adapter"](attention, model) if "adapter" in extra else generic_call(attention, rope)
     args, kwargs = arguments.get(id(attention), (None, None))
 
     def make(cls: type) -> nn.Module:
