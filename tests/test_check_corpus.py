@@ -9,6 +9,7 @@ Shape legend: B batch, L length, E embed dim.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import json
 import subprocess
@@ -55,6 +56,12 @@ def _param(name: str, **marks: str) -> object:
     return pytest.param(name, id=name, marks=[pytest.mark.xfail(strict=True, reason=why)] if why else [])
 
 
+@functools.cache
+def _report(name: str):
+    """The doctor's report on a corpus entry (seed 0), computed once for the tests that read it."""
+    return dc.check_entry(dc.CORPUS[name])
+
+
 def _errors(report) -> set[str]:
     return {f.id for f in report.findings if f.severity == "error"}
 
@@ -73,7 +80,7 @@ def test_correct_corpus_is_certified(name):
 def test_buggy_corpus_is_not_certified(name):
     """catches: a bug only a measuring probe sees (mask dropped in half precision, a wrong custom backward, a
     scale bug behind LayerNorm or without projections, one accepted mask shape wrong) certified."""
-    report = dc.check_entry(dc.CORPUS[name])
+    report = _report(name)
     assert not report.passed, report.inferred
 
 
@@ -81,7 +88,7 @@ def test_buggy_corpus_is_not_certified(name):
 @pytest.mark.parametrize("name", [_param(n) for n in dc.BUGGY])
 def test_buggy_corpus_gets_its_id(name):
     """catches: such a bug reported under another id (or with side effects)."""
-    report = dc.check_entry(dc.CORPUS[name])
+    report = _report(name)
     assert _errors(report) == {dc.CORPUS[name].finding}, [(f.id, f.message) for f in report.findings]
 
 
