@@ -94,6 +94,30 @@ def check_entry(entry: Entry, seed: int = 0) -> Report:
     return check(build(entry, seed), seed=seed, **entry.options)
 
 
+def _with_part(owner: str, attr: str, make_owner: Callable[[type], nn.Module]) -> Callable[[type], nn.Module]:
+    """Build ``owner`` with ``make_owner`` and put a ``cls`` (the possibly mutated class of its ``attr`` part) in
+    place of that part, built with the arguments the owner gave the original (to mutate x-transformers' Attend,
+    the parameter-free core its Attention calls)."""
+    def make(cls: type) -> nn.Module:
+        original = type(getattr(make_owner(resolve(owner)), attr))
+        seen: list[tuple[tuple, dict]] = []
+        init = original.__init__
+
+        def recording(self, *args, **kwargs):
+            seen.append((args, kwargs))
+            init(self, *args, **kwargs)
+
+        original.__init__ = recording
+        try:
+            module = make_owner(resolve(owner))
+        finally:
+            original.__init__ = init
+        args, kwargs = seen[-1]
+        setattr(module, attr, cls(*args, **kwargs))
+        return module
+    return make
+
+
 def _timm(qk_norm: bool = False, fused: bool = True) -> Callable[[type], nn.Module]:
     def make(cls: type) -> nn.Module:
         m = cls(E, H, qk_norm=qk_norm, norm_layer=nn.LayerNorm if qk_norm else None)
@@ -171,6 +195,10 @@ _CORRECT = [
     Entry("x-transformers-key-mask", "x-transformers", "x_transformers.x_transformers:Attention",
           lambda cls: cls(E, dim_head=E // H, heads=H), {"mask": "keep (B,L)"},
           note="(B, L) bool key mask stated; padded query rows are zeroed"),
+    Entry("x-transformers-attend", "x-transformers", "x_transformers.attend:Attend",
+          _with_part("x_transformers.x_transformers:Attention", "attend",
+                     lambda cls: cls(E, dim_head=E // H, heads=H, causal=True)),
+          note="causal Attention; the Attend core it calls is the class mutated"),
     # -- vit-pytorch
     Entry("vit-pytorch", "vit-pytorch", "vit_pytorch.vit:Attention", lambda cls: cls(E, heads=H, dim_head=E // H),
           note="LayerNorm before the projections"),
