@@ -340,5 +340,5 @@ class HFStyleAdditive(_Heads):
         return self.finish(w, v), w
 
 
-WHITE_BOX_BUGS = {EinsumSwappedKV: "definition-mismatch", PrecedenceScale: "definition-mismatch",
-                  VisibleKeysScale: "definition-mismatch", BiasAfterSoftmax: "definition-mismatch"}
+WHITE_BOX_BUGS = {EinsumSwappedKV: "definition-mismatch", VisibleKeysScale: "definition-mismatch",
+                  BiasAfterSoftmax: "definition-mismatch"}

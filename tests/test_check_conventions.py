@@ -137,6 +137,14 @@ def test_output_matching_no_formula_is_an_error(cls):
         assert allowed.passed and allowed.coverage["white_box"].startswith("not verified")
 
 
+def test_a_scale_no_formula_names_is_measured():
+    """catches: a scale written ``hd ** -1 / 2`` (operator precedence: 1 / (2 hd)) reported only as "no formula":
+    the scale read from the score product's operands is named, with the head dim it should follow."""
+    report = check(fx.PrecedenceScale)
+    assert report.ids == {"wrong-scale"}, [(f.id, f.message) for f in report.findings]
+    assert "0.03125" in report.findings[0].message and "1/sqrt(16)" in report.findings[0].message
+
+
 @pytest.mark.parametrize("cls", [fx.RelativeBias, fx.Alibi], ids=lambda c: c.__name__)
 def test_position_terms_are_recognised(cls):
     """catches: a correct module with a relative-position bias or ALiBi failing as not-equivariant."""
@@ -156,10 +164,17 @@ def test_coverage_severity_and_rendering():
 
     class NoLinear(nn.Module):
         def forward(self, x):
-            return torch.softmax(x @ x.transpose(-2, -1) / 4, -1) @ x
+            return torch.softmax(x @ x.transpose(-2, -1) / x.shape[-1] ** 0.5, -1) @ x
 
-    report = check(NoLinear())
+    report = check(NoLinear())  # no projections: the formula is read from the products' operands
     assert report.coverage["mask"].startswith("not applicable")
+    assert report.passed and report.coverage["white_box"] == "verified", report.inferred["white box"]
+
+    class Opaque(nn.Module):  # no softmax, no product the doctor can follow
+        def forward(self, x):
+            return torch.tanh(x)
+
+    report = check(Opaque(), allow_nonstandard=True)
     assert report.coverage["white_box"].startswith("not verified")
     console = Console(file=io.StringIO(), width=200)
     render(report, console)

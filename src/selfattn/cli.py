@@ -24,7 +24,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--init", type=json.loads, default=None, metavar="JSON",
                    help='constructor keyword arguments, e.g. \'{"embed_dim": 64}\' (default: try the usual '
                         "signatures: (embed_dim), (embed_dim, num_heads), keyword variants)")
-    c.add_argument("--embed-dim", type=int, default=16, help="embed dim used when guessing the signature")
+    c.add_argument("--embed-dim", type=int, default=64, help="embed dim E used when building the class (default 64)")
+    c.add_argument("--batch", type=int, default=None, metavar="B",
+                   help="the batch size to probe with, for a module that runs only up to some batch (default: several)")
+    c.add_argument("--length", type=int, nargs="+", default=None, metavar="L",
+                   help="the sequence length(s) to probe with, for a module that runs only at some lengths (e.g. "
+                        "window attention over 49 tokens: --length 49; default: several short ones)")
     c.add_argument("--mask-convention", choices=["keep", "ignore"],
                    help="your module's documented mask convention: keep (True/1 = may attend) or "
                         "ignore (True = masked); a module that behaves the other way gets mask-inverted")
@@ -32,17 +37,21 @@ def _parser() -> argparse.ArgumentParser:
                    help="your module's mask, e.g. 'additive (B,1,1,L)', 'keep (B,L)', 'ignore (L,L)'; kinds: keep, "
                         "ignore (bool), keep-int, keep-float (1 = may attend), additive (0 / large negative); "
                         "shapes: (L,L), (B,L,L), (B,1,L,L), (B,1,1,L), (B,L) (default: inferred)")
+    c.add_argument("--no-mask", action="store_true", help="the module takes no mask: try no argument as one")
     c.add_argument("--call", metavar="PYTHON",
                    help="how to call the module, a Python function of (module, x, mask) returning the output, "
-                        "e.g. \"lambda m, x, mask: m(x, attention_mask=mask)[0]\" (the file's names, torch, nn "
-                        "and F are in scope; mask is None or what --mask describes)")
+                        "e.g. \"lambda m, x, mask: m(x, attention_mask=mask)[0]\", or of (module, x) for a module "
+                        "without a mask (the file's names, torch, nn and F are in scope; mask is None or what --mask "
+                        "describes)")
     c.add_argument("--factory", metavar="PYTHON",
                    help="build the module with this Python function of no argument instead of the class's "
                         "constructor, e.g. \"lambda: Attn(Config(hidden_size=16))\" (the file's names in scope)")
     c.add_argument("--allow-nonstandard", action="store_true",
                    help="the module is not textbook attention on purpose: no definition-mismatch finding")
     c.add_argument("--causal", action="store_true", help="the module must be causal")
-    c.add_argument("--seed", type=int, default=0, help="seed of the random probe inputs")
+    c.add_argument("--scale", type=float, default=None,
+                   help="the score scale the module uses on purpose instead of 1/sqrt(head dim) (e.g. 1 for T5)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the random probe inputs and of building the module")
     c.add_argument("--json", action="store_true", help="print the report as JSON")
     c.add_argument("--mutate", action="store_true",
                    help="instead of checking the class, check mutants of its source (small AST edits) and print "
@@ -92,8 +101,9 @@ def _check(args: argparse.Namespace) -> int:
     from .check import CannotRun, check, render
 
     console = Console()
-    options = {"init": args.init, "embed_dim": args.embed_dim, "mask_convention": args.mask_convention,
-               "mask": args.mask, "call": args.call, "causal": args.causal, "allow_nonstandard": args.allow_nonstandard,
+    options = {"init": args.init, "embed_dim": args.embed_dim, "batch": args.batch, "length": args.length,
+               "mask_convention": args.mask_convention, "mask": args.mask, "no_mask": args.no_mask, "call": args.call,
+               "causal": args.causal, "scale": args.scale, "allow_nonstandard": args.allow_nonstandard,
                "seed": args.seed}
     if args.mutate:
         from .check.mutate import main as mutate_main
@@ -112,16 +122,22 @@ def _check(args: argparse.Namespace) -> int:
         console.print(f"[red]bad option[/red]: {e}")
         return 2
     except CannotRun as e:
-        if args.json:
-            print(json.dumps({"passed": False, "error": str(e)}))
-        else:
-            console.print(f"[red]could not run the module[/red]: {e}")
-        return 2
+        return _cannot_run(console, args.json, f"could not run the module: {e}")
+    except Exception as e:  # never a traceback: exit 1 means "found a bug", so a crash must not look like one
+        return _cannot_run(console, args.json, f"the doctor could not check this module: {type(e).__name__}: {e}")
     if args.json:
         print(report.to_json())
     else:
         render(report, console)
     return 0 if report.passed else 1
+
+
+def _cannot_run(console: object, as_json: bool, message: str) -> int:
+    if as_json:
+        print(json.dumps({"passed": False, "error": message}))
+    else:
+        console.print(f"[red]{message}[/red]")  # type: ignore[attr-defined]
+    return 2
 
 
 if __name__ == "__main__":

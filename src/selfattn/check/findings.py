@@ -39,11 +39,19 @@ FIXES: dict[str, str] = {
     "half-precision-overflow": "Fill masked scores with a dtype-safe value (torch.finfo(scores.dtype).min "
                                "or -inf with a guard for empty rows), not a float32 constant like -1e9; or pass "
                                "a bool mask to torch.nn.functional.scaled_dot_product_attention.",
+    "half-precision-mismatch": "Keep every term in half precision: a mask, bias or scale skipped or changed for "
+                               "float16/bfloat16 (a 'fast path', a dtype check) makes the output differ from "
+                               "float32's by more than rounding.",
     "definition-mismatch": "The output follows no formula of attention: compare your code with softmax(Q K^T / "
                            "sqrt(head_dim) + mask) V, term by term (scale, operands, normalisation). If the "
                            "module is non-standard on purpose, pass --allow-nonstandard.",
     "non-finite": "Subtract the row max before exp (torch.softmax does) and keep the scores finite.",
     "dropout-in-eval": "Use nn.Dropout (or F.dropout(..., training=self.training)) so eval() turns it off.",
+    "wrong-gradient": "Check the backward of your custom autograd.Function (or of any operation whose gradient "
+                      "you wrote or replaced) with torch.autograd.gradcheck in float64; the gradient must be the "
+                      "derivative of the forward.",
+    "mask-convention": "Hugging Face code reads attention_mask as 1 = attend: flip the mask, or name the argument "
+                       "for what it is (key_padding_mask, True = padding) so that callers do not pass it inverted.",
     "no-grad": "Don't detach or compute under no_grad inside forward; every parameter should get a gradient.",
     "not-equivariant": "Without positions or masks, attention must commute with permuting the tokens; "
                        "look for reshapes that mix positions (if the module adds positions, this is expected).",
@@ -54,10 +62,11 @@ FIXES: dict[str, str] = {
 FINDING_IDS: tuple[str, ...] = tuple(FIXES)
 
 # "warning": the finding can be intended (a module that adds positions is not permutation
-# equivariant) or is the accepted behaviour of torch's own modules (NaN for a sequence that is all
-# padding); every other finding is an error (a bug). Only errors fail the check.
-SEVERITY: dict[str, Severity] = {fid: "warning" if fid in ("not-equivariant", "nan-on-empty-sequence") else "error"
-                                 for fid in FIXES}
+# equivariant; a bool attention_mask read True = masked), or is the accepted behaviour of torch's own
+# modules (NaN for a sequence that is all padding); every other finding is an error (a bug). Only
+# errors fail the check.
+SEVERITY: dict[str, Severity] = {fid: "warning" if fid in ("not-equivariant", "nan-on-empty-sequence",
+                                                          "mask-convention") else "error" for fid in FIXES}
 
 # A diagnosis (key) explains these symptoms, which are then reported inside it rather than on their own.
 # In order: the most specific diagnosis first.
@@ -75,7 +84,8 @@ EXPLAINS: dict[str, frozenset[str]] = {
                                "mask-ignored"}),
     "mask-after-softmax": frozenset({"mask-ignored"}),
     "causal-leak": frozenset({"mask-ignored"}),  # a row the broken causal mask empties sees padding too
-    "dropout-in-eval": frozenset({"batch-mixing", "not-equivariant", "mask-ignored", "causal-leak"}),  # random
+    # a module that is random in eval mode makes every comparison of two runs meaningless
+    "dropout-in-eval": frozenset(FIXES) - {"dropout-in-eval", "no-grad", "half-precision-overflow"},
 }
 EXPLAINS = {fid: explained | {"definition-mismatch"} if fid != "definition-mismatch" else explained
             for fid, explained in EXPLAINS.items()}

@@ -1,37 +1,46 @@
-"""Finding, building and calling the user's attention module, and speaking its mask convention.
+"""Calling the user's attention module and speaking its mask convention.
 
-It imports and runs the user's file (never writes to it: no bytecode cache is written), tries
-the usual constructor signatures (or a config object, or a factory), and works out how the module
-is called (positional or keyword mask, tuple or dict output, or a user-supplied adapter). A
+A :class:`Caller` knows how the module is called (forward(x), forward(q, k, v) or the user's
+adapter; a positional or keyword mask, required or optional, or a causal switch such as
+``is_causal``; batch-first or sequence-first input; a tensor, tuple or dict output). A
 :class:`MaskSpec` says how the module wants its mask: which shape and which kind of values.
+Building the module is :mod:`.building`'s job (re-exported here).
 
 Shape legend: B batch, H heads, L length, E embed dim.
 """
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import inspect
-import math
 import re
-import sys
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from .building import (
+    CannotRun,
+    build,
+    embed_dim_of,
+    load_class,
+    load_file,
+    num_heads_of,
+    param_device,
+    param_dtype,
+    user_callable,
+)
 
 __all__ = [
     "MASK_KINDS",
     "MASK_NAMES",
     "MASK_SHAPES",
+    "SWITCH_NAMES",
     "Caller",
     "CannotRun",
     "MaskSpec",
+    "MaskWatch",
     "build",
     "dependency",
     "embed_dim_of",
@@ -41,6 +50,7 @@ __all__ = [
     "mask_parameters",
     "num_heads_of",
     "parse_mask",
+    "switch_parameter",
     "user_callable",
 ]
 
@@ -56,160 +66,9 @@ MASK_KINDS: dict[str, str] = {
 }
 ADDITIVE_FILL = -10000.0  # what the doctor puts in an additive mask for "masked"
 MASK_NAMES = ("mask", "attn_mask", "attention_mask", "key_padding_mask", "padding_mask", "src_mask", "masks",
-              "input_mask", "pad_mask")
-_EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd")
-_HEAD_KEYS = ("num_heads", "n_heads", "heads", "n_head", "nhead", "num_attention_heads", "h")
-
-
-class CannotRun(Exception):
-    """The module could not be loaded, built or called at all (exit status 2)."""
-
-
-@contextlib.contextmanager
-def _no_bytecode() -> Iterator[None]:
-    old = sys.dont_write_bytecode
-    sys.dont_write_bytecode = True
-    try:
-        yield
-    finally:
-        sys.dont_write_bytecode = old
-
-
-def load_file(path_s: str) -> ModuleType:
-    """Import ``path_s`` under a fresh name (no bytecode written, the file is not modified)."""
-    path = Path(path_s)
-    if not path.is_file():
-        raise CannotRun(f"no such file: {path}")
-    module_spec = importlib.util.spec_from_file_location(f"_selfattn_check_{uuid.uuid4().hex}", path)
-    if module_spec is None or module_spec.loader is None:
-        raise CannotRun(f"cannot import {path}")
-    module = importlib.util.module_from_spec(module_spec)
-    folder = str(path.parent.resolve())
-    sys.path.insert(0, folder)
-    try:
-        with _no_bytecode():
-            module_spec.loader.exec_module(module)
-    except Exception as e:
-        raise CannotRun(f"importing {path} failed: {type(e).__name__}: {e}") from e
-    finally:
-        sys.path.remove(folder)
-    return module
-
-
-def load_class(spec: str) -> type:
-    """``path/to/file.py:ClassName`` -> the class (the file is imported, not modified)."""
-    path_s, sep, name = spec.rpartition(":")
-    if not sep or not path_s or not name:
-        raise CannotRun(f"expected path/to/file.py:ClassName, got {spec!r}")
-    cls = getattr(load_file(path_s), name, None)
-    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
-        raise CannotRun(f"{path_s} has no nn.Module subclass named {name!r}")
-    return cls
-
-
-def user_callable(source: str, namespace: dict | None = None) -> Callable:
-    """Evaluate a Python expression (``--call``, ``--factory``) with torch, nn and ``namespace`` in scope."""
-    scope = {"torch": torch, "nn": nn, "F": nn.functional, "math": math, **(namespace or {})}
-    try:
-        fn = eval(source, scope)
-    except Exception as e:
-        raise CannotRun(f"cannot evaluate {source!r}: {type(e).__name__}: {e}") from e
-    if not callable(fn):
-        raise CannotRun(f"{source!r} is a {type(fn).__name__}, not a callable")
-    return fn
-
-
-def _config_class(cls: type) -> type | None:
-    """The configuration class a ``cls(config, ...)`` constructor wants, found next to ``cls``."""
-    owner = sys.modules.get(cls.__module__)
-    annotation = inspect.signature(cls.__init__).parameters["config"].annotation
-    if isinstance(annotation, type) and annotation is not inspect.Parameter.empty:
-        return annotation
-    if owner is not None and isinstance(annotation, str):
-        found = getattr(owner, annotation.split("|")[0].strip(), None)
-        if isinstance(found, type):
-            return found
-    candidates = [v for k, v in vars(owner or {}).items() if k.endswith("Config") and isinstance(v, type)]
-    return candidates[0] if len(candidates) == 1 else None
-
-
-def _build_with_config(cls: type, init: dict | None, embed_dim: int) -> tuple[nn.Module, str]:
-    config_cls = _config_class(cls)
-    if config_cls is None:
-        raise CannotRun(f"{cls.__name__}(config, ...) needs a config object and no single *Config class was found "
-                        "next to it; pass --factory 'lambda: ...'")
-    kwargs = init if init is not None else {"hidden_size": embed_dim, "num_attention_heads": 4,
-                                            "num_key_value_heads": 4, "intermediate_size": 2 * embed_dim}
-    try:
-        config = config_cls(**kwargs)
-        if hasattr(config, "_attn_implementation"):
-            config._attn_implementation = "eager"  # the module's own math, not a fused kernel
-        extra = {"layer_idx": 0} if "layer_idx" in inspect.signature(cls.__init__).parameters else {}
-        return cls(config, **extra), f"{cls.__name__}({config_cls.__name__}(**{kwargs}))"
-    except Exception as e:
-        raise CannotRun(f"{cls.__name__}({config_cls.__name__}(**{kwargs})) failed: {type(e).__name__}: {e}; "
-                        "pass --init with the config's fields or --factory 'lambda: ...'") from e
-
-
-def build(cls: type, init: dict | None, embed_dim: int) -> tuple[nn.Module, str]:
-    """Instantiate ``cls`` from ``init``, a config object or the usual signatures; returns (module, how)."""
-    try:
-        params = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        params = {}
-    if "config" in params:
-        return _build_with_config(cls, init, embed_dim)
-    if init is not None:
-        try:
-            return cls(**init), f"{cls.__name__}(**{init})"
-        except Exception as e:
-            raise CannotRun(f"{cls.__name__}(**{init}) failed: {type(e).__name__}: {e}") from e
-    e, h = embed_dim, 4
-    attempts: list[tuple[tuple, dict]] = [((e,), {}), ((e, h), {})]
-    for key in _EMBED_KEYS:
-        attempts.append(((), {key: e}))
-        for hkey in _HEAD_KEYS[:-2]:
-            attempts.append(((), {key: e, hkey: h}))
-    errors = []
-    for args, kwargs in attempts:
-        try:
-            m = cls(*args, **kwargs)
-        except Exception as err:
-            errors.append(f"{type(err).__name__}: {err}")
-            continue
-        parts = [*map(repr, args), *(f"{k}={v!r}" for k, v in kwargs.items())]
-        return m, f"{cls.__name__}({', '.join(parts)})"
-    raise CannotRun(f"could not build {cls.__name__} with the usual signatures (embed_dim[, num_heads]); "
-                    f"pass --init '{{...}}' or --factory. Last error: {errors[-1] if errors else 'none'}")
-
-
-def _int_attr(module: nn.Module, keys: tuple[str, ...]) -> int | None:
-    for owner in (module, getattr(module, "config", None)):
-        for key in keys:
-            v = getattr(owner, key, None)
-            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-                return v
-    return None
-
-
-def embed_dim_of(module: nn.Module, default: int) -> int:
-    """E: from an embed-dim attribute (or the module's config), else the first nn.Linear's input size."""
-    found = _int_attr(module, _EMBED_KEYS)
-    if found:
-        return found
-    for m in module.modules():
-        if isinstance(m, nn.Linear):
-            return m.in_features
-    return default
-
-
-def num_heads_of(module: nn.Module) -> int | None:
-    """H: from a heads attribute, the module's config, or embed dim // head_dim; None if none is found."""
-    found = _int_attr(module, _HEAD_KEYS)
-    if found:
-        return found
-    head_dim, e = _int_attr(module, ("head_dim",)), _int_attr(module, _EMBED_KEYS)
-    return e // head_dim if head_dim and e and e % head_dim == 0 else None
+              "input_mask", "pad_mask", "src_key_padding_mask", "key_mask", "attn_masks", "seq_mask")
+# bool arguments that switch a causal mask on (SDPA's is_causal and its cousins)
+SWITCH_NAMES = ("is_causal", "causal", "use_causal_mask", "causal_attention")
 
 
 @dataclass(frozen=True)
@@ -280,13 +139,27 @@ def _output(out: object) -> Tensor:
     return out
 
 
+def _arity(fn: Callable) -> int:
+    """How many positional arguments ``fn`` takes (3 when it takes *args or cannot be inspected)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return 3
+    if any(p.kind == p.VAR_POSITIONAL for p in params):
+        return 3
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
 @dataclass
 class Caller:
     """How to call the module: style 'x' (forward(x, ...)), 'qkv' (forward(q, k, v, ...)) or 'adapter'.
 
     ``mask_arg`` is the keyword the mask goes to (None: the next positional argument); ``spec`` how
-    a keep-mask is encoded for it; ``adapter(module, x, mask)`` and ``make_mask(keep)`` replace
-    both when the user gives them.
+    a keep-mask is encoded for it; ``adapter(module, x[, mask])`` and ``make_mask(keep)`` replace
+    both when the user gives them. ``required``: forward has no default for its mask, so a call
+    without one sends the mask that hides nothing. ``switch``: the mask is a bool argument that
+    turns a causal mask on (``is_causal``). ``layout``: "batch-first" (B, L, E) or
+    "sequence-first" (L, B, E); the probes always speak (B, L, E) and the caller transposes.
     """
 
     module: nn.Module
@@ -296,42 +169,79 @@ class Caller:
     adapter: Callable | None = None
     make_mask: Callable[[Tensor], Tensor] | None = None
     notes: list[str] = field(default_factory=list)
+    required: bool = False
+    switch: str | None = None
+    layout: str = "batch-first"
 
     def __call__(self, x: Tensor, mask: object = None) -> Tensor:
+        if mask is None and self.required:
+            mask = self.module_mask(torch.ones(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool))
+        t = x.transpose(0, 1) if self.layout == "sequence-first" else x
         if self.adapter is not None:
-            return _output(self.adapter(self.module, x, mask))
-        args = (x,) if self.style == "x" else (x, x, x)
-        if mask is None:
-            return _output(self.module(*args))
-        if self.mask_arg is None:
-            return _output(self.module(*args, mask))
-        return _output(self.module(*args, **{self.mask_arg: mask}))
+            out = self.adapter(self.module, t) if not self.takes_mask else self.adapter(self.module, t, mask)
+        else:
+            args = (t,) if self.style == "x" else (t, t, t)
+            if mask is None:
+                out = self.module(*args)
+            elif self.switch is not None:
+                out = self.module(*args, **{self.switch: mask})
+            elif self.mask_arg is None:
+                out = self.module(*args, mask)
+            else:
+                out = self.module(*args, **{self.mask_arg: mask})
+        y = _output(out)
+        return y.transpose(0, 1) if self.layout == "sequence-first" and y.dim() >= 2 else y
+
+    @property
+    def takes_mask(self) -> bool:
+        """False for a two-argument adapter ``call(module, x)``: the user says the module has no mask."""
+        return self.adapter is None or _arity(self.adapter) >= 3
 
     def with_mask(self, spec: MaskSpec | None, mask_arg: str | None = None) -> Caller:
         """This caller, passing masks encoded by ``spec`` to ``mask_arg``."""
-        return Caller(self.module, self.style, mask_arg if mask_arg is not None else self.mask_arg, spec,
-                      self.adapter, self.make_mask)
+        return replace(self, mask_arg=mask_arg if mask_arg is not None else self.mask_arg, spec=spec, switch=None,
+                       notes=[])
 
     def for_module(self, module: nn.Module) -> Caller:
         """This caller on another module (e.g. a float16 copy)."""
-        return Caller(module, self.style, self.mask_arg, self.spec, self.adapter, self.make_mask)
+        return replace(self, module=module, notes=[])
 
     @property
     def key_only(self) -> bool:
         """The module's mask can only hide keys (the same for every query)."""
         return self.spec is not None and self.spec.key_only
 
-    def module_mask(self, keep: Tensor, dtype: torch.dtype = torch.float32) -> object:
-        """Turn a keep-mask (B, L, L) (True = may attend) into what this module takes."""
+    def module_mask(self, keep: Tensor, dtype: torch.dtype | None = None) -> object:
+        """Turn a keep-mask (B, L, L) (True = may attend) into what this module takes.
+
+        Float masks are made in ``dtype`` (default: the module's parameter dtype), on the module's device.
+        A causal switch can only say "causal" (True) or "nothing hidden" (False); other masks raise ValueError.
+        """
+        device = param_device(self.module)
+        if self.switch is not None:
+            length = keep.shape[-1]
+            causal = torch.ones(length, length, dtype=torch.bool).tril()
+            if torch.equal(keep, causal.expand_as(keep)):
+                return True
+            if keep.all():
+                return False
+            raise ValueError(f"a causal switch ({self.switch}) cannot express this mask")
         if self.make_mask is not None:
-            return self.make_mask(keep[:, 0] if self.key_only else keep)
+            m = self.make_mask((keep[:, 0] if self.key_only else keep).to(device))
+            return m
         if self.spec is None:
             raise ValueError("this caller passes no mask")
-        return self.spec.encode(keep, dtype)
+        return self.spec.encode(keep, dtype or param_dtype(self.module)).to(device)
+
+
+def _mask_like(p: inspect.Parameter) -> bool:
+    """Could ``p`` take a mask tensor: no default, or a None default (not a flag, a number or a string)?"""
+    return p.kind != p.VAR_KEYWORD and (p.default is p.empty or p.default is None)
 
 
 def mask_parameters(module: nn.Module, style: str) -> list[str | None]:
-    """The forward parameters a mask may go to: mask-like keywords in signature order, or None (positional)."""
+    """The forward parameters a mask may go to: mask-like keywords in signature order, else the next
+    positional parameter that could take a tensor (by name), or None (positional, for ``*args``)."""
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
@@ -340,8 +250,37 @@ def mask_parameters(module: nn.Module, style: str) -> list[str | None]:
     if named:
         return named
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    var = any(p.kind == p.VAR_POSITIONAL for p in params)
-    return [None] if var or len(positional) >= (2 if style == "x" else 4) else []
+    rest = positional[1 if style == "x" else 3:]
+    if rest and rest[0].kind == rest[0].POSITIONAL_OR_KEYWORD and _mask_like(rest[0]) and \
+            rest[0].name not in SWITCH_NAMES:
+        return [rest[0].name]
+    if rest and rest[0].kind == rest[0].POSITIONAL_ONLY and _mask_like(rest[0]):
+        return [None]
+    return [None] if any(p.kind == p.VAR_POSITIONAL for p in params) else []
+
+
+def switch_parameter(module: nn.Module) -> str | None:
+    """The name of a bool causal switch of forward (``is_causal=False`` and the like), or None."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return next((p.name for p in params if p.name in SWITCH_NAMES and isinstance(p.default, bool)), None)
+
+
+def required_mask_parameter(module: nn.Module, style: str) -> str | None:
+    """The mask-like forward parameter with no default (the module cannot run without it), or None."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    skip = 1 if style == "x" else 3
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][skip:]
+    required = [p for p in positional + [p for p in params if p.kind == p.KEYWORD_ONLY]
+                if p.default is p.empty]
+    if len(required) == 1 and (required[0].name in MASK_NAMES or "mask" in required[0].name.lower()):
+        return required[0].name
+    return None
 
 
 def find_call_style(module: nn.Module, x: Tensor) -> tuple[str, str | None]:
@@ -357,8 +296,34 @@ def find_call_style(module: nn.Module, x: Tensor) -> tuple[str, str | None]:
     return "", "; ".join(errors)
 
 
+class MaskWatch(TorchFunctionMode):
+    """Records whether any torch operation received the watched tensor (a mask that reached the module or not)."""
+
+    def __init__(self, watched: object) -> None:
+        super().__init__()
+        self.watched = watched if isinstance(watched, Tensor) else None
+        self.used = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.watched is not None and not self.used:
+            stack = [*args, *kwargs.values()]
+            while stack:
+                a = stack.pop()
+                if a is self.watched:
+                    self.used = True
+                    break
+                if isinstance(a, (list, tuple)):
+                    stack.extend(a)
+        return func(*args, **kwargs)
+
+
 def dependency(fn: Callable[[Tensor], Tensor], x: Tensor, item: int = 0, rtol: float = 1e-5) -> Tensor:
-    """(L, L) bool: does output row i of batch item ``item`` change when input token j changes?"""
+    """(L, L) bool: does output row i of batch item ``item`` change when input token j changes?
+
+    A change counts when it exceeds ``rtol`` times (1 + the largest output): pick it above the
+    dtype's rounding (the probes run this on a float64 copy of the module when it has one).
+    """
     with torch.no_grad():
         base = fn(x)[item]
         length = x.shape[1]
@@ -366,7 +331,7 @@ def dependency(fn: Callable[[Tensor], Tensor], x: Tensor, item: int = 0, rtol: f
         g = torch.Generator().manual_seed(1234)
         for j in range(length):
             x2 = x.clone()
-            x2[:, j] = torch.randn(x.shape[0], x.shape[2], generator=g, dtype=x.dtype)
+            x2[:, j] = torch.randn(x.shape[0], x.shape[2], generator=g, dtype=x.dtype).to(x.device)
             diff = (fn(x2)[item] - base).abs().amax(-1)  # (L,)
-            dep[:, j] = diff > rtol * (1 + base.abs().max())
+            dep[:, j] = (diff > rtol * (1 + base.abs().max())).cpu()
     return dep

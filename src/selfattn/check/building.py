@@ -1,0 +1,306 @@
+"""Loading the user's file and building the module: a config object next to the class, the constructor's
+arguments guessed by name (or named in the error when they cannot be), the module's dtype and device.
+
+It imports and runs the user's file (never writes to it: no bytecode cache is written).
+
+Shape legend: E embed dim, H heads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import math
+import sys
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import nn
+
+__all__ = ["CannotRun", "Sizes", "build", "embed_dim_of", "load_class", "load_file", "num_heads_of", "param_device",
+           "param_dtype", "user_callable"]
+
+# constructor and config parameters the doctor fills with the embed dim / the head count
+_EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
+               "channels", "query_dim", "width", "n_state", "num_channels", "in_channels", "model_dim", "d_embed",
+               "embed_size", "n_embed", "embedding_size", "hidden_channels", "inner_dim")
+_HEAD_KEYS = ("num_heads", "n_heads", "heads", "n_head", "nhead", "num_attention_heads", "h")
+# attributes a built module may carry its sizes in
+_EMBED_ATTRS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim")
+
+
+class CannotRun(Exception):
+    """The module could not be loaded, built or called at all (exit status 2)."""
+
+
+@contextlib.contextmanager
+def _no_bytecode() -> Iterator[None]:
+    old = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True
+    try:
+        yield
+    finally:
+        sys.dont_write_bytecode = old
+
+
+def load_file(path_s: str) -> ModuleType:
+    """Import ``path_s`` under a fresh name (no bytecode written, the file is not modified).
+
+    The module is registered in ``sys.modules`` under that name, as an import would, so that code
+    which looks its own module up (dataclasses, config classes found next to a class, pickling) works.
+    """
+    path = Path(path_s)
+    if not path.is_file():
+        raise CannotRun(f"no such file: {path}")
+    name = f"_selfattn_check_{uuid.uuid4().hex}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise CannotRun(f"cannot import {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    folder = str(path.parent.resolve())
+    sys.path.insert(0, folder)
+    sys.modules[name] = module
+    try:
+        with _no_bytecode():
+            module_spec.loader.exec_module(module)
+    except BaseException as e:
+        sys.modules.pop(name, None)
+        if not isinstance(e, Exception):
+            raise
+        raise CannotRun(f"importing {path} failed: {type(e).__name__}: {e}") from e
+    finally:
+        sys.path.remove(folder)
+    return module
+
+
+def load_class(spec: str) -> type:
+    """``path/to/file.py:ClassName`` -> the class (the file is imported, not modified)."""
+    path_s, sep, name = spec.rpartition(":")
+    if not sep or not path_s or not name:
+        raise CannotRun(f"expected path/to/file.py:ClassName, got {spec!r}")
+    cls = getattr(load_file(path_s), name, None)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise CannotRun(f"{path_s} has no nn.Module subclass named {name!r}")
+    return cls
+
+
+def user_callable(source: str, namespace: dict | None = None) -> Callable:
+    """Evaluate a Python expression (``--call``, ``--factory``) with torch, nn and ``namespace`` in scope."""
+    scope = {"torch": torch, "nn": nn, "F": nn.functional, "math": math, **(namespace or {})}
+    try:
+        fn = eval(source, scope)
+    except Exception as e:
+        raise CannotRun(f"cannot evaluate {source!r}: {type(e).__name__}: {e}") from e
+    if not callable(fn):
+        raise CannotRun(f"{source!r} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+# -- building the module -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Sizes:
+    """The sizes the doctor builds and probes with: embed dim E, heads H (a divisor of E), batch and lengths.
+
+    ``batch`` and ``lengths`` are None when the doctor picks them; a module that runs only at some
+    sizes is told with ``--batch`` / ``--length``.
+    """
+
+    embed_dim: int = 64
+    heads: int = 4
+    batch: int | None = None
+    lengths: tuple[int, ...] | None = None
+
+
+def _signature(fn: Callable) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _required(params: dict[str, inspect.Parameter], skip: tuple[str, ...] = ("self",)) -> list[str]:
+    """The parameters a call must give: no default, not *args / **kwargs."""
+    return [n for n, p in params.items() if n not in skip and p.default is p.empty and
+            p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _guess(name: str, sizes: Sizes) -> object:
+    """The value the doctor gives a constructor or config parameter it recognises by name, else ``_UNKNOWN``."""
+    low = name.lower()
+    if name in _EMBED_KEYS:
+        return sizes.embed_dim
+    if name in _HEAD_KEYS:
+        return sizes.heads
+    if low in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "kv_heads", "n_kv_head"):
+        return max(1, sizes.heads // 2)
+    if low in ("head_dim", "dim_head", "d_head", "head_size", "kv_channels", "attention_head_size"):
+        return sizes.embed_dim // sizes.heads
+    if low in ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "mlp_dim", "dim_feedforward", "ffn_hidden_size"):
+        return 2 * sizes.embed_dim
+    if "dropout" in low or "pdrop" in low or low in ("drop", "attn_drop", "proj_drop", "p"):
+        return 0.0
+    return _UNKNOWN
+
+
+_UNKNOWN = object()
+
+
+def _config_fields(config_cls: type) -> set[str]:
+    fields = set(_signature(config_cls.__init__))
+    fields |= set(getattr(config_cls, "__dataclass_fields__", {}))
+    fields |= set(getattr(config_cls, "attribute_map", {}) or {})
+    return fields - {"self", "args", "kwargs"}
+
+
+def _config_kwargs(config_cls: type, sizes: Sizes) -> dict:
+    """Keyword arguments for a config class: its embed, head, width and dropout fields at the doctor's sizes."""
+    fields = _config_fields(config_cls)
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in _signature(config_cls.__init__).values())
+    kwargs: dict = {}
+    embed = next((k for k in _EMBED_KEYS if k in fields), "hidden_size" if takes_any else None)
+    if embed is not None:
+        kwargs[embed] = sizes.embed_dim
+    heads = next((k for k in _HEAD_KEYS if k in fields), "num_attention_heads" if takes_any else None)
+    if heads is not None:
+        kwargs[heads] = sizes.heads
+    for name in sorted(fields):
+        if name not in kwargs and (name not in _EMBED_KEYS and name not in _HEAD_KEYS):
+            value = _guess(name, sizes)
+            if value is not _UNKNOWN:
+                kwargs[name] = value
+    missing = [n for n in _required(_signature(config_cls.__init__)) if n not in kwargs]
+    if missing:
+        raise CannotRun(f"{config_cls.__name__} needs {', '.join(repr(m) for m in missing)}, which the doctor "
+                        f"cannot guess; give the config's fields with --init '{{\"{missing[0]}\": ...}}' or build the "
+                        "module with --factory 'lambda: ...'")
+    return kwargs
+
+
+def _config_class(cls: type) -> type | None:
+    """The configuration class a ``cls(config, ...)`` constructor wants: its annotation, or the one
+    ``*Config`` class in the module that defines ``cls``."""
+    owner = sys.modules.get(cls.__module__)
+    names = vars(owner) if owner is not None else {}
+    annotation = _signature(cls.__init__)["config"].annotation
+    if isinstance(annotation, type) and annotation is not inspect.Parameter.empty:
+        return annotation
+    if isinstance(annotation, str):
+        found = names.get(annotation.split("|")[0].strip().strip("'\""))
+        if isinstance(found, type):
+            return found
+    candidates = [v for k, v in names.items() if k.endswith("Config") and isinstance(v, type)]
+    return candidates[0] if len(candidates) == 1 else None
+
+
+def _build_with_config(cls: type, init: dict | None, sizes: Sizes) -> tuple[nn.Module, str]:
+    config_cls = _config_class(cls)
+    if config_cls is None:
+        raise CannotRun(f"{cls.__name__}(config, ...) needs a config object and no single *Config class was found "
+                        "next to it; pass --factory 'lambda: ...'")
+    kwargs = init if init is not None else _config_kwargs(config_cls, sizes)
+    shown = f"{cls.__name__}({config_cls.__name__}(**{kwargs}))"
+    try:
+        config = config_cls(**kwargs)
+    except Exception as e:
+        raise CannotRun(f"{config_cls.__name__}(**{kwargs}) failed: {type(e).__name__}: {e}; pass --init with the "
+                        "config's fields or --factory 'lambda: ...'") from e
+    if hasattr(config, "_attn_implementation"):
+        config._attn_implementation = "eager"  # the module's own math, not a fused kernel
+    extra = {"layer_idx": 0} if "layer_idx" in _signature(cls.__init__) else {}
+    missing = [n for n in _required(_signature(cls.__init__), ("self", "config")) if n not in extra]
+    if missing:
+        raise CannotRun(f"{cls.__name__}(config, ...) also needs {', '.join(repr(m) for m in missing)}; build it "
+                        "with --factory 'lambda: ...'")
+    try:
+        return cls(config, **extra), shown
+    except Exception as e:
+        raise CannotRun(f"{shown} failed: {type(e).__name__}: {e}; pass --init with the config's fields or "
+                        "--factory 'lambda: ...'") from e
+
+
+def build(cls: type, init: dict | None, embed_dim: int, *, heads: int = 4) -> tuple[nn.Module, str]:
+    """Instantiate ``cls`` from ``init``, a config object or its signature; returns (module, how it was built).
+
+    Without ``init``, every required constructor argument must be one the doctor recognises by name
+    (an embed dim such as ``embed_dim``/``dim``/``d_model``, a head count, a head dim, a dropout);
+    otherwise :class:`CannotRun` names the argument and the option that supplies it.
+    """
+    params = _signature(cls.__init__)
+    sizes = Sizes(embed_dim, heads)
+    if "config" in params:
+        return _build_with_config(cls, init, sizes)
+    if init is not None:
+        try:
+            return cls(**init), f"{cls.__name__}(**{init})"
+        except Exception as e:
+            raise CannotRun(f"{cls.__name__}(**{init}) failed: {type(e).__name__}: {e}") from e
+    required = _required(params)
+    kwargs = {n: _guess(n, sizes) for n in required}
+    unknown = [n for n, v in kwargs.items() if v is _UNKNOWN]
+    if unknown:
+        raise CannotRun(f"{cls.__name__}.__init__ needs {', '.join(repr(n) for n in unknown)}, which the doctor "
+                        f"cannot guess; pass --init '{{\"{unknown[0]}\": ...}}' (all constructor keywords) or "
+                        "--factory 'lambda: ...'")
+    attempts: list[tuple[tuple, dict]] = [((), kwargs)]
+    if not params or any(p.kind == p.VAR_POSITIONAL for p in params.values()):
+        attempts += [((embed_dim,), {}), ((embed_dim, heads), {})]
+    errors = []
+    for args, kw in attempts:
+        try:
+            m = cls(*args, **kw)
+        except Exception as err:
+            errors.append(f"{type(err).__name__}: {err}")
+            continue
+        parts = [*map(repr, args), *(f"{k}={v!r}" for k, v in kw.items())]
+        return m, f"{cls.__name__}({', '.join(parts)})"
+    raise CannotRun(f"{cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kwargs.items())}) failed: {errors[0]}; "
+                    "pass --init '{...}' with its constructor keywords or --factory 'lambda: ...'")
+
+
+def _int_attr(module: nn.Module, keys: tuple[str, ...]) -> int | None:
+    for owner in (module, getattr(module, "config", None)):
+        for key in keys:
+            v = getattr(owner, key, None)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                return v
+    return None
+
+
+def embed_dim_of(module: nn.Module, default: int) -> int:
+    """E: from an embed-dim attribute (or the module's config), else the first nn.Linear's input size."""
+    found = _int_attr(module, _EMBED_ATTRS)
+    if found:
+        return found
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            return m.in_features
+    return default
+
+
+def num_heads_of(module: nn.Module) -> int | None:
+    """H: from a heads attribute, the module's config, or embed dim // head_dim; None if none is found."""
+    found = _int_attr(module, _HEAD_KEYS)
+    if found:
+        return found
+    head_dim, e = _int_attr(module, ("head_dim",)), _int_attr(module, _EMBED_ATTRS)
+    return e // head_dim if head_dim and e and e % head_dim == 0 else None
+
+
+def param_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype of the module's first floating-point parameter (or buffer); float32 when it has none."""
+    for t in (*module.parameters(), *module.buffers()):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
+
+def param_device(module: nn.Module) -> torch.device:
+    """The device of the module's first parameter (or buffer); the CPU when it has none."""
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")

@@ -1,0 +1,261 @@
+"""How the module is called and at which sizes it runs.
+
+The call style (forward(x), forward(q, k, v) or the user's adapter), a mask the forward requires
+(its convention found before any other probe, so that "no mask" can be sent as the mask that hides
+nothing), the layout (a module that mixes dim 0 and keeps dim 1 apart is sequence-first, as
+``nn.MultiheadAttention(batch_first=False)``), and the sizes: the batch and length limits a module
+has by design (a cache allocated for N rows, a causal buffer of N positions, a window of N tokens)
+are found by trying and bisecting and reported as facts; failures that follow no limit are findings.
+
+Shape legend: B batch, L length, E embed dim.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from .building import CannotRun, Sizes
+from .context import Outcome, close, probe_keep, tolerance
+from .report import Finding
+from .target import Caller, MaskSpec, dependency, find_call_style, required_mask_parameter
+
+__all__ = ["KIND_ORDER", "SHAPE_ORDER", "calling"]
+
+SHAPE_ORDER = ("BLL", "B1LL", "BL", "B11L", "LL")  # per-item shapes first: padding differs per item
+KIND_ORDER = ("keep", "keep-int", "keep-float", "additive")  # bool "keep" also finds bool "ignore"
+
+
+def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
+
+
+def _required_mask_caller(module: nn.Module, style: str, arg: str, x: Tensor) -> Caller | None:
+    """A caller for a forward that requires its mask: the first (shape, kind) whose band mask hides exactly
+    the band's complement (bool masks read either way), else the first that runs; None if none runs."""
+    b, length, _ = x.shape
+    off = ~torch.eye(length, dtype=torch.bool)
+    first: Caller | None = None
+    for shape in SHAPE_ORDER:
+        for kind in KIND_ORDER:
+            c = Caller(module, style, arg, MaskSpec(kind, shape), required=True)
+            keep = probe_keep(b, length, c.key_only)
+            try:
+                with torch.no_grad():
+                    mask = c.module_mask(keep)
+                    if c(x, mask).shape != x.shape or c(x).shape != x.shape:
+                        continue
+                    seen = dependency(lambda t, c=c, m=mask: c(t, m), x)
+                    full = dependency(c, x)
+            except Exception:  # not this shape or kind
+                continue
+            first = first or c
+            k0 = keep[0]
+            rows = (k0 & full & off).any(-1) & (~k0 & full & off).any(-1)
+            if torch.equal((seen & off)[rows], (k0 & full & off)[rows]):
+                return c
+            if kind == "keep" and torch.equal((seen & off)[rows], (~k0 & full & off)[rows]):
+                return c.with_mask(MaskSpec("ignore", shape), arg)
+    return first
+
+
+def _caller_for(module: nn.Module, x: Tensor) -> tuple[Caller | None, str]:
+    style, why = find_call_style(module, x)
+    if style:
+        return Caller(module, style), ""
+    for style in ("x", "qkv"):
+        arg = required_mask_parameter(module, style)
+        if arg is not None:
+            found = _required_mask_caller(module, style, arg, x)
+            if found is not None:
+                return found, ""
+    return None, why or ""
+
+
+def _runs(call: Caller, shape: tuple[int, int, int], gen: torch.Generator, dtype: torch.dtype,
+          device: torch.device) -> str | None:
+    """None if the module returns (B, L, E) for this shape, else why not."""
+    try:
+        with torch.no_grad():
+            out = call(_randn(gen, shape, dtype, device))
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"[:300]
+    return None if tuple(out.shape) == shape else f"output {tuple(out.shape)}"
+
+
+def _largest(ok: int, bad: int, runs: Callable[[int], bool]) -> int:
+    """The largest n in [ok, bad) for which ``runs(n)``, knowing runs(ok) and not runs(bad) (bisection)."""
+    while bad - ok > 1:
+        mid = (ok + bad) // 2
+        ok, bad = (mid, bad) if runs(mid) else (ok, mid)
+    return ok
+
+
+def _sequence_first(call: Caller, x: Tensor, gen: torch.Generator, rtol: float) -> bool:
+    """Does the module keep dim 1 apart and mix dim 0 (an (L, B, E) module given (B, L, E))?"""
+    if x.shape[0] < 2 or x.shape[1] < 2:
+        return False
+    with torch.no_grad():
+        out = call(x)
+        x2 = x.clone()
+        x2[0] = _randn(gen, x2[0].shape, x.dtype, x.device)
+        if close(call(x2)[1:], out[1:], rtol):
+            return False
+        x3 = x.clone()
+        x3[:, 0] = _randn(gen, x3[:, 0].shape, x.dtype, x.device)
+        return close(call(x3)[:, 1:], out[:, 1:], rtol)
+
+
+def _sizes_in(module: nn.Module) -> set[int]:
+    """Sizes a module with a fixed length carries: its buffers' and parameters' dims, and products of int pairs
+    among its attributes (a window of (7, 7) is 49 tokens)."""
+    found = {d for t in (*module.buffers(), *module.parameters()) for d in t.shape}
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, (tuple, list)) and 1 < len(value) <= 3 and \
+                    all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                found.add(math.prod(value))
+    return found
+
+
+def _discover_length(module: nn.Module, adapter: Callable | None, errors: list[str], e: int, tried: set[int],
+                     gen: torch.Generator, dtype: torch.dtype, device: torch.device) -> tuple[Caller, int] | None:
+    """A length the module runs at, among the numbers its error messages name and the sizes it carries (a fixed
+    window of N tokens)."""
+    named = {int(n) for n in re.findall(r"\d+", " ".join(errors))} | _sizes_in(module)
+    numbers = sorted({n for n in named if 2 <= n <= 4096} - tried - {e})
+    for n in numbers[:12]:
+        x = _randn(gen, (2, n, e), dtype, device)
+        call = Caller(module, "adapter", adapter=adapter) if adapter is not None else _caller_for(module, x)[0]
+        if call is not None and _runs(call, (2, n, e), gen, dtype, device) is None:
+            return call, n
+    return None
+
+
+def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Callable | None = None,
+            dtype: torch.dtype = torch.float32,
+            device: torch.device | None = None) -> Outcome[tuple[Caller, Tensor]]:
+    """Find how the module is called and which shapes it runs for; pick the probe input.
+
+    Args:
+        module: the module, in eval mode.
+        sizes: E (the input's last dim), and the batch and lengths the user fixed (None: the doctor picks).
+        gen: the probes' random generator (first draws).
+        adapter: the user's ``call(module, x[, mask])``, used instead of guessing.
+        dtype, device: the module's parameter dtype and device; the probe input is made in them.
+
+    Returns:
+        Findings wrong-output-shape, batch-mixing (runs only when sizes coincide) or shape-dependent
+        (fails for some sizes without a limit); notes call, output, layout, limits and probe shape;
+        value (caller without a mask, probe input x (B, L, E)).
+
+    Raises:
+        CannotRun: the module runs for no shape, or never returns a (B, L, E) output.
+    """
+    device = device or torch.device("cpu")
+    e = sizes.embed_dim
+    if sizes.lengths is None and sizes.batch is None:
+        shapes = [(3, 7), (2, 5), (1, 6), (2, e), (1, e)] + ([(e, e)] if e <= 64 else [])
+    else:
+        lengths = sizes.lengths or (7, 5, 6)
+        shapes = [(b, n) for n in lengths for b in ([sizes.batch] if sizes.batch else [3, 2, 1])]
+    call: Caller | None = Caller(module, "adapter", adapter=adapter) if adapter is not None else None
+    notes: dict = {}
+    ran, wrong, failed, errors = [], [], [], []
+    for b, n in shapes:
+        shape = (b, n, e)
+        if call is None:
+            call, why = _caller_for(module, _randn(gen, shape, dtype, device))
+            if call is None:
+                failed.append((shape, why))
+                errors.append(why)
+                continue
+        why = _runs(call, shape, gen, dtype, device)
+        if why is None:
+            ran.append(shape)
+        elif why.startswith("output "):
+            wrong.append((shape, why[7:]))
+        else:
+            failed.append((shape, why))
+            errors.append(why)
+    if not ran and not wrong and sizes.lengths is None:
+        found = _discover_length(module, adapter, errors, e, {n for _, n in shapes}, gen, dtype, device)
+        if found is not None:
+            call, n = found
+            notes["length"] = f"runs only at length {n} among those tried (a size its errors or tensors name; " \
+                              "--length states it)"
+            shapes = [(b, n) for b in ([sizes.batch] if sizes.batch else [3, 2, 1])]
+            ran, wrong, failed = [], [], []
+            for b, _ in shapes:
+                why = _runs(call, (b, n, e), gen, dtype, device)
+                if why is None:
+                    ran.append((b, n, e))
+                elif why.startswith("output "):
+                    wrong.append(((b, n, e), why[7:]))
+                else:
+                    failed.append(((b, n, e), why))
+    if call is None or (not ran and not wrong):
+        last = errors[-1] if errors else (failed[-1][1] if failed else "no shape tried")
+        raise CannotRun(f"the module failed on every input shape tried ({', '.join(str(s) for s, _ in failed)}): "
+                        f"{last[:300]}. If it runs only at some sizes, state them with --length (e.g. --length 49), "
+                        "--batch and --embed-dim; if it needs other arguments, give --call")
+    how = {"x": "forward(x)", "qkv": "forward(q, k, v) with q = k = v = x",
+           "adapter": "your call(module, x, mask)" if call.takes_mask else "your call(module, x) (no mask)"}
+    if call.required:
+        how[call.style] += f", with the mask it requires ({call.mask_arg})"
+    found = Outcome[tuple[Caller, Tensor]](notes={"call": how[call.style],
+                                                  "output": "tensor (or first tensor of a tuple or dict)", **notes})
+    if wrong:
+        found.findings.append(Finding.of("wrong-output-shape", "the output shape differs from the input shape "
+                                         "(B, L, E)", {"input -> output": {str(i): str(o) for i, o in wrong}}))
+    if failed and ran:
+        _limits(found, call, ran, wrong, failed, gen, dtype, device)
+    good = ran
+    if not good:
+        raise CannotRun("the module never returned a (B, L, E) output; see wrong-output-shape")
+    b, n, _ = (3, 7, e) if (3, 7, e) in good else max(good, key=lambda s: (s[0] > 1, s[1] <= 64, s[0]))
+    x = _randn(gen, (b, n, e), dtype, device)
+    if _sequence_first(call, x, gen, tolerance(dtype)):
+        call.layout = "sequence-first"
+        found.notes["layout"] = "sequence-first: the module takes (L, B, E) (as nn.MultiheadAttention with " \
+                                "batch_first=False); the doctor sends x.transpose(0, 1)"
+    found.notes["probe shape"] = (b, n, e)
+    found.value = (call, x)
+    return found
+
+
+def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, gen: torch.Generator,
+            dtype: torch.dtype, device: torch.device) -> None:
+    """Explain the sizes a module fails for: a batch or length limit (a fact), sizes that line up (batch-mixing),
+    or neither (shape-dependent)."""
+    ok = ran + [s for s, _ in wrong]
+    evidence = {"runs for": [str(s) for s in ok], "fails for": {str(s): why[:200] for s, why in failed}}
+    if all(len({*s}) < 3 for s in ok) and any(len({*s}) == 3 for s, _ in failed):  # two of B, L, E coincide
+        found.findings.append(Finding.of("batch-mixing", "the module runs only when batch, length and embed sizes "
+                                         "line up: it mixes the batch or sequence dimension with another", evidence))
+        return
+    e = ok[0][2]
+    bad_b, bad_n = {s[0] for s, _ in failed}, {s[1] for s, _ in failed}
+    max_b, max_n = max(s[0] for s in ok), max(s[1] for s in ok)
+    n_ok = min(s[1] for s in ok)
+    b_ok = min(s[0] for s in ok)
+
+    def runs(b: int, n: int) -> bool:
+        return _runs(call, (b, n, e), gen, dtype, device) is None
+
+    if min(bad_b) > max_b and not runs(min(bad_b), n_ok):
+        limit = _largest(max_b, min(bad_b), lambda b: runs(b, n_ok))
+        found.notes["batch limit"] = f"runs for batch <= {limit} (fails at {limit + 1}: " \
+                                     f"{_runs(call, (limit + 1, n_ok, e), gen, dtype, device)})"[:300]
+        return
+    if min(bad_n) > max_n and not runs(b_ok, min(bad_n)):
+        limit = _largest(max_n, min(bad_n), lambda n: runs(b_ok, n))
+        found.notes["length limit"] = f"runs for length <= {limit} (fails at {limit + 1}: " \
+                                      f"{_runs(call, (b_ok, limit + 1, e), gen, dtype, device)})"[:300]
+        return
+    found.findings.append(Finding.of("shape-dependent", "the module runs for some valid shapes and fails for others, "
+                                     "with no batch or length limit that explains it", evidence))

@@ -1,0 +1,403 @@
+"""The attention itself, found in a :class:`~selfattn.check.trace.Trace`: the score product, the softmax and
+the weights-times-values product (or one SDPA call), checked from their own operands.
+
+Whatever came before (q/k normalisation, rotary positions, a LayerNorm, slices of one input with no
+projection at all) and whatever comes after (the output projection, a residual, a norm, zeroed
+padded rows) is not part of the verdict, except the merge of the heads: the tensor the next
+operation reads must be the heads put back side by side. The checks:
+
+- the scores are ``c * (A @ B^T) + T`` with one number ``c`` and a term ``T`` of (head, query, key)
+  only (a mask, a relative-position bias), or ``cap * tanh(c * A @ B^T / cap) + T`` (soft-capping);
+  the scale ``c``, times any number A and B were multiplied by on their way from where they were
+  made, is judged against the head dim D that the product contracts: 1/sqrt(D), or the scale the
+  user or the module's config states (q and k of unit norm make it a temperature: any scale);
+- the softmax runs over the last dim, the one the weights-times-values product contracts;
+- the weights that reach that product are the softmax's output, in its orientation (not V @ W,
+  not W^T @ V, not W changed after the softmax);
+- when A, B and V can be traced to projections whose names or fused order give their roles, the
+  roles are q, k and v.
+
+Shape legend: B batch, H heads, L length, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
+
+__all__ = ["ROLE_PATTERNS", "Verdict", "examine_cores"]
+
+ROLE_PATTERNS = {
+    "q": re.compile(r"(^|[._])(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q)$"),
+    "k": re.compile(r"(^|[._])(k|wk|key|keys|k_proj|to_k|key_proj|k_lin|w_k)$"),
+    "v": re.compile(r"(^|[._])(v|wv|value|values|v_proj|to_v|value_proj|v_lin|w_v)$"),
+}
+_TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
+                    "where"})
+_MASKED = -1e3  # a score below this is a masked one (masks fill -inf, finfo.min, -10000, ...)
+
+
+class Unrecognised(LookupError):
+    """The record holds an attention the doctor cannot follow; the message says where it stopped."""
+
+
+@dataclass
+class Verdict:
+    """What one attention core follows: ``fid`` None for the definition, else the bug's finding id."""
+
+    fid: str | None
+    evidence: dict
+    facts: dict = field(default_factory=dict)
+
+
+def _dim(op: Op) -> int:
+    """The softmax's dim, normalised (torch's implicit dim for a call without one)."""
+    s = op.args[0]
+    dim = op.args[1] if len(op.args) > 1 and isinstance(op.args[1], int) else op.kwargs.get("dim")
+    if dim is None:
+        dim = 0 if s.dim() in (0, 1, 3) else 1
+    return dim % s.dim()
+
+
+def _operands(op: Op) -> list[tuple[int, Tensor]]:
+    """(identity, value) of a product's matrix operands, in order (einsum's equation and baddbmm's input left out)."""
+    pairs = list(zip(op.in_ids, op.inputs, strict=False))
+    return pairs[1:3] if op.name == "baddbmm" else pairs
+
+
+def _equation(op: Op) -> tuple[list[str], str] | None:
+    if op.name != "einsum" or not isinstance(op.args[0], str):
+        return None
+    eq = op.args[0].replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return None
+    lhs, out = eq.split("->")
+    return lhs.split(","), out
+
+
+def _contract(op: Op, a: Tensor, b: Tensor) -> Tensor:
+    """The product of two operands in float64, as the operation computes it (without baddbmm's input and alpha)."""
+    eq = _equation(op)
+    if eq is not None:
+        return torch.einsum(f"{eq[0][0]},{eq[0][1]}->{eq[1]}", a.double(), b.double())
+    return torch.matmul(a.double(), b.double())
+
+
+def _contracted_size(op: Op, a: Tensor, b: Tensor) -> int:
+    eq = _equation(op)
+    if eq is None:
+        return a.shape[-1]
+    (sa, sb), out = eq
+    return math.prod(a.shape[sa.index(c)] for c in sa if c in sb and c not in out)
+
+
+def _weights_contracted_last(op: Op, position: int, w: Tensor) -> bool:
+    """Does the product contract the last dim of its operand ``w`` (at ``position``)?"""
+    eq = _equation(op)
+    if eq is not None:
+        (sa, sb), out = eq
+        subs, other = (sa, sb) if position == 0 else (sb, sa)
+        contracted = {c for c in subs if c in other and c not in out}
+        return contracted == {subs[-1]}
+    return position == 0  # matmul(W, V) contracts W's last dim; matmul(V, W) its second to last
+
+
+def _orientation(w: Tensor, p: Tensor) -> str | None:
+    """"same" when ``w`` holds the softmax output ``p`` as it is, "transposed" when with its last two dims
+    swapped, None when neither (weights changed after the softmax)."""
+    if w.numel() != p.numel():
+        return None
+    tol = 1e-3 * (1 + float(p.abs().max()))
+    if w.shape[-2:] == p.shape[-2:] and bool(((w.double().reshape(p.shape) - p.double()).abs() <= tol).all()):
+        return "same"
+    pt = p.transpose(-1, -2)
+    if w.shape[-2:] == pt.shape[-2:] and bool(((w.double().reshape(pt.shape) - pt.double()).abs() <= tol).all()):
+        return "transposed"
+    return None
+
+
+def _product_after(trace: Trace, tid: int) -> tuple[Op, int, list[str]] | None:
+    """The first product that reads ``tid`` (through layout operations and at most two others), the identity it
+    reads, and the names of the non-layout operations on the way."""
+    frontier, passed = [tid], []
+    for _ in range(3):
+        nxt = []
+        for t in frontier:
+            for op, read in trace.consumers(t):
+                if op.name in PRODUCTS:
+                    return op, read, passed
+                if op.name not in SOFTMAX and op.out_ids:
+                    nxt.append(op.out_ids[0])
+                    passed.append(op.name)
+                break
+        frontier = nxt
+    return None
+
+
+def _score_chain(trace: Trace, tid: int) -> tuple[Op, list[tuple[str, float | None]]]:
+    """Walk back from the softmax input to the score product: (product, steps nearest the softmax first)."""
+    steps: list[tuple[str, float | None]] = []
+    for _ in range(60):
+        found = trace.maker(tid)
+        if found is None:
+            raise Unrecognised("the softmax input was not made by a product of two tensors")
+        op, _ = found
+        if op.name in PRODUCTS:
+            return op, steps
+        number = op.number()
+        if number is not None or op.name in LAYOUT or op.name in ("tanh",):
+            steps.append((op.name, number))
+            nxt = op.main_input()
+        elif op.name in _TERMS:
+            steps.append((op.name, None))
+            pairs = list(zip(op.in_ids, op.inputs, strict=False))
+            nxt = max(pairs, key=lambda it: it[1].numel())[0] if pairs else None
+        else:
+            raise Unrecognised(f"the scores pass through {op.name}() between the product and the softmax")
+        if nxt is None:
+            raise Unrecognised(f"the scores pass through {op.name}() with no tensor input")
+        tid = nxt
+    raise Unrecognised("the chain from the product to the softmax is too long to follow")
+
+
+def _fit(s: Tensor, r: Tensor, with_terms: bool) -> tuple[float, Tensor, Tensor]:
+    """Fit s = c * r + t over the unmasked entries: (c, t, which entries were used); t is 0 without terms, else
+    a term per (head, query, key) position (the batch's mean), fitted on positions no batch item masks."""
+    s, r = s.double().reshape(r.shape), r.double()
+    seen = torch.isfinite(s) & (s > _MASKED) & torch.isfinite(r)
+    if not seen.any():
+        raise Unrecognised("every score is masked")
+    if with_terms and r.shape[0] > 1:
+        joint = seen.all(0, keepdim=True).expand_as(seen)
+        ds = torch.where(joint, s - torch.where(joint, s, 0).sum(0, keepdim=True) / r.shape[0], 0)
+        dr = torch.where(joint, r - torch.where(joint, r, 0).sum(0, keepdim=True) / r.shape[0], 0)
+        denominator = float((dr * dr).sum())
+        if denominator > 0:
+            c = float((ds * dr).sum()) / denominator
+            return c, torch.where(seen, s - c * r, 0), seen
+    denominator = float((r[seen] ** 2).sum())
+    c = float((s[seen] * r[seen]).sum()) / denominator if denominator > 0 else 0.0
+    return c, torch.where(seen, s - c * r, 0), seen
+
+
+def _role(trace: Trace, tid: int) -> str | None:
+    """q, k or v: the role of the projection a tensor comes from (by its module's name, or by its place in a
+    fused projection split in three (q, k, v) or two (k, v)), when it can be told; else None."""
+    part, parts = None, None
+    for _ in range(80):
+        if tid in trace.names:
+            name = trace.names[tid]
+            for role, pattern in ROLE_PATTERNS.items():
+                if pattern.search(name):
+                    return role
+            if part is not None and parts in (2, 3):
+                return ("q", "k", "v")[part + (3 - parts)]
+            return None
+        found = trace.maker(tid)
+        if found is None:
+            return None
+        op, index = found
+        if op.name in ("split", "chunk", "unbind", "tensor_split", "split_with_sizes"):  # the one nearest the
+            part, parts = index, len(op.outputs)  # projection counts
+        elif op.name in ("getitem", "select") and len(op.args) > 1 and \
+                isinstance(op.args[1], int) and not isinstance(op.args[1], bool) and op.args[0].dim() > 0:
+            part, parts = op.args[1] % op.args[0].shape[0], op.args[0].shape[0]
+        nxt = op.main_input()
+        if nxt is None:
+            return None
+        tid = nxt
+    return None
+
+
+def _scale_verdict(c: float, d: int, width: int, expected: float | None, unit_norm: bool) -> tuple[str | None, str]:
+    want = expected if expected is not None else 1 / math.sqrt(d)
+    said = f"scores scaled by {c:.6g}"
+    if abs(c / want - 1) < 1e-3:
+        return None, f"{said} = {'the stated scale' if expected is not None else f'1/sqrt({d})'}"
+    if unit_norm and expected is None:
+        return None, f"{said} (q and k have unit norm: cosine-similarity attention, the scale is a temperature)"
+    if abs(c - 1) < 1e-3:
+        return "missing-scale", f"{said}: no 1/sqrt({d})"
+    if abs(c * d - 1) < 1e-3:
+        return "wrong-scale", f"{said} = 1/{d} (1/D instead of 1/sqrt(D), D = {d})"
+    if width and abs(c * math.sqrt(width) - 1) < 1e-3:
+        return "wrong-scale", f"{said} = 1/sqrt({width}) (the model width, not the head dim {d})"
+    return "wrong-scale", f"{said}; expected {want:.6g} = " + \
+        ("the stated scale" if expected is not None else f"1/sqrt({d}), D = {d} the head dim")
+
+
+def _unit_norm(a: Tensor, b: Tensor, fa: float, fb: float) -> bool:
+    na = (a.double() / fa).norm(dim=-1) if fa else a.double().norm(dim=-1)
+    nb = (b.double() / fb).norm(dim=-1) if fb else b.double().norm(dim=-1)
+    return bool(((na - 1).abs() < 1e-3).all() and ((nb - 1).abs() < 1e-3).all())
+
+
+def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor) -> tuple[str | None, str]:
+    """Check that the tensor read after the weights-times-values product puts the heads side by side."""
+    read = next(iter(trace.consumers(op.out_ids[0])), None)
+    if read is None:
+        m = final
+    else:
+        value = trace.value(read[1])
+        if value is None:
+            return None, "merge of the heads not checked (the product is read directly)"
+        m = value
+    o = out.double()
+    cands: dict[str, Tensor] = {}
+    if o.dim() == 4:
+        b, h, length, d = o.shape
+        cands["correct"] = o.transpose(1, 2).reshape(b, length, h * d)
+        cands["sequence-first"] = o.permute(2, 0, 1, 3).reshape(length, b, h * d)
+        cands["head-merge"] = o.reshape(b, length, h * d)
+    elif o.dim() == 3 and m.dim() >= 2 and m.shape[-1] % o.shape[-1] == 0:
+        h = m.shape[-1] // o.shape[-1]
+        if h == 1:
+            cands["correct"] = o
+        elif o.shape[0] % h == 0:
+            bh, length, d = o.shape
+            o4 = o.reshape(bh // h, h, length, d)
+            cands["correct"] = o4.transpose(1, 2).reshape(bh // h, length, h * d)
+            cands["sequence-first"] = o4.permute(2, 0, 1, 3).reshape(length, bh // h, h * d)
+            cands["head-merge"] = o.reshape(bh // h, length, h * d)
+    if not cands or m.numel() != next(iter(cands.values())).numel():
+        return None, "merge of the heads not checked (the next operation reads another shape)"
+    flat = m.double().reshape(-1)
+    tol = 1e-3 * (1 + float(flat.abs().max()))
+    for label, cand in cands.items():
+        if bool(((cand.reshape(-1) - flat).abs() <= tol).all()):
+            if label == "head-merge":
+                return "head-merge", "heads merged with view/reshape before the transpose back"
+            return None, "heads merged side by side"
+    return None, "merge of the heads not recognised (the next operation reads something else)"
+
+
+def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, expected: Callable[[int], float | None]) \
+        -> Verdict | None:
+    p = sm.outputs[0]
+    after = _product_after(trace, sm.out_ids[0])
+    if after is None:
+        return None  # a softmax that feeds no product is not an attention's
+    pv, read, passed = after
+    operands = _operands(pv)
+    position = next((i for i, (tid, _) in enumerate(operands) if tid == read), 0)
+    w = operands[position][1]
+    vid = operands[1 - position][0] if len(operands) > 1 else operands[0][0]
+    dim = _dim(sm)
+    evidence: dict = {"operations": f"{len(trace.ops)} recorded"}
+    if passed:
+        return Verdict("definition-mismatch", {"matches": f"the weights pass through {', '.join(passed)} between "
+                                               "the softmax and the product with the values", **evidence})
+    if dim != p.dim() - 1:
+        return Verdict("softmax-dim", {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
+                                       "the keys (the last dim)", **evidence})
+    orientation = _orientation(w, p)
+    if orientation is None or not _weights_contracted_last(pv, position, w):
+        how = "V @ weights instead of weights @ V" if position == 1 and pv.name != "einsum" else \
+            "weights transposed before V" if orientation == "transposed" else \
+            "the product with the values does not contract the key axis"
+        return Verdict("matmul-order", {"matches": how, **evidence})
+    if orientation == "transposed":
+        return Verdict("matmul-order", {"matches": "weights transposed before V", **evidence})
+    product, steps = _score_chain(trace, sm.in_ids[0])
+    pairs = _operands(product)
+    if len(pairs) < 2:
+        raise Unrecognised("the score product has one operand")
+    (aid, a), (bid, b) = pairs[0], pairs[1]
+    r = _contract(product, a, b)
+    d = _contracted_size(product, a, b)
+    s = sm.args[0]
+    if s.numel() != r.numel():
+        raise Unrecognised("the softmax input does not have the score product's size")
+    names = [n for n, _ in steps]
+    facts: dict = {}
+    if "tanh" in names:
+        cut = names.index("tanh")
+        cap = math.prod(x for _, x in steps[:cut] if x is not None)
+        s = cap * torch.atanh((s.double() / cap).clamp(-1 + 1e-12, 1 - 1e-12))
+        s = torch.where(sm.args[0].double() > _MASKED, s, sm.args[0].double())
+        facts["soft-capping"] = f"scores capped at {cap:.6g} by cap * tanh(scores / cap)"
+    with_terms = any(n in _TERMS for n in names) or product.name == "baddbmm"
+    c, t, seen = _fit(s, r, with_terms)
+    size = 1 + float(s.double().reshape(r.shape)[seen].abs().max())
+    varies = (t - t[:1]).abs().masked_fill(~(seen & seen[:1]), 0).amax() if t.shape[0] > 1 else torch.zeros(())
+    if float(varies) > 1e-3 * size:
+        raise Unrecognised(f"the scores are not one multiple of the product plus a term of (head, query, key): "
+                           f"best multiple {c:.4g} leaves a difference of {float(varies):.3g} between batch items")
+    if float(t.abs().max()) > 1e-3 * size:
+        facts["position term"] = "an additive term of (head, query, key) (a relative-position bias)"
+    origin_a, origin_b = trace.origin(aid), trace.origin(bid)
+    scale = c * origin_a.factor * origin_b.factor
+    unit = _unit_norm(a, b, origin_a.factor, origin_b.factor)
+    fid, said = _scale_verdict(scale, d, width, expected(d), unit)
+    evidence.update({"scale": said, "head dim": d, "product": product.name})
+    if fid is not None:
+        return Verdict(fid, {"matches": said, **evidence}, facts)
+    roles = (_role(trace, aid), _role(trace, bid), _role(trace, vid))
+    if roles[:2] == ("k", "q"):
+        return Verdict("softmax-dim", {"matches": "the scores are K Q^T (keys and queries swapped): the softmax runs "
+                                      "over the queries", **evidence}, facts)
+    if any(r_ not in (want, None) for r_, want in zip(roles, ("q", "k", "v"), strict=True)):
+        return Verdict("definition-mismatch", {"matches": f"softmax({roles[0] or '?'} {roles[1] or '?'}^T) "
+                                               f"{roles[2] or '?'}: the projections are used in the wrong roles",
+                                               **evidence}, facts)
+    merge_fid, merged = _merge(trace, pv, pv.outputs[0], final)
+    evidence["merge"] = merged
+    if merge_fid is not None:
+        return Verdict(merge_fid, {"matches": merged, **evidence}, facts)
+    return Verdict(None, {"formula": f"softmax({'capped ' if 'tanh' in names else ''}c Q K^T"
+                                     f"{' + T' if 'position term' in facts else ''}) V from the operands of its "
+                                     f"products; {said}", **evidence}, facts)
+
+
+def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, expected: Callable[[int], float | None]) -> Verdict:
+    q, k = op.inputs[0], op.inputs[1]
+    d = q.shape[-1]
+    given = op.kwargs.get("scale", op.args[6] if len(op.args) > 6 else None)
+    base = 1 / math.sqrt(d) if given is None else float(given)
+    origin_q, origin_k = trace.origin(op.in_ids[0]), trace.origin(op.in_ids[1])
+    scale = base * origin_q.factor * origin_k.factor
+    fid, said = _scale_verdict(scale, d, width, expected(d), _unit_norm(q, k, origin_q.factor, origin_k.factor))
+    evidence = {"scale": said, "head dim": d, "product": "scaled_dot_product_attention"}
+    if fid is not None:
+        return Verdict(fid, {"matches": said, **evidence})
+    merge_fid, merged = _merge(trace, op, op.outputs[0], final)
+    evidence["merge"] = merged
+    if merge_fid is not None:
+        return Verdict(merge_fid, {"matches": merged, **evidence})
+    return Verdict(None, {"formula": f"scaled_dot_product_attention; {said}", **evidence})
+
+
+def examine_cores(trace: Trace, final: Tensor, width: int, expected: Callable[[int], float | None]) -> list[Verdict]:
+    """Every attention core in the record, each with its verdict.
+
+    Args:
+        trace: the record of one run of the module.
+        final: the module's output in that run, as the module returned it.
+        width: the model width E (to name a 1/sqrt(E) scale).
+        expected: the scale the user or the module states for head dim D, or None for 1/sqrt(D).
+
+    Returns:
+        One :class:`Verdict` per core, in the order they ran.
+
+    Raises:
+        Unrecognised: a softmax feeds a product but the doctor cannot follow its scores (the message says
+            where it stopped); or no core was found.
+    """
+    verdicts = []
+    for op in trace.ops:
+        if op.name == "scaled_dot_product_attention":
+            verdicts.append(_sdpa_core(trace, op, final, width, expected))
+        elif op.name in SOFTMAX:
+            found = _softmax_core(trace, op, final, width, expected)
+            if found is not None:
+                verdicts.append(found)
+    if not verdicts:
+        raise Unrecognised("no attention was found: no softmax feeding a product, no scaled_dot_product_attention")
+    return verdicts

@@ -1,0 +1,407 @@
+"""The doctor's probes of what each query sees: the module's own structure (causal, a sliding or local
+window) and its mask (which argument, shape and kind; every accepted shape read the same way; padding;
+rows with no visible key).
+
+A module's built-in structure is read from which tokens each output row depends on; a band of
+diagonals (a causal window, a local window) is a design, reported as a fact; a causal mask that hides
+the diagonal, shows some future tokens or follows no band is a causal-leak. The mask is inferred from
+behaviour over every mask argument, shape and kind; an argument that is not named like a mask and
+changes nothing is not a mask, and a mask the user's adapter never passes on is no mask.
+
+Shape legend: B batch, L length, E embed dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .calling import KIND_ORDER, SHAPE_ORDER
+from .context import Context, Outcome, close, empty_row_keep, future, padding_keep, probe_keep, rel
+from .report import Finding
+from .target import MASK_NAMES, MASK_SHAPES, Caller, MaskSpec, MaskWatch, dependency, mask_parameters, switch_parameter
+
+__all__ = ["band", "causality", "mask_convention", "masked_rows", "padding"]
+
+
+def band(dep: Tensor) -> tuple[int, int] | None:
+    """(left, right) when row i sees exactly the keys i - left .. i + right (whole diagonals), else None.
+
+    ``left`` (``right``) is L - 1 when nothing in the past (future) is hidden; right is -1 when the
+    diagonal itself is hidden.
+    """
+    length = dep.shape[0]
+    visible = []
+    for d in range(-(length - 1), length):
+        diagonal = dep.diagonal(d)
+        if bool(diagonal.all()):
+            visible.append(d)
+        elif bool(diagonal.any()):
+            return None
+    if not visible or visible != list(range(visible[0], visible[-1] + 1)):
+        return None
+    return -visible[0], visible[-1]
+
+
+def causality(ctx: Context) -> Outcome[Tensor]:
+    """Which tokens each output row depends on; a causal module must hide exactly the future.
+
+    Returns:
+        Note causal (True when no query sees a later key), and the window when the module sees a
+        band of diagonals (a sliding window, a local window); at most a causal-leak finding (the
+        causal mask hides the diagonal or past keys outside any window, shows some future keys, or
+        the user requires causality); value: dep (L, L) bool, row i depends on token j.
+    """
+    dep = dependency(ctx.analysis, ctx.analysis_x, rtol=ctx.dependency_rtol)
+    length = dep.shape[0]
+    whole = length - 1
+    seen_future = dep & future(length)
+    causal = not seen_future.any()
+    found = Outcome[Tensor](notes={"causal": causal}, value=dep)
+    shape = band(dep)
+    if shape is not None:
+        left, right = shape
+        if right < 0:
+            found.findings.append(Finding.of("causal-leak", "the causal mask hides the diagonal: a query does not "
+                                             "see its own token", {"each query sees": f"keys i - {left} .. i - 1"}))
+        elif right == 0 and left < whole:
+            found.notes["window"] = f"sliding window: each query sees itself and the {left} previous tokens"
+        elif left == whole and 0 < right < whole:
+            found.findings.append(Finding.of("causal-leak", f"queries see the next {right} token(s) and no later "
+                                             "one: a causal mask off by one", {"each query sees": f"keys <= i + "
+                                                                                                  f"{right}"}))
+        elif 0 < right and left < whole:
+            found.notes["window"] = f"local window: each query sees the {left} previous and {right} next tokens"
+    elif causal and (~dep & ~future(length)).any():
+        pairs = (~dep & ~future(length)).nonzero().tolist()[:10]
+        found.findings.append(Finding.of("causal-leak", "the causal mask hides more than the future (the diagonal "
+                                         "or past keys, in no window)", {"hidden (query, key) pairs with key <= "
+                                                                         "query": pairs}))
+    elif not causal and seen_future.sum() < future(length).sum():
+        found.findings.append(Finding.of("causal-leak", "queries see some future keys and not others",
+                                         {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
+    if ctx.causal and not causal and not any(f.id == "causal-leak" for f in found.findings):
+        found.findings.append(Finding.of("causal-leak", "queries see future keys",
+                                         {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
+    return found
+
+
+def _candidates(ctx: Context) -> list[Caller]:
+    """Every (mask argument, kind, shape) to try, most specific first; the user's statement if any."""
+    if ctx.call.style == "adapter":
+        args: list[str | None] = [None]
+    else:
+        args = [ctx.call.mask_arg] if ctx.call.required else mask_parameters(ctx.module, ctx.call.style)
+    if ctx.call.make_mask is not None or ctx.spec is not None:
+        spec = ctx.spec or MaskSpec(ctx.declared or "keep", "BLL")
+        return [ctx.call.with_mask(spec, arg) for arg in args]
+    kinds = [ctx.declared] if ctx.declared else list(KIND_ORDER)
+    return [ctx.call.with_mask(MaskSpec(kind, shape), arg) for arg in args for shape in SHAPE_ORDER for kind in kinds]
+
+
+def _describe(caller: Caller) -> dict:
+    note = {"convention": caller.spec.describe() if caller.spec else "your make_mask(keep)"}
+    if caller.spec is not None:  # the old fields, kept for users who read them
+        note["shape"] = caller.spec.describe().rpartition("shape ")[2]
+        note["kind"] = caller.spec.kind
+    if caller.mask_arg:
+        note["argument"] = caller.mask_arg
+    return note
+
+
+def _no_mask(why: str) -> Outcome[Caller]:
+    return Outcome(notes={"mask": f"none: {why}"}, coverage={"mask": f"not applicable: {why}",
+                                                             "padding": f"not applicable: {why}"})
+
+
+def _label(caller: Caller) -> str:
+    return f"{caller.mask_arg or 'positional'} {caller.spec.kind if caller.spec else 'make_mask'} " \
+           f"{caller.spec.shape if caller.spec else ''}".strip()
+
+
+def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
+    """Find the mask argument, shape and kind the module takes, from which tokens each row then depends on.
+
+    Every mask argument of forward (mask, attn_mask, attention_mask, key_padding_mask, ... or the
+    next positional one) is tried with shapes (B, L, L), (B, 1, L, L), (B, L), (B, 1, 1, L), (L, L)
+    and kinds bool, integer 1/0, float 1/0 and additive (0 / large negative), or only what the user
+    stated. A mask that hides a band (key-only masks: a set of keys per item) must hide exactly those
+    keys; every other shape of the found kind that the module accepts must act the same way.
+
+    Args:
+        ctx: the probe context.
+        dep: (L, L) from :func:`causality` (the keys the module sees without a mask).
+
+    Returns:
+        Note mask (convention found, "none: <why>", "accepted but ignored", or what was tried);
+        findings mask-inverted (not the declared convention, or an additive mask with the wrong sign),
+        mask-broadcast (a key mask spread over queries), mask-ignored, mask-convention (a warning:
+        ``attention_mask`` read True = masked); value: the caller that passes a mask, or None.
+    """
+    if ctx.no_mask:
+        return _no_mask("you said the module takes no mask (--no-mask)")
+    if not ctx.call.takes_mask:
+        return _no_mask("your call(module, x) passes no mask")
+    candidates = _candidates(ctx)
+    switch = switch_parameter(ctx.module) if ctx.call.style != "adapter" else None
+    if not candidates:
+        if switch is not None:
+            return _switch(ctx, switch, dep)
+        return _no_mask("forward takes no mask argument")
+    x = ctx.analysis_x
+    b, length, _ = x.shape
+    with torch.no_grad():
+        plain = ctx.analysis(x)
+    tried: dict[str, str] = {}
+    inverted: Caller | None = None
+    leaky: Caller | None = None
+    untouched: set[str] = set()  # labels whose mask reached no operation
+    takes_bool: set[tuple[str | None, str]] = set()  # (argument, shape) where a bool mask was accepted
+    for native in candidates:
+        caller = ctx.exact_of(native)
+        if leaky is not None and not (caller.spec and leaky.spec and caller.spec.kind == "additive" and
+                                      (caller.mask_arg, caller.spec.shape) == (leaky.mask_arg, leaky.spec.shape)):
+            continue  # once a mask acts, only its additive reading may still fit exactly: no more shapes
+        label = _label(caller)
+        keep = probe_keep(b, length, caller.key_only)
+        try:
+            mask = caller.module_mask(keep)
+            watch = MaskWatch(mask)
+            with torch.no_grad(), watch:
+                masked_out = caller(x, mask)
+            if masked_out.shape != x.shape:
+                raise ValueError(f"output shape {tuple(masked_out.shape)} with this mask")
+            with torch.no_grad():
+                if caller.spec is not None and not any(close(caller(x, caller.module_mask(k)), plain) for k in (
+                        torch.ones_like(keep), torch.zeros_like(keep))):  # zeros: a module reading the mask inverted
+                    raise ValueError("a mask that hides nothing (or everything) does not give the unmasked output: "
+                                     "it broadcasts into other dimensions")
+        except Exception as err:  # not this argument, shape or kind: try the next one
+            tried[label] = f"{type(err).__name__}: {err}"[:120]
+            continue
+        if caller.spec is not None and caller.spec.kind == "keep":
+            takes_bool.add((caller.mask_arg, caller.spec.shape))
+        if close(masked_out, plain):
+            tried[label] = "accepted, but changed nothing" + ("" if watch.used else " (no operation read it)")
+            if not watch.used:
+                untouched.add(label)
+            continue
+        d = dependency(lambda t, c=caller, mk=mask: c(t, mk), x, rtol=ctx.dependency_rtol)
+        off = ~torch.eye(length, dtype=torch.bool)  # a row's own token is its query too: not compared
+        k0 = keep[0]
+        as_keep, as_ignore = k0 & dep & off, ~k0 & dep & off
+        rows = (k0 & dep).any(-1) & (~k0 & dep).any(-1)  # rows where the two readings differ
+        if torch.equal((d & off)[rows], as_keep[rows]):
+            return _found(ctx, native, d, candidates, plain)
+        sane = bool(masked_out.abs().max() < 100 * (1 + plain.abs().max()))  # a mask added after softmax blows up
+        if sane and torch.equal((d & off)[rows], as_ignore[rows]):
+            if caller.spec is not None and caller.spec.kind == "keep" and ctx.spec is None and not ctx.declared:
+                return _found(ctx, native.with_mask(MaskSpec("ignore", caller.spec.shape)), d, candidates, plain)
+            if caller.spec is None or caller.spec.kind == "keep" or ctx.spec is not None or \
+                    (caller.mask_arg, caller.spec.shape) not in takes_bool:  # a bool module reads 0/-10000 inverted
+                inverted = inverted or native
+            tried[label] = "acts the other way round: hides what the mask keeps"
+            continue
+        if caller.key_only and _hides_queries(masked_out, plain, k0[0]):
+            return _broadcast_finding(native, k0[0])
+        tried[label] = "accepted; its effect matches no convention"
+        leaky = leaky or native
+    if inverted is not None:
+        return Outcome([Finding.of("mask-inverted", "the module hides the tokens its mask keeps (declared or "
+                                   "additive convention, used the other way round: wrong sign or flipped polarity)",
+                                   {"mask": _describe(inverted), "tried": tried})],
+                       {"mask": _describe(inverted)}, None,
+                       {"mask": "verified", "padding": "not verified: the mask acts the other way round"})
+    if leaky is not None:  # the mask acts, but leaks (e.g. applied after the softmax): padding and the white box tell
+        return Outcome(notes={"mask": {**_describe(leaky), "note": "its effect matches no convention", "tried": tried}},
+                       value=leaky, coverage={"mask": "verified"})
+    return _nothing_acted(ctx, candidates, tried, untouched, switch, dep)
+
+
+def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str], untouched: set[str],
+                   switch: str | None, dep: Tensor) -> Outcome[Caller]:
+    """No candidate mask changed the output: no mask (an argument not named like one, a mask the adapter never
+    passes on), a causal switch, mask-ignored (a mask argument that changes nothing), or not understood."""
+    accepted = {label for label, why in tried.items() if "changed nothing" in why}
+    if ctx.call.style == "adapter" and accepted and accepted <= untouched:
+        return _no_mask("your call(module, x, mask) does not pass the mask to anything")
+    named = {c.mask_arg for c in candidates if c.mask_arg in MASK_NAMES} or ctx.call.style == "adapter" or \
+        ctx.spec is not None or ctx.call.make_mask is not None or ctx.call.required
+    if accepted and not named:
+        if switch is not None:
+            return _switch(ctx, switch, dep)
+        arg = next(iter({c.mask_arg or "positional" for c in candidates}))
+        return _no_mask(f"forward's argument '{arg}' is not named like a mask and changes nothing")
+    if switch is not None and not accepted:
+        return _switch(ctx, switch, dep)
+    if accepted and all("changed nothing" in v or "Error" in v for v in tried.values()):
+        return Outcome([Finding.of("mask-ignored", "the module accepts a mask but its output does not depend on it",
+                                   tried)],
+                       {"mask": {"accepted but ignored": tried}},
+                       coverage={"mask": "verified: the module ignores its mask",
+                                 "padding": "not verified: the mask changes nothing"})
+    return Outcome(notes={"mask": {"not understood": tried}},
+                   coverage={"mask": "not verified: no mask argument, shape or kind the doctor tries was accepted; "
+                                     "state it with --mask, give --call, or say --no-mask",
+                             "padding": "not verified: no mask understood"})
+
+
+def _switch(ctx: Context, name: str, dep: Tensor) -> Outcome[Caller]:
+    """A bool causal switch (``is_causal``): True must hide exactly the future of what the module sees."""
+    caller = ctx.call.with_mask(None)
+    caller.switch = name
+    analysis = ctx.exact_of(caller)
+    length = ctx.x.shape[1]
+    d = dependency(lambda t: analysis(t, True), ctx.analysis_x, rtol=ctx.dependency_rtol)
+    want = dep & ~future(length)
+    note = {"convention": f"a causal switch: {name}=True hides the future", "argument": name}
+    found = Outcome[Caller](notes={"mask": note}, value=caller,
+                            coverage={"mask": "verified", "padding": f"not applicable: the mask is the causal "
+                                                                     f"switch {name}"})
+    if not torch.equal(d, want):
+        found.findings.append(Finding.of("causal-leak", f"with {name}=True the module does not hide exactly the "
+                                         "future", {"hidden (query, key) pairs": (want & ~d).nonzero().tolist()[:10],
+                                                    "future pairs seen": (d & ~want).nonzero().tolist()[:10]}))
+    return found
+
+
+def _hides_queries(masked_out: Tensor, plain: Tensor, kv: Tensor) -> bool:
+    """Did a key mask with keys ``kv`` (L,) visible change exactly the rows of the hidden *queries* of item 0?"""
+    diff = (masked_out[0].double() - plain[0].double()).abs().amax(-1)
+    changed_rows = ((diff > 1e-4 * (1 + plain.abs().max())) | diff.isnan()).cpu()
+    return bool(torch.equal(changed_rows, ~kv))
+
+
+def _broadcast_finding(caller: Caller, kv: Tensor, how: str = "") -> Outcome[Caller]:
+    what = caller.spec.describe() if caller.spec else "key mask"
+    hidden = (~kv).nonzero().flatten().tolist()
+    message = f"the key mask ({what}) hides query rows instead of keys: it is broadcast over the query axis"
+    return Outcome([Finding.of("mask-broadcast", message + (f"; {how}" if how else ""),
+                               {"rows changed by the mask (item 0)": hidden, "keys it should hide": hidden})],
+                   {"mask": _describe(caller)}, None,
+                   {"mask": "verified", "padding": "not verified: the mask is applied along the wrong axis"})
+
+
+def _other_shapes(ctx: Context, found: Caller, candidates: list[Caller], plain: Tensor) -> Outcome[Caller] | None:
+    """Every other shape of the found argument and kind that the module accepts must read a key mask the same
+    way (a (B, 1, 1, L) mask put on the query axis while (B, 1, L, L) works is a mask-broadcast)."""
+    if found.spec is None:
+        return None
+    x = ctx.analysis_x
+    b, length, _ = x.shape
+    keep = probe_keep(1, length, True).expand(b, length, length)  # a key mask every shape can express
+    ref_caller = ctx.exact_of(found)
+    with torch.no_grad():
+        ref = ref_caller(x, ref_caller.module_mask(keep))
+    for native in candidates:
+        spec = native.spec
+        if spec is None or native.mask_arg != found.mask_arg or spec.shape == found.spec.shape or \
+                spec.kind != ("keep" if found.spec.kind == "ignore" else found.spec.kind):
+            continue
+        other = ctx.exact_of(native.with_mask(MaskSpec(found.spec.kind, spec.shape), native.mask_arg))
+        try:
+            with torch.no_grad():
+                out = other(x, other.module_mask(keep))
+                if out.shape != ref.shape or not close(other(x, other.module_mask(torch.ones_like(keep))), plain):
+                    continue  # not accepted: a mask that hides nothing must give the unmasked output
+        except Exception:  # this shape is not accepted: nothing to check
+            continue
+        if close(out, ref):
+            continue
+        if _hides_queries(out, plain, keep[0, 0]):
+            return _broadcast_finding(other, keep[0, 0])
+        if spec.key_only and found.spec.kind == "additive" and close(out, plain):  # a constant per query row
+            return _broadcast_finding(other, keep[0, 0], "an additive mask put on the query axis adds a constant to "
+                                                         "each query row, which the softmax cancels")
+        return Outcome([Finding.of("mask-ignored", f"the mask in shape {MASK_SHAPES[spec.shape]} is accepted but "
+                                   f"does not hide the keys that shape {MASK_SHAPES[found.spec.shape]} hides",
+                                   {"relative difference": rel(out, ref), "mask": _describe(other)})],
+                       {"mask": _describe(found)}, None, {"mask": "verified"})
+    return _key_mask_broadcast(ctx, candidates, plain)
+
+
+def _key_mask_broadcast(ctx: Context, candidates: list[Caller], plain: Tensor) -> Outcome[Caller] | None:
+    """A module that takes a full mask may also take a (B, L) key mask of another kind (a 1/0 HF attention
+    mask beside an additive (B, 1, L, L) one); check that it hides keys, not queries."""
+    x = ctx.analysis_x
+    b, length, _ = x.shape
+    keep = probe_keep(b, length, True)
+    for native in candidates:
+        if not native.key_only:
+            continue
+        caller = ctx.exact_of(native)
+        try:
+            with torch.no_grad():
+                out = caller(x, caller.module_mask(keep))
+        except Exception:  # this key-only form is not accepted: nothing to check
+            continue
+        if out.shape == plain.shape and _hides_queries(out, plain, keep[0, 0]):
+            return _broadcast_finding(native, keep[0, 0])
+    return None
+
+
+def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], plain: Tensor) -> Outcome[Caller]:
+    other = _other_shapes(ctx, caller, candidates, plain)
+    if other is not None:
+        return other
+    found = Outcome[Caller](notes={"mask": _describe(caller)}, value=caller, coverage={"mask": "verified"})
+    kind = caller.spec.kind if caller.spec else None
+    if ctx.declared and kind in ("keep", "ignore") and ctx.declared != kind:
+        found.findings.append(Finding.of(
+            "mask-inverted", f"you declared the '{ctx.declared}' convention, but the module treats the "
+            f"mask the other way ('{kind}')",
+            {"row 3 sees keys (declared mask keeps 1, 2, 3)": d[3].nonzero().flatten().tolist()}))
+    elif not ctx.declared and kind == "ignore" and caller.mask_arg == "attention_mask":
+        found.findings.append(Finding.of(
+            "mask-convention", "the argument is called attention_mask, which in Hugging Face code means 1 = attend, "
+            "but this module hides the positions where it is True (True = masked)",
+            {"argument": caller.mask_arg, "module reads": "True = masked", "the name suggests": "1 = attend"}))
+    return found
+
+
+def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
+    """Changing masked (padding) keys must not change the outputs of real tokens (else: mask-ignored).
+
+    Args:
+        ctx: the probe context.
+        masked: the caller from :func:`mask_convention`; None: nothing is checked.
+
+    Returns:
+        At most a mask-ignored finding.
+    """
+    if masked is None or masked.switch is not None:
+        return Outcome()
+    caller, x = ctx.exact_of(masked), ctx.analysis_x
+    b, length, _ = x.shape
+    n = length - 2
+    mask = caller.module_mask(padding_keep(b, length))
+    x2 = x.clone()
+    x2[0, n:] = ctx.randn(length - n, x.shape[2]).to(x.dtype)
+    with torch.no_grad():
+        a, c = caller(x, mask), caller(x2, mask)
+    found = Outcome[None](coverage={"padding": "verified"})
+    if not close(c[0, :n], a[0, :n]):
+        found.findings.append(Finding.of("mask-ignored", "changing padded (masked) keys changes the outputs of real "
+                                         "tokens", {"relative change": rel(c[0, :n], a[0, :n])}))
+    return found
+
+
+def masked_rows(ctx: Context, masked: Caller | None) -> Outcome[None]:
+    """A query row whose keys are all masked must give a finite output (else: nan-on-masked-row).
+
+    With a key-only mask the doctor pads a whole sequence instead; NaN there is the warning
+    nan-on-empty-sequence (torch's MultiheadAttention does it). ``masked`` is the caller from
+    :func:`mask_convention`; without one (or with a causal switch), nothing is checked.
+    """
+    if masked is None or masked.switch is not None:
+        return Outcome()
+    b, length, _ = ctx.x.shape
+    with torch.no_grad():
+        o = masked(ctx.x, masked.module_mask(empty_row_keep(b, length, masked.key_only)))
+    if torch.isfinite(o).all():
+        return Outcome()
+    if masked.key_only:  # torch's own MultiheadAttention and SDPA do this: a warning, not a bug
+        return Outcome([Finding.of("nan-on-empty-sequence", "a sequence whose keys are all padding gives NaN or inf",
+                                   {"non-finite outputs": int((~torch.isfinite(o)).sum()), "masked": "all of item 0"})])
+    return Outcome([Finding.of("nan-on-masked-row", "a query row whose keys are all masked gives NaN or inf",
+                               {"non-finite outputs": int((~torch.isfinite(o)).sum()), "masked": "row 1"})])

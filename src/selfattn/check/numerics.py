@@ -1,0 +1,233 @@
+"""The doctor's numeric probes: half precision measured against float32, gradients against finite differences.
+
+Half precision: a float16 and a bfloat16 copy of the module must run, stay finite and agree with the
+float32 output (with and without a mask) within a tolerance derived from the dtype's epsilon and the
+output's scale. Gradients: every parameter the call uses, and the input, get a gradient, and
+autograd's directional derivative along random directions equals the finite difference of the
+outputs, computed on the float64 copy (so a hand-written backward that is off shows).
+
+Shape legend: B batch, L length, E embed dim.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from .context import Context, Outcome, empty_row_keep, padding_keep, rel
+from .report import Finding
+from .target import Caller
+
+__all__ = ["HALF_ULPS", "gradients", "half_precision"]
+
+# A half-precision output may differ from float32's by this many epsilons of its dtype, relative to
+# (1 + the largest |output|): the rounding of the projections, the scores and the weighted sum.
+HALF_ULPS = 16
+_PLATFORM = ("not implemented for", "does not support", "unsupported")
+_OVERFLOW = ("value cannot be converted", "overflow")
+_MIXED = ("expected scalar type", "mixed dtype", "must have the same dtype", "expected both", "dtype",
+          "Expected query, key, and value to have the same")
+
+
+def _fix_for(err: Exception) -> str | None:
+    """The fix text for a half-precision exception, when it is not the -1e9 overflow the catalogue's fix names."""
+    text = str(err)
+    if any(s in text for s in _OVERFLOW):
+        return None
+    if any(s in text for s in _MIXED):
+        return ("An operation mixes float16/bfloat16 with float32 (a parameter, buffer or constant made in float32, "
+                f"or an explicit .float()): {type(err).__name__}: {text[:160]}. Make it in the input's dtype "
+                "(x.dtype) or cast its result back, so the module runs in the dtype it is given.")
+    return (f"The module raises in half precision ({type(err).__name__}: {text[:160]}) where float32 runs; look at "
+            "the operation the traceback names and keep it in the input's dtype.")
+
+
+def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
+    """A copy in float16 and bfloat16 must run, stay finite and agree with float32.
+
+    Args:
+        ctx: the probe context.
+        masked: the caller from :func:`~selfattn.check.masking.mask_convention`; when given, each
+            dtype is also run with a mask that leaves a query row (key-only masks: a sequence) without keys.
+
+    Returns:
+        Note half precision (per dtype: the difference to float32 and the tolerance); findings
+        half-precision-overflow (raises, or NaN/inf where float32 is finite; the fix follows the
+        exception seen) and half-precision-mismatch (finite but further from float32 than the
+        dtype's rounding explains: a mask or a term dropped in half precision).
+    """
+    x32 = ctx.x.float()
+    exact = ctx.x.dtype != torch.float32  # a float64 or half module: its float64 copy is the reference
+    reference = ctx.exact_of(ctx.call) if exact else ctx.call
+    ref_dtype = ctx.analysis_x.dtype if exact else torch.float32
+    b, length = x32.shape[:2]
+    keeps: dict[str, Tensor] = {}
+    if masked is not None and masked.switch is None:
+        keeps = {" with mask": padding_keep(b, length), " with an empty row": empty_row_keep(b, length,
+                                                                                               masked.key_only)}
+    refs: dict[str, Tensor] = {}
+    with torch.no_grad():
+        refs[""] = reference(x32.to(ref_dtype)).double()
+        if masked is not None:
+            rm = ctx.exact_of(masked) if exact else masked
+            for suffix, keep in keeps.items():
+                refs[suffix] = rm(x32.to(ref_dtype), rm.module_mask(keep)).double()
+    notes: dict[str, str] = {}
+    overflow: dict[str, str] = {}
+    mismatch: dict[str, str] = {}
+    fix: str | None = None
+    for dtype in (torch.float16, torch.bfloat16):
+        m = ctx.module if ctx.x.dtype == dtype else copy.deepcopy(ctx.module).to(dtype).eval()
+        tol = HALF_ULPS * torch.finfo(dtype).eps
+        base_err = None
+        for suffix, ref in refs.items():
+            if not torch.isfinite(ref).all():
+                continue
+            label = f"{str(dtype)[6:]}{suffix}"
+            try:
+                with torch.no_grad():
+                    if suffix and masked is not None:
+                        out = masked.for_module(m)(x32.to(dtype), masked.module_mask(keeps[suffix], dtype))
+                    else:
+                        out = ctx.call.for_module(m)(x32.to(dtype))
+            except Exception as err:  # float32 runs: the half copy should too
+                text = f"{type(err).__name__}: {err}"
+                if any(s in str(err) for s in _PLATFORM) and ("Half" in str(err) or "BFloat16" in str(err)):
+                    notes[label] = f"not run: {text[:160]} (an operation this device lacks in {str(dtype)[6:]})"
+                    continue
+                overflow[label] = f"raises {text}"[:200]
+                fix = fix or _fix_for(err)
+                continue
+            if not torch.isfinite(out).all():
+                overflow[label] = f"{int((~torch.isfinite(out)).sum())} non-finite values"
+                continue
+            if suffix == " with an empty row":  # finite is all that is asked: a row with every key masked has no
+                continue  # value to agree on (an additive fill shifts the whole row, which half precision rounds)
+            err_rel = rel(out, ref)
+            allowed = tol if base_err is None else max(tol, 4 * base_err)
+            notes[label] = f"max difference to float32 {err_rel:.2g} (tolerance {allowed:.2g})"
+            if err_rel > allowed:
+                mismatch[label] = notes[label]
+            if not suffix:
+                base_err = err_rel
+    found = Outcome[None](notes={"half precision": {**notes, **overflow}})
+    if overflow:
+        finding = Finding.of("half-precision-overflow", "in half precision the module raises or gives NaN/inf where "
+                             "float32 runs and is finite", overflow)
+        if fix is not None:
+            finding.fix = fix
+        found.findings.append(finding)
+    if mismatch:
+        masked_only = all(" with " in label for label in mismatch)
+        found.findings.append(Finding.of("half-precision-mismatch", "in half precision the output differs from "
+                                         "float32's by more than the dtype's rounding" +
+                                         (": only with a mask, so the mask is lost in half precision" if masked_only
+                                          else ""), mismatch))
+    if not notes and not overflow:
+        found.coverage["half_precision"] = "not verified: no half-precision run was possible on this device"
+    return found
+
+
+class _UsedParameters(TorchFunctionMode):
+    """Records the parameters any torch operation receives while the module runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: set[int] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        stack = [*args, *kwargs.values()]
+        while stack:
+            a = stack.pop()
+            if isinstance(a, nn.Parameter):
+                self.ids.add(id(a))
+            elif isinstance(a, (list, tuple)):
+                stack.extend(a)
+        return func(*args, **kwargs)
+
+
+def _objective(call: Caller, x: Tensor, weights: Tensor) -> Tensor:
+    return (call(x).double() * weights).sum()
+
+
+def gradients(ctx: Context) -> Outcome[None]:
+    """Every parameter the call uses and the input get a gradient (else: no-grad), and autograd's gradient
+    equals the finite-difference derivative of the output along random directions (else: wrong-gradient).
+
+    Runs on the float64 copy when there is one (finite differences then resolve a 1e-6 relative error);
+    otherwise on the module in its dtype, with a tolerance for its rounding. Parameters the call never
+    touches (an adapter that runs one part of a larger module) are not required to get a gradient.
+    """
+    call, x0 = ctx.analysis, ctx.analysis_x
+    m = call.module
+    exact = x0.dtype == torch.float64
+    m.zero_grad(set_to_none=True)
+    xg = x0.clone().requires_grad_()
+    watch = _UsedParameters()
+    with watch:
+        out = call(xg)
+    if not out.requires_grad:
+        return Outcome([Finding.of("no-grad", "the output carries no gradient", {})])
+    weights = torch.randn(out.shape, generator=ctx.gen, dtype=torch.float64).to(out.device)
+    (out.double() * weights).sum().backward()
+    used = [(n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) in watch.ids]
+    missing = [n for n, p in used if p.grad is None or not p.grad.any()]
+    no_input_grad = xg.grad is None or not xg.grad.any()
+    if missing or no_input_grad:
+        m.zero_grad(set_to_none=True)
+        return Outcome([Finding.of("no-grad", "some parameters (or the input) receive no gradient",
+                                   {"parameters without gradient": missing, "input gets gradient": not no_input_grad})],
+                       notes={"gradients": f"{len(used)} parameter tensors used by the call"})
+    grads = {n: p.grad.detach().clone() for n, p in used if p.grad is not None}
+    dx = xg.grad.detach().clone()
+    m.zero_grad(set_to_none=True)
+    step, tol = (1e-3, 1e-4) if exact else (1e-2, 1e-2)
+    checks = {"input": _directional(call, x0, weights, dx, [], step, ctx.gen),
+              "parameters": _directional(call, x0, weights, None, [(p, grads[n]) for n, p in used if n in grads],
+                                         step, ctx.gen)}
+    notes = {k: f"autograd {a:.6g}, finite difference {f:.6g} (+- {u:.2g})" for k, (a, f, u) in checks.items()}
+    wrong = {k: notes[k] for k, (a, f, u) in checks.items()
+             if abs(a - f) > max(tol * (abs(a) + abs(f)), 10 * u) + 1e-12}
+    found = Outcome[None](notes={"gradients": {**notes, "dtype": str(x0.dtype)[6:]}})
+    if wrong:
+        found.findings.append(Finding.of("wrong-gradient", "autograd's gradient differs from the finite-difference "
+                                         "derivative of the output (a hand-written backward, or an operation "
+                                         "whose gradient is cut or changed)", {**wrong, "dtype": str(x0.dtype)[6:]}))
+    return found
+
+
+def _directional(call: Caller, x: Tensor, weights: Tensor, dx: Tensor | None, params: list[tuple[nn.Parameter, Tensor]],
+                 step: float, gen: torch.Generator) -> tuple[float, float, float]:
+    """(autograd's derivative, the finite difference's, the finite difference's own uncertainty) of
+    sum(out * weights) along a random direction in x (when ``dx`` is given) or in the parameters.
+
+    The finite difference is central and extrapolated (Richardson, steps h and h / 2); its uncertainty is the
+    gap between the two steps, which also catches an output computed in a lower precision inside."""
+    with torch.no_grad():
+        if dx is not None:
+            u = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x)
+            auto = float((dx.double() * u.double()).sum())
+            h = step * (1 + float(x.abs().max()))
+
+            def f(t: float) -> float:
+                return float(_objective(call, x + t * u, weights))
+        else:
+            dirs = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p) for p, _ in params]
+            auto = sum(float((g.double() * u.double()).sum()) for (_, g), u in zip(params, dirs, strict=True))
+            saved = [p.detach().clone() for p, _ in params]
+            h = step * (1 + max((float(s.abs().max()) for s in saved), default=0.0))
+
+            def f(t: float) -> float:
+                try:
+                    for (p, _), u, s in zip(params, dirs, saved, strict=True):
+                        p.copy_(s + t * u)
+                    return float(_objective(call, x, weights))
+                finally:
+                    for (p, _), s in zip(params, saved, strict=True):
+                        p.copy_(s)
+        big, small = (f(h) - f(-h)) / (2 * h), (f(h / 2) - f(-h / 2)) / h
+        return auto, (4 * small - big) / 3, abs(small - big)

@@ -1,0 +1,398 @@
+"""The white box's first reading: the attention recomputed from the module's projections.
+
+The linear maps one common input goes through (the module's input, or a norm of it; one fused map,
+a query map and a fused key/value map, or three maps) are the projections Q, K, V. The attention is
+recomputed from them under the definition and under each known bug, with rotary positions when
+plain Q, K do not fit, and compared with the output of every later linear map (the output
+projection, before any residual or norm) and with the module's output; the formula that reproduces
+one of them names the bug. A module whose scores differ from Q K^T / sqrt(D) by a term that depends
+only on (head, query, key) has a relative-position bias.
+
+Shape legend: B batch, H query heads, G kv heads, L length, E embed dim, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .core import ROLE_PATTERNS
+from .trace import Linear, Op, Trace, linears
+
+__all__ = ["Capture", "capture", "identify", "qkv_heads"]
+
+_ROPE_BASES = (10000.0, 500000.0, 1000000.0)
+
+Project = Callable[[Tensor], Tensor]  # (..., E_in) float64 -> (..., E_out) float64
+
+
+@dataclass
+class Capture:
+    """The module's projections of its input u and what came after, from one run.
+
+    ``splits`` holds every reading of the projections as (q (B, L, H * D), k (B, L, G * D),
+    v (B, L, G * D)); ``outs`` the linear maps applied after them (candidates for the output
+    projection); ``softmax_in`` the softmax inputs (each (..., L, L), normalised over the last dim).
+    """
+
+    splits: list[tuple[Tensor, Tensor, Tensor]]
+    outs: list[Linear]
+    how: str
+    softmax_in: list[Tensor] = field(default_factory=list)
+
+    @property
+    def q(self) -> Tensor:
+        return self.splits[0][0]
+
+    @property
+    def k(self) -> Tensor:
+        return self.splits[0][1]
+
+    @property
+    def v(self) -> Tensor:
+        return self.splits[0][2]
+
+
+def _linear(weight: Tensor, bias: Tensor | None) -> Project:
+    w, b = weight.detach().double(), None if bias is None else bias.detach().double()
+    return lambda t: nn.functional.linear(t, w, b)
+
+
+def _fused_splits(o: Tensor, e: int) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """Readings of one fused projection of width W: [q | k | v] in equal thirds, or q of width E and k, v halves."""
+    width = o.shape[-1]
+    splits = []
+    if width % 3 == 0:
+        splits.append(tuple(o.split(width // 3, dim=-1)))
+    rest = width - e
+    if rest > 0 and rest % 2 == 0 and rest // 2 != width // 3:
+        splits.append(tuple(o.split([e, rest // 2, rest // 2], dim=-1)))
+    return splits  # type: ignore[return-value]
+
+
+def _role(name: str) -> str | None:
+    return next((r for r, pattern in ROLE_PATTERNS.items() if pattern.search(name)), None)
+
+
+def capture(trace: Trace, module: nn.Module, x: Tensor) -> Capture | str:
+    """The projections in a recorded run, or why they were not found.
+
+    Args:
+        trace: the record of one run of the module on ``x``.
+        module: the module (for the maps of hooked leaves such as transformers' Conv1D).
+        x: (B, L, E) the module's input in that run.
+    """
+    softmax_in = [op.args[0] for op in trace.ops if op.name in ("softmax", "_softmax") and
+                  (op.args[1] if len(op.args) > 1 and isinstance(op.args[1], int) else op.kwargs.get("dim"))
+                  in (-1, op.args[0].dim() - 1)]
+    for op in trace.ops:
+        if op.name == "multi_head_attention_forward":
+            found = _mha(op, x)
+            if found is not None:
+                q, k, v, out = found
+                return Capture([(q, k, v)], [Linear("out_proj", q, 0, None, out)],
+                               "nn.MultiheadAttention's packed in-projection", softmax_in)
+    maps = linears(trace, module)
+    if not maps:
+        return "no linear map was applied (projections done another way)"
+    groups: dict[int, list[Linear]] = {}
+    for lin in maps:
+        groups.setdefault(lin.input_id, []).append(lin)
+    order = sorted(groups.values(), key=lambda g: (not (g[0].input.shape == x.shape and
+                                                        torch.equal(g[0].input, x.to(g[0].input.dtype))),
+                                                   maps.index(g[0])))
+    for group in order:
+        splits, how = _readings(group)
+        if splits:
+            used = {id(g) for g in group}
+            start = max(maps.index(g) for g in group)
+            outs = [m for m in maps[start + 1:] if id(m) not in used]
+            return Capture(splits, outs, how, softmax_in)
+    sizes = ", ".join(str(len(g)) for g in groups.values())
+    return f"no input goes through 1 (fused), 2 (q and kv) or 3 (q, k, v) projections (groups of {sizes})"
+
+
+def _readings(group: list[Linear]) -> tuple[list[tuple[Tensor, Tensor, Tensor]], str]:
+    e = group[0].input.shape[-1]
+    if len(group) == 1:
+        return _fused_splits(group[0].output, e), f"fused projection {group[0].name!r} split as [q | k | v]"
+    if len(group) == 2:
+        a, b = group
+        if _role(b.name) == "q" or "kv" in a.name.split(".")[-1]:
+            a, b = b, a
+        if b.output.shape[-1] % 2 == 0 and (b.output.shape[-1] == 2 * a.output.shape[-1] or "kv" in b.name):
+            k, v = b.output.chunk(2, dim=-1)
+            return [(a.output, k, v)], f"projections {a.name!r} (q) and {b.name!r} split as [k | v]"
+        return [], ""
+    if len(group) == 3:
+        roles = {_role(g.name): g.output for g in group}
+        if set(roles) == {"q", "k", "v"}:
+            return [(roles["q"], roles["k"], roles["v"])], "separate projections, recognised by name"
+        return [tuple(g.output for g in group)], "separate projections, taken in call order as q, k, v"  # type: ignore
+    return [], ""
+
+
+def _mha(op: Op, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Project] | None:
+    """q, k, v and the output map of nn.MultiheadAttention's functional core, when its query is ``x``."""
+    import inspect
+
+    a = inspect.signature(nn.functional.multi_head_attention_forward).bind(*op.args, **op.kwargs).arguments
+    if a.get("use_separate_proj_weight") or a["in_proj_weight"] is None:
+        return None
+    query = a["query"]
+    batch_first = query.transpose(0, 1)
+    if batch_first.shape != x.shape and query.shape != x.shape:
+        return None
+    xin = batch_first if batch_first.shape == x.shape and torch.equal(batch_first, x.to(query.dtype)) else query
+    w, b, e = a["in_proj_weight"].detach(), a["in_proj_bias"], a["embed_dim_to_check"]
+    bs = [None] * 3 if b is None else b.detach().split(e)
+    tr = (lambda t: t.transpose(0, 1)) if xin is batch_first else (lambda t: t)
+    q, k, v = (nn.functional.linear(tr(t), wi, bi)
+               for t, wi, bi in zip((a["query"], a["key"], a["value"]), w.split(e), bs, strict=True))
+    return q, k, v, _linear(a["out_proj_weight"], a["out_proj_bias"])
+
+
+def _heads(t: Tensor, h: int) -> Tensor:
+    b, length, e = t.shape
+    return t.reshape(b, length, h, e // h).transpose(1, 2)  # (B, H, L, D)
+
+
+def _rope(t: Tensor, base: float, interleaved: bool) -> Tensor:
+    """Rotary positions 0..L-1 applied to t (B, H, L, D): rotate-half (Llama) or interleaved pairs."""
+    d, length = t.shape[-1], t.shape[-2]
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(length, dtype=torch.float64)[:, None] * inv  # (L, D/2)
+    if interleaved:
+        a, b = t[..., 0::2], t[..., 1::2]
+        return torch.stack((a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()), -1).flatten(-2)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    half = torch.cat((-t[..., d // 2:], t[..., : d // 2]), -1)
+    return t * cos + half * sin
+
+
+def _masked(s: Tensor, keep: Tensor | None) -> Tensor:
+    return s if keep is None else s.masked_fill(~keep, float("-inf"))
+
+
+def _variants(qh: Tensor, kh: Tensor, vh: Tensor, keep: Tensor | None, raw: Tensor | None,
+              stated: float | None = None) -> dict[str, list[tuple[str, Callable[[], Tensor]]]]:
+    """Candidate outputs (B, L, E) before the output projection, by finding id; "correct" is the definition.
+
+    qh (B, H, L, D); kh, vh (B, H, L, D) (kv heads already repeated); keep (B, 1, L, L) bool or None;
+    raw: the mask the module was given, as float (B, 1, L, L), for masks applied after the softmax;
+    stated: the score scale the user or the module's config states, instead of 1/sqrt(D).
+    """
+    b, h, length, d = qh.shape
+    e = h * d
+    scores = qh @ kh.transpose(-1, -2)  # (B, H, L, L)
+    good = stated if stated is not None else 1 / math.sqrt(d)
+
+    def merge(o: Tensor) -> Tensor:
+        return o.transpose(1, 2).reshape(b, length, e)
+
+    def soft(scale: float, dim: int = -1) -> Tensor:
+        return torch.softmax(_masked(scores * scale, keep), dim=dim).nan_to_num(0)
+
+    def differs(scale: float) -> bool:
+        return abs(scale / good - 1) > 1e-6
+
+    definition = "softmax(QK^T / sqrt(D)) V" if stated is None else f"softmax({stated:.6g} QK^T) V (the stated scale)"
+    out: dict[str, list[tuple[str, Callable[[], Tensor]]]] = {
+        "correct": [(definition, lambda: merge(soft(good) @ vh))],
+        "missing-scale": [("softmax(QK^T) V, no 1/sqrt(D)", lambda: merge(soft(1.0) @ vh))] if differs(1.0) else [],
+        "wrong-scale": [("scaled by 1/D", lambda: merge(soft(1 / d) @ vh))] if differs(1 / d) else [],
+        "softmax-dim": [("softmax over the query dimension", lambda: merge(soft(good, -2) @ vh))],
+        "matmul-order": [("weights transposed before V", lambda: merge(soft(good).transpose(-1, -2) @ vh))],
+    }
+    if h > 1:
+        if differs(1 / math.sqrt(e)):
+            out["wrong-scale"].append(("scaled by 1/sqrt(E) (embed dim, not head dim)",
+                                       lambda: merge(soft(1 / math.sqrt(e)) @ vh)))
+        out["head-merge"] = [("heads merged with view/reshape without transposing back",
+                              lambda: (soft(good) @ vh).reshape(b, length, e))]
+    if h == 1:
+        out["softmax-dim"].append(("softmax over the batch dimension", lambda: merge(soft(good, 0) @ vh)))
+        if length == d:
+            out["matmul-order"].append(("V @ weights instead of weights @ V", lambda: merge(vh @ soft(good))))
+    if keep is not None:
+        plain = torch.softmax(scores * good, -1)
+        out["mask-after-softmax"] = [("mask multiplied into the weights after softmax (not renormalised)",
+                                      lambda: merge(plain * keep @ vh))]
+        if raw is not None:
+            out["mask-after-softmax"].append(("mask added to the weights after softmax",
+                                              lambda: merge((plain + raw) @ vh)))
+    return out
+
+
+def _score_fit(cap: Capture, qh: Tensor, kh: Tensor) -> float:
+    """Best correlation of Q K^T (B, H, L, L) with a captured softmax input, over its finite, unmasked entries."""
+    scores = qh @ kh.transpose(-1, -2)
+    best = -1.0
+    for s in cap.softmax_in:
+        if s.numel() != scores.numel():
+            continue
+        s = s.double().reshape(scores.shape)
+        seen = torch.isfinite(s) & (s > -1e3)
+        if seen.sum() < 4:
+            continue
+        a, b = s[seen] - s[seen].mean(), scores[seen] - scores[seen].mean()
+        best = max(best, float((a @ b) / (a.norm() * b.norm() + 1e-30)))
+    return best
+
+
+# (map applied to a candidate, what it must reproduce, where the match stands in the module)
+Target = tuple[Callable[[Tensor], Tensor], Tensor, str]
+AFTER = "the output of {name}; the module adds more after it (a residual, a norm, zeroed padded rows)"
+
+
+def _targets(cap: Capture, final: Tensor) -> list[Target]:
+    """What a candidate (B, L, H * D) may reproduce: the module's output as it is or through one of the linear maps
+    after the projections, or that map's own output (before a residual or norm the module adds after it)."""
+    found: list[Target] = [(lambda c: c, final.double(), "the module's output")]
+    for lin in cap.outs[:3]:
+        found.append((lin.apply, final.double(), f"the module's output, through {lin.name}"))
+        if lin.output is not None:
+            found.append((lin.apply, lin.output.double(), AFTER.format(name=lin.name)))
+    return found
+
+
+def _error(cand: Tensor, targets: list[Target]) -> tuple[float, str]:
+    """The smallest relative error of ``cand`` against the targets (inf when no shape fits), and that target."""
+    best, where = math.inf, ""
+    for apply, target, label in targets:
+        try:
+            out = apply(cand)
+        except RuntimeError:
+            continue
+        if out.shape == target.shape:
+            err = (out - target).abs().max().item() / (1 + target.abs().max().item())
+            if err < best:
+                best, where = err, label
+    return best, where
+
+
+def qkv_heads(split: tuple[Tensor, Tensor, Tensor], h: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """(q, k, v) as (B, H, L, D) float64 with ``h`` query heads, kv heads repeated (GQA); None if h does not fit."""
+    q, k, v = split
+    e, kw = q.shape[-1], k.shape[-1]
+    if e % h or kw % (e // h) or v.shape[-1] != kw:
+        return None
+    g = kw // (e // h)
+    if h % g:
+        return None
+    qh, kh, vh = _heads(q.double(), h), _heads(k.double(), g), _heads(v.double(), g)
+    return qh, kh.repeat_interleave(h // g, 1), vh.repeat_interleave(h // g, 1)
+
+
+def _position_forms(qh: Tensor, kh: Tensor) -> list[tuple[str | None, Tensor, Tensor]]:
+    forms: list[tuple[str | None, Tensor, Tensor]] = [(None, qh, kh)]
+    if qh.shape[-1] % 2:  # rotary positions rotate pairs of features
+        return forms
+    for base in _ROPE_BASES:
+        for inter in (False, True):
+            how = f"rotary positions ({'interleaved pairs' if inter else 'rotate-half'}, base {base:g})"
+            forms.append((how, _rope(qh, base, inter), _rope(kh, base, inter)))
+    return forms
+
+
+def identify(cap: Capture, module_out: Tensor, heads: list[int], keep: Tensor | None, raw: Tensor | None = None,
+             known_bias: Tensor | None = None, rtol: float = 1e-3,
+             stated: Callable[[int], float | None] = lambda d: None) -> tuple[str | None, dict]:
+    """Which formula the module's output follows.
+
+    Args:
+        cap: the captured projections.
+        module_out: (B, L, E) the module's output in the captured run.
+        heads: head counts to try.
+        keep: (B, 1, L, L) bool or None, True = may attend (the mask the module was given, as keep).
+        raw: (B, 1, L, L) float or None, the mask's values as the module received them.
+        known_bias: (H, L, L) the relative-position bias found in a run without mask; with a mask,
+            only that bias is accepted (a mask is itself a term of (query, key)).
+        rtol: largest error, relative to 1 + max |output|, that counts as a match.
+        stated: the score scale stated for head dim D (by the user or the module's config), or None.
+
+    Returns:
+        (finding id, or None when the output follows the definition; evidence with "formula" or
+        "matches", "heads", "relative error", and "positions" when rotary positions or a
+        relative-position bias were found; "_bias", the (H, L, L) bias, for the caller only).
+
+    Raises:
+        LookupError: no formula reproduces the output; the message names the closest one.
+    """
+    targets = _targets(cap, module_out)
+    best: tuple[float, str, str, int, str | None, str] | None = None
+    for positions_needed in (False, True):
+        for split in cap.splits:
+            for h in heads:
+                heads_split = qkv_heads(split, h)
+                if heads_split is None:
+                    continue
+                qh, kh, vh = heads_split
+                forms = _position_forms(qh, kh)
+                if positions_needed:  # only the rotary form whose scores best fit the softmax input
+                    forms = sorted(forms[1:], key=lambda f: -_score_fit(cap, f[1], f[2]))[:1 if cap.softmax_in
+                                                                                         else None]
+                for positions, qp, kp in forms[:1] if not positions_needed else forms:
+                    for fid, candidates in _variants(qp, kp, vh, keep, raw, stated(qp.shape[-1])).items():
+                        for desc, fn in candidates:
+                            try:
+                                err, where = _error(fn(), targets)
+                            except RuntimeError:
+                                continue
+                            label = desc if positions is None else f"{desc}, with {positions}"
+                            if best is None or err < best[0]:
+                                best = (err, fid, label, h, positions, where)
+                            if fid == "correct" and err < rtol:
+                                return None, {"formula": label, "heads": h, "relative error": err, "compared with":
+                                              where, **({"positions": positions} if positions else {})}
+        if best is not None and best[0] < rtol:
+            return best[1], {"matches": best[2], "heads": best[3], "relative error": best[0],
+                             "compared with": best[5], **({"positions": best[4]} if best[4] else {})}
+    bias = _relative_bias(cap, targets, heads, keep, known_bias, rtol, stated)
+    if bias is not None:
+        return None, bias
+    raise LookupError("no known formula reproduces the output" +
+                      ("" if best is None or best[0] == math.inf else
+                       f" (closest: {best[2]}, relative error {best[0]:.2g})"))
+
+
+def _relative_bias(cap: Capture, targets: list[Target], heads: list[int], keep: Tensor | None, known: Tensor | None,
+                   rtol: float, stated: Callable[[int], float | None]) -> dict | None:
+    """Evidence of a relative-position bias: the softmax input minus Q K^T / sqrt(D) depends only on
+    (head, query, key) (with a mask: equals ``known``), and softmax(that input) V reproduces the
+    output; None otherwise."""
+    if keep is not None and known is None:
+        return None
+    for s in cap.softmax_in:
+        for split in cap.splits:
+            for h in heads:
+                heads_split = qkv_heads(split, h)
+                if heads_split is None:
+                    continue
+                qh, kh, vh = heads_split
+                b, _, length, _ = qh.shape
+                if b < 2 or s.shape[-2:] != (length, length) or s.numel() != b * h * length * length:
+                    continue
+                s4 = s.double().reshape(b, h, length, length)
+                d = qh.shape[-1]
+                plain = qh @ kh.transpose(-1, -2) * (stated(d) or 1 / math.sqrt(d))
+                seen = torch.isfinite(s4) & (s4 > -1e4) & (True if keep is None else keep)
+                if not seen.any():
+                    continue
+                diff = torch.where(seen, s4 - plain, torch.zeros((), dtype=torch.float64))
+                ref = diff[:1] if known is None else known[None]
+                size = 1 + diff.abs().max().item()
+                if (diff - ref).abs().masked_fill(~seen, 0).max().item() > rtol * size or \
+                        diff.abs().max().item() < rtol:
+                    continue
+                cand = (torch.softmax(s4, -1).nan_to_num(0) @ vh).transpose(1, 2).reshape(b, length, -1)
+                err, where = _error(cand, targets)
+                if err < rtol:
+                    return {"formula": "softmax(QK^T / sqrt(D) + bias(head, query, key)) V", "heads": h,
+                            "relative error": err, "compared with": where, "_bias": diff[0],
+                            "positions": "a relative-position bias (depends only on query, key)"}
+    return None

@@ -1,0 +1,257 @@
+"""A record of every torch operation a module runs, as a graph the white box can walk.
+
+:class:`Trace` is a ``TorchFunctionMode``: while the module runs it records each operation's name,
+its tensor inputs and outputs (by identity, so the graph can be walked from a tensor to the
+operation that made it) and its other arguments. The tensors that matter for the white box
+(products, softmax inputs and outputs, SDPA calls, linear maps) are copied when recorded, so that a
+later in-place change (``scores.masked_fill_``) does not rewrite them. Weight-carrying leaf modules
+that do not go through ``F.linear`` (transformers' ``Conv1D``) are recorded by a forward hook.
+
+Walking back from a tensor through layout operations (view, transpose, split, ...) and
+multiplications by a number finds where it came from and by how much it was scaled on the way.
+
+Shape legend: B batch, H heads, L length, D head dim.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["LAYOUT", "PRODUCTS", "SOFTMAX", "Linear", "Op", "Origin", "Trace", "linears", "record"]
+
+PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm", "rmatmul"})
+SOFTMAX = frozenset({"softmax", "_softmax"})
+# operations that move or copy values without changing them (a view, a cast, a copy, a slice)
+LAYOUT = frozenset({"view", "reshape", "transpose", "permute", "contiguous", "clone", "to", "float", "double", "half",
+                    "bfloat16", "type", "type_as", "expand", "expand_as", "unsqueeze", "squeeze", "flatten",
+                    "unflatten", "movedim", "swapaxes", "swapdims", "t", "split", "chunk", "unbind", "getitem",
+                    "narrow", "select", "repeat_interleave", "detach", "dropout", "view_as", "reshape_as", "mT",
+                    "tensor_split", "split_with_sizes"})
+_SCALARS = frozenset({"mul", "rmul", "div", "truediv", "mul_", "div_", "imul", "itruediv"})
+_KEEP = PRODUCTS | SOFTMAX | {"scaled_dot_product_attention", "linear", "addmm", "multi_head_attention_forward"}
+
+
+def _name(func: Callable) -> str:
+    name = getattr(func, "__name__", str(func))
+    return name.strip("_") if name.startswith("__") else name
+
+
+def _tensors(obj: object) -> Iterator[Tensor]:
+    if isinstance(obj, Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            yield from _tensors(o)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            yield from _tensors(o)
+
+
+@dataclass
+class Op:
+    """One recorded operation: its name, arguments (tensors detached; copied for the operations that matter),
+    outputs, and the identities of the tensors it read and made (to walk the graph by)."""
+
+    name: str
+    args: tuple
+    kwargs: dict
+    outputs: list[Tensor]
+    in_ids: list[int]
+    out_ids: list[int]
+    module: str = ""  # for hooked modules: the module's name
+
+    @property
+    def inputs(self) -> list[Tensor]:
+        """The tensor arguments, in order (the same order as ``in_ids``)."""
+        return [*_tensors(self.args), *_tensors(self.kwargs)]
+
+    def number(self) -> float | None:
+        """For a multiplication or division by a number: the factor it applies (1 / d for a division), else None."""
+        if self.name not in _SCALARS or len(self.args) < 2:
+            return None
+        other = self.args[1] if isinstance(self.args[0], Tensor) and self.args[0].numel() > 1 else self.args[0]
+        if isinstance(other, Tensor):
+            if other.numel() != 1:
+                return None
+            other = float(other)
+        if not isinstance(other, (int, float)) or isinstance(other, bool):
+            return None
+        if self.name in ("div", "truediv", "div_", "itruediv"):
+            return 1.0 / other if other else None
+        return float(other)
+
+    def main_input(self) -> int | None:
+        """The identity of the tensor this operation transforms: the first tensor argument, or for a
+        multiplication by a number the tensor one."""
+        tensors = [(i, t) for i, t in zip(self.in_ids, self.inputs, strict=False)]
+        if not tensors:
+            return None
+        if self.number() is not None:
+            return max(tensors, key=lambda it: it[1].numel())[0]
+        return tensors[0][0]
+
+
+@dataclass
+class Origin:
+    """Where a tensor came from: the tensor at the end of a walk back through layout operations and
+    multiplications by numbers, the product of those numbers, and the operation that made that tensor."""
+
+    id: int
+    factor: float
+    op: Op | None
+    part: int | None = None  # the index of this tensor among the outputs of a split / chunk / unbind / [i]
+    parts: int | None = None  # how many parts that operation made
+
+
+class Trace(TorchFunctionMode):
+    """Records every torch operation while active; see the module docstring."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Op] = []
+        self.made_by: dict[int, tuple[int, int]] = {}  # id(tensor) -> (op index, output index), first maker wins
+        self._alive: list[object] = []  # keeps recorded tensors alive, so that ids are not reused
+        self.names: dict[int, str] = {}  # id(output of an nn.Linear or hooked leaf) -> its module name
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.add(_name(func), args, kwargs, out)
+        return out
+
+    def add(self, name: str, args: tuple, kwargs: dict, out: object, module: str = "") -> None:
+        """Record one operation (also used by forward hooks)."""
+        keep = name in _KEEP or bool(module)
+        originals = [*_tensors(args), *_tensors(kwargs)]
+        made = list(_tensors(out))
+        self._alive += [originals, made]
+        outputs = [t.detach().clone() if keep else t.detach() for t in made]
+        if keep:
+            args = tuple(a.detach().clone() if isinstance(a, Tensor) else a for a in args)
+            kwargs = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
+        op = Op(name, args, kwargs, outputs, [id(t) for t in originals], [id(t) for t in made], module)
+        self.ops.append(op)
+        for i, t in enumerate(made):
+            if module:  # a hooked module's output stands for the operations inside it
+                self.made_by[id(t)] = (len(self.ops) - 1, i)
+            else:
+                self.made_by.setdefault(id(t), (len(self.ops) - 1, i))
+
+    def maker(self, tid: int) -> tuple[Op, int] | None:
+        """The operation that made the tensor of identity ``tid`` and its index among the outputs, or None."""
+        found = self.made_by.get(tid)
+        return None if found is None else (self.ops[found[0]], found[1])
+
+    def origin(self, tid: int) -> Origin:
+        """Walk back from a tensor through layout operations and multiplications by numbers."""
+        factor, part, parts = 1.0, None, None
+        for _ in range(200):
+            found = self.maker(tid)
+            if found is None:
+                return Origin(tid, factor, None, part, parts)
+            op, index = found
+            number = op.number()
+            src = op.main_input()
+            if number is not None:
+                factor *= number
+            elif op.name not in LAYOUT or src is None:
+                return Origin(tid, factor, op, part, parts)
+            if op.name in ("split", "chunk", "unbind", "tensor_split", "split_with_sizes") and part is None:
+                part, parts = index, len(op.outputs)
+            elif op.name in ("getitem", "select") and part is None and len(op.args) > 1:
+                key = op.args[1]
+                first = key[0] if isinstance(key, tuple) and key else key
+                if isinstance(first, int) and not isinstance(first, bool) and isinstance(op.args[0], Tensor) and \
+                        op.args[0].dim() > 0:
+                    part, parts = first % op.args[0].shape[0], op.args[0].shape[0]
+            if src is None:
+                return Origin(tid, factor, op, part, parts)
+            tid = src
+        return Origin(tid, factor, None, part, parts)
+
+    def consumers(self, tid: int) -> Iterator[tuple[Op, int]]:
+        """The operations after the tensor ``tid`` was made that read it or a layout view of it (walking forward
+        through layout operations), in order, each with the identity of the view it read."""
+        ids = {tid}
+        start = self.made_by.get(tid, (-1, 0))[0] + 1
+        for op in self.ops[start:]:
+            read = [i for i in op.in_ids if i in ids]
+            if not read or not op.out_ids:  # shape, size, dim(): reads no values
+                continue
+            if op.name in LAYOUT:
+                ids |= set(op.out_ids)
+                continue
+            yield op, read[0]
+
+    def value(self, tid: int) -> Tensor | None:
+        """The recorded value of the tensor ``tid`` (an output of a recorded operation), or None."""
+        found = self.maker(tid)
+        return None if found is None else found[0].outputs[found[1]]
+
+
+def record(module: nn.Module, call: Callable[[], Tensor]) -> tuple[Trace, Tensor]:
+    """Run ``call`` (which runs ``module``) under a :class:`Trace`, without gradients; returns (trace, output)."""
+    trace = Trace()
+    handles = []
+
+    def named(mod: nn.Module, inp: tuple, out: object, name: str = "") -> None:
+        trace.names[id(out)] = name
+
+    def leaf(mod: nn.Module, inp: tuple, out: object, name: str = "") -> None:
+        trace.add("module", (inp[0],), {}, out, module=name)
+        trace.names[id(out)] = name
+
+    for name, m in module.named_modules():
+        weight = getattr(m, "weight", None)
+        if isinstance(m, nn.Linear):
+            handles.append(m.register_forward_hook(functools.partial(named, name=name)))
+        elif not list(m.children()) and isinstance(weight, Tensor) and weight.dim() == 2 and \
+                not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):  # weight leaves not going through F.linear
+            handles.append(m.register_forward_hook(functools.partial(leaf, name=name)))
+    try:
+        with torch.no_grad(), trace:
+            out = call()
+    finally:
+        for h in handles:
+            h.remove()
+    return trace, out
+
+
+def module_map(module: nn.Module, name: str) -> Callable[[Tensor], Tensor]:
+    """A float64 copy of the submodule ``name`` of ``module``, as a function."""
+    twin = copy.deepcopy(module.get_submodule(name)).double()
+    return lambda t: twin(t)
+
+
+@dataclass
+class Linear:
+    """A recorded linear map: its name, input (and the input's identity), output, and the map itself (float64)."""
+
+    name: str
+    input: Tensor
+    input_id: int
+    output: Tensor | None
+    apply: Callable[[Tensor], Tensor] = field(repr=False)
+
+
+def linears(trace: Trace, module: nn.Module) -> list[Linear]:
+    """Every linear map in the record (``F.linear`` and hooked weight-carrying leaves), in order."""
+    found = []
+    for op in trace.ops:
+        if op.name == "linear" and len(op.args) >= 2:
+            w = op.args[1].detach().double()
+            b = op.args[2] if len(op.args) > 2 else op.kwargs.get("bias")
+            bias = None if b is None else b.detach().double()
+            name = trace.names.get(op.out_ids[0], "F.linear")
+            found.append(Linear(name, op.args[0], op.in_ids[0], op.outputs[0],
+                                lambda t, w=w, b=bias: nn.functional.linear(t, w, b)))
+        elif op.module:
+            found.append(Linear(op.module, op.args[0], op.in_ids[0], op.outputs[0], module_map(module, op.module)))
+    return found
