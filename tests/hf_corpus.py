@@ -45,6 +45,9 @@ TINY: dict[str, object] = {
     "num_hidden_layers": 1, "n_layer": 1, "n_layers": 1, "num_layers": 1, "encoder_layers": 1, "decoder_layers": 1,
     "num_decoder_layers": 1,
     "max_position_embeddings": 256, "n_positions": 256, "n_ctx": 256, "rotary_dim": D,
+    # multi-head latent attention (DeepSeek V2/V3 and their kin)
+    "qk_rope_head_dim": D // 2, "qk_nope_head_dim": D // 2, "v_head_dim": D, "kv_lora_rank": 2 * D,
+    "q_lora_rank": 2 * D,
 }
 SMALL_VOCAB = {"vocab_size": 1024}  # tried first; configs whose token ids need a larger vocabulary keep theirs
 _CROSS = ("cross", "encoder_attn", "encdec", "enc_dec", "context")
@@ -265,6 +268,11 @@ def _unsupplied(attention: nn.Module, has_rope: bool) -> list[str]:
             and p.name not in given]
 
 
+def _config_scale(attention: nn.Module, model: nn.Module) -> dict:
+    """The scale the family sets on purpose (Granite's attention_multiplier), read from the attention's config."""
+    return {"scale": float(attention.config.attention_multiplier)}
+
+
 def _bloom_call(attention: nn.Module, model: nn.Module) -> Callable:
     """Bloom's attention takes the residual (added inside) and the ALiBi tensor: zeros and the family's ALiBi."""
     from transformers.models.bloom.modeling_bloom import build_alibi_tensor
@@ -281,6 +289,10 @@ def _bloom_call(attention: nn.Module, model: nn.Module) -> Callable:
 FAMILY_OPTIONS: dict[str, dict] = {
     "gemma2": {"config": {"query_pre_attn_scalar": D},
                "why": "config query_pre_attn_scalar = head dim (its default is the real models' 256)"},
+    "t5": {"options": {"scale": 1.0}, "why": "scale=1.0 (T5 folds 1/sqrt(d) into its initialisation)"},
+    "gpt_neo": {"options": {"scale": 1.0}, "why": "scale=1.0 (GPT-Neo does not scale its scores)"},
+    **{f: {"options": _config_scale, "why": "scale=config.attention_multiplier (muP scale, default 1.0)"}
+       for f in ("granite", "granitemoe", "granitemoeshared", "granite_speech", "granite_speech_plus")},
     "bloom": {"adapter": _bloom_call, "why": "call: residual = 0 and the family's ALiBi tensor"},
     "big_bird": {"config": {"attention_type": "original_full"},
                  "why": "config attention_type='original_full' (block-sparse needs long inputs)"},
@@ -327,7 +339,9 @@ def build(family: str, seed: int = 0) -> Built:
         m.load_state_dict(attention.state_dict())
         return m.eval()
 
-    return Built(family, attention, call, dict(extra.get("options", {})), path, make)
+    options = extra.get("options", {})
+    options = options(attention, model) if callable(options) else dict(options)
+    return Built(family, attention, call, options, path, make)
 
 
 @contextlib.contextmanager
