@@ -291,6 +291,9 @@ FAMILY_OPTIONS: dict[str, dict] = {
                "why": "config query_pre_attn_scalar = head dim (its default is the real models' 256)"},
     "t5": {"options": {"scale": 1.0}, "why": "scale=1.0 (T5 folds 1/sqrt(d) into its initialisation)"},
     "gpt_neo": {"options": {"scale": 1.0}, "why": "scale=1.0 (GPT-Neo does not scale its scores)"},
+    **{f: {"options": {"scale": 1.0}, "why": "scale=1.0 (T5-style: 1/sqrt(d) folded into the initialisation)"}
+       for f in ("mt5", "umt5", "switch_transformers", "udop")},
+    "dia": {"options": {"scale": 1.0}, "why": "scale=1.0 (Dia's attention sets scaling = 1.0)"},
     **{f: {"options": _config_scale, "why": "scale=config.attention_multiplier (muP scale, default 1.0)"}
        for f in ("granite", "granitemoe", "granitemoeshared", "granite_speech", "granite_speech_plus")},
     "bloom": {"adapter": _bloom_call, "why": "call: residual = 0 and the family's ALiBi tensor"},
