@@ -347,14 +347,22 @@ def _replace(tree: ast.AST, target: ast.AST, edit: Callable[[ast.AST], ast.AST])
 
 
 def _load(source: str, path: Path, class_name: str) -> type:
-    namespace = {"__name__": f"_selfattn_mutant_{uuid.uuid4().hex}", "__file__": str(path)}
+    """Execute a file's (mutated) source as a module of its own; return the class.
+
+    The module is in ``sys.modules`` while it runs (a ``@dataclass`` config class in the file looks
+    its module up there) and is removed afterwards.
+    """
+    module = ModuleType(f"_selfattn_mutant_{uuid.uuid4().hex}")
+    module.__file__ = str(path)
     folder = str(path.parent.resolve())
     sys.path.insert(0, folder)
+    sys.modules[module.__name__] = module
     try:
-        exec(compile(source, str(path), "exec"), namespace)
+        exec(compile(source, str(path), "exec"), vars(module))
     finally:
         sys.path.remove(folder)
-    return namespace[class_name]
+        del sys.modules[module.__name__]
+    return vars(module)[class_name]
 
 
 def _load_into(source: str, module: ModuleType, class_name: str) -> type:
