@@ -492,7 +492,8 @@ def score(spec: str | type, options: dict | None = None, *, seed: int = 0,
     options = {k: v for k, v in (options or {}).items() if v is not None and v is not False}
     options.pop("seed", None)
     target = _target(spec)
-    init, embed_dim = options.get("init"), options.get("embed_dim", 16)
+    init = options.get("init")
+    embed_dim = options.get("embed_dim", inspect.signature(check).parameters["embed_dim"].default)  # as check builds
 
     def instance(cls: type) -> nn.Module:
         torch.manual_seed(seed)
