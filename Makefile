@@ -8,10 +8,14 @@ TORCH_VERSION ?= 2.13.0
 
 .PHONY: demo test lint bench readme-tables check-install clean fuzz
 
-$(BIN)/selfattn: pyproject.toml
+# requirements-corpus.txt: real attention libraries the doctor's tests check, test-only; --no-deps so that
+# none of them can replace torch (their own dependencies are pinned in the file), and pip check proves it.
+$(BIN)/selfattn: pyproject.toml requirements-corpus.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps -r requirements-corpus.txt
+	$(BIN)/python -m pip check
 	touch $(BIN)/selfattn
 
 demo: $(BIN)/selfattn

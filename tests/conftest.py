@@ -5,6 +5,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from torchvision_ops import define_torchvision_ops
+
+define_torchvision_ops()  # before anything imports torchvision (timm, vit_pytorch, open_clip, transformers)
+
 
 @pytest.fixture
 def small_tiles():

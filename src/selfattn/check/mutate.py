@@ -1,18 +1,26 @@
 """Mutation score of the doctor: small AST edits of a correct module's source, each checked by the doctor.
 
 ``selfattn check --mutate file.py:Class`` (or :func:`score`) edits the source of the class (and of
-its bases defined in the same file) one site at a time, with the edits attention code gets wrong:
-drop or change the scale, swap or drop a transpose, change the softmax dimension, flip a mask's
-polarity (``==``/``!=``, ``~``, ``+ mask``/``- mask``), move the mask after the softmax, swap the
-operands of a matmul, drop ``.contiguous()``, shift a causal ``triu``/``tril`` offset. Each mutant is
-run through :func:`selfattn.check` with the same options as the original:
+its bases defined in the same file, and of the module-level functions of that file it calls, such
+as transformers' ``eager_attention_forward``, ``rotate_half``, ``repeat_kv``) one site at a time,
+with the edits attention code gets wrong: drop or change the scale (``* self.scaling``,
+``self.scale = d ** -0.5``, ``scale=``/``alpha=`` arguments), swap or drop a transpose, change the
+softmax dimension, flip a mask's polarity (``==``/``!=``, ``~``, ``+ mask``/``- mask``), drop a
+mask, move the mask after the softmax, swap the operands of a matmul, swap einsum or einops axes,
+flip SDPA's ``is_causal``, drop ``.contiguous()``, drop a negation (rotary's ``rotate_half``),
+shift a causal ``triu``/``tril`` offset. Each mutant is run through :func:`selfattn.check` with the
+same options as the original:
 
 - stillborn: it cannot be built or run at all (the doctor exits 2 on it);
 - equivalent: same outputs as the original on every probe input and mask (excluded from the rate);
 - killed: the doctor reports an error the original does not have;
 - survivor: none of those; listed with the edit.
 
-The user's file is read, never written; the mutants are compiled in memory (no bytecode).
+The user's file is read, never written; the mutants are compiled in memory (no bytecode). A class
+of an installed package (``score("package.module:Class")`` or the class object) is mutated the same
+way: the edited definitions are executed in a copy of the defining module's namespace (its
+``__name__`` and ``__package__``, so relative imports work), never written to site-packages, and
+``make(cls)`` builds each mutant as the original is built.
 
 Shape legend: B batch, L length, E embed dim.
 """
@@ -21,17 +29,21 @@ from __future__ import annotations
 
 import ast
 import copy
+import importlib
+import inspect
 import json
+import re
 import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch import Tensor, nn
 
-from .target import MASK_SHAPES, Caller, CannotRun, MaskSpec, build, find_call_style, parse_mask
+from .target import MASK_SHAPES, Caller, CannotRun, MaskSpec, build, embed_dim_of, find_call_style, parse_mask
 
 __all__ = ["Mutant", "Score", "main", "mutants", "score"]
 
@@ -149,6 +161,60 @@ def _edits(node: ast.AST) -> Iterator[tuple[str, Callable[[ast.AST], ast.AST]]]:
         yield "drop a mask inversion (~)", lambda n: n.operand
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and "mask" in _src(node.right):
         yield "subtract the mask instead of adding it", lambda n: ast.BinOp(n.left, ast.Sub(), n.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and "mask" in _src(node.right):
+        yield "drop the mask", lambda n: n.left
+    if _is_call_to(node, "masked_fill") and isinstance(node.func, ast.Attribute):
+        yield "drop a masked_fill", lambda n: n.func.value
+    if _is_call_to(node, "Softmax") and any(k.arg == "dim" for k in node.keywords):
+        for new in (-2, 0):
+            yield f"softmax over dim {new}", lambda n, new=new: ast.Call(
+                n.func, n.args, [*(k for k in n.keywords if k.arg != "dim"), ast.keyword("dim", _int(new))])
+    if isinstance(node, ast.Assign) and len(node.targets) == 1 and any(
+            w in _src(node.targets[0]).lower() for w in ("scale", "scaling")) and \
+            not isinstance(node.value, ast.Constant) and any(w in _src(node.value) for w in ("**", "sqrt")):
+        yield "drop the scale", lambda n: ast.Assign(n.targets, ast.Constant(1.0), lineno=n.lineno)
+        if _src(_unscaled(node.value)) != _src(node.value):
+            yield "scale 1/d instead of 1/sqrt(d)", lambda n: ast.Assign(n.targets, _unscaled(n.value), lineno=n.lineno)
+        yield "scale doubled", lambda n: ast.Assign(n.targets, ast.BinOp(n.value, ast.Mult(), ast.Constant(2)),
+                                                    lineno=n.lineno)
+    if isinstance(node, ast.Call):
+        for i, kw in enumerate(node.keywords):
+            if kw.arg in ("scale", "alpha", "softmax_scale", "scaling") and not isinstance(kw.value, ast.Constant):
+                yield "drop the scale", lambda n, i=i: _with_keyword(n, i, ast.Constant(1.0))
+                yield "scale doubled", lambda n, i=i: _with_keyword(n, i, ast.BinOp(n.keywords[i].value, ast.Mult(),
+                                                                                     ast.Constant(2)))
+            if kw.arg == "is_causal":
+                yield "flip is_causal", lambda n, i=i: _with_keyword(n, i, ast.UnaryOp(ast.Not(), n.keywords[i].value))
+            if kw.arg in ("attn_mask", "attention_mask", "mask") and _is_call_to(node, "scaled_dot_product_attention"):
+                yield "drop the mask", lambda n, i=i: _with_keyword(n, i, ast.Constant(None))
+    if _is_call_to(node, "scaled_dot_product_attention"):
+        if len(node.args) >= 2:
+            yield "swap q and k", lambda n: ast.Call(n.func, [n.args[1], n.args[0], *n.args[2:]], n.keywords)
+        if not any(k.arg == "scale" for k in node.keywords):
+            yield "drop the scale", lambda n: ast.Call(n.func, n.args, [*n.keywords, ast.keyword("scale",
+                                                                                                   ast.Constant(1.0))])
+        if not any(k.arg == "is_causal" for k in node.keywords):
+            yield "flip is_causal", lambda n: ast.Call(n.func, n.args, [*n.keywords, ast.keyword("is_causal",
+                                                                                                   ast.Constant(True))])
+    if _is_call_to(node, "einsum") and node.args and isinstance(node.args[0], ast.Constant) and \
+            isinstance(node.args[0].value, str) and "->" in node.args[0].value:
+        ins, out = node.args[0].value.replace(" ", "").split("->")
+        first, *rest = ins.split(",")
+        if len(out) >= 2:
+            yield "einsum: swap the output's last two axes", lambda n: _with_arg0(
+                n, f"{ins}->{out[:-2]}{out[-1]}{out[-2]}")
+        if len(first) >= 2 and rest:
+            yield "einsum: transpose the first operand", lambda n: _with_arg0(
+                n, f"{','.join([first[:-2] + first[-1] + first[-2], *rest])}->{out}")
+    if _is_call_to(node, "rearrange") and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and \
+            isinstance(node.args[1].value, str):
+        pattern = node.args[1].value
+        swapped = re.sub(r"\((\w+) (\w+)\)", lambda g: f"({g.group(2)} {g.group(1)})", pattern, count=1)
+        if swapped != pattern:
+            yield "einops: swap a grouped axis", lambda n: ast.Call(n.func, [n.args[0], ast.Constant(swapped),
+                                                                                *n.args[2:]], n.keywords)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and not isinstance(node.operand, ast.Constant):
+        yield "drop a negation", lambda n: n.operand
     if _is_call_to(node, "triu", "tril"):
         for delta in (1, -1):
             def shift(n: ast.Call, delta: int = delta) -> ast.AST:
@@ -158,6 +224,18 @@ def _edits(node: ast.AST) -> Iterator[tuple[str, Callable[[ast.AST], ast.AST]]]:
                 new = _int(value + delta) if value is not None else ast.BinOp(old, ast.Add(), _int(delta))
                 return ast.Call(n.func, [new], kws)
             yield f"causal offset {delta:+d}", shift
+
+
+def _with_keyword(n: ast.Call, i: int, value: ast.expr) -> ast.Call:
+    """``n`` with its i-th keyword argument's value replaced."""
+    kws = list(n.keywords)
+    kws[i] = ast.keyword(kws[i].arg, value)
+    return ast.Call(n.func, n.args, kws)
+
+
+def _with_arg0(n: ast.Call, text: str) -> ast.Call:
+    """``n`` with its first (string) argument replaced by ``text``."""
+    return ast.Call(n.func, [ast.Constant(text), *n.args[1:]], n.keywords)
 
 
 def _assigned(stmt: ast.stmt) -> str | None:
@@ -204,19 +282,38 @@ def _classes(tree: ast.Module, name: str) -> list[ast.ClassDef]:
     return out
 
 
-def mutants(source: str, class_name: str) -> list[Mutant]:
-    """Every single-site mutant of ``class_name`` (and its in-file bases) in ``source``.
+def _functions(tree: ast.Module, roots: list[ast.ClassDef]) -> list[ast.FunctionDef]:
+    """The module-level functions of the file that ``roots`` call (by name), and those they call, in file order."""
+    defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    seen: set[str] = set()
+    todo: list[ast.AST] = list(roots)
+    while todo:
+        for n in ast.walk(todo.pop()):
+            if isinstance(n, ast.Name) and n.id in defs and n.id not in seen:
+                seen.add(n.id)
+                todo.append(defs[n.id])
+    return [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in seen]
+
+
+def mutants(source: str, class_name: str, *, definitions_only: bool = False) -> list[Mutant]:
+    """Every single-site mutant of ``class_name`` (its in-file bases, the file's functions it calls) in ``source``.
 
     Args:
         source: the whole file's Python source.
         class_name: the class to mutate.
+        definitions_only: each mutant's source holds only the mutated definitions (the class, its
+            in-file bases and the functions they call, in file order), not the whole file.
 
     Returns:
-        The mutants, each with the whole file's edited source.
+        The mutants, each with the whole file's (or the definitions') edited source.
     """
     tree = ast.parse(source)
     classes = _classes(tree, class_name)
-    nodes = [n for c in classes for n in ast.walk(c)]
+    functions = _functions(tree, classes)
+    if definitions_only:
+        keep = {id(n) for n in [*classes, *functions]}
+        tree = ast.Module([n for n in tree.body if id(n) in keep], [])
+    nodes = [n for d in [*classes, *functions] for n in ast.walk(d)]
     index = {id(n): i for i, n in enumerate(ast.walk(tree))}
     found: list[Mutant] = []
     for node in nodes:
@@ -225,8 +322,8 @@ def mutants(source: str, class_name: str) -> list[Mutant]:
             _replace(twin, list(ast.walk(twin))[index[id(node)]], edit)
             found.append(Mutant(operator, f"line {getattr(node, 'lineno', '?')}: {_src(node)[:80]}",
                                 ast.unparse(ast.fix_missing_locations(twin))))
-    for c in classes:
-        for fn in (n for n in c.body if isinstance(n, ast.FunctionDef)):
+    for d in [*classes, *functions]:
+        for fn in (n for n in (d.body if isinstance(d, ast.ClassDef) else [d]) if isinstance(n, ast.FunctionDef)):
             for i, j, s, t in _mask_moves(fn):
                 twin = copy.deepcopy(tree)
                 fn2 = next(n for n in ast.walk(twin) if isinstance(n, ast.FunctionDef) and n.lineno == fn.lineno)
@@ -250,14 +347,70 @@ def _replace(tree: ast.AST, target: ast.AST, edit: Callable[[ast.AST], ast.AST])
 
 
 def _load(source: str, path: Path, class_name: str) -> type:
-    namespace = {"__name__": f"_selfattn_mutant_{uuid.uuid4().hex}", "__file__": str(path)}
+    """Execute a file's (mutated) source as a module of its own; return the class.
+
+    The module is in ``sys.modules`` while it runs (a ``@dataclass`` config class in the file looks
+    its module up there) and is removed afterwards.
+    """
+    module = ModuleType(f"_selfattn_mutant_{uuid.uuid4().hex}")
+    module.__file__ = str(path)
     folder = str(path.parent.resolve())
     sys.path.insert(0, folder)
+    sys.modules[module.__name__] = module
     try:
-        exec(compile(source, str(path), "exec"), namespace)
+        exec(compile(source, str(path), "exec"), vars(module))
     finally:
         sys.path.remove(folder)
+        del sys.modules[module.__name__]
+    return vars(module)[class_name]
+
+
+def _load_into(source: str, module: ModuleType, class_name: str) -> type:
+    """Execute the (mutated) definitions in ``source`` in a copy of ``module``'s namespace; return the class.
+
+    The copy keeps the module's ``__name__``, ``__package__`` and imports, so the definitions resolve
+    names (and relative imports) as the original does, and the module itself is left untouched.
+    """
+    namespace = dict(vars(module))
+    exec(compile(source, getattr(module, "__file__", None) or f"<{module.__name__}>", "exec"), namespace)
     return namespace[class_name]
+
+
+@dataclass
+class _Target:
+    """Where a class to mutate comes from: its file's source, and how a mutant's source becomes a class."""
+
+    name: str  # the class name
+    source: str  # the source of the file that defines it
+    load: Callable[[str], type]  # mutant source -> class
+    definitions_only: bool  # mutants hold only the mutated definitions (a package's file is never executed whole)
+
+
+def _target(spec: str | type) -> _Target:
+    """"path/to/file.py:Class", "package.module:Class" or a class -> the :class:`_Target`."""
+    if isinstance(spec, str):
+        path_s, sep, name = spec.rpartition(":")
+        if not sep or not path_s or not name:
+            raise CannotRun(f"expected path/to/file.py:ClassName or package.module:ClassName, got {spec!r}")
+        if path_s.endswith(".py") or "/" in path_s or Path(path_s).is_file():
+            path = Path(path_s)
+            if not path.is_file():
+                raise CannotRun(f"no such file: {path}")
+            return _Target(name, path.read_text(), lambda src: _load(src, path, name), False)
+        try:
+            spec = getattr(importlib.import_module(path_s), name)
+        except (ImportError, AttributeError) as e:
+            raise CannotRun(f"cannot import {name} from {path_s}: {type(e).__name__}: {e}") from e
+    if not isinstance(spec, type):
+        raise CannotRun(f"expected a class, got {type(spec).__name__}")
+    module = sys.modules.get(spec.__module__)
+    try:
+        source = inspect.getsource(module) if module is not None else None
+    except (OSError, TypeError):
+        source = None
+    if module is None or source is None:
+        raise CannotRun(f"the source of {spec.__module__} (defining {spec.__name__}) is not available")
+    return _Target(spec.__name__, source, lambda src: _load_into(src, module, spec.__name__), True)
 
 
 def _spec_of(note: dict) -> MaskSpec:
@@ -268,8 +421,11 @@ def _spec_of(note: dict) -> MaskSpec:
 def _outputs(module: nn.Module, options: dict, mask_note: object) -> list[object]:
     """The module's outputs on the probe inputs, with and without the masks the original takes."""
     torch.manual_seed(0)
-    e = next((m.in_features for m in module.modules() if isinstance(m, nn.Linear)), options.get("embed_dim", 16))
-    xs = [torch.randn(3, 7, e), torch.randn(2, 5, e)]
+    e = options.get("embed_dim") or embed_dim_of(module, 16)
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    lengths = options.get("length") or (7, 5)
+    lengths = [lengths, lengths] if isinstance(lengths, int) else list(lengths) * (2 if len(lengths) == 1 else 1)
+    xs = [torch.randn(3, lengths[0], e, dtype=dtype), torch.randn(2, lengths[1], e, dtype=dtype)]
     adapter = options.get("call")
     style = "adapter" if adapter else find_call_style(module, xs[0])[0]
     call = Caller(module, style, adapter=adapter if callable(adapter) else None)
@@ -277,13 +433,14 @@ def _outputs(module: nn.Module, options: dict, mask_note: object) -> list[object
     if isinstance(mask_note, dict) and "kind" in mask_note:
         spec = _spec_of(mask_note)
         masked = call.with_mask(spec, mask_note.get("argument"))
-        i = torch.arange(7)
-        keeps = [torch.ones(3, 7, 7, dtype=torch.bool)]
+        n = xs[0].shape[1]
+        i = torch.arange(n)
+        keeps = [torch.ones(3, n, n, dtype=torch.bool)]
         keeps[0][0, :, 5:] = False
         if not spec.key_only:
             causal = i[None, :] <= i[:, None]
-            keeps += [causal.expand(3, 7, 7), (causal & (i[None, :] >= i[:, None] - 2)).expand(3, 7, 7)]
-        runs += [lambda k=k: masked(xs[0], masked.module_mask(k)) for k in keeps]
+            keeps += [causal.expand(3, n, n), (causal & (i[None, :] >= i[:, None] - 2)).expand(3, n, n)]
+        runs += [lambda k=k: masked(xs[0], masked.module_mask(k, dtype)) for k in keeps]
         half = copy.deepcopy(module).half()
         runs.append(lambda: masked.for_module(half)(xs[0].half(), masked.module_mask(keeps[0], torch.float16)))
     else:
@@ -310,47 +467,55 @@ def _same(a: list[object], b: list[object]) -> bool:
     return True
 
 
-def score(spec: str, options: dict | None = None, *, seed: int = 0) -> Score:
-    """Mutate the class ``path/to/file.py:Class`` and check every mutant.
+def score(spec: str | type, options: dict | None = None, *, seed: int = 0,
+          make: Callable[[type], nn.Module] | None = None) -> Score:
+    """Mutate a class and check every mutant.
 
     Args:
-        spec: ``path/to/file.py:ClassName`` of a correct module.
+        spec: the class of a correct module: ``path/to/file.py:ClassName``, ``package.module:ClassName``
+            (an installed package's class: the source of its defining module is mutated in memory) or the
+            class itself.
         options: :func:`selfattn.check` keyword arguments, the same for the original and every mutant.
-        seed: the doctor's seed.
+        seed: the doctor's seed (and the seed each module is built under).
+        make: ``make(cls)`` builds the module from the class (the original or a mutant), e.g.
+            ``lambda cls: cls(config, layer_idx=0)``; default: the doctor's own guess (``init``,
+            ``embed_dim`` from ``options``). Each mutant then gets the original's weights.
 
     Returns:
         The :class:`Score`.
 
     Raises:
-        CannotRun: the file or class cannot be loaded.
+        CannotRun: the file, module or class cannot be loaded, or the original cannot be built.
     """
     from . import check
 
     options = {k: v for k, v in (options or {}).items() if v is not None and v is not False}
     options.pop("seed", None)
-    path_s, _, name = spec.rpartition(":")
-    path = Path(path_s)
-    if not path.is_file():
-        raise CannotRun(f"no such file: {path}")
-    source = path.read_text()
-    init, embed_dim = options.get("init"), options.get("embed_dim", 16)
+    target = _target(spec)
+    init = options.get("init")
+    embed_dim = options.get("embed_dim", inspect.signature(check).parameters["embed_dim"].default)  # as check builds
 
     def instance(cls: type) -> nn.Module:
         torch.manual_seed(seed)
-        return build(cls, init, embed_dim)[0].eval()
+        return (make(cls) if make is not None else build(cls, init, embed_dim)[0]).eval()
 
-    original = instance(_load(source, path, name))
+    try:
+        original = instance(target.load(target.source))
+    except CannotRun:
+        raise
+    except Exception as e:
+        raise CannotRun(f"the original {target.name} cannot be built: {type(e).__name__}: {e}") from e
     base = check(copy.deepcopy(original), seed=seed, **options)
     note = base.inferred.get("mask")
     if "mask" not in options and "mask_convention" not in options and isinstance(note, dict) and "kind" in note:
         options["mask"] = _spec_of(note)  # the original's convention is the contract its mutants must keep
     base_errors = {f.id for f in base.findings if f.severity == "error"}
-    result = Score(spec, sorted(base_errors))
+    result = Score(spec if isinstance(spec, str) else f"{spec.__module__}:{spec.__qualname__}", sorted(base_errors))
     reference = _outputs(original, options, base.inferred.get("mask"))
-    for m in mutants(source, name):
+    for m in mutants(target.source, target.name, definitions_only=target.definitions_only):
         result.total += 1
         try:
-            module = instance(_load(m.source, path, name))
+            module = instance(target.load(m.source))
             module.load_state_dict(original.state_dict(), strict=False)
             outs = _outputs(module, options, base.inferred.get("mask"))
         except Exception:  # a mutant that cannot even be built is stillborn
@@ -363,6 +528,10 @@ def score(spec: str, options: dict | None = None, *, seed: int = 0) -> Score:
             report = check(module, seed=seed, **options)
         except CannotRun:
             result.stillborn += 1
+            continue
+        except Exception as e:  # the doctor itself raised on a module that runs: not a kill, listed as such
+            result.survivors.append({"operator": m.operator, "where": m.where,
+                                     "findings": [f"the doctor raised {type(e).__name__}: {e}"[:200]]})
             continue
         new = {f.id for f in report.findings if f.severity == "error"} - base_errors
         if new:
