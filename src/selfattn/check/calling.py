@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .building import CannotRun, Sizes, num_heads_of
 from .context import Outcome, close, probe_keep, tolerance
 from .report import Finding
-from .target import Caller, MaskSpec, dependency, find_call_style, required_mask_parameter
+from .target import MASK_NAMES, Caller, MaskSpec, dependency, find_call_style, mask_parameters, required_mask_parameter
 
 __all__ = ["KIND_ORDER", "SHAPE_ORDER", "calling"]
 
@@ -67,8 +67,9 @@ def _caller_for(module: nn.Module, x: Tensor) -> tuple[Caller | None, str]:
     style, why = find_call_style(module, x)
     if style:
         return Caller(module, style), ""
-    for style in ("x", "qkv"):
-        arg = required_mask_parameter(module, style)
+    for style in ("x", "qkv"):  # a mask the signature requires, or one the module cannot do without in practice
+        named = [a for a in mask_parameters(module, style) if a in MASK_NAMES]
+        arg = required_mask_parameter(module, style) or (named[0] if named else None)
         if arg is not None:
             found = _required_mask_caller(module, style, arg, x)
             if found is not None:

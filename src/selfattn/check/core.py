@@ -262,21 +262,23 @@ def _fit(s: Tensor, r: Tensor, with_terms: bool) -> tuple[float, Tensor, Tensor]
     return c, torch.where(seen, s - c * r, 0), seen
 
 
-def _role(trace: Trace, tid: int) -> str | None:
-    """q, k or v: the role of the projection a tensor comes from (by its module's name, or by its place in a
-    fused projection split in three (q, k, v) or two (k, v)), when it can be told; else None."""
+def _role(trace: Trace, tid: int) -> tuple[str | None, str]:
+    """The role (q, k, v) of the projection a tensor comes from, and how it is known: "name" (its module's name,
+    ``q_proj``, ``to_k``) or "order" (its place in a fused projection split in three or two parts, which only
+    says "q" for the first of three: code bases order the rest as they like, q|v|k in CodeGen); (None, "")
+    when it cannot be told."""
     part, parts = None, None
     for _ in range(80):
         if tid in trace.names:
             role = name_role(trace.names[tid])
             if role is not None:
-                return role
-            if part is not None and parts in (2, 3):
-                return ("q", "k", "v")[part + (3 - parts)]
-            return None
+                return role, "name"
+            if part is not None and parts == 3:
+                return ("q" if part == 0 else "k or v"), "order"
+            return None, ""
         found = trace.maker(tid)
         if found is None:
-            return None
+            return None, ""
         op, index = found
         if op.name in ("split", "chunk", "unbind", "tensor_split", "split_with_sizes"):  # the one nearest the
             part, parts = index, len(op.outputs)  # projection counts
@@ -285,8 +287,22 @@ def _role(trace: Trace, tid: int) -> str | None:
             part, parts = op.args[1] % op.args[0].shape[0], op.args[0].shape[0]
         nxt = op.main_input()
         if nxt is None:
-            return None
+            return None, ""
         tid = nxt
+    return None, ""
+
+
+def _roles_verdict(trace: Trace, ids: tuple[int, int, int], evidence: dict, facts: dict) -> Verdict | None:
+    """A verdict when the score and value operands come from projections in the wrong roles, else None."""
+    roles = [_role(trace, i) for i in ids]
+    named = [r if how == "name" else None for r, how in roles]
+    if (roles[1] == ("q", "order") and roles[0][0] == "k or v") or named[:2] == ["k", "q"]:
+        return Verdict("softmax-dim", {"matches": "the scores are K Q^T (keys and queries swapped): the softmax runs "
+                                      "over the queries", **evidence}, facts)
+    if any(r not in (want, None) for r, want in zip(named, ("q", "k", "v"), strict=True)):
+        return Verdict("definition-mismatch", {"matches": f"softmax({named[0] or '?'} {named[1] or '?'}^T) "
+                                               f"{named[2] or '?'}: the projections are used in the wrong roles",
+                                               **evidence}, facts)
     return None
 
 
@@ -417,14 +433,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     evidence.update({"scale": said, "head dim": d, "product": product.name})
     if fid is not None:
         return Verdict(fid, {"matches": said, **evidence}, facts)
-    roles = (_role(trace, aid), _role(trace, bid), _role(trace, vid))
-    if roles[:2] == ("k", "q"):
-        return Verdict("softmax-dim", {"matches": "the scores are K Q^T (keys and queries swapped): the softmax runs "
-                                      "over the queries", **evidence}, facts)
-    if any(r_ not in (want, None) for r_, want in zip(roles, ("q", "k", "v"), strict=True)):
-        return Verdict("definition-mismatch", {"matches": f"softmax({roles[0] or '?'} {roles[1] or '?'}^T) "
-                                               f"{roles[2] or '?'}: the projections are used in the wrong roles",
-                                               **evidence}, facts)
+    wrong = _roles_verdict(trace, (aid, bid, vid), evidence, facts)
+    if wrong is not None:
+        return wrong
     merge_fid, merged = _merge(trace, pv, pv.outputs[0], final)
     evidence["merge"] = merged
     if merge_fid is not None:
@@ -456,6 +467,9 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     evidence = {"scale": said, "head dim": d, "product": "scaled_dot_product_attention"}
     if fid is not None:
         return Verdict(fid, {"matches": said, **evidence})
+    wrong = _roles_verdict(trace, (op.in_ids[0], op.in_ids[1], op.in_ids[2]), evidence, {})
+    if wrong is not None:
+        return wrong
     merge_fid, merged = _merge(trace, op, op.outputs[0], final)
     evidence["merge"] = merged
     if merge_fid is not None:

@@ -21,7 +21,7 @@ from .context import Context, Outcome, close, empty_row_keep, future, padding_ke
 from .report import Finding
 from .target import MASK_NAMES, MASK_SHAPES, Caller, MaskSpec, MaskWatch, dependency, mask_parameters, switch_parameter
 
-__all__ = ["band", "causality", "mask_convention", "masked_rows", "padding"]
+__all__ = ["band", "causality", "mask_convention", "masked_rows", "padding", "twin_reads_masks_alike"]
 
 
 def band(dep: Tensor) -> tuple[int, int] | None:
@@ -102,6 +102,27 @@ def _candidates(ctx: Context) -> list[Caller]:
     return [ctx.call.with_mask(MaskSpec(kind, shape), arg) for arg in args for shape in SHAPE_ORDER for kind in kinds]
 
 
+def twin_reads_masks_alike(ctx: Context) -> bool:
+    """Does the float64 copy give what the module gives under the masks it accepts? (A module that branches on
+    its dtype, dropping its mask outside float32, must be analysed as it is.)"""
+    if ctx.exact is None or ctx.no_mask or not ctx.call.takes_mask:
+        return True
+    b, length, _ = ctx.x.shape
+    for native in _candidates(ctx):
+        keep = probe_keep(b, length, native.key_only)
+        try:
+            with torch.no_grad():
+                out = native(ctx.x, native.module_mask(keep))
+            twin = ctx.exact_of(native)
+            with torch.no_grad():
+                out64 = twin(ctx.analysis_x, twin.module_mask(keep))
+        except Exception:  # not a mask this module accepts
+            continue
+        if out.shape == out64.shape and torch.isfinite(out).all() and not close(out64, out, 64 * ctx.rtol):
+            return False
+    return True
+
+
 def _describe(caller: Caller) -> dict:
     note = {"convention": caller.spec.describe() if caller.spec else "your make_mask(keep)"}
     if caller.spec is not None:  # the old fields, kept for users who read them
@@ -169,7 +190,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
         keep = probe_keep(b, length, caller.key_only)
         try:
             mask = caller.module_mask(keep)
-            watch = MaskWatch(mask)
+            watch = MaskWatch(mask, caller.module)
             with torch.no_grad(), watch:
                 masked_out = caller(x, mask)
             if masked_out.shape != x.shape:
@@ -186,7 +207,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             takes_bool.add((caller.mask_arg, caller.spec.shape))
         if close(masked_out, plain):
             tried[label] = "accepted, but changed nothing" + ("" if watch.used else " (no operation read it)")
-            if not watch.used:
+            if not watch.used and not watch.reached:
                 untouched.add(label)
             continue
         d = dependency(lambda t, c=caller, mk=mask: c(t, mk), x, rtol=ctx.dependency_rtol)
@@ -226,7 +247,8 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
     """No candidate mask changed the output: no mask (an argument not named like one, a mask the adapter never
     passes on), a causal switch, mask-ignored (a mask argument that changes nothing), or not understood."""
     accepted = {label for label, why in tried.items() if "changed nothing" in why}
-    if ctx.call.style == "adapter" and accepted and accepted <= untouched:
+    if ctx.call.style == "adapter" and accepted and accepted <= untouched and ctx.spec is None and \
+            ctx.call.make_mask is None:
         return _no_mask("your call(module, x, mask) does not pass the mask to anything")
     named = {c.mask_arg for c in candidates if c.mask_arg in MASK_NAMES} or ctx.call.style == "adapter" or \
         ctx.spec is not None or ctx.call.make_mask is not None or ctx.call.required

@@ -297,24 +297,49 @@ def find_call_style(module: nn.Module, x: Tensor) -> tuple[str, str | None]:
 
 
 class MaskWatch(TorchFunctionMode):
-    """Records whether any torch operation received the watched tensor (a mask that reached the module or not)."""
+    """While active: did any torch operation read the watched tensor (``used``), and did the module (or one of its
+    submodules) receive it as an argument (``reached``)? Tells a mask a module ignores from a mask that an
+    adapter never passed on."""
 
-    def __init__(self, watched: object) -> None:
+    def __init__(self, watched: object, module: nn.Module | None = None) -> None:
         super().__init__()
         self.watched = watched if isinstance(watched, Tensor) else None
+        self.module = module
         self.used = False
+        self.reached = False
+        self._handles: list = []
+
+    def _holds(self, *values: object) -> bool:
+        stack = list(values)
+        while stack:
+            a = stack.pop()
+            if a is self.watched:
+                return True
+            if isinstance(a, (list, tuple)):
+                stack.extend(a)
+            elif isinstance(a, dict):
+                stack.extend(a.values())
+        return False
+
+    def __enter__(self) -> MaskWatch:
+        if self.module is not None and self.watched is not None:
+            def seen(mod: nn.Module, args: tuple, kwargs: dict) -> None:
+                self.reached = self.reached or self._holds(args, kwargs)
+
+            self._handles = [m.register_forward_pre_hook(seen, with_kwargs=True) for m in self.module.modules()]
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        super().__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.watched is not None and not self.used:
-            stack = [*args, *kwargs.values()]
-            while stack:
-                a = stack.pop()
-                if a is self.watched:
-                    self.used = True
-                    break
-                if isinstance(a, (list, tuple)):
-                    stack.extend(a)
+        if self.watched is not None and not self.used and self._holds(args, kwargs):
+            self.used = True
         return func(*args, **kwargs)
 
 
