@@ -228,8 +228,8 @@ def test_set_attn_implementation_switches_to_selfattn(monkeypatch):
     model = _build("llama", "eager")
     model.set_attn_implementation(NAME)
     seen = []
-    real_attention = sa_hf.attention
-    monkeypatch.setattr(sa_hf, "attention", lambda *a, **k: seen.append(k["mask"]) or real_attention(*a, **k))
+    real = selfattn.functional.attention
+    monkeypatch.setattr(selfattn.functional, "attention", lambda *a, **k: seen.append(k["mask"]) or real(*a, **k))
     model(torch.randint(0, VOCAB, (1, 8)))
     assert len(seen) == 2 and all(isinstance(m, masks.Mask) for m in seen)
 
@@ -262,10 +262,10 @@ def _predicates():
         "bidirectional_sliding": (mu.sliding_window_bidirectional_mask_function(3), masks.SlidingWindow),
         "packed_causal": (packed(mu.causal_mask_function), masks.Mask),
         "packed_sliding": (packed(mu.sliding_window_causal_mask_function(4)), masks.Mask),
-        "packed_odd_ids": (packed(mu.causal_mask_function, odd_ids), masks.FromMaskMod),
-        "chunked": (mu.chunked_causal_mask_function(8, torch.tensor([0, 3])), masks.FromMaskMod),
+        "packed_odd_ids": (packed(mu.causal_mask_function, odd_ids), masks.Mask),
+        "chunked": (mu.chunked_causal_mask_function(8, torch.tensor([0, 3])), masks.Mask),
         "custom": (lambda b, h, q, kv: (q - kv) % 3 == 0, masks.FromMaskMod),
-        "or_custom": (mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv < 4), masks.FromMaskMod),
+        "or_custom": (mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv < 4), masks.Mask),
         "scalar_only": (lambda b, h, q, kv: LOOKUP[q][kv], masks.FromMaskMod),  # needs vmap, as in transformers
     }
 

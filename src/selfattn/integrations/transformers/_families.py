@@ -1,0 +1,47 @@
+"""Which transformers model classes can run selfattn, and the refusal of those that cannot.
+
+A model runs selfattn when its attention modules call transformers' attention interface
+(``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)``) with the mask that
+transformers' mask interface built. transformers declares that on the class:
+``_supports_attention_backend`` ("supports attention (mask) interface functions") and
+``_supports_flex_attn`` (flex attention exists only through the interface); where neither is set,
+its own reading of the modeling file (:func:`._upstream.can_set_attn_implementation`) decides.
+A model that computes attention itself (Falcon's class table, Bloom's and MPT's scores plus the
+mask, DeBERTa-v2's disentangled attention) would raise deep inside, or silently ignore selfattn:
+it is refused when it is built, with a ``ValueError`` that names the family and suggests
+``"sdpa"`` / ``"eager"``.
+"""
+
+from __future__ import annotations
+
+from ._upstream import can_set_attn_implementation
+
+__all__ = ["check_model_class", "unsupported_reason"]
+
+# Families that declare the interface but were found, running them, to use the mask's values
+# outside attention: the reason for each (empty while none is known).
+KNOWN_UNSUPPORTED: dict[str, str] = {}
+
+
+def unsupported_reason(model_class: type) -> str | None:
+    """Why ``model_class`` cannot run selfattn as its attention, or None when it can."""
+    known = KNOWN_UNSUPPORTED.get(getattr(model_class, "__name__", ""))
+    if known is not None:
+        return known
+    if getattr(model_class, "_supports_attention_backend", False) or getattr(model_class, "_supports_flex_attn", False):
+        return None
+    if can_set_attn_implementation(model_class):
+        return None
+    return ("its attention modules compute attention themselves instead of calling transformers' attention "
+            "interface (the class declares neither _supports_attention_backend nor _supports_flex_attn, and its "
+            "modeling file never calls ALL_ATTENTION_FUNCTIONS.get_interface)")
+
+
+def check_model_class(model_class: type, name: str) -> None:
+    """Raise ``ValueError`` if ``model_class`` cannot run the attention implementation ``name``."""
+    reason = unsupported_reason(model_class)
+    if reason is None:
+        return
+    family = getattr(getattr(model_class, "config_class", None), "model_type", None) or "?"
+    raise ValueError(f"{model_class.__name__} (model type {family!r}) cannot use attn_implementation={name!r}: "
+                     f"{reason}. Load it with attn_implementation='sdpa' (where the class supports it) or 'eager'.")
