@@ -62,10 +62,7 @@ class MaskTensor(Tensor):
         elif name in _PASS and isinstance(args[0], MaskTensor) and _keeps_dtype(args[1:], kwargs):
             return args[0]._moved(args[1:], kwargs)
         carrier = next((a for a in (*args, *kwargs.values()) if isinstance(a, MaskTensor)), None)
-        what = f" ({carrier.mask!r})" if carrier is not None else ""
-        raise TypeError(f"{name or func} was applied to a selfattn mask standing in for a 4-D attention mask{what}; "
-                        "it has no values: pass it to selfattn's attention function, or build a dense mask with "
-                        ".mask.dense(lq, lk), or load the model with attn_implementation='sdpa' or 'eager'")
+        raise _no_values(name or str(func), carrier)
 
     def _moved(self, args: tuple, kwargs: dict) -> MaskTensor:
         device = kwargs.get("device", next((a for a in args if isinstance(a, (torch.device, str))), None))
@@ -75,6 +72,33 @@ class MaskTensor(Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"MaskTensor({self.mask!r}, shape={tuple(self.shape)})"
+
+
+def _no_values(what: str, carrier: MaskTensor | None) -> TypeError:
+    mask = f" ({carrier.mask!r})" if carrier is not None and hasattr(carrier, "mask") else ""
+    return TypeError(f"{what} was applied to a selfattn mask{mask} standing in for a 4-D attention mask; it has no "
+                     "values: pass it to selfattn's attention function, or build a dense mask with "
+                     ".mask.dense(lq, lk), or load the model with attn_implementation='sdpa' or 'eager'")
+
+
+def _refuse(name: str) -> Any:
+    def op(self: MaskTensor, *args: Any, **kwargs: Any) -> Any:
+        raise _no_values(name, self)
+    op.__name__ = name
+    return op
+
+
+# torch turns a TypeError raised under a tensor's binary operator into NotImplemented, which Python
+# reports as "unsupported operand type(s)": the carrier's own operators (tried first, and as the
+# reflected operand) raise the explanation instead.
+for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift",
+              "rshift"):
+    for _form in (f"__{_name}__", f"__r{_name}__", f"__i{_name}__"):
+        setattr(MaskTensor, _form, _refuse(_form))
+for _form in ("__eq__", "__ne__", "__lt__", "__le__", "__gt__", "__ge__", "__neg__", "__pos__", "__abs__",
+              "__invert__"):
+    setattr(MaskTensor, _form, _refuse(_form))
+MaskTensor.__hash__ = Tensor.__hash__  # type: ignore[method-assign]  # defining __eq__ would unset it
 
 
 def _keeps_dtype(args: tuple, kwargs: dict) -> bool:

@@ -1,0 +1,96 @@
+"""Tiny random models of every transformers text family, for the selfattn family sweep.
+
+``tiny_config(model_type)`` builds a family's config with small sizes (hidden 32, 2 layers, 4
+heads, 2 key/value heads, vocabulary 99), setting only the arguments the config takes;
+``build(model_type, impl, dtype)`` makes the model (a causal LM for decoders, a masked LM for
+encoders) from it. ``run_family`` compares selfattn's logits on a right-padded batch with the
+float64 oracle and eager attention, under the tolerance rule. The sweep's results make the README's
+table (``python tests/hf_families.py``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import warnings
+
+import torch
+
+SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=37,
+             vocab_size=99, max_position_embeddings=64, head_dim=8, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+             d_model=32, num_layers=2, num_heads=4, d_ff=37, ffn_dim=37, encoder_layers=2, decoder_layers=2,
+             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
+             moe_intermediate_size=16, num_experts=4, num_local_experts=4, num_experts_per_tok=2, n_routed_experts=4,
+             shared_expert_intermediate_size=16, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
+             qk_nope_head_dim=4, v_head_dim=8, sliding_window=6, embedding_size=32, hidden_dim=32, n_heads=4,
+             n_layers=2, dim=32, num_hidden_groups=1, inner_group_num=1, rotary_dim=4, partial_rotary_factor=0.5)
+L, VOCAB = 16, 99
+
+
+def families() -> dict[str, str]:
+    """model_type -> "decoder" or "encoder", for every family with a causal or masked LM head."""
+    from transformers.models.auto import modeling_auto as ma
+    out = {mt: "decoder" for mt in ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES}
+    out.update({mt: "encoder" for mt in ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES if mt not in out})
+    return dict(sorted(out.items()))
+
+
+def tiny_config(model_type: str):
+    """The family's config with small sizes, setting only what its constructor takes."""
+    from transformers import AutoConfig
+    cls = type(AutoConfig.for_model(model_type))
+    params = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "__dataclass_fields__", {}))
+    kwargs = {k: v for k, v in SIZES.items() if k in params}
+    cfg = cls(**kwargs)
+    for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(cfg, attr, None), int) and getattr(cfg, attr) >= VOCAB:
+            setattr(cfg, attr, 0)
+    return cfg
+
+
+def model_class(model_type: str, kind: str) -> type:
+    import transformers
+    from transformers.models.auto import modeling_auto as ma
+    names = ma.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES if kind == "decoder" else ma.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    name = names[model_type]
+    return getattr(transformers, name[0] if isinstance(name, (list, tuple)) else name)
+
+
+MAX_PARAMS = 3_000_000  # a "tiny" model; a config that will not shrink below it is not built
+
+
+def parameter_count(model_type: str, kind: str) -> int:
+    """Parameters of the tiny model, counted on the meta device (nothing allocated)."""
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = model_class(model_type, kind)._from_config(tiny_config(model_type), attn_implementation="eager")
+    return sum(p.numel() for p in model.parameters())
+
+
+def build(model_type: str, kind: str, impl: str, dtype: torch.dtype = torch.float32):
+    cfg = tiny_config(model_type)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = model_class(model_type, kind)._from_config(cfg, attn_implementation=impl,
+                                                           experts_implementation="eager")  # float64 too
+    return model.to(dtype).eval()
+
+
+def batch(kind: str) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, VOCAB, (2, L), generator=g)
+    am = torch.ones(2, L, dtype=torch.long)
+    am[1, L - 5:] = 0
+    return dict(input_ids=ids, attention_mask=am)
+
+
+if __name__ == "__main__":  # the sweep, one family a line: model_type kind outcome detail
+    sys.path.insert(0, "tests")
+    from test_transformers_families import outcome
+    only = sys.argv[1:]
+    for mt, kind in families().items():
+        if only and mt not in only:
+            continue
+        res, detail = outcome(mt, kind)
+        print(f"{mt}\t{kind}\t{res}\t{detail}", flush=True)
