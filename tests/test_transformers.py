@@ -423,3 +423,21 @@ def test_models_bench_measures_each_part_in_its_own_process():
     row = bench_models.measure(pts[0], repeats=1)
     assert row["status"] == "ok" and row["time_s"] > 0 and len(row["times"]) == 1
     assert bench_models.measure(dict(part="model", L=1 << 20, impl="eager"), repeats=1)["status"] == "skipped"
+
+
+def test_models_bench_generation_point_times_both_in_turns(monkeypatch):
+    """The generation points: selfattn and sdpa in one process, per-token times of the same repeats
+    (ratios pair repeat by repeat), the same tokens; the README block is written from the rows."""
+    from selfattn.bench import markdown
+    from selfattn.bench import models as bench_models
+    from selfattn.bench.ratios import attach_ratios
+    monkeypatch.setattr(bench_models, "PROMPT", 16)
+    monkeypatch.setattr(bench_models, "NEW_TOKENS", 3)
+    rows = [{**r, "suite": "models-generate", "status": "ok"}
+            for r in bench_models.run_generate_point("static", "eager", 2, repeats=2)]
+    assert [r["impl"] for r in rows] == ["selfattn", "sdpa"]
+    assert all(len(r["times"]) == 2 and r["time_s"] > 0 and r["same_tokens"] for r in rows)
+    attach_ratios(rows, "models-generate", ("case", "mode", "B"), ("sdpa",))
+    assert rows[0]["ratios"]["sdpa"]["n"] == 2
+    block = markdown.blocks(rows)["models-generate"]
+    assert "| static cache | eager | 2 |" in block and "| yes |" in block
