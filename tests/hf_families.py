@@ -16,14 +16,14 @@ import warnings
 
 import torch
 
-SIZES = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=37,
-             vocab_size=99, max_position_embeddings=64, head_dim=8, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-             d_model=32, num_layers=2, num_heads=4, d_ff=37, ffn_dim=37, encoder_layers=2, decoder_layers=2,
+SIZES = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, intermediate_size=37,
+             vocab_size=99, max_position_embeddings=64, head_dim=8, n_embd=32, n_layer=4, n_head=4, n_positions=64,
+             d_model=32, num_layers=4, num_heads=4, d_ff=37, ffn_dim=37, encoder_layers=2, decoder_layers=2,
              encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37,
              moe_intermediate_size=16, num_experts=4, num_local_experts=4, num_experts_per_tok=2, n_routed_experts=4,
              shared_expert_intermediate_size=16, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
              qk_nope_head_dim=4, v_head_dim=8, sliding_window=6, embedding_size=32, hidden_dim=32, n_heads=4,
-             n_layers=2, dim=32, num_hidden_groups=1, inner_group_num=1, rotary_dim=4, partial_rotary_factor=0.5)
+             n_layers=4, dim=32, num_hidden_groups=1, inner_group_num=1)
 L, VOCAB = 16, 99
 
 
@@ -35,12 +35,20 @@ def families() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
+def _sizes(cls: type) -> dict:
+    params = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "__dataclass_fields__", {}))
+    return {k: v for k, v in SIZES.items() if k in params}
+
+
 def tiny_config(model_type: str):
-    """The family's config with small sizes, setting only what its constructor takes."""
+    """The family's config with small sizes, setting only what its constructor (and those of its
+    sub-configs: a composite model's text part) takes."""
     from transformers import AutoConfig
     cls = type(AutoConfig.for_model(model_type))
-    params = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "__dataclass_fields__", {}))
-    kwargs = {k: v for k, v in SIZES.items() if k in params}
+    kwargs = _sizes(cls)
+    for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
+        if isinstance(sub, type) and sub is not AutoConfig:
+            kwargs[name] = _sizes(sub)
     cfg = cls(**kwargs)
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(cfg, attr, None), int) and getattr(cfg, attr) >= VOCAB:

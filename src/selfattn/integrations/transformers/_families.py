@@ -18,14 +18,23 @@ from ._upstream import can_set_attn_implementation
 
 __all__ = ["check_model_class", "unsupported_reason"]
 
-# Families that declare the interface but were found, running them, to use the mask's values
-# outside attention: the reason for each (empty while none is known).
-KNOWN_UNSUPPORTED: dict[str, str] = {}
+# Families (model types) that do call the interface but read the 4-D mask's values on the way
+# (found by running every family with selfattn, tests/test_transformers_families.py): why each.
+KNOWN_UNSUPPORTED: dict[str, str] = {
+    "doge": "its attention folds the 4-D attention mask's values into its own dynamic mask (Doge's dynamic mask "
+            "attention) before calling transformers' attention interface",
+    "hy_v4": "its sparse-attention indexer reads the 4-D attention mask's values to choose the keys each query "
+             "attends to",
+}
+
+
+def _model_type(model_class: type) -> str | None:
+    return getattr(getattr(model_class, "config_class", None), "model_type", None)
 
 
 def unsupported_reason(model_class: type) -> str | None:
     """Why ``model_class`` cannot run selfattn as its attention, or None when it can."""
-    known = KNOWN_UNSUPPORTED.get(getattr(model_class, "__name__", ""))
+    known = KNOWN_UNSUPPORTED.get(_model_type(model_class) or "")
     if known is not None:
         return known
     if getattr(model_class, "_supports_attention_backend", False) or getattr(model_class, "_supports_flex_attn", False):
@@ -42,6 +51,6 @@ def check_model_class(model_class: type, name: str) -> None:
     reason = unsupported_reason(model_class)
     if reason is None:
         return
-    family = getattr(getattr(model_class, "config_class", None), "model_type", None) or "?"
+    family = _model_type(model_class) or "?"
     raise ValueError(f"{model_class.__name__} (model type {family!r}) cannot use attn_implementation={name!r}: "
                      f"{reason}. Load it with attn_implementation='sdpa' (where the class supports it) or 'eager'.")

@@ -24,6 +24,7 @@ Shape legend: B batch, Lq/Lk lengths, r a query row, c a key column; positions a
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +98,7 @@ class Band(_masks.Mask):
         return f"band({self.lo}, {self.hi}, shift={'tensor' if self.shift.dim() == 0 else 'per item'})"
 
 
-@dataclass(frozen=True)
+@dataclass
 class Geometry:
     """One call: batch size, lengths, the positions of the first query and key, the device, and
     whether tensor values may be read (not while torch.compile traces)."""
@@ -110,10 +111,10 @@ class Geometry:
     device: torch.device
     eager: bool
 
-    @property
+    @functools.cached_property
     def shift(self) -> int | Tensor:
         """kv - q minus selfattn's j - i for the same row and column (0 when aligned)."""
-        return self.kv_offset - self.q_offset + self.lk - self.lq
+        return (self.kv_offset + self.lk - self.lq) - self.q_offset
 
     def indices(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(b, h, q, kv) positions of the whole call, broadcastable (B, 1, Lq, Lk)."""
@@ -315,7 +316,7 @@ def _band_mask(lo: int | None, hi: int | None, g: Geometry) -> _masks.Mask | Any
                 return _masks.causal("bottom_right")
             return _masks.sliding_window(_BIG if lo is None else -lo, _BIG if hi is None else hi)
         s = torch.tensor(s, device=g.device)
-    return Band(lo, hi, s.to(g.device) if isinstance(s, Tensor) else s)
+    return Band(lo, hi, s if s.device == g.device else s.to(g.device))
 
 
 def _document_mask(ids: Tensor, g: Geometry) -> _masks.Mask | None:
