@@ -5,7 +5,7 @@ heads, 2 key/value heads, vocabulary 99), setting only the arguments the config 
 ``build(model_type, impl, dtype)`` makes the model (a causal LM for decoders, a masked LM for
 encoders) from it. ``run_family`` compares selfattn's logits on a right-padded batch with the
 float64 oracle and eager attention, under the tolerance rule. The sweep's results make the README's
-table (``python tests/hf_families.py``).
+table (``python tests/hf_families.py > sweep.tsv``, then ``python tests/hf_families.py --markdown sweep.tsv``).
 """
 
 from __future__ import annotations
@@ -93,8 +93,33 @@ def batch(kind: str) -> dict:
     return dict(input_ids=ids, attention_mask=am)
 
 
+def markdown(lines: list[str]) -> str:
+    """The README's table from the sweep's lines (model_type, kind, outcome, detail; tab-separated)."""
+    rows = [line.rstrip("\n").split("\t") for line in lines if line.strip()]
+    by: dict[str, list[list[str]]] = {}
+    for r in rows:
+        by.setdefault(r[2], []).append(r)
+    out = [f"| outcome | families ({len(rows)}) |", "| --- | --- |"]
+    names = {"supported": "runs selfattn, logits within the float32 rule of the float64 oracle",
+             "refused": "refused when built, with a `ValueError` saying why: attention not routed through "
+                        "transformers' interface (or, for `doge` and `hy_v4`, the mask's values read on the way)"}
+    for key in ("supported", "refused"):
+        fams = ", ".join(f"`{r[0]}`" for r in by.get(key, []))
+        out.append(f"| {names[key]} ({len(by.get(key, []))}) | {fams} |")
+    fams = ", ".join(f"`{r[0]}`" for r in by.get("unbuildable", []))
+    out.append(f"| not built tiny here: too large at the smallest sizes its config takes, an extra missing, or "
+               f"failing without selfattn at those sizes ({len(by.get('unbuildable', []))}) | {fams} |")
+    if by.get("fails"):
+        out.append(f"| failing ({len(by['fails'])}) | {', '.join(f'`{r[0]}`' for r in by['fails'])} |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":  # the sweep, one family a line: model_type kind outcome detail
     sys.path.insert(0, "tests")
+    if sys.argv[1:2] == ["--markdown"]:  # python tests/hf_families.py --markdown sweep.tsv
+        with open(sys.argv[2]) as f:
+            print(markdown(f.readlines()))
+        raise SystemExit(0)
     from test_transformers_families import outcome
     only = sys.argv[1:]
     for mt, kind in families().items():

@@ -212,6 +212,8 @@ def _hf_mask(mask_function, *, batch=2, lq=40, lk=40, q_offset=0, kv_offset=0, a
                      mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
                      use_vmap=True)
     carried = sa_hf.mask_function(batch, lq, lk, q_offset, kv_offset, mask_function, attention_mask)
+    if carried is None:  # every key visible
+        return masks.from_tensor(torch.ones(1, 1, 1, 1, dtype=torch.bool)), want.expand(batch, 1, lq, lk)
     assert isinstance(carried, sa_hf.MaskTensor) and carried.shape == (batch, 1, lq, lk)
     return carried.mask, want.expand(batch, 1, lq, lk)
 
@@ -233,6 +235,7 @@ def _predicates():
         "packed_causal": (packed(mu.causal_mask_function), masks.Mask),
         "packed_sliding": (packed(mu.sliding_window_causal_mask_function(4)), masks.Mask),
         "packed_odd_ids": (packed(mu.causal_mask_function, odd_ids), masks.Mask),
+        "packed_absolute": (packed(lambda b, h, q, kv: q >= 3), masks.Mask),  # not relative: not read on indices
         "chunked": (mu.chunked_causal_mask_function(8, torch.tensor([0, 3])), masks.Mask),
         "custom": (lambda b, h, q, kv: (q - kv) % 3 == 0, masks.FromMaskMod),
         "or_custom": (mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv < 4), masks.Mask),
@@ -260,17 +263,23 @@ def test_mask_function_equals_transformers_dense_mask(name, padding):
     assert torch.equal(got.dense(40, 40).expand(2, 1, 40, 40), want)
 
 
+@pytest.mark.parametrize("tensor_offset", [False, True])
 @pytest.mark.parametrize(("lq", "lk", "q_offset", "kv_offset"), [(1, 30, 29, 0), (4, 30, 26, 0), (1, 6, 33, 28),
-                                                                 (3, 12, 20, 0)])
-def test_mask_function_with_cache_offsets(lq, lk, q_offset, kv_offset):
+                                                                 (3, 12, 20, 0), (1, 12, 4, 0), (5, 40, 0, 0)])
+def test_mask_function_with_cache_offsets(lq, lk, q_offset, kv_offset, tensor_offset):
     """Decoding: queries after a cache (aligned bottom-right), a sliding cache that starts past 0,
-    and a static cache whose keys run past the queries (not aligned: evaluated, still exact)."""
+    and a static cache whose keys run past the queries (a band with the shift as a tensor when
+    the cache gives q_offset as one), for every rule transformers builds; always exact."""
     mu = transformers.masking_utils
     am = torch.ones(2, kv_offset + lk, dtype=torch.bool)
     am[0, :3] = False
-    for fn in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(5)):
-        got, want = _hf_mask(fn, lq=lq, lk=lk, q_offset=q_offset, kv_offset=kv_offset, attention_mask=am)
-        assert torch.equal(got.dense(lq, lk).expand(2, 1, lq, lk), want)
+    rules = (mu.causal_mask_function, mu.sliding_window_causal_mask_function(5),
+             mu.sliding_window_bidirectional_mask_function(2), mu.bidirectional_mask_function,
+             mu.chunked_causal_mask_function(4, torch.tensor([0, 2])))
+    offset = torch.tensor(q_offset) if tensor_offset else q_offset
+    for fn in rules:
+        got, want = _hf_mask(fn, lq=lq, lk=lk, q_offset=offset, kv_offset=kv_offset, attention_mask=am)
+        assert torch.equal(got.dense(lq, lk).expand(2, 1, lq, lk), want), repr(got)
 
 
 def _renamed(fn, name="renamed"):

@@ -288,7 +288,7 @@ def _and(parts: list[Expr], g: Geometry) -> _masks.Mask | Any:
             hi = band[1] if hi is None else hi if band[1] is None else min(hi, band[1])
         elif id(p) in docs and (m := _document_mask(docs[id(p)], g)) is not None:
             out.append(m)
-        elif p[0] in ("or", "not", "and"):
+        elif p[0] in ("or", "and") or (p[0] == "not" and p[1][0] in ("not", "and", "or")):
             out.append(_bool(p, g))
         else:
             out.append(_leaf(p, g))
@@ -381,9 +381,12 @@ def _remap_within_documents(e: Expr, ids: Tensor, g: Geometry) -> Expr:
     (``pos[b, kv] <= pos[b, q]``, transformers' packed sequences) is the same rule on the indices
     when ``pos`` is the index plus a constant inside every document: ``e`` rewritten so, when it is."""
     found: list[Tensor] = []
-    if not _reads_through(e, found) or len({id(t) for t in found}) != 1 or found[0] is ids:
+    if e[0] not in _CMP or not _reads_through(e, found) or len({id(t) for t in found}) != 1 or found[0] is ids:
         return e
-    return _unmap(e) if _shifts_within_documents(found[0], ids, g) else e
+    unmapped = _unmap(e)
+    if _band(unmapped) is None:  # only a rule on kv - q survives a shift of both positions
+        return e
+    return unmapped if _shifts_within_documents(found[0], ids, g) else e
 
 
 def _remapped(e: Expr) -> bool:
