@@ -74,12 +74,13 @@ def configs() -> dict:
     }
 
 
-def build(model: str, impl: str, dtype: torch.dtype = torch.float32):
-    """The tiny model ``model`` (a key of :func:`configs`) with ``impl`` attention, seed 0, eval mode."""
+def build(model: str, impl: str, dtype: torch.dtype = torch.float32, experts: str = "eager"):
+    """The tiny model ``model`` (a key of :func:`configs`) with ``impl`` attention, seed 0, eval mode;
+    ``experts``: gpt-oss's experts implementation (grouped_mm has no float64, eager does not compile)."""
     cls, kwargs = configs()[model]
     cfg = cls(**copy.deepcopy(kwargs))
     auto = transformers.AutoModel if model == "bert" else transformers.AutoModelForCausalLM
     torch.manual_seed(0)
-    extra = {"experts_implementation": "eager"} if model == "gpt_oss" else {}  # grouped_mm has no float64
+    extra = {"experts_implementation": experts} if model == "gpt_oss" else {}
     m = auto.from_config(cfg, attn_implementation=impl, **extra)
     return m.to(dtype).eval()

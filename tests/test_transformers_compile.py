@@ -51,7 +51,7 @@ def test_static_cache_generation_compiles_once_per_shape(model, dynamic):
     """catches: the static-cache mask captured a Python offset (or changed structure with the
     step), so the compiled forward recompiled at every new token (FailOnRecompileLimitHit with
     fullgraph), and the tokens differing from eager's."""
-    ours, naive = build(model, NAME), build(model, "eager")
+    ours, naive = build(model, NAME, experts="grouped_mm"), build(model, "eager", experts="grouped_mm")
     naive.load_state_dict(ours.state_dict())
     g = torch.Generator().manual_seed(5)
     prompt = dict(input_ids=torch.randint(1, 100, (2, 10), generator=g),

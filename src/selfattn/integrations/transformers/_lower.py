@@ -24,8 +24,7 @@ Shape legend: B batch, Lq/Lk lengths, r a query row, c a key column; positions a
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -110,11 +109,11 @@ class Geometry:
     kv_offset: int
     device: torch.device
     eager: bool
+    shift: int | Tensor = field(init=False)
+    """kv - q minus selfattn's j - i for the same row and column (0 when aligned)."""
 
-    @functools.cached_property
-    def shift(self) -> int | Tensor:
-        """kv - q minus selfattn's j - i for the same row and column (0 when aligned)."""
-        return (self.kv_offset + self.lk - self.lq) - self.q_offset
+    def __post_init__(self) -> None:
+        self.shift = (self.kv_offset + self.lk - self.lq) - self.q_offset
 
     def indices(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(b, h, q, kv) positions of the whole call, broadcastable (B, 1, Lq, Lk)."""
