@@ -307,7 +307,7 @@ def _band_mask(lo: int | None, hi: int | None, g: Geometry) -> _masks.Mask | Any
     if lo is not None and hi is not None and lo > hi:
         return _none(g)
     s = g.shift
-    if isinstance(s, int):
+    if not isinstance(s, Tensor):  # an int (or a dynamic size while compiling)
         if lo is None and hi is None:
             return ALL
         if s == 0 and (lo is None or lo <= 0) and (hi is None or hi >= 0):
@@ -320,7 +320,7 @@ def _band_mask(lo: int | None, hi: int | None, g: Geometry) -> _masks.Mask | Any
 
 def _document_mask(ids: Tensor, g: Geometry) -> _masks.Mask | None:
     """``document`` of the keys' ids when the queries are the last Lq key positions (else None)."""
-    if not (isinstance(g.q_offset, int) and g.shift == 0) or ids.shape[-1] < g.kv_offset + g.lk:
+    if isinstance(g.q_offset, Tensor) or g.shift != 0 or ids.shape[-1] < g.kv_offset + g.lk:
         return None
     keys = ids[..., g.kv_offset:g.kv_offset + g.lk]
     if keys.dim() == 2 and keys.shape[0] not in (1, g.batch):
@@ -350,7 +350,7 @@ def _leaf(e: Expr, g: Geometry) -> _masks.Mask | Any:
 def _fold_one_sided(e: Expr, g: Geometry) -> bool | None:
     """The value of a comparison of one position with a constant when it is the same for every
     position of the call (``q >= 0``: the bidirectional rule), else None."""
-    if e[0] not in _CMP or e[0] == "ne" or not isinstance(g.q_offset, int):
+    if e[0] not in _CMP or e[0] == "ne" or isinstance(g.q_offset, Tensor):
         return None
     x, y = _affine(e[1]), _affine(e[2])
     if x is None or y is None:
@@ -419,7 +419,7 @@ def _shifts_within_documents(pos: Tensor, ids: Tensor, g: Geometry) -> bool:
     """True when, inside every document, positions are the indices plus a constant (what
     transformers' packed-sequence detection guarantees), so a relative rule reads the same on both."""
     if not (pos.dim() == ids.dim() == 2 and pos.shape[-1] == ids.shape[-1] == g.lk and g.lq == g.lk
-            and isinstance(g.q_offset, int) and g.q_offset == g.kv_offset == 0):
+            and not isinstance(g.q_offset, Tensor) and g.q_offset == g.kv_offset == 0):
         return False
     if not g.eager:
         return True  # cannot read data while tracing; transformers derives both from the same position_ids
