@@ -23,7 +23,8 @@ SIZES = dict(hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key
              moe_intermediate_size=16, num_experts=4, num_local_experts=4, num_experts_per_tok=2, n_routed_experts=4,
              shared_expert_intermediate_size=16, kv_lora_rank=8, q_lora_rank=8, qk_rope_head_dim=4,
              qk_nope_head_dim=4, v_head_dim=8, sliding_window=6, embedding_size=32, hidden_dim=32, n_heads=4,
-             n_layers=4, dim=32, num_hidden_groups=1, inner_group_num=1)
+             n_layers=4, dim=32, num_hidden_groups=1, inner_group_num=1, rotary_dim=4,
+             partial_rotary_factor=0.5)
 L, VOCAB = 16, 99
 
 
@@ -35,20 +36,24 @@ def families() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def _sizes(cls: type) -> dict:
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def _sizes(cls: type, layers: int) -> dict:
     params = set(inspect.signature(cls.__init__).parameters) | set(getattr(cls, "__dataclass_fields__", {}))
-    return {k: v for k, v in SIZES.items() if k in params}
+    return {k: layers if k in LAYER_KEYS else v for k, v in SIZES.items() if k in params}
 
 
-def tiny_config(model_type: str):
+def tiny_config(model_type: str, layers: int = 4):
     """The family's config with small sizes, setting only what its constructor (and those of its
-    sub-configs: a composite model's text part) takes."""
+    sub-configs: a composite model's text part) takes. 4 layers, so that hybrid families whose
+    pattern places attention every few layers have some; 2 for the few that need it."""
     from transformers import AutoConfig
     cls = type(AutoConfig.for_model(model_type))
-    kwargs = _sizes(cls)
+    kwargs = _sizes(cls, layers)
     for name, sub in (getattr(cls, "sub_configs", None) or {}).items():
         if isinstance(sub, type) and sub is not AutoConfig:
-            kwargs[name] = _sizes(sub)
+            kwargs[name] = _sizes(sub, layers)
     cfg = cls(**kwargs)
     for attr in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(cfg, attr, None), int) and getattr(cfg, attr) >= VOCAB:
@@ -67,16 +72,16 @@ def model_class(model_type: str, kind: str) -> type:
 MAX_PARAMS = 3_000_000  # a "tiny" model; a config that will not shrink below it is not built
 
 
-def parameter_count(model_type: str, kind: str) -> int:
+def parameter_count(model_type: str, kind: str, layers: int = 4) -> int:
     """Parameters of the tiny model, counted on the meta device (nothing allocated)."""
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = model_class(model_type, kind)._from_config(tiny_config(model_type), attn_implementation="eager")
+        model = model_class(model_type, kind)._from_config(tiny_config(model_type, layers), attn_implementation="eager")
     return sum(p.numel() for p in model.parameters())
 
 
-def build(model_type: str, kind: str, impl: str, dtype: torch.dtype = torch.float32):
-    cfg = tiny_config(model_type)
+def build(model_type: str, kind: str, impl: str, dtype: torch.dtype = torch.float32, layers: int = 4):
+    cfg = tiny_config(model_type, layers)
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -102,7 +107,8 @@ def markdown(lines: list[str]) -> str:
     out = [f"| outcome | families ({len(rows)}) |", "| --- | --- |"]
     names = {"supported": "runs selfattn, logits within the float32 rule of the float64 oracle",
              "refused": "refused when built, with a `ValueError` saying why: attention not routed through "
-                        "transformers' interface (or, for `doge` and `hy_v4`, the mask's values read on the way)"}
+                        "transformers' interface (or, for `deepseek_v4`, `doge` and `hy_v4`, the mask's values read "
+                        "on the way)"}
     for key in ("supported", "refused"):
         fams = ", ".join(f"`{r[0]}`" for r in by.get(key, []))
         out.append(f"| {names[key]} ({len(by.get(key, []))}) | {fams} |")

@@ -21,6 +21,8 @@ __all__ = ["check_model_class", "unsupported_reason"]
 # Families (model types) that do call the interface but read the 4-D mask's values on the way
 # (found by running every family with selfattn, tests/test_transformers_families.py): why each.
 KNOWN_UNSUPPORTED: dict[str, str] = {
+    "deepseek_v4": "its attention concatenates the 4-D attention mask with a bias over its compressed key/value "
+                   "blocks before calling transformers' attention interface",
     "doge": "its attention folds the 4-D attention mask's values into its own dynamic mask (Doge's dynamic mask "
             "attention) before calling transformers' attention interface",
     "hy_v4": "its sparse-attention indexer reads the 4-D attention mask's values to choose the keys each query "

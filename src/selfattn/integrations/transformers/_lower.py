@@ -308,8 +308,9 @@ def _band_mask(lo: int | None, hi: int | None, g: Geometry) -> _masks.Mask | Any
         return _none(g)
     s = g.shift
     if not isinstance(s, Tensor):  # an int (or a dynamic size while compiling)
-        if lo is None and hi is None:
-            return ALL
+        dmin, dmax = s - (g.lk - 1), s + (g.lq - 1)  # the diagonals kv - q this call has
+        if (lo is None or lo <= dmin) and (hi is None or hi >= dmax):
+            return ALL  # a decode step's causal rule: every key visible, no mask
         if s == 0 and (lo is None or lo <= 0) and (hi is None or hi >= 0):
             if lo is None and hi == 0:
                 return _masks.causal("bottom_right")

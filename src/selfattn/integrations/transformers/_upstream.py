@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["can_set_attn_implementation", "getitem_as_index", "guard_model_checks"]
@@ -79,12 +79,3 @@ def guard_model_checks(name: str, refuse: Callable[[type, str], None]) -> None:
     PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation  # type: ignore[method-assign]
     PreTrainedModel.set_attn_implementation = set_attn_implementation  # type: ignore[method-assign]
 
-
-@contextlib.contextmanager
-def unguarded(name: str) -> Iterator[None]:
-    """Within this block, ``name`` is not checked (to build a refused model on purpose, in tests)."""
-    _GUARDED.discard(name)
-    try:
-        yield
-    finally:
-        _GUARDED.add(name)
