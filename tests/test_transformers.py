@@ -450,3 +450,20 @@ def test_models_bench_generation_point_times_both_in_turns(monkeypatch):
     assert rows[0]["ratios"]["sdpa"]["n"] == 2
     block = markdown.blocks(rows)["models-generate"]
     assert "| static cache | eager | 2 |" in block and "| yes |" in block
+
+
+@pytest.mark.parametrize("rule", ["causal", "chunked", "opaque"])
+def test_tensor_offsets_are_read_when_the_mask_is_made(rule):
+    """catches: a static cache's q_offset (its cumulative_length, which every layer's cache update
+    increments in place before attention runs) read lazily by an evaluated part of the mask, which
+    then saw the queries Lq positions further on in each layer."""
+    mu = transformers.masking_utils
+    fn = {"causal": mu.causal_mask_function, "chunked": mu.chunked_causal_mask_function(4, torch.tensor([0, 1])),
+          "opaque": lambda b, h, q, kv: LOOKUP[q][kv] & (kv <= q)}[rule]
+    offset = torch.tensor(10)
+    got = sa_hf.selfattn_mask(2, 2, 16, offset, 0, fn, None)
+    offset.add_(2)  # the cache's update, before attention reads the mask
+    from transformers.masking_utils import sdpa_mask
+    want = sdpa_mask(batch_size=2, q_length=2, kv_length=16, q_offset=10, mask_function=fn, allow_is_causal_skip=False,
+                     use_vmap=True)
+    assert torch.equal(got.dense(2, 16).expand(2, 1, 2, 16), want.expand(2, 1, 2, 16))

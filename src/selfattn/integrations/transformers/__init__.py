@@ -122,6 +122,8 @@ def selfattn_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int 
     takes it is reused for every call of the same structure.
     """
     fn = mask_function if mask_function is not None else _hf_causal
+    if isinstance(q_offset, Tensor):  # a static cache's length, which its updates change in place: read it now
+        q_offset = q_offset.clone()
     dev = torch.device(device) if device is not None else (
         attention_mask.device if attention_mask is not None else torch.device("cpu"))
     eager = not torch.compiler.is_compiling()
