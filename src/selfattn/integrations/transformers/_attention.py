@@ -18,6 +18,28 @@ from ._carrier import MaskTensor
 
 __all__ = ["attention_forward"]
 
+DENSE_LIMIT = 1 << 16
+"""Mask elements (B * Lq * Lk) up to which a carried mask is made dense once and the tensor shared
+by every layer of the forward (a decode step's (B, 1, 1, Lk)): below this no tile is worth
+skipping and the sdpa backend would build the same tensor in each layer."""
+
+
+def _shared_dense(carrier: MaskTensor, lq: int, lk: int, device: torch.device) -> _masks.Mask | Tensor:
+    """The carried mask, or, when it is small, its dense form made once per carrier (every layer of
+    a forward gets the same carrier) and kept while the tensors it reads are unchanged."""
+    mask = carrier.mask
+    if torch.compiler.is_compiling() or carrier.shape[0] * lq * lk > DENSE_LIMIT:
+        return mask
+    version = mask.version()
+    if version is None:
+        return mask
+    key = (lq, lk, device, version)
+    cached = getattr(carrier, "_dense", None)
+    if cached is None or cached[0] != key:
+        cached = (key, mask.dense(lq, lk, device))
+        carrier._dense = cached  # type: ignore[attr-defined]
+    return cached[1]
+
 
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                       attention_mask: _masks.Mask | Tensor | None, dropout: float = 0.0,
@@ -50,7 +72,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     bias = position_bias
     causal: bool | str = False
     if isinstance(attention_mask, MaskTensor):
-        mask = attention_mask.mask
+        mask = _shared_dense(attention_mask, lq, lk, query.device)
     elif isinstance(attention_mask, _masks.Mask):
         mask = attention_mask
     elif isinstance(attention_mask, Tensor):
