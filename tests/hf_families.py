@@ -107,8 +107,8 @@ def markdown(lines: list[str]) -> str:
     out = [f"| outcome | families ({len(rows)}) |", "| --- | --- |"]
     names = {"supported": "runs selfattn, logits within the float32 rule of the float64 oracle",
              "refused": "refused when built, with a `ValueError` saying why: attention not routed through "
-                        "transformers' interface (or, for `deepseek_v4`, `doge` and `hy_v4`, the mask's values read "
-                        "on the way)"}
+                        "transformers' interface (a class table keyed by implementation name, or attention of their "
+                        "own; for `deepseek_v4`, `doge` and `hy_v4`, the mask's values read on the way)"}
     for key in ("supported", "refused"):
         fams = ", ".join(f"`{r[0]}`" for r in by.get(key, []))
         out.append(f"| {names[key]} ({len(by.get(key, []))}) | {fams} |")

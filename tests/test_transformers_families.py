@@ -21,7 +21,7 @@ from hf_oracle import NAME, ORACLE  # noqa: E402
 from selfattn.integrations import transformers as sa_hf  # noqa: E402
 from selfattn.testing import OUTPUT_FACTOR, compare_to_reference  # noqa: E402
 
-FAST = {"llama", "bert", "falcon", "bloom", "mpt", "deberta-v2", "gpt_neox", "roberta"}
+FAST = {"llama", "bert", "falcon", "bloom", "mpt", "deberta-v2", "git", "gpt_neox", "roberta"}
 
 
 def outcome(model_type: str, kind: str) -> tuple[str, str]:
@@ -97,14 +97,15 @@ def test_family_runs_selfattn_or_is_refused(model_type, kind):
     or selfattn silently never called)."""
     result, detail = outcome(model_type, kind)
     assert result != "fails", f"{model_type}: {detail}"
-    if model_type in ("falcon", "bloom", "mpt", "deberta-v2"):
+    if model_type in ("falcon", "bloom", "mpt", "deberta-v2", "git"):
         assert result == "refused", (result, detail)
 
 
-@pytest.mark.parametrize("model_type", ["falcon", "bloom", "mpt", "deberta-v2"])
+@pytest.mark.parametrize("model_type", ["falcon", "bloom", "mpt", "deberta-v2", "git"])
 def test_refused_families_say_so_when_built_or_switched(model_type):
-    """catches: Falcon's KeyError('selfattn'), Bloom's and MPT's AttributeError from the mask,
-    DeBERTa-v2 silently running its own attention."""
+    """catches: Falcon's and GIT's KeyError('selfattn') (attention classes from a table keyed by
+    implementation name, which GIT's flags do not reveal), Bloom's and MPT's AttributeError from
+    the mask, DeBERTa-v2 silently running its own attention."""
     kind = hf_families.families()[model_type]
     with pytest.raises(ValueError, match=r"cannot use attn_implementation='selfattn'.*'sdpa'.*'eager'") as info:
         hf_families.build(model_type, kind, NAME)
