@@ -201,7 +201,11 @@ def test_set_attn_implementation_switches_to_selfattn(monkeypatch):
     real = selfattn.functional.attention
     monkeypatch.setattr(selfattn.functional, "attention", lambda *a, **k: seen.append(k["mask"]) or real(*a, **k))
     model(torch.randint(0, VOCAB, (1, 8)))
-    assert len(seen) == 2 and all(isinstance(m, masks.Mask) for m in seen)
+    assert len(seen) == 2  # both layers; the 8 x 8 causal mask made dense once (small) and shared
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    for m in seen:
+        assert torch.equal((m.dense(8, 8) if isinstance(m, masks.Mask) else m).expand(1, 1, 8, 8)[0, 0], causal)
+    assert seen[0] is seen[1]
 
 
 # --- the mask function: what each transformers predicate becomes ------------------------------
