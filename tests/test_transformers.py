@@ -1,7 +1,7 @@
 """selfattn inside real transformers models (tiny random configs, no network).
 
 The oracle is the model in float64 with textbook attention on transformers' own dense mask
-(``oracle_attention`` below, independent of selfattn; unlike ``eager`` in float64, it does not
+(``hf_oracle.oracle_attention``, independent of selfattn; unlike ``eager`` in float64, it does not
 turn a fully masked row into NaN). selfattn in float32 must be within the float32 rule of it: at
 most 2x (outputs) or 3x (gradients) the error of the model's ``eager`` attention in float32, plus
 16 ulps of the largest value. Batches: right-padded, left-padded, and packed (several sequences
@@ -10,89 +10,24 @@ in one row, found from ``position_ids``).
 
 from __future__ import annotations
 
-import copy
+import types
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
 
+from hf_oracle import NAME, ORACLE, VOCAB, L  # noqa: E402
+from hf_oracle import build as _build  # noqa: E402
+
 import selfattn  # noqa: E402
 from selfattn import masks  # noqa: E402
 from selfattn.integrations import transformers as sa_hf  # noqa: E402
 from selfattn.testing import GRADIENT_FACTOR, OUTPUT_FACTOR, compare_to_reference  # noqa: E402
 
-NAME = sa_hf.register()
-ORACLE = "selfattn_test_oracle"
-
-
-def oracle_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
-                     softcap=None, s_aux=None, **kwargs):
-    """Textbook attention on transformers' dense mask: repeat K/V, scale, soft-cap, mask, sink
-    column, softmax (a row that sees nothing gives 0), drop the sink, weights @ V."""
-    g = query.shape[1] // key.shape[1]
-    k, v = key.repeat_interleave(g, 1), value.repeat_interleave(g, 1)
-    s = query @ k.transpose(-1, -2) * (query.shape[-1] ** -0.5 if scaling is None else scaling)
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    lq, lk = s.shape[-2:]
-    if attention_mask is None and (getattr(module, "is_causal", True) if is_causal is None else is_causal) and lq > 1:
-        attention_mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
-    if attention_mask is not None:
-        s = s.masked_fill(~attention_mask.bool(), float("-inf"))
-    if s_aux is not None:
-        s = torch.cat([s, s_aux.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
-    alive = torch.isfinite(s).any(-1, keepdim=True)
-    p = torch.softmax(torch.where(alive, s, 0.0), dim=-1) * alive
-    p = p[..., :lk]
-    return (p @ v).transpose(1, 2).contiguous(), p
-
-
-def _oracle_mask(*args, **kwargs):
-    from transformers.masking_utils import sdpa_mask
-    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
-
-
-transformers.AttentionInterface.register(ORACLE, oracle_attention)
-transformers.masking_utils.AttentionMaskInterface.register(ORACLE, _oracle_mask)
-L, VOCAB = 24, 101
-
-COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
-              max_position_embeddings=128)
-
-
-def _configs() -> dict:
-    t = transformers
-    return {
-        "llama": (t.LlamaConfig, dict(COMMON, intermediate_size=128, num_key_value_heads=2)),
-        "mistral": (t.MistralConfig, dict(COMMON, intermediate_size=128, num_key_value_heads=2, sliding_window=7)),
-        "gemma2": (t.Gemma2Config, dict(COMMON, intermediate_size=128, num_key_value_heads=2, head_dim=16,
-                                        sliding_window=6, query_pre_attn_scalar=16, attn_logit_softcapping=2.0,
-                                        final_logit_softcapping=None,
-                                        layer_types=["sliding_attention", "full_attention"])),
-        "qwen2": (t.Qwen2Config, dict(COMMON, intermediate_size=128, num_key_value_heads=1)),
-        "gpt2": (t.GPT2Config, dict(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=128)),
-        "bert": (t.BertConfig, dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                                    vocab_size=VOCAB, max_position_embeddings=128)),
-        "gpt_oss": (t.GptOssConfig, dict(COMMON, intermediate_size=64, num_key_value_heads=2, head_dim=16,
-                                         num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
-                                         layer_types=["sliding_attention", "full_attention"])),
-    }
-
-
 LOOKUP = torch.rand(40, 40, generator=torch.Generator().manual_seed(3)) > 0.5
 CAUSAL = ["llama", "mistral", "gemma2", "qwen2", "gpt2", "gpt_oss"]
 MODELS = [*CAUSAL, "bert"]
-
-
-def _build(model: str, impl: str, dtype: torch.dtype = torch.float32):
-    cls, kwargs = _configs()[model]
-    cfg = cls(**copy.deepcopy(kwargs))
-    auto = transformers.AutoModel if model == "bert" else transformers.AutoModelForCausalLM
-    torch.manual_seed(0)
-    extra = {"experts_implementation": "eager"} if model == "gpt_oss" else {}  # grouped_mm has no float64
-    m = auto.from_config(cfg, attn_implementation=impl, **extra)
-    return m.to(dtype).eval()
 
 
 @pytest.fixture(scope="module")
@@ -202,14 +137,49 @@ def test_static_cache_generation_matches_eager(models, model):
 
 def test_mask_tensor_has_no_values():
     carried = sa_hf.mask_function(2, 5, 5, mask_function=transformers.masking_utils.causal_mask_function)
-    assert carried.contiguous() is carried and carried.detach() is carried
+    assert carried.contiguous() is carried and carried.detach() is carried and carried.to("cpu") is carried
+    assert carried.shape == (2, 1, 5, 5) and carried.dtype == torch.bool and carried.dim() == 4
     assert "causal" in repr(carried)
-    with pytest.raises(TypeError, match="has no values"):
-        carried.float()
-    with pytest.raises(TypeError):
-        carried & carried
-    with pytest.raises(TypeError, match="has no values"):
-        carried.sum()
+
+
+def _value_ops(carried):
+    scores = torch.zeros(2, 4, 5, 5)
+    return {
+        "carried + 1.0": lambda: carried + 1.0,
+        "1.0 + carried": lambda: 1.0 + carried,
+        "scores + carried": lambda: scores + carried,  # Bloom, MPT: scores plus the mask
+        "carried + scores": lambda: carried + scores,
+        "carried & carried": lambda: carried & carried,
+        "masked_fill(scores, carried)": lambda: scores.masked_fill(carried, 0.0),
+        "where(carried, ...)": lambda: torch.where(carried, scores, 0.0),
+        "carried.float()": lambda: carried.float(),
+        "carried.to(float32)": lambda: carried.to(torch.float32),
+        "carried[..., :3]": lambda: carried[..., :3],
+        "carried.sum()": lambda: carried.sum(),
+        "bool(carried)": lambda: bool(carried),
+        "cat": lambda: torch.cat([scores.bool(), carried]),
+    }
+
+
+@pytest.mark.parametrize("op", list(_value_ops(None)))
+def test_mask_tensor_values_raise_type_error_whichever_operand(op):
+    """catches: AttributeError ('Tensor' object has no attribute 'mask') from the carrier when it
+    was the second operand, and any operation that silently read its (absent) values."""
+    carried = sa_hf.mask_function(2, 5, 5, mask_function=transformers.masking_utils.causal_mask_function)
+    with pytest.raises(TypeError, match=r"selfattn mask .* has no values"):
+        _value_ops(carried)[op]()
+
+
+def test_mask_tensor_is_built_inside_a_compiled_function():
+    """catches: dynamo refusing the carrier's construction (Tensor._make_wrapper_subclass), which
+    broke the graph of every model forward that builds its mask inside torch.compile."""
+    def f(q, lengths):
+        carried = sa_hf.MaskTensor(masks.padding(lengths), (2, 1, 5, 5), q.device)
+        assert carried.shape == (2, 1, 5, 5) and carried.ndim == 4
+        return selfattn.attention(q, q, q, mask=carried.mask)
+    q, lengths = torch.randn(2, 2, 5, 4), torch.tensor([3, 5])
+    torch.compiler.reset()
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(q, lengths), f(q, lengths))
 
 
 def test_attention_weights_come_back_with_output_attentions(models):
@@ -228,10 +198,14 @@ def test_set_attn_implementation_switches_to_selfattn(monkeypatch):
     model = _build("llama", "eager")
     model.set_attn_implementation(NAME)
     seen = []
-    real_attention = sa_hf.attention
-    monkeypatch.setattr(sa_hf, "attention", lambda *a, **k: seen.append(k["mask"]) or real_attention(*a, **k))
+    real = selfattn.functional.attention
+    monkeypatch.setattr(selfattn.functional, "attention", lambda *a, **k: seen.append(k["mask"]) or real(*a, **k))
     model(torch.randint(0, VOCAB, (1, 8)))
-    assert len(seen) == 2 and all(isinstance(m, masks.Mask) for m in seen)
+    assert len(seen) == 2  # both layers; the 8 x 8 causal mask made dense once (small) and shared
+    causal = torch.ones(8, 8, dtype=torch.bool).tril()
+    for m in seen:
+        assert torch.equal((m.dense(8, 8) if isinstance(m, masks.Mask) else m).expand(1, 1, 8, 8)[0, 0], causal)
+    assert seen[0] is seen[1]
 
 
 # --- the mask function: what each transformers predicate becomes ------------------------------
@@ -242,6 +216,8 @@ def _hf_mask(mask_function, *, batch=2, lq=40, lk=40, q_offset=0, kv_offset=0, a
                      mask_function=mask_function, attention_mask=attention_mask, allow_is_causal_skip=False,
                      use_vmap=True)
     carried = sa_hf.mask_function(batch, lq, lk, q_offset, kv_offset, mask_function, attention_mask)
+    if carried is None:  # every key visible
+        return masks.from_tensor(torch.ones(1, 1, 1, 1, dtype=torch.bool)), want.expand(batch, 1, lq, lk)
     assert isinstance(carried, sa_hf.MaskTensor) and carried.shape == (batch, 1, lq, lk)
     return carried.mask, want.expand(batch, 1, lq, lk)
 
@@ -262,10 +238,11 @@ def _predicates():
         "bidirectional_sliding": (mu.sliding_window_bidirectional_mask_function(3), masks.SlidingWindow),
         "packed_causal": (packed(mu.causal_mask_function), masks.Mask),
         "packed_sliding": (packed(mu.sliding_window_causal_mask_function(4)), masks.Mask),
-        "packed_odd_ids": (packed(mu.causal_mask_function, odd_ids), masks.FromMaskMod),
-        "chunked": (mu.chunked_causal_mask_function(8, torch.tensor([0, 3])), masks.FromMaskMod),
+        "packed_odd_ids": (packed(mu.causal_mask_function, odd_ids), masks.Mask),
+        "packed_absolute": (packed(lambda b, h, q, kv: q >= 3), masks.Mask),  # not relative: not read on indices
+        "chunked": (mu.chunked_causal_mask_function(8, torch.tensor([0, 3])), masks.Mask),
         "custom": (lambda b, h, q, kv: (q - kv) % 3 == 0, masks.FromMaskMod),
-        "or_custom": (mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv < 4), masks.FromMaskMod),
+        "or_custom": (mu.or_masks(mu.causal_mask_function, lambda b, h, q, kv: kv < 4), masks.Mask),
         "scalar_only": (lambda b, h, q, kv: LOOKUP[q][kv], masks.FromMaskMod),  # needs vmap, as in transformers
     }
 
@@ -290,17 +267,131 @@ def test_mask_function_equals_transformers_dense_mask(name, padding):
     assert torch.equal(got.dense(40, 40).expand(2, 1, 40, 40), want)
 
 
+@pytest.mark.parametrize("tensor_offset", [False, True])
 @pytest.mark.parametrize(("lq", "lk", "q_offset", "kv_offset"), [(1, 30, 29, 0), (4, 30, 26, 0), (1, 6, 33, 28),
-                                                                 (3, 12, 20, 0)])
-def test_mask_function_with_cache_offsets(lq, lk, q_offset, kv_offset):
+                                                                 (3, 12, 20, 0), (1, 12, 4, 0), (5, 40, 0, 0)])
+def test_mask_function_with_cache_offsets(lq, lk, q_offset, kv_offset, tensor_offset):
     """Decoding: queries after a cache (aligned bottom-right), a sliding cache that starts past 0,
-    and a static cache whose keys run past the queries (not aligned: evaluated, still exact)."""
+    and a static cache whose keys run past the queries (a band with the shift as a tensor when
+    the cache gives q_offset as one), for every rule transformers builds; always exact."""
     mu = transformers.masking_utils
     am = torch.ones(2, kv_offset + lk, dtype=torch.bool)
     am[0, :3] = False
-    for fn in (mu.causal_mask_function, mu.sliding_window_causal_mask_function(5)):
-        got, want = _hf_mask(fn, lq=lq, lk=lk, q_offset=q_offset, kv_offset=kv_offset, attention_mask=am)
-        assert torch.equal(got.dense(lq, lk).expand(2, 1, lq, lk), want)
+    rules = (mu.causal_mask_function, mu.sliding_window_causal_mask_function(5),
+             mu.sliding_window_bidirectional_mask_function(2), mu.bidirectional_mask_function,
+             mu.chunked_causal_mask_function(4, torch.tensor([0, 2])))
+    offset = torch.tensor(q_offset) if tensor_offset else q_offset
+    for fn in rules:
+        got, want = _hf_mask(fn, lq=lq, lk=lk, q_offset=offset, kv_offset=kv_offset, attention_mask=am)
+        assert torch.equal(got.dense(lq, lk).expand(2, 1, lq, lk), want), repr(got)
+
+
+def _renamed(fn, name="renamed"):
+    """``fn``'s code and closure under another name and module: what an upstream rename looks like."""
+    g = types.FunctionType(fn.__code__, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    g.__qualname__, g.__module__ = name, "elsewhere"
+    return g
+
+
+def _wrapped(fn):
+    return lambda b, h, q, kv: fn(b, h, q, kv)
+
+
+def _disguised():
+    mu = transformers.masking_utils
+    pos = torch.cat([torch.arange(12), torch.arange(20), torch.arange(8)]).unsqueeze(0).expand(2, -1)
+    ids = mu.find_packed_sequence_indices(pos)
+    return {
+        "renamed_causal": (_renamed(mu.causal_mask_function), "causal('bottom_right')"),
+        "wrapped_causal": (_wrapped(mu.causal_mask_function), "causal('bottom_right')"),
+        "own_causal": (lambda b, h, q, kv: q >= kv, "causal('bottom_right')"),
+        "wrapped_sliding": (_wrapped(mu.sliding_window_causal_mask_function(5)), "sliding_window(4, 0)"),
+        "renamed_and": (_renamed(mu.and_masks(_renamed(mu.sliding_window_overlay(5)),
+                                              _wrapped(mu.causal_mask_function))), "sliding_window(4, 0)"),
+        "own_window": (lambda b, h, q, kv: (kv <= q) & (q - kv < 5), "sliding_window(4, 0)"),
+        "renamed_bidirectional_window": (_renamed(mu.sliding_window_bidirectional_mask_function(3)),
+                                         "sliding_window(3, 3)"),
+        "wrapped_bidirectional": (_wrapped(mu.bidirectional_mask_function), "None"),
+        "wrapped_packed": (_wrapped(mu.and_masks(_renamed(mu.remap_positions_for_packed_sequence(
+            _wrapped(mu.causal_mask_function), pos)), _renamed(mu.packed_sequence_mask_function(ids)))),
+            "(causal('bottom_right') & document(ids of shape (2, 40)))"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_disguised()))
+def test_masks_are_recognised_by_what_they_compute_not_their_names(name):
+    """catches: recognition by function name and closure variables, which sent a renamed or
+    wrapped transformers predicate to the slow evaluated path (no tiles skipped)."""
+    fn, want_repr = _disguised()[name]
+    got = sa_hf.selfattn_mask(2, 40, 40, 0, 0, fn, None)
+    assert repr(got) == want_repr
+    from transformers.masking_utils import sdpa_mask
+    want = sdpa_mask(batch_size=2, q_length=40, kv_length=40, mask_function=fn, allow_is_causal_skip=False,
+                     use_vmap=True)
+    dense = torch.ones(2, 1, 40, 40, dtype=torch.bool) if got is None else got.dense(40, 40).expand(2, 1, 40, 40)
+    assert torch.equal(dense, want.expand(2, 1, 40, 40))
+
+
+def _structure(obj):
+    """A mask's types and Python values, with each tensor replaced by its shape and dtype."""
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", tuple(obj.shape), obj.dtype)
+    if isinstance(obj, masks.Mask):
+        return (type(obj), tuple((k, _structure(v)) for k, v in sorted(vars(obj).items())))
+    return obj
+
+
+@pytest.mark.parametrize("fn", ["causal", "sliding"])
+def test_static_cache_steps_share_one_mask_structure(fn):
+    """catches: a static cache's tensor q_offset read as a Python int, giving each decoding step
+    another mask structure (a compiled forward recompiled at every token)."""
+    mu = transformers.masking_utils
+    rule = mu.causal_mask_function if fn == "causal" else mu.sliding_window_causal_mask_function(4)
+    structures = set()
+    for step in (10, 11, 15):  # queries at `step` against a 16-key static cache, left padding in item 1
+        am = torch.ones(2, step + 1, dtype=torch.bool)
+        am[1, :3] = False
+        got = sa_hf.selfattn_mask(2, 1, 16, torch.tensor(step), 0, rule, am)
+        structures.add(_structure(got))
+        from transformers.masking_utils import sdpa_mask
+        want = sdpa_mask(batch_size=2, q_length=1, kv_length=16, q_offset=step, mask_function=rule,
+                         attention_mask=am, allow_is_causal_skip=False)
+        assert torch.equal(got.dense(1, 16).expand(2, 1, 1, 16), want)
+    assert len(structures) == 1, structures
+
+
+@pytest.mark.parametrize(("lo", "hi", "shift"), [(None, 0, -7), (-3, 0, -5), (-2, 2, 3), (None, None, 0), (1, 4, 0),
+                                                 (None, 0, torch.tensor([-3, -9]))])
+def test_band_mask_tiles_and_attention(lo, hi, shift):
+    """The band mask (a relative rule with a tensor shift): its FULL/EMPTY tiles are exact, and
+    every backend that takes it meets the rule against the float64 oracle."""
+    from selfattn.integrations.transformers._lower import Band
+    m = Band(lo, hi, torch.as_tensor(shift))
+    lq, lk = 13, 29
+    dense = m.dense(lq, lk).expand(2, 1, lq, lk)
+    tiles = m.tiles(lq, lk, 4, 8).expand(2, 1, -1, -1)
+    for qi in range(tiles.shape[2]):
+        for kj in range(tiles.shape[3]):
+            block = dense[:, :, qi * 4:(qi + 1) * 4, kj * 8:(kj + 1) * 8].flatten(2)
+            assert block.all(-1)[tiles[:, :, qi, kj] == masks.FULL].all()
+            assert (~block.any(-1))[tiles[:, :, qi, kj] == masks.EMPTY].all()
+    q, k, v = torch.randn(2, 4, lq, 16), torch.randn(2, 2, lk, 16), torch.randn(2, 2, lk, 16)
+    for backend in ("reference", "sdpa", "chunked"):
+        selfattn.testing.check_against_reference(
+            lambda *a, backend=backend, **kw: selfattn.attention(*a, backend=backend, **kw), q, k, v, mask=m)
+
+
+def test_upstream_seams_are_where_they_were():
+    """Fails loudly when torch or transformers move what the adapter leans on beyond their public
+    API (selfattn.integrations.transformers._upstream) or what these tests use."""
+    from selfattn.integrations.transformers import _upstream
+    with _upstream.getitem_as_index():  # torch's TransformGetItemToIndex
+        pass
+    assert callable(getattr(transformers.PreTrainedModel, "_can_set_attn_implementation", None))
+    assert _upstream.can_set_attn_implementation(transformers.LlamaForCausalLM)
+    assert not _upstream.can_set_attn_implementation(transformers.FalconForCausalLM)
+    assert getattr(transformers.PreTrainedModel.get_correct_attn_implementation, "_selfattn_guard", None) is not None
+    assert "_compile_all_devices" in vars(transformers.CompileConfig)  # generate() compiling on a CPU (tests)
 
 
 def test_packed_mask_skips_tiles_like_a_document_mask():
@@ -345,3 +436,58 @@ def test_models_bench_measures_each_part_in_its_own_process():
     row = bench_models.measure(pts[0], repeats=1)
     assert row["status"] == "ok" and row["time_s"] > 0 and len(row["times"]) == 1
     assert bench_models.measure(dict(part="model", L=1 << 20, impl="eager"), repeats=1)["status"] == "skipped"
+
+
+def test_models_bench_generation_point_times_both_in_turns(monkeypatch):
+    """The generation points: selfattn and sdpa in one process, per-token times of the same repeats
+    (ratios pair repeat by repeat), the same tokens; the README block is written from the rows."""
+    from selfattn.bench import markdown
+    from selfattn.bench import models as bench_models
+    from selfattn.bench.ratios import attach_ratios
+    monkeypatch.setattr(bench_models, "PROMPT", 16)
+    monkeypatch.setattr(bench_models, "NEW_TOKENS", 3)
+    rows = [{**r, "suite": "models-generate", "status": "ok"}
+            for r in bench_models.run_generate_point("static", "eager", 2, repeats=2)]
+    assert [r["impl"] for r in rows] == ["selfattn", "sdpa"]
+    assert all(len(r["times"]) == 2 and r["time_s"] > 0 and r["same_tokens"] for r in rows)
+    attach_ratios(rows, "models-generate", ("case", "mode", "B"), ("sdpa",))
+    assert rows[0]["ratios"]["sdpa"]["n"] == 2
+    block = markdown.blocks(rows)["models-generate"]
+    assert "| static cache | eager | 2 |" in block and "| yes |" in block
+
+
+@pytest.mark.parametrize("rule", ["causal", "chunked", "opaque"])
+def test_tensor_offsets_are_read_when_the_mask_is_made(rule):
+    """catches: a static cache's q_offset (its cumulative_length, which every layer's cache update
+    increments in place before attention runs) read lazily by an evaluated part of the mask, which
+    then saw the queries Lq positions further on in each layer."""
+    mu = transformers.masking_utils
+    fn = {"causal": mu.causal_mask_function, "chunked": mu.chunked_causal_mask_function(4, torch.tensor([0, 1])),
+          "opaque": lambda b, h, q, kv: LOOKUP[q][kv] & (kv <= q)}[rule]
+    offset = torch.tensor(10)
+    got = sa_hf.selfattn_mask(2, 2, 16, offset, 0, fn, None)
+    offset.add_(2)  # the cache's update, before attention reads the mask
+    from transformers.masking_utils import sdpa_mask
+    want = sdpa_mask(batch_size=2, q_length=2, kv_length=16, q_offset=10, mask_function=fn, allow_is_causal_skip=False,
+                     use_vmap=True)
+    assert torch.equal(got.dense(2, 16).expand(2, 1, 2, 16), want.expand(2, 1, 2, 16))
+
+
+def test_small_carried_mask_is_made_dense_once_and_follows_its_tensors():
+    """A decode step's mask is made dense once for all layers of a forward, and made again when a
+    tensor it reads changed in place (catches: a stale shared dense mask)."""
+    from selfattn.integrations.transformers._attention import attention_forward
+    keys = torch.ones(2, 12, dtype=torch.bool)
+    carried = sa_hf.mask_function(2, 1, 12, torch.tensor(9), 0, transformers.masking_utils.causal_mask_function,
+                                  keys)
+    module = torch.nn.Module()
+    q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
+    first, _ = attention_forward(module, q, k, v, carried)
+    dense = carried._dense[1]
+    again, _ = attention_forward(module, q, k, v, carried)
+    assert carried._dense[1] is dense and torch.equal(first, again)
+    keys[1, :5] = False  # the padding tensor the mask reads, changed in place
+    after, _ = attention_forward(module, q, k, v, carried)
+    assert carried._dense[1] is not dense and torch.equal(carried._dense[1], carried.mask.dense(1, 12))
+    assert not carried._dense[1][1, ..., :5].any() and torch.equal(after[0], first[0])
+    assert not torch.equal(after[1], first[1])

@@ -63,10 +63,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="modules: MultiHeadAttention vs nn.MultiheadAttention and the tutorial's; "
                         "overhead: attention(auto) vs raw SDPA; decode: a KV-cache decode step vs SDPA on "
                         "the cached tensors; masks: masked attention 1k-64k; distributed: context parallelism on "
-                        "1, 2, 4 processes; models: a Llama-shaped transformers model on a packed row, selfattn vs "
-                        "sdpa and eager (distributed and models are not part of all)")
+                        "1, 2, 4 processes; models: a Llama-shaped transformers model trained on a packed row and "
+                        "generating, selfattn vs sdpa and eager (distributed and models are not part of all)")
     b.add_argument("--quick", action="store_true", help="a reduced grid that runs in under two minutes")
-    b.add_argument("--cases", nargs="+", help="mask cases to run (default: all)")
+    b.add_argument("--cases", nargs="+",
+                   help="mask cases to run (default: all); for the models suite, train and/or generate")
     b.add_argument("--lengths", nargs="+", type=int, help="sequence lengths for the masks suite")
     b.add_argument("--modes", nargs="+", choices=["fwd", "fwd+bwd"], help="default: both (--quick: fwd+bwd)")
     b.add_argument("--impls", nargs="+", help="implementations for the masks suite (default: all)")

@@ -11,8 +11,10 @@ Suites:
   batches over each item's real tokens only), the tutorial's textbook math and compiled
   FlexAttention (CPU: forward only, as it has no CPU backward).
 - models: a Llama-shaped transformers model trained on one packed row, selfattn vs transformers'
-  sdpa and eager, time and peak memory of the attention part and of the whole step; see
-  ``bench.models``. Not part of ``all`` (minutes per point at 16k tokens).
+  sdpa and eager, time and peak memory of the attention part and of the whole step; and the same
+  model generating greedily (dynamic and static caches, eager and compiled), selfattn vs sdpa,
+  time per token; see ``bench.models``. ``--cases train`` or ``--cases generate`` runs one half.
+  Not part of ``all`` (minutes per point at 16k tokens).
 - distributed: ``selfattn.distributed.attention`` on W = 1, 2, 4 processes at a fixed total length
   (time, per-rank peak memory, communication hidden behind compute); see ``bench.distributed``.
   Not part of ``all``.
@@ -443,8 +445,11 @@ def main(args: argparse.Namespace) -> int:
     dpoints = _distributed.points(args.lengths, args.quick, args.repeats) if "distributed" in suites else []
     mimpls = [i for i in _models.IMPLS if not args.impls or i in args.impls]
     mlengths = args.lengths or ([1024] if args.quick else [8192, 16384])
-    mpoints = _models.points(mlengths, mimpls) if "models" in suites else []
-    total = (len(points) + len(dpoints) + len(mpoints) + (2 if "overhead" in suites else 0)
+    mcases = args.cases or ["train", "generate"]  # the models suite's halves
+    mpoints = _models.points(mlengths, mimpls) if "models" in suites and "train" in mcases else []
+    gpoints = ((_models.GENERATE_POINTS[:1] if args.quick else _models.GENERATE_POINTS)
+               if "models" in suites and "generate" in mcases else [])
+    total = (len(points) + len(dpoints) + len(mpoints) + len(gpoints) + (2 if "overhead" in suites else 0)
              + (len(DECODE_BATCHES) if "decode" in suites else 0)
              + (len(MODULE_SHAPES) * len(modes) if "modules" in suites else 0))
     results: list[dict] = []
@@ -466,6 +471,10 @@ def main(args: argparse.Namespace) -> int:
             progress.update(task, description=f"models ({p['part']}) {p['impl']} L={p['L']}")
             results.append({**p, **_models.measure(p, args.repeats or 1)})
             progress.advance(task)
+        for cache, mode, b in gpoints:
+            progress.update(task, description=f"models (generate) {mode}, {cache} cache, B={b}")
+            results += _models.measure_generate((cache, mode, b), args.repeats or 5)
+            progress.advance(task)
 
     tables = [
         *_ratio_tables(results, "modules", ("B", "L", "E", "H", "mode"), "torch",
@@ -476,6 +485,9 @@ def main(args: argparse.Namespace) -> int:
         *_ratio_tables(results, "decode", ("case", "B", "mode"), "sdpa",
                        "KV-cache decode step vs SDPA on the cached tensors (x = ratio to SDPA)"),
         *_mask_tables(results),
+        *_ratio_tables(results, "models-generate", ("case", "mode", "B"), "sdpa",
+                       f"Greedy generation, {_models.PROMPT}-token prompt, {_models.NEW_TOKENS} new tokens: time per "
+                       "token (x = ratio to sdpa, per repeat: median (min-max))"),
     ]
     if dpoints:
         tables.append(_distributed_table(results))

@@ -15,8 +15,9 @@ Blocks: ``modules`` (``MultiHeadAttention`` vs ``nn.MultiheadAttention`` and the
 ``overhead`` (``attention(auto)`` vs raw SDPA), ``decode`` (a KV-cache decode step vs SDPA on
 the cached tensors), ``masks`` (masked attention at one length against its anchors) and
 ``masks-targets`` (memory vs SDPA is_causal, padded batches vs their real tokens, the longest
-length) and ``models`` (a transformers Llama on a packed row; each point ran in its own process,
-so its ratios are of medians, not per repeat). Ratios are repeat by repeat within one interleaved
+length), ``models`` (a transformers Llama on a packed row; each point ran in its own process,
+so its ratios are of medians, not per repeat) and ``models-generate`` (the same model generating,
+selfattn and sdpa timed in turns in one process). Ratios are repeat by repeat within one interleaved
 run: median (min-max), see :mod:`selfattn.bench.ratios`.
 """
 
@@ -31,7 +32,7 @@ from .ratios import format_ratio, ratio_stats
 
 __all__ = ["BLOCKS", "blocks", "load", "rewrite"]
 
-BLOCKS = ("modules", "overhead", "decode", "masks", "masks-targets", "models")
+BLOCKS = ("modules", "overhead", "decode", "masks", "masks-targets", "models", "models-generate")
 _MARKED = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 _README_LENGTH = 16384  # the masks table's length when the results have it (the README's since the start)
 
@@ -253,6 +254,24 @@ def _models(rows: list[dict]) -> str | None:
     return source + "\n\n" + _table(["part", "L", "attn_implementation", "time", "x sdpa", "peak", "x sdpa"], body)
 
 
+def _models_generate(rows: list[dict]) -> str | None:
+    rows = [r for r in rows if r.get("suite") == "models-generate"]
+    if not any(r.get("status") == "ok" for r in rows):
+        return None
+    body = []
+    for case, mode, b in dict.fromkeys((r["case"], r["mode"], r["B"]) for r in rows):
+        where = dict(case=case, mode=mode, B=b)
+        ours, sdpa = _ok(rows, impl="selfattn", **where), _ok(rows, impl="sdpa", **where)
+        same = "yes" if ours and ours.get("same_tokens") else "no" if ours else "-"
+        body.append([case, mode, str(b), _ms(ours), _ms(sdpa), _ratio(ours, sdpa), same])
+    r0 = rows[0]
+    source = _source(rows).replace("selfattn bench --json", "selfattn bench --suite models --cases generate --json")
+    return (source + f" Greedy generation of {r0.get('L', '?')}-token prompts, time per generated token (the "
+            "whole `generate` call over the new tokens); compiled = static cache and `CompileConfig(fullgraph=True)`"
+            ", first (compiling) call excluded.\n\n"
+            + _table(["cache", "forward", "B", "selfattn / token", "sdpa / token", "x sdpa", "same tokens"], body))
+
+
 def blocks(results: list[dict], *, length: int | None = None) -> dict[str, str]:
     """The markdown of every block the results have data for: name -> text.
 
@@ -261,7 +280,8 @@ def blocks(results: list[dict], *, length: int | None = None) -> dict[str, str]:
         length: the masks tables' L (default 16384 when measured, else the longest measured).
     """
     out = {}
-    for name, make in (("modules", _modules), ("overhead", _overhead), ("decode", _decode), ("models", _models)):
+    for name, make in (("modules", _modules), ("overhead", _overhead), ("decode", _decode), ("models", _models),
+                       ("models-generate", _models_generate)):
         text = make(results)
         if text is not None:
             out[name] = text

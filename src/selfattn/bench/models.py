@@ -19,7 +19,16 @@ attention, so differences of whole-step peaks would understate it).
 Each point runs in its own process, so its peak memory is its own; time is the median of the
 repeats, with the first (warm-up) step reported apart.
 
-Shape legend: L tokens in the row.
+Generation (rows of suite ``models-generate``): the same model (weights shared by selfattn and
+sdpa, vocabulary 1024) greedily generates 48 tokens after a 256-token prompt, B = 1 and 8, with a
+dynamic and a static cache in eager mode, and with a static cache and the forward compiled by
+``generate`` (``CompileConfig(fullgraph=True)``, inductor). selfattn and sdpa run in one process,
+timed in turns (:func:`~selfattn.bench.timing.time_interleaved`), so their ratio is taken repeat
+by repeat; the time is per generated token (the whole ``generate`` call, prefill included, over
+48); the first call (compilation, for the compiled points) is reported apart, and whether the
+two produced the same tokens.
+
+Shape legend: L tokens in the row; B batch.
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ import torch
 
 from .worker import _Memory
 
-__all__ = ["DOCS", "IMPLS", "attention_step", "measure", "model_step", "points", "run_point", "run_suite"]
+__all__ = ["DOCS", "GENERATE_POINTS", "IMPLS", "attention_step", "generate_call", "measure", "measure_generate",
+           "model_step", "points", "run_generate_point", "run_point", "run_suite"]
 
 IMPLS = ["selfattn", "sdpa", "eager", "none"]
 DOCS = 8
@@ -121,6 +131,76 @@ def attention_step(impl: str, length: int, seed: int = 0):
     return step
 
 
+PROMPT, NEW_TOKENS = 256, 48
+GENERATE_IMPLS = ("selfattn", "sdpa")
+# (cache, mode, B): eager generation with each cache, and generate()'s compiled forward (static cache)
+GENERATE_POINTS = [(cache, "eager", b) for cache in ("dynamic", "static") for b in (1, 8)] + [
+    ("static", "compiled", b) for b in (1, 8)]
+
+
+def generate_call(impl: str, batch: int, cache: str, mode: str, seed: int = 0):
+    """(call, model): ``call()`` greedily generates :data:`NEW_TOKENS` tokens after a
+    :data:`PROMPT`-token prompt for ``batch`` sequences and returns them."""
+    import transformers
+
+    _register()
+    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
+                                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
+                                   max_position_embeddings=PROMPT + NEW_TOKENS)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
+    model.generation_config.eos_token_id = None  # always NEW_TOKENS tokens
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, VOCAB, (batch, PROMPT), generator=g)
+    kwargs: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                  pad_token_id=0)
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+    if mode == "compiled":
+        config = transformers.CompileConfig(fullgraph=True)
+        config._compile_all_devices = True  # transformers 5.24: generate() compiles on a CPU only with this flag
+        kwargs["compile_config"] = config
+    else:
+        kwargs["disable_compile"] = True
+
+    def call() -> torch.Tensor:
+        with torch.inference_mode():
+            return model.generate(ids, **kwargs)
+    return call, model
+
+
+def run_generate_point(cache: str, mode: str, batch: int, repeats: int) -> list[dict]:
+    """selfattn and sdpa generating, timed in turns in this process: one row per implementation."""
+    from .timing import time_interleaved
+    calls, first, tokens = {}, {}, {}
+    for impl in GENERATE_IMPLS:
+        calls[impl] = generate_call(impl, batch, cache, mode)[0]
+        t0 = time.perf_counter()
+        tokens[impl] = calls[impl]()  # warm-up (compiles, for the compiled points)
+        first[impl] = time.perf_counter() - t0
+    timings = time_interleaved(calls, repeats, "cpu", warmup=0)
+    same = all(torch.equal(tokens[impl], tokens[GENERATE_IMPLS[0]]) for impl in GENERATE_IMPLS)
+    return [{"impl": impl, "case": f"{cache} cache", "mode": mode, "B": batch, "L": PROMPT,
+             "time_s": timings[impl].median / NEW_TOKENS, "times": [t / NEW_TOKENS for t in timings[impl].times],
+             "first_s": first[impl], "same_tokens": same} for impl in GENERATE_IMPLS]
+
+
+def measure_generate(point: tuple[str, str, int], repeats: int) -> list[dict]:
+    """One generation point (both implementations) in its own process; rows of suite
+    ``models-generate`` with their ratios to sdpa."""
+    from .ratios import attach_ratios
+    cache, mode, batch = point
+    cmd = [sys.executable, "-m", "selfattn.bench.models", "generate", cache, mode, str(batch), str(repeats)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    base = {"suite": "models-generate", "case": f"{cache} cache", "mode": mode, "B": batch, "L": PROMPT}
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return [{**base, "impl": impl, "status": "error", "note": tail[0][:200]} for impl in GENERATE_IMPLS]
+    rows = [{**base, **r, "status": "ok"} for r in json.loads(proc.stdout.strip().splitlines()[-1])]
+    attach_ratios(rows, "models-generate", ("case", "mode", "B"), ("sdpa",))
+    return rows
+
+
 def estimate_bytes(impl: str, length: int, part: str = "model") -> int:
     """Rough peak of the implementations that hold (L, L) tensors, to skip points that cannot fit:
     eager keeps scores and weights of every layer for the backward; sdpa builds the bool mask and
@@ -198,4 +278,7 @@ def run_suite(lengths: list[int], impls: list[str], repeats: int = 1, parts: tup
 
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("SELFATTN_BENCH_THREADS", torch.get_num_threads())))
-    print(json.dumps(run_point(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
+    if sys.argv[1] == "generate":
+        print(json.dumps(run_generate_point(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))))
+    else:
+        print(json.dumps(run_point(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))

@@ -1,0 +1,101 @@
+"""transformers' attention interface: ``selfattn.attention`` for one attention module.
+
+Shape legend: B batch, Hq/Hkv heads, Lq/Lk lengths, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ... import functional as _functional
+from ... import masks as _masks
+from ... import scores as _scores
+from ._carrier import MaskTensor
+
+__all__ = ["attention_forward"]
+
+DENSE_LIMIT = 1 << 16
+"""Mask elements (B * Lq * Lk) up to which a carried mask is made dense once and the tensor shared
+by every layer of the forward (a decode step's (B, 1, 1, Lk)): below this no tile is worth
+skipping and the sdpa backend would build the same tensor in each layer."""
+
+
+def _shared_dense(carrier: MaskTensor, lq: int, lk: int, device: torch.device) -> _masks.Mask | Tensor:
+    """The carried mask, or, when it is small, its dense form made once per carrier (every layer of
+    a forward gets the same carrier) and kept while the tensors it reads are unchanged."""
+    mask = carrier.mask
+    if torch.compiler.is_compiling() or carrier.shape[0] * lq * lk > DENSE_LIMIT:
+        return mask
+    version = mask.version()
+    if version is None:
+        return mask
+    key = (lq, lk, device, version)
+    cached = getattr(carrier, "_dense", None)
+    if cached is None or cached[0] != key:
+        cached = (key, mask.dense(lq, lk, device))
+        carrier._dense = cached  # type: ignore[attr-defined]
+    return cached[1]
+
+
+def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
+                      attention_mask: _masks.Mask | Tensor | None, dropout: float = 0.0,
+                      scaling: float | None = None, is_causal: bool | None = None,
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      s_aux: Tensor | None = None, position_bias: Tensor | None = None,
+                      output_attentions: bool = False, **_: Any) -> tuple[Tensor, Tensor | None]:
+    """transformers' attention interface: ``selfattn.attention`` for one attention module.
+
+    Args:
+        module: the calling attention module (its ``is_causal`` is the default causality).
+        query: (B, Hq, Lq, D); key, value: (B, Hkv, Lk, D), Hkv dividing Hq (not repeated).
+        attention_mask: what the mask function returned (a :class:`MaskTensor` or None), a
+            selfattn mask, or a tensor a caller prepared itself: bool (True = attend) or additive float.
+        dropout: dropout on the attention weights.
+        scaling: the score scale (default 1 / sqrt(D)).
+        is_causal: causality when there is no mask (default ``module.is_causal``, else True).
+        sliding_window: keys a query sees (itself included) when there is no mask; with a mask
+            the window is already in it.
+        softcap: ``softcap * tanh(score / softcap)`` on the scaled scores (Gemma 2).
+        s_aux: attention sinks, one logit per query head (gpt-oss).
+        position_bias: an additive score bias (T5-style).
+        output_attentions: also return the weights (B, Hq, Lq, Lk), via the reference backend.
+
+    Returns:
+        (out (B, Lq, Hq, D) contiguous, weights or None).
+    """
+    lq, lk = query.shape[2], key.shape[2]
+    mask: _masks.Mask | Tensor | None = None
+    bias = position_bias
+    causal: bool | str = False
+    if isinstance(attention_mask, MaskTensor):
+        mask = _shared_dense(attention_mask, lq, lk, query.device)
+    elif isinstance(attention_mask, _masks.Mask):
+        mask = attention_mask
+    elif isinstance(attention_mask, Tensor):
+        if attention_mask.dtype == torch.bool:
+            mask = attention_mask
+        else:
+            bias = attention_mask if bias is None else bias + attention_mask
+    elif attention_mask is None:
+        causal_default = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        if causal_default and lq > 1:
+            causal = True if lq == lk else "bottom_right"
+        if sliding_window is not None:
+            mask = _masks.sliding_window(int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
+    else:
+        raise TypeError("attention_mask must be a selfattn mask, a tensor or None, "
+                        f"got {type(attention_mask).__name__}")
+    score_mod = _scores.softcap(float(softcap)) if softcap is not None else None
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
+    kwargs = dict(mask=mask, bias=bias, causal=causal, scale=scale, dropout_p=float(dropout),
+                  score_mod=score_mod, sinks=s_aux)
+    if output_attentions:
+        out, weights = _functional.attention_with_weights(query, key, value, **kwargs)  # type: ignore[arg-type]
+    else:
+        out, weights = _functional.attention(query, key, value, **kwargs), None  # type: ignore[arg-type]
+    return out.transpose(1, 2).contiguous(), weights
+

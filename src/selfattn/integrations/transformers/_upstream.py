@@ -1,0 +1,81 @@
+"""The places where the adapter leans on torch or transformers beyond their public API.
+
+Each is one small function, with the versions it was checked against; ``tests/test_transformers.py``
+(``test_upstream_seams_are_where_they_were``) fails loudly when one of them moves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["can_set_attn_implementation", "getitem_as_index", "guard_model_checks"]
+
+
+def getitem_as_index() -> contextlib.AbstractContextManager:
+    """A context in which ``tensor[i]`` with a 0-dim tensor ``i`` is an index op, so that
+    ``torch.vmap`` can run predicates written for scalar indices (``table[q][kv]``).
+
+    torch 2.13: ``torch._dynamo._trace_wrapped_higher_order_op.TransformGetItemToIndex`` (what
+    transformers' ``sdpa_mask(use_vmap=True)`` uses for the same predicates); there is no public
+    equivalent.
+    """
+    from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
+    return TransformGetItemToIndex()
+
+
+def can_set_attn_implementation(model_class: type) -> bool:
+    """transformers' own finding of whether ``model_class`` runs its attention through the
+    attention interface (it reads the modeling file for ``ALL_ATTENTION_FUNCTIONS.get_interface(``).
+
+    transformers 5.24: the classmethod ``PreTrainedModel._can_set_attn_implementation``; older
+    releases without it answer False here, and the declared flags decide alone.
+    """
+    check = getattr(model_class, "_can_set_attn_implementation", None)
+    return bool(check()) if callable(check) else False
+
+
+_GUARDED: set[str] = set()
+
+
+def guard_model_checks(name: str, refuse: Callable[[type, str], None]) -> None:
+    """Have transformers call ``refuse(model_class, name)`` whenever a model is built or switched
+    to the attention implementation ``name``, before it is used (``refuse`` raises to refuse).
+
+    transformers 5.24 checks a requested implementation in the public
+    ``PreTrainedModel.get_correct_attn_implementation`` (at ``__init__``, through
+    ``_check_and_adjust_attn_implementation``, and for every sub-model in
+    ``set_attn_implementation``), which accepts any registered name; a model class that cannot
+    switch implementations is skipped by ``set_attn_implementation`` with only a log line. Both
+    public methods are wrapped once, for every name registered.
+    """
+    from transformers import PreTrainedModel
+
+    _GUARDED.add(name)
+    if getattr(PreTrainedModel.get_correct_attn_implementation, "_selfattn_guard", None) is not None:
+        PreTrainedModel.get_correct_attn_implementation._selfattn_guard = refuse  # type: ignore[attr-defined]
+        return
+
+    original_get = PreTrainedModel.get_correct_attn_implementation
+    original_set = PreTrainedModel.set_attn_implementation
+
+    @functools.wraps(original_get)
+    def get_correct_attn_implementation(self: Any, requested_attention: str | None, *args: Any, **kwargs: Any) -> str:
+        if requested_attention in _GUARDED:
+            wrapped._selfattn_guard(type(self), requested_attention)
+        return original_get(self, requested_attention, *args, **kwargs)
+
+    @functools.wraps(original_set)
+    def set_attn_implementation(self: Any, attn_implementation: Any, *args: Any, **kwargs: Any) -> Any:
+        requested = attn_implementation.get("") if isinstance(attn_implementation, dict) else attn_implementation
+        if requested in _GUARDED:
+            wrapped._selfattn_guard(type(self), requested)
+        return original_set(self, attn_implementation, *args, **kwargs)
+
+    wrapped: Any = get_correct_attn_implementation
+    wrapped._selfattn_guard = refuse
+    PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation  # type: ignore[method-assign]
+    PreTrainedModel.set_attn_implementation = set_attn_implementation  # type: ignore[method-assign]
+
