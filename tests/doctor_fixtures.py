@@ -249,7 +249,9 @@ class _Heads(nn.Module):
 
 
 class EinsumSwappedKV(_Heads):
-    """Keys and values swapped in einsum form: softmax(Q V^T) K (no black-box symptom)."""
+    """Keys and values swapped in einsum form: softmax(Q V^T) K. With one fused projection this only relabels its
+    columns (k|v read as v|k): no behaviour tells it from a correct module (CodeGen orders its fused projection
+    q|v|k on purpose), so the doctor certifies it; with named projections the roles are checked."""
 
     def forward(self, x, mask=None):
         q, k, v = self.split(x)
@@ -340,5 +342,4 @@ class HFStyleAdditive(_Heads):
         return self.finish(w, v), w
 
 
-WHITE_BOX_BUGS = {EinsumSwappedKV: "definition-mismatch", VisibleKeysScale: "definition-mismatch",
-                  BiasAfterSoftmax: "definition-mismatch"}
+WHITE_BOX_BUGS = {VisibleKeysScale: "definition-mismatch", BiasAfterSoftmax: "definition-mismatch"}

@@ -125,8 +125,8 @@ def test_dict_output_and_keyword_mask():
 
 @pytest.mark.parametrize("cls", list(fx.WHITE_BOX_BUGS), ids=lambda c: c.__name__)
 def test_output_matching_no_formula_is_an_error(cls):
-    """catches: K and V swapped, scale 1/(2 hd), a per-row sqrt(visible keys) scale or a position term added
-    after the softmax certified because no black-box probe sees them."""
+    """catches: a per-row sqrt(visible keys) scale or a position term added after the softmax certified because
+    no black-box probe sees them."""
     report = check(cls)
     assert not report.passed and "definition-mismatch" in report.ids, report.inferred["white box"]
     finding = next(f for f in report.findings if f.id == "definition-mismatch")
@@ -143,6 +143,29 @@ def test_a_scale_no_formula_names_is_measured():
     report = check(fx.PrecedenceScale)
     assert report.ids == {"wrong-scale"}, [(f.id, f.message) for f in report.findings]
     assert "0.03125" in report.findings[0].message and "1/sqrt(16)" in report.findings[0].message
+
+
+class _NamedSwappedKV(nn.Module):
+    """Keys and values swapped between named projections: softmax(Q V^T) K."""
+
+    def __init__(self, embed_dim: int) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(embed_dim, embed_dim) for _ in range(3))
+        self.o_proj = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, x):
+        b, length, e = x.shape
+        q, k, v = (p(x).view(b, length, 4, e // 4).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        w = torch.softmax(q @ v.transpose(-2, -1) / math.sqrt(e // 4), -1)
+        return self.o_proj((w @ k).transpose(1, 2).reshape(b, length, e))
+
+
+def test_roles_are_judged_by_names_not_by_a_fused_order():
+    """catches: named k_proj / v_proj used the other way round certified; and a fused projection read in another
+    order than q|k|v (CodeGen's q|v|k) called a bug."""
+    swapped = check(_NamedSwappedKV)
+    assert swapped.ids == {"definition-mismatch"} and "wrong roles" in swapped.findings[0].message
+    assert check(fx.EinsumSwappedKV).passed
 
 
 @pytest.mark.parametrize("cls", [fx.RelativeBias, fx.Alibi], ids=lambda c: c.__name__)
@@ -214,9 +237,9 @@ def test_cli_mask_call_factory_and_files_untouched(tmp_path, capsys):
     assert code == 0 and report["inferred"]["built as"] == "your factory", out
     assert report["inferred"]["mask"]["kind"] == "additive"
     assert cli(f"{user}:HFStyleAdditive", "--mask", "sideways (B,L)")[0] == 2
-    code, out = cli(f"{user}:EinsumSwappedKV")
+    code, out = cli(f"{user}:VisibleKeysScale")
     assert code == 1 and json.loads(out)["findings"][0]["id"] == "definition-mismatch"
-    assert cli(f"{user}:EinsumSwappedKV", "--allow-nonstandard")[0] == 0
+    assert cli(f"{user}:VisibleKeysScale", "--allow-nonstandard")[0] == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 

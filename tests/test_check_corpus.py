@@ -27,15 +27,9 @@ needs_libraries = pytest.mark.skipif(not _HAS_LIBRARIES, reason="requirements-co
 
 # What the doctor gets wrong on the corpus today (measured): entry -> why. (Error ids true of a module
 # that is correct in normal use are the entry's ``known``, not false alarms.)
-NOT_YET: dict[str, str] = {
-    "x-transformers-qk-norm": "l2-normalised q/k with a learned scale (10) and zeroed padded query rows: a false "
-                              "head-merge with a padding mask (also with scale=10)",
-}
+NOT_YET: dict[str, str] = {}
 # buggy entries whose bug is found but named otherwise: entry -> how
-NOT_NAMED_YET: dict[str, str] = {
-    "mask-dropped-in-half": "named mask-ignored (\"its output does not depend on it\", untrue in float32), not "
-                            "half-precision-mismatch",
-}
+NOT_NAMED_YET: dict[str, str] = {}
 
 
 def _param(name: str, table: dict[str, str] = NOT_YET) -> object:

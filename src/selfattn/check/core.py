@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from .positions import normalised, rotary, rotation_problem
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
-__all__ = ["ROLE_PATTERNS", "ROPE_BASES", "Verdict", "examine_cores", "name_role", "rope"]
+__all__ = ["ROLE_PATTERNS", "Verdict", "examine_cores", "name_role"]
 
 ROLE_PATTERNS = {  # matched against the last part of a module's dotted name, whole
     "q": re.compile(r"(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q|linear_q|q_linear|qlinear)"),
@@ -45,78 +46,9 @@ def name_role(name: str) -> str | None:
     """q, k or v when a module's name says so (``q_proj``, ``to_k``, ``attn.value``), else None."""
     last = name.rsplit(".", 1)[-1].lower()
     return next((role for role, pattern in ROLE_PATTERNS.items() if pattern.fullmatch(last)), None)
-ROPE_BASES = (10000.0, 500000.0, 1000000.0)
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
                     "where"})
 _MASKED = -1e3  # a score below this is a masked one (masks fill -inf, finfo.min, -10000, ...)
-
-
-def rope(t: Tensor, base: float, interleaved: bool) -> Tensor:
-    """Rotary positions 0..L-1 applied to t (..., L, D): rotate-half (Llama) or interleaved pairs."""
-    d, length = t.shape[-1], t.shape[-2]
-    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = torch.arange(length, dtype=torch.float64)[:, None] * inv  # (L, D/2)
-    t = t.double()
-    if interleaved:
-        a, b = t[..., 0::2], t[..., 1::2]
-        return torch.stack((a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()), -1).flatten(-2)
-    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
-    half = torch.cat((-t[..., d // 2:], t[..., : d // 2]), -1)
-    return t * cos + half * sin
-
-
-def _rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
-    """The rotary positions a score operand was given: a tensor it was made from (the operand, or a part of it
-    for partial rotary) equals one of its ancestors a few operations back rotated by the standard frequencies;
-    None if none does."""
-    near: list[tuple[int, Tensor]] = []  # the operand and the tensors it was made from, nearest first
-    todo, seen = [tid], {tid}
-    while todo and len(near) < 24:
-        cur = todo.pop(0)
-        got = value if cur == tid else trace.value(cur)
-        if got is not None:
-            near.append((cur, got))
-        found = trace.maker(cur)
-        if found is not None:
-            for i in found[0].in_ids:
-                if i not in seen:
-                    seen.add(i)
-                    todo.append(i)
-    for index, (_, t) in enumerate(near[:8]):
-        if t.dim() < 2 or t.shape[-1] % 2:
-            continue
-        for _, source in near[index + 1:]:
-            if source.shape != t.shape:
-                continue
-            for base in ROPE_BASES:
-                for interleaved in (False, True):
-                    if torch.allclose(rope(source, base, interleaved), t.double(), rtol=1e-4, atol=1e-5):
-                        part = "" if t.shape[-1] == value.shape[-1] else \
-                            f", on {t.shape[-1]} of {value.shape[-1]} dims"
-                        return f"rotary positions ({'interleaved pairs' if interleaved else 'rotate-half'}, " \
-                               f"base {base:g}{part})"
-    return None
-
-
-_NORMS = frozenset({"rms_norm", "layer_norm", "normalize", "rsqrt", "group_norm", "l2norm"})
-
-
-def _normalised(trace: Trace, tid: int) -> str | None:
-    """The normalisation a score operand went through a few operations back (q/k norm), or None."""
-    seen: set[int] = set()
-    todo, steps = [tid], 0
-    while todo and steps < 16:
-        found = trace.maker(todo.pop(0))
-        if found is None or id(found[0]) in seen:
-            continue
-        seen.add(id(found[0]))
-        steps += 1
-        if found[0].name in _NORMS or (found[0].module and "norm" in found[0].module.lower()):
-            return found[0].name if not found[0].module else found[0].module
-        if found[0].name in PRODUCTS or found[0].name == "linear":
-            return None  # the projection itself: no norm after it
-        todo.extend(found[0].in_ids)
-    return None
 
 
 class Unrecognised(LookupError):
@@ -230,7 +162,7 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, list[tuple[str, float | No
         if number is not None or op.name in LAYOUT or op.name in ("tanh",):
             steps.append((op.name, number))
             nxt = op.main_input()
-        elif op.name in _TERMS:
+        elif op.name in _TERMS or op.name == "cat":  # a term added; or sink logits set beside the scores
             steps.append((op.name, None))
             pairs = list(zip(op.in_ids, op.inputs, strict=False))
             nxt = max(pairs, key=lambda it: it[1].numel())[0] if pairs else None
@@ -330,15 +262,23 @@ def _unit_norm(a: Tensor, b: Tensor, fa: float, fb: float) -> bool:
 
 
 def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor) -> tuple[str | None, str]:
-    """Check that the tensor read after the weights-times-values product puts the heads side by side."""
-    read = next(iter(trace.consumers(op.out_ids[0])), None)
-    if read is None:
-        m = final
-    else:
+    """Check that the tensor read after the weights-times-values product puts the heads side by side (operations
+    that keep the heads' layout, such as zeroing padded rows, are followed first)."""
+    tid, m = op.out_ids[0], final
+    for _ in range(4):
+        read = next(iter(trace.consumers(tid)), None)
+        if read is None:
+            m = final
+            break
         value = trace.value(read[1])
         if value is None:
             return None, "merge of the heads not checked (the product is read directly)"
+        nxt = read[0]
+        if value.shape == out.shape and nxt.out_ids and nxt.outputs[0].shape == out.shape:
+            tid, out = nxt.out_ids[0], nxt.outputs[0]  # still in the heads' layout: follow it
+            continue
         m = value
+        break
     o = out.double()
     cands: dict[str, Tensor] = {}
     if o.dim() == 4:
@@ -368,8 +308,31 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor) -> tuple[str | None
     return None, "merge of the heads not recognised (the next operation reads something else)"
 
 
+def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdict | None:
+    """Do the scores hide exactly the keys the mask the run sent (with the module's own structure) hides?
+
+    hidden: (..., L, L) bool, True where the module's scores are masked; keep: (B, 1, L, L), True = may attend."""
+    if keep is None:
+        return None
+    want = ~keep
+    try:
+        hidden = hidden.reshape(keep.shape[0], -1, *hidden.shape[-2:])
+    except RuntimeError:
+        return None
+    if hidden.shape[-2:] != want.shape[-2:] or torch.equal(hidden, want.expand_as(hidden)):
+        return None
+    if want.any() and torch.equal(hidden, keep.expand_as(hidden)):
+        return Verdict("mask-inverted", {"matches": "the scores hide the keys the mask keeps", **evidence})
+    if want.any() and not hidden.any():
+        return Verdict("mask-ignored", {"matches": "no score is masked although the mask hides keys", **evidence})
+    extra, missed = (hidden & ~want).sum().item(), (~hidden & want).sum().item()
+    return Verdict("mask-ignored" if missed else "causal-leak",
+                   {"matches": f"the scores hide other keys than the mask: {missed} hidden (query, key) pairs left "
+                               f"visible, {extra} visible ones hidden", **evidence})
+
+
 def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
-                  expected: Callable[[int], float | None]) -> Verdict | None:
+                  expected: Callable[[int], float | None], keep: Tensor | None = None) -> Verdict | None:
     p = sm.outputs[0]
     after = _product_after(trace, sm.out_ids[0])
     if after is None:
@@ -381,9 +344,18 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     vid = operands[1 - position][0] if len(operands) > 1 else operands[0][0]
     dim = _dim(sm)
     evidence: dict = {"operations": f"{len(trace.ops)} recorded"}
+    facts: dict = {}
     if passed:
         return Verdict("definition-mismatch", {"matches": f"the weights pass through {', '.join(passed)} between "
                                                "the softmax and the product with the values", **evidence})
+    s = sm.args[0]
+    sinks = p.shape[-1] - length if p.dim() >= 2 and p.shape[-2] == length and p.shape[-1] > length == w.shape[-1] \
+        else 0
+    if sinks and dim == p.dim() - 1:  # attention sinks: logits in the softmax with no value (gpt-oss)
+        first = _orientation(w, p[..., :length]) is None and _orientation(w, p[..., sinks:]) is not None
+        cut = slice(sinks, None) if first else slice(None, length)
+        p, s = p[..., cut], s[..., cut]
+        facts["sinks"] = f"{sinks} sink logit(s) per row in the softmax, with no value (attention sinks)"
     if p.dim() < 2 or p.shape[-1] != length or p.shape[-2] != length:
         return Verdict("definition-mismatch", {"matches": f"the weights are {tuple(p.shape[-2:])} over axes that are "
                                                f"not the {length} tokens (a head split that mixes tokens and heads)",
@@ -406,18 +378,19 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     (aid, a), (bid, b) = pairs[0], pairs[1]
     r = _contract(product, a, b)
     d = _contracted_size(product, a, b)
-    s = sm.args[0]
     if s.numel() != r.numel():
         raise Unrecognised("the softmax input does not have the score product's size")
     names = [n for n, _ in steps]
-    facts: dict = {}
     if "tanh" in names:
         cut = names.index("tanh")
         cap = math.prod(x for _, x in steps[:cut] if x is not None)
-        s = cap * torch.atanh((s.double() / cap).clamp(-1 + 1e-12, 1 - 1e-12))
-        s = torch.where(sm.args[0].double() > _MASKED, s, sm.args[0].double())
+        raw = s.double()
+        s = torch.where(raw > _MASKED, cap * torch.atanh((raw / cap).clamp(-1 + 1e-12, 1 - 1e-12)), raw)
         facts["soft-capping"] = f"scores capped at {cap:.6g} by cap * tanh(scores / cap)"
     with_terms = any(n in _TERMS for n in names) or product.name == "baddbmm"
+    masked = _mask_verdict(~(torch.isfinite(s) & (s > _MASKED)), keep, evidence)
+    if masked is not None:
+        return masked
     c, t, seen = _fit(s, r, with_terms)
     size = 1 + float(s.double().reshape(r.shape)[seen].abs().max())
     varies = (t - t[:1]).abs().masked_fill(~(seen & seen[:1]), 0).amax() if t.shape[0] > 1 else torch.zeros(())
@@ -440,10 +413,14 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence}, facts)
-    rotary = _rotary(trace, aid, a)
-    if rotary is not None:
-        facts["positions"] = rotary
-    norms = (_normalised(trace, aid), _normalised(trace, bid))
+    turned = rotary(trace, aid, a)
+    if turned is not None:
+        facts["positions"] = turned
+    else:
+        problem = rotation_problem(trace, aid) or rotation_problem(trace, bid)
+        if problem is not None:
+            return Verdict("definition-mismatch", {"matches": problem, **evidence}, facts)
+    norms = (normalised(trace, aid), normalised(trace, bid))
     if all(norms):
         facts["q/k normalisation"] = f"q and k are normalised ({norms[0]}) before the scores"
     return Verdict(None, {"formula": f"softmax({'capped ' if 'tanh' in names else ''}c Q K^T"
@@ -451,8 +428,20 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                      f"products; {said}", **evidence}, facts)
 
 
+def _sdpa_hidden(op: Op, length: int) -> Tensor:
+    """(..., L, L) bool: where an SDPA call masks its scores (its attn_mask and is_causal)."""
+    mask = op.kwargs.get("attn_mask", op.args[3] if len(op.args) > 3 else None)
+    causal = op.kwargs.get("is_causal", op.args[5] if len(op.args) > 5 else False)
+    hidden = torch.zeros(length, length, dtype=torch.bool)
+    if causal:
+        hidden = hidden | torch.ones(length, length, dtype=torch.bool).triu(1)
+    if isinstance(mask, Tensor):
+        hidden = hidden | (~mask.cpu() if mask.dtype == torch.bool else mask.cpu() <= _MASKED)
+    return hidden
+
+
 def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
-               expected: Callable[[int], float | None]) -> Verdict:
+               expected: Callable[[int], float | None], keep: Tensor | None = None) -> Verdict:
     q, k = op.inputs[0], op.inputs[1]
     d = q.shape[-1]
     if q.dim() < 2 or q.shape[-2] != length or k.shape[-2] != length:
@@ -467,6 +456,12 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     evidence = {"scale": said, "head dim": d, "product": "scaled_dot_product_attention"}
     if fid is not None:
         return Verdict(fid, {"matches": said, **evidence})
+    if keep is not None:
+        hidden = _sdpa_hidden(op, length)
+        hidden = hidden.expand(*torch.broadcast_shapes(hidden.shape, (keep.shape[0], q.shape[-3], length, length)))
+        masked = _mask_verdict(hidden, keep, evidence)
+        if masked is not None:
+            return masked
     wrong = _roles_verdict(trace, (op.in_ids[0], op.in_ids[1], op.in_ids[2]), evidence, {})
     if wrong is not None:
         return wrong
@@ -474,13 +469,16 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence})
-    rotary = _rotary(trace, op.in_ids[0], q)
+    turned = rotary(trace, op.in_ids[0], q)
+    problem = None if turned else rotation_problem(trace, op.in_ids[0]) or rotation_problem(trace, op.in_ids[1])
+    if problem is not None:
+        return Verdict("definition-mismatch", {"matches": problem, **evidence})
     return Verdict(None, {"formula": f"scaled_dot_product_attention; {said}", **evidence},
-                   {"positions": rotary} if rotary else {})
+                   {"positions": turned} if turned else {})
 
 
 def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
-                  expected: Callable[[int], float | None]) -> list[Verdict]:
+                  expected: Callable[[int], float | None], keep: Tensor | None = None) -> list[Verdict]:
     """Every attention core in the record, each with its verdict.
 
     Args:
@@ -488,6 +486,8 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
         final: the module's output in that run, as the module returned it.
         width: the model width E (to name a 1/sqrt(E) scale).
         length: the number of tokens L in the run (the weights must be (L, L)).
+        keep: (B, 1, L, L) bool, True = may attend: what the run's mask and the module's own structure leave
+            visible; the scores must hide exactly the rest (None: not checked).
         expected: the scale the user or the module states for head dim D, or None for 1/sqrt(D).
 
     Returns:
@@ -500,9 +500,9 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
     verdicts = []
     for op in trace.ops:
         if op.name == "scaled_dot_product_attention":
-            verdicts.append(_sdpa_core(trace, op, final, width, length, expected))
+            verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep))
         elif op.name in SOFTMAX:
-            found = _softmax_core(trace, op, final, width, length, expected)
+            found = _softmax_core(trace, op, final, width, length, expected, keep)
             if found is not None:
                 verdicts.append(found)
     if not verdicts:

@@ -30,6 +30,8 @@ FIXES: dict[str, str] = {
     "mask-after-softmax": "Mask the scores before the softmax, so the weights of visible keys sum to 1.",
     "mask-broadcast": "A (B, L) key mask hides keys: reshape it to (B, 1, 1, L) (mask[:, None, None, :]), "
                       "not (B, 1, L, 1), so it broadcasts over the query axis.",
+    "mask-error": "The module raises when it is given the mask in the convention you stated: apply the mask the way "
+                  "its shape and kind say (or state the convention the module really has).",
     "causal-leak": "Hide exactly the future: visible when j <= i (torch.ones(L, L).tril() as keep-mask); "
                    "the diagonal must stay visible.",
     "nan-on-masked-row": "Give rows with no visible key an output of 0 (or use a finite fill), e.g. "

@@ -215,6 +215,8 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
         k0 = keep[0]
         as_keep, as_ignore = k0 & dep & off, ~k0 & dep & off
         rows = (k0 & dep).any(-1) & (~k0 & dep).any(-1)  # rows where the two readings differ
+        if caller.key_only:  # a padded position's own row may be zeroed (x-transformers): compare the others
+            rows &= k0.diagonal() | d.any(-1)
         if torch.equal((d & off)[rows], as_keep[rows]):
             return _found(ctx, native, d, candidates, plain)
         sane = bool(masked_out.abs().max() < 100 * (1 + plain.abs().max()))  # a mask added after softmax blows up
@@ -259,6 +261,11 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
         return _no_mask(f"forward's argument '{arg}' is not named like a mask and changes nothing")
     if switch is not None and not accepted:
         return _switch(ctx, switch, dep)
+    if not accepted and tried and (ctx.spec is not None or ctx.call.make_mask is not None):
+        return Outcome([Finding.of("mask-error", "the module raises whenever it is given the mask you stated",
+                                   tried)], {"mask": {"raises with the stated mask": tried}},
+                       coverage={"mask": "verified: the module raises with its mask",
+                                 "padding": "not verified: the module raises with its mask"})
     if accepted and all("changed nothing" in v or "Error" in v for v in tried.values()):
         return Outcome([Finding.of("mask-ignored", "the module accepts a mask but its output does not depend on it",
                                    tried)],

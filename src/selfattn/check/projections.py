@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .core import ROPE_BASES, name_role, rope
+from .core import name_role
+from .positions import ROPE_BASES, rope
 from .trace import Linear, Op, Trace, linears
 
 __all__ = ["Capture", "capture", "identify", "qkv_heads"]

@@ -77,9 +77,10 @@ def _informative_input(module: nn.Module, call: Callable[[Tensor], Tensor], x: T
     return x
 
 
-def _runs(ctx: Context, masked: Caller | None, dep: Tensor) -> list[tuple[str, Tensor | None]]:
-    """(label, keep (B, L, L) or None) of each run: without mask, with a causal or padding mask; the module's own
-    visibility pattern (causal, a window) on top, so that the formulas compare like with like."""
+def _runs(ctx: Context, masked: Caller | None, dep: Tensor) -> list[tuple[str, Tensor | None, Tensor | None]]:
+    """(label, the keep-mask sent (B, L, L) or None, the keep the formulas use) of each run: without mask, with a
+    causal or padding mask; the module's own visibility pattern (causal, a window) is added to what the formulas
+    use, so that they compare like with like."""
     b, length, _ = ctx.x.shape
     runs: list[tuple[str, Tensor | None]] = [("without mask", None)]
     if masked is not None:
@@ -88,10 +89,8 @@ def _runs(ctx: Context, masked: Caller | None, dep: Tensor) -> list[tuple[str, T
         else:
             i = torch.arange(length)
             runs.append(("with a causal mask", (i[None, :] <= i[:, None]).expand(b, length, length)))
-    if not dep.all():
-        own = dep.expand(b, length, length)
-        runs = [(label, own if k is None else k & own) for label, k in runs]
-    return runs
+    own = None if dep.all() else dep.expand(b, length, length)
+    return [(label, sent, sent if own is None else own if sent is None else sent & own) for label, sent in runs]
 
 
 def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
@@ -125,10 +124,9 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     if stated_where or ctx.scale is not None:
         facts["scale"] = f"{'--scale' if ctx.scale is not None else stated_where} (not 1/sqrt(D))"
     skipped = 0
-    for label, keep in _runs(ctx, masked, dep):
-        run_caller = ctx.exact_of(masked) if keep is not None and masked is not None else caller
-        mask = run_caller.module_mask(keep) if keep is not None and masked is not None else None
-        own_only = keep is not None and masked is None  # the module's own structure, nothing passed
+    for label, sent, keep in _runs(ctx, masked, dep):
+        run_caller = ctx.exact_of(masked) if sent is not None and masked is not None else caller
+        mask = run_caller.module_mask(sent) if sent is not None and masked is not None else None
 
         def call(mask: object = mask, run_caller: Caller = run_caller) -> Tensor:
             return run_caller(x, mask) if mask is not None else caller(x)
@@ -139,7 +137,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         cap = capture(trace, module, x)
         verdict, why = _by_projections(cap, out, heads, k4, raw, bias, stated)
         if verdict is None:
-            verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why)
+            verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why, k4)
             if verdict is not None and verdict[0] == "definition-mismatch":  # no formula: the same as none found
                 why, verdict = verdict[1]["matches"], None
         if verdict is None:
@@ -162,8 +160,8 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
                                        evidence))
         elif str(evidence.get("compared with", "")).endswith(AFTER.split("{name}")[1]):
             facts["after the attention"] = evidence["compared with"]
-        if label == "with a padding mask" and keep is not None and not own_only:
-            facts.update(_zeroed_rows(out, keep))
+        if label == "with a padding mask" and sent is not None:
+            facts.update(_zeroed_rows(out, sent))
     if x is not x0:
         results["input scale"] = f"x times {float(x.flatten()[0] / x0.flatten()[0]):.3g} (the scores were too " \
                                  "small to tell formulas apart)"
@@ -189,10 +187,10 @@ def _by_projections(cap: Capture | str, out: Tensor, heads: list[int], keep: Ten
 
 
 def _by_operands(trace, out: Tensor, width: int, length: int, stated: Callable[[int], float | None],
-                 before: str) -> tuple[tuple | None, str]:
+                 before: str, keep: Tensor | None) -> tuple[tuple | None, str]:
     """The verdict of the attention's own products (the first bug among its cores, else the definition)."""
     try:
-        verdicts = examine_cores(trace, out, width, length, stated)
+        verdicts = examine_cores(trace, out, width, length, stated, keep)
     except Unrecognised as err:
         reason = f"{before}; from the operands: {err}" if before else str(err)
         return None, ("not followed: " if "no attention was found" in str(err) else "") + reason

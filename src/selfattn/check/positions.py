@@ -1,0 +1,108 @@
+"""Position terms and norms found on the way to the scores: rotary positions (standard frequencies, on all or
+part of the head dim), rotary-like code that is not a rotation, and q/k normalisation.
+
+Shape legend: B batch, H heads, L length, D head dim.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .trace import PRODUCTS, Trace
+
+__all__ = ["ROPE_BASES", "normalised", "rope", "rotary", "rotation_problem"]
+
+ROPE_BASES = (10000.0, 500000.0, 1000000.0)
+
+
+def rope(t: Tensor, base: float, interleaved: bool) -> Tensor:
+    """Rotary positions 0..L-1 applied to t (..., L, D): rotate-half (Llama) or interleaved pairs."""
+    d, length = t.shape[-1], t.shape[-2]
+    inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = torch.arange(length, dtype=torch.float64)[:, None] * inv  # (L, D/2)
+    t = t.double()
+    if interleaved:
+        a, b = t[..., 0::2], t[..., 1::2]
+        return torch.stack((a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()), -1).flatten(-2)
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    half = torch.cat((-t[..., d // 2:], t[..., : d // 2]), -1)
+    return t * cos + half * sin
+
+
+def rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
+    """The rotary positions a score operand was given: a tensor it was made from (the operand, or a part of it
+    for partial rotary) equals one of its ancestors a few operations back rotated by the standard frequencies;
+    None if none does."""
+    near: list[tuple[int, Tensor]] = []  # the operand and the tensors it was made from, nearest first
+    todo, seen = [tid], {tid}
+    while todo and len(near) < 24:
+        cur = todo.pop(0)
+        got = value if cur == tid else trace.value(cur)
+        if got is not None:
+            near.append((cur, got))
+        found = trace.maker(cur)
+        if found is not None:
+            for i in found[0].in_ids:
+                if i not in seen:
+                    seen.add(i)
+                    todo.append(i)
+    for index, (_, t) in enumerate(near[:8]):
+        if t.dim() < 2 or t.shape[-1] % 2:
+            continue
+        for _, source in near[index + 1:]:
+            if source.shape != t.shape:
+                continue
+            for base in ROPE_BASES:
+                for interleaved in (False, True):
+                    if torch.allclose(rope(source, base, interleaved), t.double(), rtol=1e-4, atol=1e-5):
+                        part = "" if t.shape[-1] == value.shape[-1] else \
+                            f", on {t.shape[-1]} of {value.shape[-1]} dims"
+                        return f"rotary positions ({'interleaved pairs' if interleaved else 'rotate-half'}, " \
+                               f"base {base:g}{part})"
+    return None
+
+
+def rotation_problem(trace: Trace, tid: int) -> str | None:
+    """For a score operand made like rotary positions, t * cos + f(t) * sin (on all or part of the head dim), why
+    it is not a rotation (the norm of t changes by more than one common factor), else None."""
+    found = trace.maker(tid)
+    if found is not None and found[0].name == "cat" and found[0].in_ids:
+        found = trace.maker(found[0].in_ids[0])  # partial rotary: the rotated part comes first
+    if found is None or found[0].name not in ("add", "sub") or len(found[0].in_ids) != 2:
+        return None
+    op = found[0]
+    products = [trace.maker(i) for i in op.in_ids]
+    if any(p is None or p[0].name != "mul" or len(p[0].inputs) != 2 for p in products):
+        return None
+    out = op.outputs[0] if op.outputs else None
+    first = products[0][0]  # type: ignore[index]
+    t = max(first.inputs, key=lambda v: v.numel())
+    if out is None or t.shape != out.shape or t.dim() < 2:
+        return None
+    ratio = out.double().norm(dim=-1) / t.double().norm(dim=-1).clamp_min(1e-300)
+    if float((ratio - ratio.mean()).abs().max()) <= 1e-6 * float(ratio.mean()):
+        return None
+    return "the rotary positions are not a rotation: t * cos + f(t) * sin changes the norm of q or k row by row " \
+           f"(by {float(ratio.min()):.3g} to {float(ratio.max()):.3g}; a sign lost in rotate_half?)"
+
+
+_NORMS = frozenset({"rms_norm", "layer_norm", "normalize", "rsqrt", "group_norm", "l2norm"})
+
+
+def normalised(trace: Trace, tid: int) -> str | None:
+    """The normalisation a score operand went through a few operations back (q/k norm), or None."""
+    seen: set[int] = set()
+    todo, steps = [tid], 0
+    while todo and steps < 16:
+        found = trace.maker(todo.pop(0))
+        if found is None or id(found[0]) in seen:
+            continue
+        seen.add(id(found[0]))
+        steps += 1
+        if found[0].name in _NORMS or (found[0].module and "norm" in found[0].module.lower()):
+            return found[0].name if not found[0].module else found[0].module
+        if found[0].name in PRODUCTS or found[0].name == "linear":
+            return None  # the projection itself: no norm after it
+        todo.extend(found[0].in_ids)
+    return None
