@@ -268,10 +268,6 @@ def _unsupplied(attention: nn.Module, has_rope: bool) -> list[str]:
             and p.name not in given]
 
 
-def _config_scale(attention: nn.Module, model: nn.Module) -> dict:
-    """The scale the family sets on purpose (Granite's attention_multiplier), read from the attention's config."""
-    return {"scale": float(attention.config.attention_multiplier)}
-
 
 def _bloom_call(attention: nn.Module, model: nn.Module) -> Callable:
     """Bloom's attention takes the residual (added inside) and the ALiBi tensor: zeros and the family's ALiBi."""
@@ -287,15 +283,13 @@ def _bloom_call(attention: nn.Module, model: nn.Module) -> Callable:
 # family -> config overrides ("config"), selfattn.check options ("options") and an adapter factory ("adapter":
 # (attention, model) -> call) beyond the generic ones, and why (the sweep table's "options needed")
 FAMILY_OPTIONS: dict[str, dict] = {
-    "gemma2": {"config": {"query_pre_attn_scalar": D},
-               "why": "config query_pre_attn_scalar = head dim (its default is the real models' 256)"},
     "t5": {"options": {"scale": 1.0}, "why": "scale=1.0 (T5 folds 1/sqrt(d) into its initialisation)"},
     "gpt_neo": {"options": {"scale": 1.0}, "why": "scale=1.0 (GPT-Neo does not scale its scores)"},
     **{f: {"options": {"scale": 1.0}, "why": "scale=1.0 (T5-style: 1/sqrt(d) folded into the initialisation)"}
        for f in ("mt5", "umt5", "switch_transformers", "udop")},
     "dia": {"options": {"scale": 1.0}, "why": "scale=1.0 (Dia's attention sets scaling = 1.0)"},
-    **{f: {"options": _config_scale, "why": "scale=config.attention_multiplier (muP scale, default 1.0)"}
-       for f in ("granite", "granitemoe", "granitemoeshared", "granite_speech", "granite_speech_plus")},
+    **{f: {"options": {"batch": 1}, "why": "batch=1 (the vision tower takes all patches as one batch row)"}
+       for f in ("pixtral", "mlcd")},
     "bloom": {"adapter": _bloom_call, "why": "call: residual = 0 and the family's ALiBi tensor"},
     "big_bird": {"config": {"attention_type": "original_full"},
                  "why": "config attention_type='original_full' (block-sparse needs long inputs)"},

@@ -88,6 +88,12 @@ def _runs(call: Caller, shape: tuple[int, int, int], gen: torch.Generator, dtype
     return None if tuple(out.shape) == shape else f"output {tuple(out.shape)}"
 
 
+def runs_at(call: Caller, b: int, n: int, e: int, gen: torch.Generator, dtype: torch.dtype,
+            device: torch.device) -> bool:
+    """Does the module return (B, L, E) for this shape?"""
+    return _runs(call, (b, n, e), gen, dtype, device) is None
+
+
 def _largest(ok: int, bad: int, runs: Callable[[int], bool]) -> int:
     """The largest n in [ok, bad) for which ``runs(n)``, knowing runs(ok) and not runs(bad) (bisection)."""
     while bad - ok > 1:
@@ -228,7 +234,7 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     good = ran
     if not good:
         raise CannotRun("the module never returned a (B, L, E) output; see wrong-output-shape")
-    b, n, _ = (3, 7, e) if (3, 7, e) in good else max(good, key=lambda s: (s[0] > 1, s[1] <= 64, s[0]))
+    b, n, _ = (3, 7, e) if (3, 7, e) in good else min(good, key=lambda s: (s[0] < 2, s[1] > 64, s[0], s[1]))
     x = _randn(gen, (b, n, e), dtype, device)
     if _sequence_first(call, x, gen, tolerance(dtype)):
         call.layout = "sequence-first"
@@ -245,12 +251,19 @@ def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, 
     or neither (shape-dependent)."""
     ok = ran + [s for s, _ in wrong]
     evidence = {"runs for": [str(s) for s in ok], "fails for": {str(s): why[:200] for s, why in failed}}
-    if all(len({*s}) < 3 for s in ok) and any(len({*s}) == 3 for s, _ in failed):  # two of B, L, E coincide
+    lengths = sorted({s[1] for s in ok})
+    if all(len({*s}) < 3 for s in ok) and any(len({*s}) == 3 for s, _ in failed) and \
+            _runs(call, (2, 2 * lengths[-1], ok[0][2]), gen, dtype, device) is not None:  # two of B, L, E coincide
         found.findings.append(Finding.of("batch-mixing", "the module runs only when batch, length and embed sizes "
                                          "line up: it mixes the batch or sequence dimension with another", evidence))
         return
     e = ok[0][2]
     bad_b, bad_n = {s[0] for s, _ in failed}, {s[1] for s, _ in failed}
+    if bad_n.isdisjoint(lengths) and all(runs_at(call, b, n, e, gen, dtype, device) for b, n, _ in ok[:1]) and \
+            _runs(call, (2, 2 * lengths[-1], e), gen, dtype, device) is None:  # failures follow the length only
+        found.notes["lengths"] = f"runs at lengths {[*lengths, 2 * lengths[-1]]}, fails at {sorted(bad_n)} (a length " \
+                                 "the module's windows or patches divide)"
+        return
     max_b, max_n = max(s[0] for s in ok), max(s[1] for s in ok)
     n_ok = min(s[1] for s in ok)
     b_ok = min(s[0] for s in ok)

@@ -174,24 +174,27 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, list[tuple[str, float | No
     raise Unrecognised("the chain from the product to the softmax is too long to follow")
 
 
-def _fit(s: Tensor, r: Tensor, with_terms: bool) -> tuple[float, Tensor, Tensor]:
-    """Fit s = c * r + t over the unmasked entries: (c, t, which entries were used); t is 0 without terms, else
-    a term per (head, query, key) position (the batch's mean), fitted on positions no batch item masks."""
-    s, r = s.double().reshape(r.shape), r.double()
+def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool) -> tuple[float, Tensor, Tensor]:
+    """Fit s = c * r + t + a constant per row (the softmax ignores one) over the entries no batch item masks:
+    (c, t (batch, X, Lq, Lk), those entries). t is 0 without terms, else a term per (head, query, key)
+    position: it may not vary between batch items, which the caller checks."""
+    lq, lk = r.shape[-2:]
+    r = r.double().reshape(batch, -1, lq, lk)
+    s = s.double().reshape(r.shape)
     seen = torch.isfinite(s) & (s > _MASKED) & torch.isfinite(r)
-    if not seen.any():
-        raise Unrecognised("every score is masked")
-    if with_terms and r.shape[0] > 1:
-        joint = seen.all(0, keepdim=True).expand_as(seen)
-        ds = torch.where(joint, s - torch.where(joint, s, 0).sum(0, keepdim=True) / r.shape[0], 0)
-        dr = torch.where(joint, r - torch.where(joint, r, 0).sum(0, keepdim=True) / r.shape[0], 0)
-        denominator = float((dr * dr).sum())
-        if denominator > 0:
-            c = float((ds * dr).sum()) / denominator
-            return c, torch.where(seen, s - c * r, 0), seen
-    denominator = float((r[seen] ** 2).sum())
-    c = float((s[seen] * r[seen]).sum()) / denominator if denominator > 0 else 0.0
-    return c, torch.where(seen, s - c * r, 0), seen
+    joint = seen.all(0, keepdim=True).expand_as(seen)
+    if not joint.any():
+        raise Unrecognised("every score is masked in some batch item")
+
+    def centred(t: Tensor, axis: int) -> Tensor:
+        count = joint.sum(axis, keepdim=True).clamp_min(1)
+        return torch.where(joint, t - torch.where(joint, t, 0).sum(axis, keepdim=True) / count, 0)
+
+    sr, rr = centred(s, -1), centred(r, -1)  # a constant per row (a row max subtracted) changes nothing
+    ds, dr = (centred(sr, 0), centred(rr, 0)) if with_terms and batch > 1 else (sr, rr)
+    denominator = float((dr * dr).sum())
+    c = float((ds * dr).sum()) / denominator if denominator > 0 else 0.0
+    return c, torch.where(joint, sr - c * rr, 0), joint
 
 
 def _role(trace: Trace, tid: int) -> tuple[str | None, str]:
@@ -332,7 +335,8 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
 
 
 def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
-                  expected: Callable[[int], float | None], keep: Tensor | None = None) -> Verdict | None:
+                  expected: Callable[[int], float | None], keep: Tensor | None = None,
+                  batch: int = 1) -> Verdict | None:
     p = sm.outputs[0]
     after = _product_after(trace, sm.out_ids[0])
     if after is None:
@@ -391,9 +395,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     masked = _mask_verdict(~(torch.isfinite(s) & (s > _MASKED)), keep, evidence)
     if masked is not None:
         return masked
-    c, t, seen = _fit(s, r, with_terms)
-    size = 1 + float(s.double().reshape(r.shape)[seen].abs().max())
-    varies = (t - t[:1]).abs().masked_fill(~(seen & seen[:1]), 0).amax() if t.shape[0] > 1 else torch.zeros(())
+    c, t, seen = _fit(s, r, batch, with_terms)
+    size = 1 + float(s.double().reshape(t.shape)[seen].abs().max())
+    varies = (t - t[:1]).abs().masked_fill(~seen, 0).amax()
     if float(varies) > 1e-3 * size:
         raise Unrecognised(f"the scores are not one multiple of the product plus a term of (head, query, key): "
                            f"best multiple {c:.4g} leaves a difference of {float(varies):.3g} between batch items")
@@ -417,9 +421,12 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if turned is not None:
         facts["positions"] = turned
     else:
-        problem = rotation_problem(trace, aid) or rotation_problem(trace, bid)
-        if problem is not None:
+        problems = (rotation_problem(trace, aid, a), rotation_problem(trace, bid, b))
+        problem = problems[0] or problems[1]
+        if problem:
             return Verdict("definition-mismatch", {"matches": problem, **evidence}, facts)
+        if "" in problems:
+            facts["positions"] = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
     norms = (normalised(trace, aid), normalised(trace, bid))
     if all(norms):
         facts["q/k normalisation"] = f"q and k are normalised ({norms[0]}) before the scores"
@@ -470,15 +477,19 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence})
     turned = rotary(trace, op.in_ids[0], q)
-    problem = None if turned else rotation_problem(trace, op.in_ids[0]) or rotation_problem(trace, op.in_ids[1])
-    if problem is not None:
-        return Verdict("definition-mismatch", {"matches": problem, **evidence})
+    problems = (None, None) if turned else (rotation_problem(trace, op.in_ids[0], q),
+                                            rotation_problem(trace, op.in_ids[1], k))
+    if problems[0] or problems[1]:
+        return Verdict("definition-mismatch", {"matches": problems[0] or problems[1], **evidence})
+    if "" in problems:
+        turned = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
     return Verdict(None, {"formula": f"scaled_dot_product_attention; {said}", **evidence},
                    {"positions": turned} if turned else {})
 
 
 def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
-                  expected: Callable[[int], float | None], keep: Tensor | None = None) -> list[Verdict]:
+                  expected: Callable[[int], float | None], keep: Tensor | None = None,
+                  batch: int = 1) -> list[Verdict]:
     """Every attention core in the record, each with its verdict.
 
     Args:
@@ -488,6 +499,7 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
         length: the number of tokens L in the run (the weights must be (L, L)).
         keep: (B, 1, L, L) bool, True = may attend: what the run's mask and the module's own structure leave
             visible; the scores must hide exactly the rest (None: not checked).
+        batch: the run's batch size B (scores are (B, ..., L, L) or (B * H, L, L)).
         expected: the scale the user or the module states for head dim D, or None for 1/sqrt(D).
 
     Returns:
@@ -502,7 +514,7 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
         if op.name == "scaled_dot_product_attention":
             verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep))
         elif op.name in SOFTMAX:
-            found = _softmax_core(trace, op, final, width, length, expected, keep)
+            found = _softmax_core(trace, op, final, width, length, expected, keep, batch)
             if found is not None:
                 verdicts.append(found)
     if not verdicts:

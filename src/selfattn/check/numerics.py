@@ -132,11 +132,13 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
 
 
 class _UsedParameters(TorchFunctionMode):
-    """Records the parameters any torch operation receives while the module runs."""
+    """Records the parameters any torch operation receives while the module runs, and the lowest floating-point
+    precision any operation computes in (a float64 copy may still run its softmax in float32)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ids: set[int] = set()
+        self.lowest = torch.float64
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -147,7 +149,30 @@ class _UsedParameters(TorchFunctionMode):
                 self.ids.add(id(a))
             elif isinstance(a, (list, tuple)):
                 stack.extend(a)
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if isinstance(out, Tensor) and out.is_floating_point() and \
+                torch.finfo(out.dtype).eps > torch.finfo(self.lowest).eps:
+            self.lowest = out.dtype
+        return out
+
+
+def _still_zero(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]], zero: list[str],
+                gen: torch.Generator) -> list[str]:
+    """Of the parameters ``zero`` whose gradient was exactly 0, those that still get 0 once every used parameter is
+    moved by a little noise (a gate that starts at 0 blocks its neighbours' gradients only at that point)."""
+    saved = [p.detach().clone() for _, p in used]
+    try:
+        with torch.no_grad():
+            for _, p in used:
+                p.add_(1e-2 * (1 + p.abs().max()) * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
+        call.module.zero_grad(set_to_none=True)
+        (call(x).double() * weights).sum().backward()
+        return [n for n, p in used if n in zero and (p.grad is None or not p.grad.any())]
+    finally:
+        with torch.no_grad():
+            for (_, p), s in zip(used, saved, strict=True):
+                p.copy_(s)
+        call.module.zero_grad(set_to_none=True)
 
 
 def _objective(call: Caller, x: Tensor, weights: Tensor) -> Tensor:
@@ -177,19 +202,24 @@ def gradients(ctx: Context) -> Outcome[None]:
     used = [(n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) in watch.ids]
     missing = [n for n, p in used if p.grad is None or not p.grad.any()]
     no_input_grad = xg.grad is None or not xg.grad.any()
+    grads = {n: p.grad.detach().clone() for n, p in used if p.grad is not None}
+    zero = [n for n, p in used if n in missing and p.grad is not None]
+    if zero and not no_input_grad:  # a gradient of exactly 0 can be the draw's (a gate initialised at 0): try again
+        missing = [n for n in missing if n not in zero] + _still_zero(call, x0, weights, used, zero, ctx.gen)
     if missing or no_input_grad:
         m.zero_grad(set_to_none=True)
         return Outcome([Finding.of("no-grad", "some parameters (or the input) receive no gradient",
                                    {"parameters without gradient": missing, "input gets gradient": not no_input_grad})],
                        notes={"gradients": f"{len(used)} parameter tensors used by the call"})
-    grads = {n: p.grad.detach().clone() for n, p in used if p.grad is not None}
     dx = xg.grad.detach().clone()
     m.zero_grad(set_to_none=True)
+    exact = exact and watch.lowest == torch.float64  # a float32 softmax inside leaves float32's rounding
     step, tol = (1e-3, 1e-4) if exact else (1e-2, 1e-2)
     checks = {"input": _directional(call, x0, weights, dx, [], step, ctx.gen),
               "parameters": _directional(call, x0, weights, None, [(p, grads[n]) for n, p in used if n in grads],
                                          step, ctx.gen)}
     notes = {k: f"autograd {a:.6g}, finite difference {f:.6g} (+- {u:.2g})" for k, (a, f, u) in checks.items()}
+    notes["computed in"] = str(watch.lowest)[6:]
     wrong = {k: notes[k] for k, (a, f, u) in checks.items()
              if abs(a - f) > max(tol * (abs(a) + abs(f)), 10 * u) + 1e-12}
     found = Outcome[None](notes={"gradients": {**notes, "dtype": str(x0.dtype)[6:]}})

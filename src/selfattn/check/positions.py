@@ -63,26 +63,38 @@ def rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
     return None
 
 
-def rotation_problem(trace: Trace, tid: int) -> str | None:
-    """For a score operand made like rotary positions, t * cos + f(t) * sin (on all or part of the head dim), why
-    it is not a rotation (the norm of t changes by more than one common factor), else None."""
+def rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:
+    """For a score operand made like rotary positions (t * cos + f(t) * sin, on all or part of the head dim), why
+    it is not a rotation; "" when it is one (with frequencies of its own: scaled, YaRN, ...); None when the
+    operand is not made that way. A rotation keeps each row's norm (up to one common factor, as YaRN's), so some
+    tensor of the operand's shape a few operations back (the q or k before the positions) must have the
+    operand's row norms up to that factor."""
     found = trace.maker(tid)
     if found is not None and found[0].name == "cat" and found[0].in_ids:
         found = trace.maker(found[0].in_ids[0])  # partial rotary: the rotated part comes first
     if found is None or found[0].name not in ("add", "sub") or len(found[0].in_ids) != 2:
         return None
-    op = found[0]
-    products = [trace.maker(i) for i in op.in_ids]
-    if any(p is None or p[0].name != "mul" or len(p[0].inputs) != 2 for p in products):
+    if any(p is None or p[0].name != "mul" for p in (trace.maker(i) for i in found[0].in_ids)):
         return None
-    out = op.outputs[0] if op.outputs else None
-    first = products[0][0]  # type: ignore[index]
-    t = max(first.inputs, key=lambda v: v.numel())
-    if out is None or t.shape != out.shape or t.dim() < 2:
+    norms = value.double().norm(dim=-1)
+    ratios = []
+    todo, seen = [tid], {tid}
+    while todo and len(seen) < 40:
+        cur = todo.pop(0)
+        got = trace.value(cur) if cur != tid else None
+        if got is not None and got.shape == value.shape:
+            ratio = norms / got.double().norm(dim=-1).clamp_min(1e-300)
+            if float((ratio - ratio.mean()).abs().max()) <= 1e-6 * float(ratio.mean().abs()):
+                return ""
+            ratios.append(ratio)
+        maker = trace.maker(cur)
+        for i in maker[0].in_ids if maker is not None else ():
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    if not ratios:
         return None
-    ratio = out.double().norm(dim=-1) / t.double().norm(dim=-1).clamp_min(1e-300)
-    if float((ratio - ratio.mean()).abs().max()) <= 1e-6 * float(ratio.mean()):
-        return None
+    ratio = ratios[-1]
     return "the rotary positions are not a rotation: t * cos + f(t) * sin changes the norm of q or k row by row " \
            f"(by {float(ratio.min()):.3g} to {float(ratio.max()):.3g}; a sign lost in rotate_half?)"
 

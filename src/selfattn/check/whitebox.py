@@ -190,7 +190,7 @@ def _by_operands(trace, out: Tensor, width: int, length: int, stated: Callable[[
                  before: str, keep: Tensor | None) -> tuple[tuple | None, str]:
     """The verdict of the attention's own products (the first bug among its cores, else the definition)."""
     try:
-        verdicts = examine_cores(trace, out, width, length, stated, keep)
+        verdicts = examine_cores(trace, out, width, length, stated, keep, out.shape[0])
     except Unrecognised as err:
         reason = f"{before}; from the operands: {err}" if before else str(err)
         return None, ("not followed: " if "no attention was found" in str(err) else "") + reason
