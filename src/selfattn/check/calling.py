@@ -34,15 +34,17 @@ def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, dev
     return torch.randn(*shape, generator=gen).to(dtype=dtype, device=device)
 
 
-def _required_mask_caller(module: nn.Module, style: str, arg: str, x: Tensor) -> Caller | None:
-    """A caller for a forward that requires its mask: the first (shape, kind) whose band mask hides exactly
-    the band's complement (bool masks read either way), else the first that runs; None if none runs."""
+def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Tensor,
+                          adapter: Callable | None = None) -> Caller | None:
+    """A caller for a forward (or an adapter) that requires its mask: the first (shape, kind) whose band mask
+    hides exactly the band's complement (bool masks read either way), else the first that runs; None if none
+    runs."""
     b, length, _ = x.shape
     off = ~torch.eye(length, dtype=torch.bool)
     first: Caller | None = None
     for shape in SHAPE_ORDER:
         for kind in KIND_ORDER:
-            c = Caller(module, style, arg, MaskSpec(kind, shape), required=True)
+            c = Caller(module, style, arg, MaskSpec(kind, shape), adapter=adapter, required=True)
             keep = probe_keep(b, length, c.key_only)
             try:
                 with torch.no_grad():
@@ -183,6 +185,11 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
                 errors.append(why)
                 continue
         why = _runs(call, shape, gen, dtype, device)
+        if why is not None and adapter is not None and call.takes_mask and not call.required and not ran:
+            needs = _required_mask_caller(module, "adapter", None, _randn(gen, shape, dtype, device), adapter)
+            if needs is not None:  # the adapter's module cannot run without a mask: send the one hiding nothing
+                call = needs
+                why = _runs(call, shape, gen, dtype, device)
         if why is None:
             ran.append(shape)
         elif why.startswith("output "):
@@ -221,7 +228,7 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     how = {"x": "forward(x)", "qkv": "forward(q, k, v) with q = k = v = x",
            "adapter": "your call(module, x, mask)" if call.takes_mask else "your call(module, x) (no mask)"}
     if call.required:
-        how[call.style] += f", with the mask it requires ({call.mask_arg})"
+        how[call.style] += ", with the mask it requires" + (f" ({call.mask_arg})" if call.mask_arg else "")
     found = Outcome[tuple[Caller, Tensor]](notes={"call": how[call.style],
                                                   "output": "tensor (or first tensor of a tuple or dict)", **notes})
     if coincidence:

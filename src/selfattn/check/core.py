@@ -258,6 +258,14 @@ def _scale_verdict(c: float, d: int, width: int, expected: float | None, unit_no
         ("the stated scale" if expected is not None else f"1/sqrt({d}), D = {d} the head dim")
 
 
+def _per_dim(op: Op | None, d: int) -> bool:
+    """Is ``op`` a multiplication by a vector of one value per head dimension (a learned per-dimension scale)?"""
+    if op is None or op.name not in ("mul", "rmul") or len(op.inputs) != 2:
+        return False
+    small = min(op.inputs, key=lambda t: t.numel())
+    return small.numel() == d and small.shape[-1] == d and small.dim() <= 4
+
+
 def _unit_norm(a: Tensor, b: Tensor, fa: float, fb: float) -> bool:
     na = (a.double() / fa).norm(dim=-1) if fa else a.double().norm(dim=-1)
     nb = (b.double() / fb).norm(dim=-1) if fb else b.double().norm(dim=-1)
@@ -407,6 +415,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     scale = c * origin_a.factor * origin_b.factor
     unit = _unit_norm(a, b, origin_a.factor, origin_b.factor)
     fid, said = _scale_verdict(scale, d, width, expected(d), unit)
+    if fid is not None and (_per_dim(origin_a.op, d) or _per_dim(origin_b.op, d)):
+        fid, said = None, f"{said}, times a learned scale per head dimension (TimesFM's per_dim_scale)"
+        facts["scale"] = "q (or k) is multiplied by a learned vector per head dimension: the scale is learned"
     evidence.update({"scale": said, "head dim": d, "product": product.name})
     if fid is not None:
         return Verdict(fid, {"matches": said, **evidence}, facts)
