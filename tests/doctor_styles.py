@@ -14,46 +14,19 @@ Shape legend: B batch, H heads, L (or N) length, E embed dim, D head dim.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+import corpus_gpt
 import torch
 import torch.nn.functional as F
+from corpus_gpt import GPTConfig  # noqa: F401 - the config class next to the module, as users keep it
 from torch import nn
 
 
-@dataclass
-class GPTConfig:
-    block_size: int = 128
-    n_embd: int = 96
-    n_head: int = 4
-    dropout: float = 0.1
-    bias: bool = True
-
-
-class CausalSelfAttention(nn.Module):
-    """GPT style: built from a config dataclass in this file, a causal buffer, forward(x) only."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        assert config.n_embd % config.n_head == 0
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.attn_dropout = nn.Dropout(config.dropout)
-        self.n_head, self.n_embd = config.n_head, config.n_embd
-        self.register_buffer("bias", torch.tril(torch.ones(config.block_size, config.block_size))
-                             .view(1, 1, config.block_size, config.block_size))
+class CausalSelfAttention(corpus_gpt.CausalSelfAttention):
+    """The GPT-style module (config dataclass, causal buffer) with an optional ``layer_past=None`` it never uses."""
 
     def forward(self, x, layer_past=None):
-        b, t, c = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)  # (B, H, T, D)
-        q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        att = att.masked_fill(self.bias[:, :, :t, :t] == 0, float("-inf"))
-        att = self.attn_dropout(F.softmax(att, dim=-1))
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
-        return self.c_proj(y)
+        return super().forward(x)
 
 
 class Heads(nn.Module):

@@ -24,6 +24,7 @@ from torch import nn
 from selfattn.check import check
 
 STYLES = str(Path(ds.__file__))
+GPT = str(Path(ds.__file__).with_name("corpus_gpt.py"))
 
 CORRECT = [ds.CausalSelfAttention, ds.Float64Attention, ds.BFloat16Attention, ds.RequiredMask, ds.WindowAttention,
            ds.CachedAttention, ds.QKNormAttention, ds.PostNormBlock, ds.ZeroPaddedQueries, ds.SlidingWindowCausal,
@@ -55,11 +56,13 @@ def test_correct_styles_are_certified(cls):
 def test_config_class_in_the_checked_file_builds_with_and_without_init():
     """catches: ``TypeError: vars() argument must have __dict__ attribute`` (a traceback, exit 1) for any
     Cls(config) class loaded from a file, with no options and with --init."""
-    plain = _cli(f"{STYLES}:CausalSelfAttention")
+    plain = _cli(f"{GPT}:CausalSelfAttention")
     assert plain.returncode == 0 and "Traceback" not in plain.stderr, plain.stdout + plain.stderr
     built = json.loads(plain.stdout)["inferred"]["built as"]
     assert built.startswith("CausalSelfAttention(GPTConfig(") and "'n_embd': 64" in built and "'dropout': 0.0" in built
-    init = _cli(f"{STYLES}:CausalSelfAttention", "--init", '{"n_embd": 48, "n_head": 4, "dropout": 0.0}')
+    init = _cli(f"{GPT}:CausalSelfAttention", "--init", '{"n_embd": 48, "n_head": 4, "dropout": 0.0}')
+    styles = _cli(f"{STYLES}:CausalSelfAttention")  # the config class imported next to a subclass
+    assert styles.returncode == 0, styles.stdout + styles.stderr
     assert init.returncode == 0, init.stdout + init.stderr
     assert json.loads(init.stdout)["inferred"]["embed_dim"] == 48
 
@@ -81,7 +84,8 @@ def test_never_a_traceback(tmp_path):
     error = json.loads(vocab.stdout)["error"]
     assert "'vocab_size'" in error and "--init" in error and "--factory" in error, error
     text = _cli(f"{user}:ReturnsText")
-    assert text.returncode == 2 and "Traceback" not in text.stderr and "not a tensor" in json.loads(text.stdout)["error"]
+    assert text.returncode == 2 and "Traceback" not in text.stderr
+    assert "not a tensor" in json.loads(text.stdout)["error"]
 
 
 def test_probes_run_in_the_modules_dtype():
