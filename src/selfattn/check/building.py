@@ -185,7 +185,7 @@ def _config_class(cls: type) -> type | None:
     """The configuration class a ``cls(config, ...)`` constructor wants: its annotation, or the one
     ``*Config`` class in the module that defines ``cls``."""
     owner = sys.modules.get(cls.__module__)
-    names = vars(owner) if owner is not None else {}
+    names = vars(owner) if owner is not None else getattr(cls.__init__, "__globals__", {})
     annotation = _signature(cls.__init__)["config"].annotation
     if isinstance(annotation, type) and annotation is not inspect.Parameter.empty:
         return annotation
