@@ -121,7 +121,8 @@ def run(subject: Subject, seeds: int) -> dict:
         if extra:
             alarms.append({"seed": seed, "ids": sorted(extra)})
     return {**row, "mutants": s.total, "stillborn": s.stillborn, "equivalent": s.equivalent,
-            "non_equivalent": s.non_equivalent, "killed": s.killed, "kill_rate": round(s.rate, 4),
+            "relabelled": s.relabelled, "non_equivalent": s.non_equivalent, "killed": s.killed,
+            "kill_rate": round(s.rate, 4),
             "original_errors": s.original_errors, "killed_by": s.killed_by, "survivors": s.survivors,
             "false_alarms": alarms, "seconds": round(time.perf_counter() - t, 1)}
 
@@ -155,18 +156,21 @@ def markdown(rows: list[dict], meta: dict) -> str:
         skipped = f" (+{v['skipped']} not run)" if v["skipped"] else ""
         lines.append(f"| {name} | {v['modules']}{skipped} | {rate} | {v['survivors']} | "
                      f"{v['false_alarm_seeds']} of {v['seeds']} |")
-    lines += ["", "| module | library | mutants | stillborn | equivalent | killed / non-equivalent | "
-              "false alarms (seeds) | survivors (operator, line) |", "|" + " --- |" * 8]
+    lines += ["", "Relabelled: mutants that only permute a projection's columns (a head split's grouped axes "
+              "swapped) and survive: the same module with its weights permuted, left out of the rate.", "",
+              "| module | library | mutants | stillborn | equivalent | relabelled | killed / non-equivalent | "
+              "false alarms (seeds) | survivors (operator, line) |", "|" + " --- |" * 9]
     for r in rows:
         if "skipped" in r:
-            lines.append(f"| {r['module']} | {r['library']} | not run: {r['skipped'][:120]} | | | | | |")
+            lines.append(f"| {r['module']} | {r['library']} | not run: {r['skipped'][:120]} | | | | | | |")
             continue
         survivors = "; ".join(f"{s['operator']} ({s['where'].split(':')[0]})" for s in r["survivors"])[:300]
         alarms = ", ".join(f"{a['seed']}: {'/'.join(a['ids'])}" for a in r["false_alarms"][:3])
         more = f" (+{len(r['false_alarms']) - 3})" if len(r["false_alarms"]) > 3 else ""
         alarm_text = f"{len(r['false_alarms'])}" + (f": {alarms}{more}" if alarms else "")
         lines.append(f"| {r['module']} | {r['library']} | {r['mutants']} | {r['stillborn']} | {r['equivalent']} | "
-                     f"{r['killed']} / {r['non_equivalent']} | {alarm_text} | {survivors.replace('|', '/') or '-'} |")
+                     f"{r.get('relabelled', 0)} | {r['killed']} / {r['non_equivalent']} | {alarm_text} | "
+                     f"{survivors.replace('|', '/') or '-'} |")
     return "\n".join(lines)
 
 

@@ -87,7 +87,7 @@ def test_every_finding_id_has_a_fix():
                 "mask-ignored", "mask-inverted", "causal-leak", "nan-on-masked-row", "half-precision-overflow",
                 "non-finite", "dropout-in-eval", "no-grad", "not-equivariant", "wrong-output-shape",
                 "mask-broadcast", "definition-mismatch", "nan-on-empty-sequence", "half-precision-mismatch",
-                "wrong-gradient", "mask-convention", "mask-error"):
+                "wrong-gradient", "mask-convention", "mask-error", "keys-hidden"):
         assert fid in FINDING_IDS
         assert fid in Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
 

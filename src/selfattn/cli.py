@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--allow-nonstandard", action="store_true",
                    help="the module is not textbook attention on purpose: no definition-mismatch finding")
     c.add_argument("--causal", action="store_true", help="the module must be causal")
+    c.add_argument("--bidirectional", action="store_true",
+                   help="every query must see every key (an encoder: no causal mask, window or is_causal)")
     c.add_argument("--scale", type=float, default=None,
                    help="the score scale the module uses on purpose instead of 1/sqrt(head dim) (e.g. 1 for T5)")
     c.add_argument("--seed", type=int, default=0, help="seed of the random probe inputs and of building the module")
@@ -104,7 +106,8 @@ def _check(args: argparse.Namespace) -> int:
     console = Console()
     options = {"init": args.init, "embed_dim": args.embed_dim, "batch": args.batch, "length": args.length,
                "mask_convention": args.mask_convention, "mask": args.mask, "no_mask": args.no_mask, "call": args.call,
-               "causal": args.causal, "scale": args.scale, "allow_nonstandard": args.allow_nonstandard,
+               "causal": args.causal, "bidirectional": args.bidirectional, "scale": args.scale,
+               "allow_nonstandard": args.allow_nonstandard,
                "seed": args.seed}
     if args.mutate:
         from .check.mutate import main as mutate_main

@@ -39,8 +39,8 @@ __all__ = ["COVERED", "FINDING_IDS", "FIXES", "MASK_KINDS", "MASK_SHAPES", "SEVE
 def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dict | None = None, embed_dim: int = 64,
           batch: int | None = None, length: int | Sequence[int] | None = None, mask_convention: str | None = None,
           mask: str | MaskSpec | None = None, no_mask: bool = False, call: Callable | str | None = None,
-          make_mask: Callable[[Tensor], Tensor] | None = None, causal: bool = False, scale: float | None = None,
-          allow_nonstandard: bool = False, seed: int = 0) -> Report:
+          make_mask: Callable[[Tensor], Tensor] | None = None, causal: bool = False, bidirectional: bool = False,
+          scale: float | None = None, allow_nonstandard: bool = False, seed: int = 0) -> Report:
     """Run every probe on an attention module and return a :class:`Report`.
 
     Args:
@@ -66,6 +66,7 @@ def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dic
         make_mask: ``make_mask(keep)`` -> the module's mask, from keep (B, L, L) bool, True = may
             attend ((B, L) when ``mask`` names a key-only shape).
         causal: the module must be causal (queries never see later keys).
+        bidirectional: every query must see every key (an encoder: no causal mask, window or is_causal).
         scale: the score scale the module uses on purpose (T5's 1.0, say), instead of 1/sqrt(head dim);
             a scale stated by the module's config (``query_pre_attn_scalar``) is read without it.
         allow_nonstandard: the module is not textbook attention on purpose: an output that no
@@ -86,6 +87,8 @@ def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dic
         >>> selfattn.check(llama_attention, call=lambda m, x, mask: m(x, rope(x), attention_mask=mask)[0],
         ...                mask="additive (B,1,L,L)")
     """
+    if causal and bidirectional:
+        raise ValueError("a module cannot be both causal and bidirectional: give one of causal, bidirectional")
     if mask_convention not in (None, "keep", "ignore"):
         raise ValueError(f"mask_convention must be 'keep', 'ignore' or None, got {mask_convention!r}")
     lengths = (length,) if isinstance(length, int) else tuple(length) if length is not None else None
@@ -124,7 +127,8 @@ def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dic
     try:
         return examine(target.eval(), inferred, declared=mask_convention, causal=causal, seed=seed, spec=spec,
                        adapter=adapter, make_mask=make_mask, allow_nonstandard=allow_nonstandard,
-                       sizes=Sizes(embed_dim, 4, batch, lengths), no_mask=no_mask, scale=scale)
+                       sizes=Sizes(embed_dim, 4, batch, lengths), no_mask=no_mask, scale=scale,
+                       bidirectional=bidirectional)
     finally:
         target.train(was_training)
         for n, p in target.named_parameters():

@@ -52,6 +52,7 @@ class Context:
     exact: Caller | None = None  # the caller on a float64 copy, or None when there is none
     no_mask: bool = False  # the user says the module takes no mask
     scale: float | None = None  # the score scale the user says the module uses on purpose
+    bidirectional: bool = False  # the user requires every query to see every key
 
     @property
     def rtol(self) -> float:

@@ -215,6 +215,8 @@ def _role(trace: Trace, tid: int) -> tuple[str | None, str]:
         if found is None:
             return None, ""
         op, index = found
+        if op.name == "linear":  # a projection without a module name (F.linear on a packed weight)
+            return (("q" if part == 0 else "k or v"), "order") if part is not None and parts == 3 else (None, "")
         if op.name in ("split", "chunk", "unbind", "tensor_split", "split_with_sizes"):  # the one nearest the
             part, parts = index, len(op.outputs)  # projection counts
         elif op.name in ("getitem", "select") and len(op.args) > 1 and \

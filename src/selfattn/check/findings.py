@@ -34,6 +34,8 @@ FIXES: dict[str, str] = {
                   "its shape and kind say (or state the convention the module really has).",
     "causal-leak": "Hide exactly the future: visible when j <= i (torch.ones(L, L).tril() as keep-mask); "
                    "the diagonal must stay visible.",
+    "keys-hidden": "Let every query see every key: drop the causal mask, window or is_causal=True that a "
+                   "bidirectional module (an encoder, a vision transformer) must not have.",
     "nan-on-masked-row": "Give rows with no visible key an output of 0 (or use a finite fill), e.g. "
                          "selfattn.attention, which returns 0 there.",
     "nan-on-empty-sequence": "Drop sequences that are all padding, or give their rows an output of 0 (as "

@@ -57,7 +57,7 @@ def causality(ctx: Context) -> Outcome[Tensor]:
     whole = length - 1
     seen_future = dep & future(length)
     causal = not seen_future.any()
-    found = Outcome[Tensor](notes={"causal": causal}, value=dep)
+    found = Outcome[Tensor](notes={"causal": causal, "sees every key": bool(dep.all())}, value=dep)
     shape = band(dep)
     if shape is not None:
         left, right = shape
@@ -83,6 +83,10 @@ def causality(ctx: Context) -> Outcome[Tensor]:
     elif not causal and seen_future.sum() < future(length).sum():
         found.findings.append(Finding.of("causal-leak", "queries see some future keys and not others",
                                          {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
+    if ctx.bidirectional and not dep.all():
+        hidden = (~dep).nonzero().tolist()[:10]
+        found.findings.append(Finding.of("keys-hidden", "queries do not see every key although the module must be "
+                                         "bidirectional", {"hidden (query, key) pairs": hidden}))
     if ctx.causal and not causal and not any(f.id == "causal-leak" for f in found.findings):
         found.findings.append(Finding.of("causal-leak", "queries see future keys",
                                          {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))

@@ -72,16 +72,23 @@ class Score:
     killed: int = 0
     survivors: list[dict] = field(default_factory=list)
     killed_by: dict[str, int] = field(default_factory=dict)
+    relabelled: int = 0  # survivors of an edit that only permutes a projection's columns (see RELABELLING)
 
     @property
     def non_equivalent(self) -> int:
-        """Mutants that run and differ from the original somewhere: the rate's denominator."""
-        return self.total - self.stillborn - self.equivalent
+        """Mutants that run and differ from the original somewhere: the rate's denominator (edits that only
+        relabel weights are left out: no behaviour tells them from the original with its weights permuted)."""
+        return self.total - self.stillborn - self.equivalent - self.relabelled
 
     @property
     def rate(self) -> float:
         """killed / non-equivalent (1.0 when there is none)."""
         return self.killed / self.non_equivalent if self.non_equivalent else 1.0
+
+
+# Edits that give the same module with its weights permuted when they survive: swapping the grouped axes of a head
+# split or merge, (h d) for (d h), permutes the columns a projection writes or reads. They are counted apart.
+RELABELLING = frozenset({"einops: swap a grouped axis"})
 
 
 def _src(node: ast.AST) -> str:
@@ -509,6 +516,11 @@ def score(spec: str | type, options: dict | None = None, *, seed: int = 0,
     note = base.inferred.get("mask")
     if "mask" not in options and "mask_convention" not in options and isinstance(note, dict) and "kind" in note:
         options["mask"] = _spec_of(note)  # the original's convention is the contract its mutants must keep
+    if "causal" not in options and "bidirectional" not in options:  # and so is what its queries see
+        if base.inferred.get("sees every key"):
+            options["bidirectional"] = True
+        elif base.inferred.get("causal") and "window" not in base.inferred:
+            options["causal"] = True
     base_errors = {f.id for f in base.findings if f.severity == "error"}
     result = Score(spec if isinstance(spec, str) else f"{spec.__module__}:{spec.__qualname__}", sorted(base_errors))
     reference = _outputs(original, options, base.inferred.get("mask"))
@@ -538,6 +550,8 @@ def score(spec: str | type, options: dict | None = None, *, seed: int = 0,
             result.killed += 1
             for fid in new:
                 result.killed_by[fid] = result.killed_by.get(fid, 0) + 1
+        elif m.operator in RELABELLING:
+            result.relabelled += 1
         else:
             result.survivors.append({"operator": m.operator, "where": m.where,
                                      "findings": sorted(report.ids)})

@@ -187,7 +187,8 @@ def _float64_twin(call: Caller, x: Tensor, out: Tensor) -> Caller | None:
 def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: bool, seed: int,
             spec: MaskSpec | None = None, adapter: Callable | None = None,
             make_mask: Callable[[Tensor], Tensor] | None = None, allow_nonstandard: bool = False,
-            sizes: Sizes | None = None, no_mask: bool = False, scale: float | None = None) -> Report:
+            sizes: Sizes | None = None, no_mask: bool = False, scale: float | None = None,
+            bidirectional: bool = False) -> Report:
     """Run every probe on ``module`` (in eval mode), in order, passing each the results it needs.
 
     Args:
@@ -204,6 +205,7 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         sizes: the embed dim, and the batch and lengths the user fixed.
         no_mask: the user says the module takes no mask.
         scale: the score scale the user says the module uses on purpose (default 1/sqrt(head dim)).
+        bidirectional: the user requires every query to see every key.
 
     Returns:
         The report.
@@ -231,7 +233,8 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
             raise CannotRun(f"the module failed on the probe input: {type(err).__name__}: {err}") from err
         exact = _float64_twin(call, x, out)
         got.inferred["analysed in"] = "a float64 copy" if exact is not None else str(x.dtype)[6:]
-        ctx = Context(module, call, x, gen, declared, causal, spec, allow_nonstandard, exact, no_mask, scale)
+        ctx = Context(module, call, x, gen, declared, causal, spec, allow_nonstandard, exact, no_mask, scale,
+                      bidirectional)
         got.run("eval determinism", determinism, ctx)
         got.run("finite outputs", finite_outputs, ctx)
         got.run("extreme logits", extreme_logits, ctx, out)
