@@ -204,11 +204,11 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
             notes["length"] = f"runs only at length {n} among those tried (a size its errors or tensors name; " \
                               "--length states it)"
             heads = num_heads_of(module)
-            sizes = {e // heads, heads} if heads else {e // h for h in (1, 2, 4, 8, 16, 32) if e % h == 0}
-            sizes |= {v for v in (getattr(m, k, None) for m in (module, getattr(module, "config", None))
+            lined_up = {e // heads, heads} if heads else {e // h for h in (1, 2, 4, 8, 16, 32) if e % h == 0}
+            lined_up |= {v for v in (getattr(m, k, None) for m in (module, getattr(module, "config", None))
                                   for k in ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads"))
                       if isinstance(v, int) and not isinstance(v, bool)}
-            if n in sizes:  # a product whose sizes match only by accident: L x D where D x L was meant
+            if n in lined_up:  # a product whose sizes match only by accident: L x D where D x L was meant
                 coincidence = f"it runs only when the length equals a head count or head dim ({n}): a product whose " \
                               "sizes match only by accident (a transpose missing?); a module with a fixed length " \
                               "equal to one of those states it with --length"
