@@ -14,6 +14,7 @@ from helpers import check_against_reference, make_qkv
 import selfattn
 from selfattn import masks
 from selfattn.backends import chunked
+from selfattn.backends.chunked import kernels, runs
 
 
 def _dropout_reference(q, k, v, keep, p, visible=None):
@@ -178,7 +179,7 @@ def kernel_batches(monkeypatch):
     """The batch size of every call of the fused kernel, forward and backward, the query rows and
     keys of each, and the batch sizes of the calls that had a mask."""
     seen: dict[str, list[int]] = {"fwd": [], "bwd": [], "masked": [], "rows": [], "keys": []}
-    ops = {"fwd": chunked._fused_op(), "bwd": chunked._fused_bwd_op()}
+    ops = {"fwd": kernels.fused_op(), "bwd": kernels.fused_bwd_op()}
 
     def recording(name, arg):
         def op(*args, **kwargs):
@@ -189,8 +190,8 @@ def kernel_batches(monkeypatch):
                 seen["masked"].append(args[arg].shape[0])
             return ops[name](*args, **kwargs)
         return lambda: op
-    monkeypatch.setattr(chunked, "_fused_op", recording("fwd", 0))
-    monkeypatch.setattr(chunked, "_fused_bwd_op", recording("bwd", 1))
+    monkeypatch.setattr(kernels, "fused_op", recording("fwd", 0))
+    monkeypatch.setattr(kernels, "fused_bwd_op", recording("bwd", 1))
     return seen
 
 
@@ -240,7 +241,7 @@ def test_batched_runs_match_reference_with_no_block_kept(case, small_tiles, monk
     from the comparison (no room left for it)."""
     from helpers import check_against_reference
 
-    monkeypatch.setattr(chunked, "_PATTERN_ELEMENTS", 0)
+    monkeypatch.setattr(runs, "_PATTERN_ELEMENTS", 0)
     make_mask, lq = _RUN_CASES[case]
     q, k, v = make_qkv(2, 4, 2, lq, 300, 16, seed=6)
     check_against_reference(q, k, v, backend="chunked", mask=make_mask(lq, 300))

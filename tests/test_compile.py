@@ -19,7 +19,8 @@ from helpers import make_qkv
 
 import selfattn
 from selfattn import masks, scores, testing
-from selfattn.backends import _ops, chunked
+from selfattn.backends import chunked
+from selfattn.backends.chunked import compiled as _ops
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 

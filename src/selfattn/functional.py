@@ -20,7 +20,7 @@ from . import masks as _masks
 from . import scores as _scores
 from ._call import AttentionCall
 from .backends import REGISTRY, dispatch
-from .backends._ops import specialized
+from .backends._common import specialized
 from .backends.base import ALL_DTYPES
 from .masks import Mask
 

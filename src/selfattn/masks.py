@@ -43,6 +43,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from ._fields import Declared
+
 __all__ = [
     "EMPTY",
     "FULL",
@@ -91,11 +93,13 @@ def query_offset(lq: int, lk: int) -> int:
     return lk - lq
 
 
-class Mask:
+class Mask(Declared):
     """A predicate ``visible(b, h, i, j)``; compose with ``&``, ``|`` and ``~``.
 
     Subclasses implement :meth:`predicate` (the rule, once) and :meth:`_tile_bounds` (a fast,
-    conservative classification of tiles, checked against the predicate by the test suite).
+    conservative classification of tiles, checked against the predicate by the test suite). A mask
+    is made of its constructor's arguments (:meth:`fields`, :meth:`from_fields`): store each under
+    its own name, or override both, so that ``torch.compile`` can take the mask apart.
     """
 
     def predicate(self, lq: int, lk: int, device: Device = None) -> Predicate:
@@ -169,6 +173,26 @@ class Mask:
         query row) for a call with lengths (lq, lk)."""
         visible, off = self.predicate(lq, lk, device), query_offset(lq, lk)
         return lambda b, h, q_idx, kv_idx: visible(b, h, q_idx + off, kv_idx)
+
+    def heads(self, start: int, count: int) -> Mask:
+        """Heads ``start:start + count`` of this mask, as a mask of ``count`` heads: for a call that
+        holds only those heads of a larger one (one rank's heads in all-to-all context
+        parallelism). A mask that broadcasts over heads is returned as it is.
+
+        Example:
+            >>> m = masks.from_tensor(torch.ones(1, 8, 4, 4, dtype=torch.bool)).heads(2, 4)
+            >>> m.batch_heads()
+            (1, 4)
+        """
+        for name, value in (("start", start), ("count", count)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "count" else 0):
+                raise ValueError(f"heads {name} must be an int >= {1 if name == 'count' else 0}, got {value!r}")
+        total = self.batch_heads()[1]
+        if total == 1:
+            return self
+        if start + count > total:
+            raise ValueError(f"heads({start}, {count}) reaches past the {total} heads of mask {self!r}")
+        return HeadSlice(self, start, count)
 
     def tiles(self, lq: int, lk: int, block_q: int, block_k: int, device: Device = None) -> Tensor:
         """Classify tiles as :data:`EMPTY`, :data:`PARTIAL` or :data:`FULL`.
@@ -585,7 +609,10 @@ class FromMaskMod(Mask):
         for name, value in (("batch", batch), ("heads", heads)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"from_mask_mod {name} must be an int >= 1, got {value!r}")
-        self.fn, self.batch, self.heads = fn, batch, heads
+        self.fn, self.batch, self.num_heads = fn, batch, heads
+
+    def fields(self):  # ``heads`` is a method of every mask: the count is kept as num_heads
+        return (("fn", self.fn), ("batch", self.batch), ("heads", self.num_heads))
 
     def predicate(self, lq, lk, device=None):
         fn, off = self.fn, query_offset(lq, lk)
@@ -603,12 +630,12 @@ class FromMaskMod(Mask):
             if not ok:
                 raise ValueError(f"mask_mod {fn!r} returned shape {tuple(out.shape)} for index tensors that "
                                  f"broadcast to {tuple(want)}; it must broadcast over (b, h, q_idx, kv_idx) "
-                                 f"(declared batch={self.batch}, heads={self.heads}), not return a whole table")
+                                 f"(declared batch={self.batch}, heads={self.num_heads}), not return a whole table")
             return out
         return visible
 
     def _tile_bounds(self, lq, lk, bq, bk, device):
-        visible, nb, nh = self.predicate(lq, lk, device), self.batch, self.heads
+        visible, nb, nh = self.predicate(lq, lk, device), self.batch, self.num_heads
         rows_per_step = max(bq, (self.ELEMENTS_PER_STEP // max(1, nb * nh * lk)) // bq * bq)
         full, empty = [], []
         for r0 in range(0, lq, rows_per_step):  # r0 is a multiple of bq: whole query tiles per step
@@ -620,13 +647,52 @@ class FromMaskMod(Mask):
         return torch.cat(full, dim=2), torch.cat(empty, dim=2)
 
     def batch_heads(self):
-        return self.batch, self.heads
+        return self.batch, self.num_heads
 
     def version(self):
         return None  # the function may read tensors selfattn cannot see
 
     def __repr__(self) -> str:
-        return f"from_mask_mod({getattr(self.fn, '__qualname__', self.fn)!r}, batch={self.batch}, heads={self.heads})"
+        name = getattr(self.fn, "__qualname__", self.fn)
+        return f"from_mask_mod({name!r}, batch={self.batch}, heads={self.num_heads})"
+
+
+class HeadSlice(Mask):
+    """Heads ``start:start + count`` of a mask of more heads, as local heads 0..count-1
+    (:meth:`Mask.heads`)."""
+
+    def __init__(self, inner: Mask, start: int, count: int) -> None:
+        self.inner, self.start, self.count = inner, start, count
+
+    def predicate(self, lq, lk, device=None):
+        inner, start = self.inner.predicate(lq, lk, device), self.start
+        return lambda b, h, i, j: inner(b, h + start, i, j)
+
+    def _cut(self, t: Tensor) -> Tensor:
+        return t if t.shape[1] == 1 else t[:, self.start:self.start + self.count]
+
+    def block(self, q0, q1, k0, k1, lq, lk, device=None):
+        return self._cut(self.inner.block(q0, q1, k0, k1, lq, lk, device))
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        t = self._cut(self.inner.tiles(lq, lk, bq, bk, device))
+        return t == FULL, t == EMPTY
+
+    def batch_heads(self):
+        return self.inner.batch_heads()[0], self.count
+
+    def tensors(self):
+        return self.inner.tensors()
+
+    def version(self):
+        return self.inner.version()
+
+    def check(self, batch, heads, lq, lk):
+        super().check(batch, heads, lq, lk)
+        self.inner.check(batch, self.inner.batch_heads()[1], lq, lk)
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r}[heads {self.start}:{self.start + self.count}]"
 
 
 def causal(align: str = "top_left") -> Mask:
