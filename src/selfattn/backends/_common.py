@@ -50,8 +50,3 @@ def unit_stride(t: Tensor) -> Tensor:
     ops read the last dim as if it were unit-stride."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
-
-def specialized(x: float) -> float:
-    """``x``; under torch.compile a float that dynamo made dynamic (it changed between calls) becomes
-    a constant again, guarded on its value: a set's element is specialized, and ops take plain floats."""
-    return next(iter({x}))

@@ -41,10 +41,9 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor
 
-from ..._call import AttentionCall, compute_dtype
+from ..._call import AttentionCall, compute_dtype, specialized
 from ..._fields import Declared
 from ...masks import EMPTY, Mask
-from .._common import specialized
 from . import loops
 from .kernels import Problem
 from .options import ChunkedOptions
