@@ -54,6 +54,7 @@ __all__ = [
     "items_of",
     "keep_mask",
     "lse_for_backward",
+    "rowsum_dout_out",
     "sinks_grad",
 ]
 
@@ -132,10 +133,12 @@ class Problem:
 
     @classmethod
     def of(cls, q: Tensor, k: Tensor, *, scale: float, mask: Mask | None = None, score_mod: ScoreMod | None = None,
-           dropout_p: float = 0.0, seed: int = 0) -> Problem:
-        """The problem of a call with q (B, Hq, Lq, D) and k (B, Hkv, Lk, D); dropout drawn from ``seed``."""
+           dropout_p: float = 0.0, seed: int = 0, lengths: tuple[int, int] | None = None) -> Problem:
+        """The problem of a call with q (B, Hq, Lq, D) and k (B, Hkv, Lk, D), or of a larger call of
+        ``lengths`` (Lq, Lk) that they are part of; dropout drawn from ``seed``."""
         b, hq, lq, _ = q.shape
-        return cls(scale=scale, lq=lq, lk=k.shape[2], batch=b, heads=hq, compute_dtype=compute_dtype(q.dtype),
+        lq, lk = (lq, k.shape[2]) if lengths is None else lengths
+        return cls(scale=scale, lq=lq, lk=lk, batch=b, heads=hq, compute_dtype=compute_dtype(q.dtype),
                    mask=mask, score_mod=score_mod, dropout=Dropout(dropout_p, seed) if dropout_p > 0 else None)
 
     @property
