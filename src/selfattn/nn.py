@@ -147,6 +147,8 @@ class MultiHeadAttention(nn.Module):
             if mask is not None or causal is not False or context is not None:
                 raise ValueError("with a cache, visibility comes from positions (each query sees its sequence's "
                                  "tokens at positions <= its own); don't pass mask, causal or context")
+            weight = self.qkv.weight
+            cache.check_fits(weight.dtype, weight.device, f"this {type(self).__name__}'s projection")
         b, lq, _ = x.shape
         if context is None:
             # one view of the fused projection as (B, H + 2G, L, D) heads, split into three views
