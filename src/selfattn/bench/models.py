@@ -24,6 +24,7 @@ Shape legend: L tokens in the row.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -32,10 +33,16 @@ import time
 from typing import Any
 
 import torch
+from rich.progress import Progress, TaskID
+from rich.table import Table
 
-from .worker import _Memory
+from .memory import Memory
 
-__all__ = ["DOCS", "IMPLS", "attention_step", "measure", "model_step", "points", "run_point", "run_suite"]
+__all__ = ["DOCS", "IMPLS", "IN_ALL", "NAME", "attention_step", "grid", "measure", "model_step", "points", "run",
+           "run_point", "run_suite", "tables"]
+
+NAME = "models"
+IN_ALL = False
 
 IMPLS = ["selfattn", "sdpa", "eager", "none"]
 DOCS = 8
@@ -137,7 +144,7 @@ def run_point(impl: str, length: int, repeats: int, part: str = "model") -> dict
 
     part: "model" (the whole training step) or "attention" (one layer's mask and attention)."""
     step = model_step(impl, length)[0] if part == "model" else attention_step(impl, length)
-    mem = _Memory("cpu")
+    mem = Memory("cpu")
     mem.start()
     t0 = time.perf_counter()
     step()
@@ -194,6 +201,43 @@ def run_suite(lengths: list[int], impls: list[str], repeats: int = 1, parts: tup
             progress(f"models ({point['part']}): {point['impl']} at L={point['L']}")
         rows.append({**point, **measure(point, repeats)})
     return rows
+
+
+def grid(args: argparse.Namespace) -> list[dict]:
+    impls = [i for i in IMPLS if not args.impls or i in args.impls]
+    return points(args.lengths or ([1024] if args.quick else [8192, 16384]), impls)
+
+
+def run(todo: list[dict], args: argparse.Namespace, progress: Progress, task: TaskID) -> list[dict]:
+    """:func:`measure` every point."""
+    out = []
+    for p in todo:
+        progress.update(task, description=f"models ({p['part']}) {p['impl']} L={p['L']}")
+        out.append({**p, **measure(p, args.repeats or 1)})
+        progress.advance(task)
+    return out
+
+
+def tables(results: list[dict]) -> list[Table]:
+    """One row per point: time and peak memory, each also as a ratio to transformers' sdpa."""
+    table = Table(title=f"Llama-shaped model on one packed row of {DOCS} documents, fwd+bwd "
+                        "(attention = one layer's mask + attention alone; model = the whole training step; "
+                        "x = ratio to sdpa)")
+    for col in ("part", "L", "impl", "time s", "x sdpa", "peak MiB", "x sdpa"):
+        table.add_column(col)
+    rows = [r for r in results if r["suite"] == "models"]
+    if not rows:
+        return []
+    sdpa = {(r["part"], r["L"]): r for r in rows if r["impl"] == "sdpa" and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] != "ok":
+            table.add_row(r["part"], str(r["L"]), r["impl"], r["status"], r.get("note", ""), "", "")
+            continue
+        b = sdpa.get((r["part"], r["L"]))
+        table.add_row(r["part"], str(r["L"]), r["impl"], f"{r['time_s']:.2f}",
+                      f"{r['time_s'] / b['time_s']:.2f}x" if b else "-", f"{r['peak_bytes'] / 2**20:.0f}",
+                      f"{r['peak_bytes'] / b['peak_bytes']:.2f}x" if b and b["peak_bytes"] > 0 else "-")
+    return [table]
 
 
 if __name__ == "__main__":
