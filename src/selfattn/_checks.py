@@ -86,7 +86,7 @@ def check_causal(causal: object, lq: int, lk: int) -> str | None:
                              "(the last query sees every key, as in decoding)")
         return "top_left" if causal else None
     if causal in ("top_left", "bottom_right"):
-        return causal  # type: ignore[return-value]
+        return causal
     raise ValueError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
 
 

@@ -20,10 +20,11 @@ _MISSING = object()
 def _constructor_names(cls: type) -> tuple[str, ...] | None:
     """The names of ``cls``'s constructor arguments, or None when they cannot be named (``*args``,
     ``**kwargs`` or positional-only arguments)."""
-    if cls.__init__ is object.__init__:  # type: ignore[misc]
+    init = getattr(cls, "__init__")  # noqa: B009 (the class's constructor, not an instance's)
+    if init is object.__init__:
         return ()
     names = []
-    for p in list(inspect.signature(cls.__init__).parameters.values())[1:]:  # skip self
+    for p in list(inspect.signature(init).parameters.values())[1:]:  # skip self
         if p.kind not in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY):
             return None
         names.append(p.name)

@@ -48,6 +48,10 @@ class KVCache(nn.Module):
                             f"selfattn.MultiHeadAttention), got {type(module).__name__}") from None
         return cls(batch_size, max_len, heads, dim, dtype=weight.dtype, device=weight.device)
 
+    k: Tensor  # (B, G, S, D), a buffer
+    v: Tensor  # (B, G, S, D), a buffer
+    _written: Tensor  # (B, S) bool, a buffer
+
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -77,8 +81,7 @@ class KVCache(nn.Module):
         """Raise unless keys and values of ``dtype`` on ``device`` (from ``what``) can be stored here as
         they are: another device is an error, and so is another dtype unless autocast is on for that
         device (the attention then casts everything to the autocast dtype anyway)."""
-        kbuf = self._buffers["k"]
-        assert kbuf is not None
+        kbuf = self.k
         if device != kbuf.device:
             raise ValueError(f"this KVCache is on {kbuf.device} but {what} is on {device}; {_HOW} "
                              f"(or pass device={str(device)!r} to KVCache)")
@@ -112,6 +115,7 @@ class KVCache(nn.Module):
         # each new key/value once, into its slot
         buffers, fill = self._buffers, self._fill
         kbuf, vbuf, written = buffers["k"], buffers["v"], buffers["_written"]
+        assert kbuf is not None and vbuf is not None and written is not None
         b, g, t, d = k.shape
         kshape = kbuf.shape
         if b != kshape[0] or g != kshape[1] or d != kshape[3] or v.shape != k.shape:

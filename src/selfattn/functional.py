@@ -96,8 +96,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
 
 
 def _forced_name(backend: object) -> str | None:
-    if check_backend(backend, REGISTRY) != "auto":
-        return backend
+    if (name := check_backend(backend, REGISTRY)) != "auto":
+        return name
     return _TRACED_FORCED if torch.compiler.is_compiling() else _FORCED.get()
 
 
@@ -110,8 +110,9 @@ def _autocast(q: object, k: object, v: object, bias: object) -> tuple:
     dtype = torch.get_autocast_dtype(q.device.type)
 
     def cast(t: object) -> object:
-        ok = isinstance(t, Tensor) and t.dtype.is_floating_point and t.dtype != torch.float64
-        return t.to(dtype) if ok else t  # type: ignore[union-attr]
+        if isinstance(t, Tensor) and t.dtype.is_floating_point and t.dtype != torch.float64:
+            return t.to(dtype)
+        return t
     return cast(q), cast(k), cast(v), cast(bias)
 
 
@@ -138,6 +139,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = .
               dropout_p: float = ..., backend: str = ..., return_lse: Literal[True],
               score_mod: _scores.ScoreMod | ScoreFn | None = ...,
               sinks: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
+@overload
+def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = ...,
+              bias: Tensor | None = ..., causal: Causal = ..., scale: float | None = ...,
+              dropout_p: float = ..., backend: str = ..., return_lse: bool,
+              score_mod: _scores.ScoreMod | ScoreFn | None = ...,
+              sinks: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
               bias: Tensor | None = None, causal: Causal = False, scale: float | None = None,
               dropout_p: float = 0.0, backend: str = "auto", return_lse: bool = False,

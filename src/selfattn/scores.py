@@ -136,7 +136,7 @@ class _Chain(ScoreMod):
                                                                                 device=i.device))
 
     def num_heads(self) -> int | None:
-        sizes = {m.num_heads() for m in self.mods} - {None}  # (a walrus here is not traceable by dynamo)
+        sizes = {n for n in (m.num_heads() for m in self.mods) if n is not None}  # (no walrus: dynamo)
         if len(sizes) > 1:
             raise ValueError(f"chained score modifiers are built for different head counts {sorted(sizes)}")
         return sizes.pop() if sizes else None
@@ -250,5 +250,5 @@ def score_mod_bias(mod: ScoreMod, idx: tuple[Tensor, Tensor, Tensor, Tensor], dt
     """The bias of an additive modifier on a block, computed in ``dtype`` and broadcastable to
     (B, Hq, rows, keys), checked like :func:`apply_score_mod`."""
     shape = torch.broadcast_shapes(*(t.shape for t in idx))
-    bias = _call(mod, lambda *a: mod.bias(*a, dtype=dtype), idx, shape, "its bias")
+    bias = _call(mod, lambda b, h, i, j: mod.bias(b, h, i, j, dtype=dtype), idx, shape, "its bias")
     return _fit(mod, bias, shape, "its bias", exact=False).to(dtype)

@@ -89,7 +89,9 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         def step() -> None:
             for t in (q, k, v):
                 t.grad = None
-            sad.attention(q, k, v, layout=layout, strategy=strategy, timeout=600, **kw).sum().backward()
+            out = sad.attention(q, k, v, layout=layout, strategy=strategy, timeout=600, **kw)
+            assert isinstance(out, torch.Tensor)
+            out.sum().backward()
 
         step()  # warm-up
         mem = Memory("cpu")

@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.progress import Progress, TaskID
@@ -196,11 +197,12 @@ def plots(results: list[dict], folder: Path) -> list[Path]:
             ax.set_xlabel("sequence length")
             ax.set_ylabel(label)
             ax.grid(True, alpha=0.3)
-        handles = {}
+        handles: dict[str, Any] = {}
         for ax in axes[0]:
             for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
                 handles.setdefault(lab, h)
-        fig.legend(handles.values(), handles.keys(), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+        fig.legend(list(handles.values()), list(handles.keys()), fontsize=8, loc="center left",
+                   bbox_to_anchor=(1.0, 0.5))
         path = folder / ("time.png" if metric == "time_s" else "memory.png")
         fig.savefig(path, dpi=100, bbox_inches="tight")
         plt.close(fig)

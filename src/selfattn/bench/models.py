@@ -108,7 +108,7 @@ def attention_step(impl: str, length: int, seed: int = 0):
     cfg = transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                                    num_hidden_layers=1, vocab_size=VOCAB, max_position_embeddings=length)
     cfg._attn_implementation = impl
-    module = torch.nn.Module()
+    module: Any = torch.nn.Module()  # what transformers' attention functions read of a layer
     module.num_key_value_groups, module.is_causal, module.training = HEADS // KV_HEADS, True, True
     fn = modeling_llama.eager_attention_forward if impl == "eager" else transformers.AttentionInterface()[impl]
     g = torch.Generator().manual_seed(seed + 1)

@@ -61,12 +61,12 @@ class _Swap(torch.autograd.Function):
     """Sequence shards to head shards (``to_heads``) or back; the backward swaps the other way."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, g: Group, layout: str, to_heads: bool) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, g: Group, layout: str, to_heads: bool) -> Tensor:
         ctx.g, ctx.layout, ctx.to_heads = g, layout, to_heads
         return (_seq_to_heads if to_heads else _heads_to_seq)(g, layout, x)
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(ctx.g, ctx.layout, grad), None, None, None
 
 

@@ -27,7 +27,7 @@ LAYOUTS = ("contiguous", "zigzag")
 def check_layout(layout: object) -> str:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
-    return layout  # type: ignore[return-value]
+    return layout
 
 
 def chunks_of(layout: str, rank: int, world: int) -> list[int]:
@@ -76,7 +76,7 @@ def shard(x: Tensor, *, group: dist.ProcessGroup | None = None, layout: Layout =
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, g: Group, layout: str) -> Tensor:  # type: ignore[override]
+    def forward(ctx, x: Tensor, g: Group, layout: str) -> Tensor:
         parts = [torch.empty_like(x) for _ in range(g.world)]
         xs = x.contiguous()
         if g.world > 1:
@@ -94,7 +94,7 @@ class _Unshard(torch.autograd.Function):
         return torch.cat(chunks, dim=2)  # type: ignore[arg-type]
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
         g: Group = ctx.g
         c = grad.shape[2] // num_chunks(ctx.layout, g.world)
         own = [grad[:, :, cid * c:(cid + 1) * c] for cid in chunks_of(ctx.layout, g.rank, g.world)]

@@ -233,7 +233,7 @@ def _backward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: Ring) -> tuple[Tensor, Tensor]:  # type: ignore[override]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: Ring) -> tuple[Tensor, Tensor]:
         out, lse = _forward(ring, q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring
@@ -241,7 +241,7 @@ class _RingAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:  # type: ignore[override]
+    def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
         q, k, v, out, lse = ctx.saved_tensors
         with torch.no_grad():
             dq, dk, dv = _backward(ctx.ring, q, k, v, out, lse, dout)

@@ -70,7 +70,7 @@ def check_mask_unchanged(plan: Plan) -> None:
 
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,  # type: ignore[override]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
                 sinks: Tensor | None, plan: Plan) -> tuple[Tensor, Tensor]:
         q, k, v = kernel_inputs(plan, q, k, v)
         out, lse = forward(plan, q, k, v, bias, sinks)
@@ -80,7 +80,7 @@ class _ChunkedAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor, Tensor, Tensor, None, Tensor | None, None]:  # type: ignore[override]
+    def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor, Tensor, Tensor, None, Tensor | None, None]:
         q, k, v, bias, sinks, out, lse = ctx.saved_tensors
         check_mask_unchanged(ctx.plan)
         dq, dk, dv, dsinks = backward(ctx.plan, q, k, v, bias, sinks, out, lse, dout.contiguous(),
