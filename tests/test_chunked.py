@@ -269,3 +269,16 @@ def test_items_of_a_shared_schedule_split_by_pattern(kernel_batches):
     with chunked.options(block_q=128):
         check_against_reference(q, k, v, backend="chunked", mask=mask)
     assert not kernel_batches["masked"]  # every span is causal, full or empty for each item
+
+
+def test_dropout_pattern_does_not_depend_on_the_tiles():
+    """catches: a dropout pattern drawn per tile of the chunked options in force, so that changing the
+    tiles (or computing the same call elsewhere, as the distributed ring does) drops other weights."""
+    q, k, v = make_qkv(2, 4, 2, 150, 170, 16, dtype=torch.float64, requires_grad=False)
+    outs = []
+    for tiles in ({}, {"block_q": 32, "block_k": 48}, {"block_q": 64, "block_k": 128, "math_block_q": 16}):
+        torch.manual_seed(3)
+        with chunked.options(**tiles):
+            outs.append(selfattn.attention(q, k, v, mask=masks.sliding_window(60), dropout_p=0.4, backend="chunked"))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(outs[2], outs[0], rtol=0, atol=1e-12)

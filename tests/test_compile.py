@@ -335,3 +335,57 @@ def test_readme_compile_block_runs_with_inductor():
     namespace = {"torch": torch, "masks": masks, "mha": selfattn.MultiHeadAttention(512, 8, num_kv_heads=2)}
     exec(compile(block.source, f"README.md:{block.line}", "exec"), namespace)
     assert namespace["y"].shape == (2, 100, 512)
+
+
+class _Stripes(masks.Mask):
+    """A user's mask that keeps its state in slots, one of them a tuple of tensors and another a dtype:
+    nothing vars() could take apart, everything its constructor's arguments say."""
+
+    __slots__ = ("every", "kind", "lengths")
+
+    def __init__(self, every: int, lengths: tuple[torch.Tensor, ...], kind: torch.dtype = torch.int64) -> None:
+        self.every, self.lengths, self.kind = every, lengths, kind
+
+    def predicate(self, lq, lk, device=None):
+        n = self.lengths[0].to(device=device, dtype=self.kind)
+        return lambda b, h, i, j: ((i - j) % self.every != 1) & (j < n[b])
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        unknown = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=device)
+        return unknown, unknown
+
+    def batch_heads(self):
+        return self.lengths[0].numel(), 1
+
+    def tensors(self):
+        return self.lengths
+
+
+class _Tilt(scores.ScoreMod):
+    """A user's modifier with slots."""
+
+    __slots__ = ("slope",)
+
+    def __init__(self, slope: float) -> None:
+        self.slope = slope
+
+    def __call__(self, score, b, h, i, j):
+        return score + self.slope * torch.tanh((i - j).to(score.dtype))
+
+
+def test_a_user_mask_with_slots_compiles(small_tiles):
+    """catches: the compiled chunked path taking masks and modifiers apart with vars() and rebuilding
+    them with object.__new__, which fails only under torch.compile for any state that is not plain
+    instance attributes (slots, here)."""
+    q, k, v = make_qkv(2, 4, 2, L, L, 16)
+    mask, mod = _Stripes(3, (torch.tensor([L, 50]),)), _Tilt(0.3)
+
+    def fn(q, k, v):
+        return selfattn.attention(q, k, v, mask=mask, score_mod=mod, backend="chunked")
+
+    explained = torch._dynamo.explain(fn)(q, k, v)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    out, grads, dout = _compiled_out_and_grads(fn, q, k, v)
+    want = fn(q, k, v)
+    for got, exp in zip((out, *grads), (want, *torch.autograd.grad(want, (q, k, v), dout)), strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-6, atol=1e-6)
