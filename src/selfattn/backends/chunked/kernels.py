@@ -8,11 +8,11 @@ of its rows (:func:`backward`), merges blocks of the same rows by their lse (:cl
 adds attention sinks (:func:`add_sinks`, :func:`sinks_grad`). The chunked backend's loops and the
 distributed ring both compute with it; neither restates its arithmetic.
 
-- **Merging keeps the precision of one softmax.** :class:`Merge` accumulates partial outputs
-  unnormalised, relative to the largest lse seen so far, and divides once at the end. Rescaling a
-  normalised output by ``exp(lse_b - logaddexp(...))`` at every merge (the textbook way) rounds the
-  running lse each time, an error of ``eps * |lse|`` per merge that grows with the number of
-  blocks and that the backward amplifies through ``rowsum(dO * O)``.
+- **Merging keeps the precision of one softmax.** :class:`Merge` keeps the running lse of the
+  merged blocks unrounded, as the largest block lse plus the log of a weight, and rescales the
+  output by ratios of weights. Rescaling by ``exp(lse_b - logaddexp(...))`` at every merge (the
+  textbook way) rounds the running lse each time, an error of ``eps * |lse|`` per merge that grows
+  with the number of blocks and that the backward amplifies through ``rowsum(dO * O)``.
 - **Dropout is a property of the call, not of a tiling.** Keep-masks are drawn per tile of a fixed
   :data:`DROPOUT_TILE` grid over the whole call, each from a generator seeded by (seed, tile), so
   any block, of any size, from any caller (forward, backward, another rank) gets the same pattern.
@@ -435,12 +435,16 @@ def grad_buffers(q: Tensor, k: Tensor, v: Tensor, dtype: torch.dtype) -> tuple[T
 
 @dataclass(frozen=True)
 class Merge:
-    """Partial results of the same query rows, merged by their lse, kept unnormalised.
+    """Partial results of the same query rows, merged by their lse without rounding the lse.
 
-    ``acc`` holds ``sum_b exp(lse_b - top) out_b`` and ``weight`` ``sum_b exp(lse_b - top)``, with
-    ``top`` the largest block lse so far: a merge rescales only when ``top`` grows (by an exact
-    ``exp(0) = 1`` otherwise), and the lse is never rounded along the way; :meth:`result` divides
-    once. The tensors are updated in place (they may be views into larger accumulators).
+    ``acc`` holds the rows' output over the blocks merged so far (normalised), and their lse is kept
+    as two exact parts, ``top`` (the largest block lse so far, which is one block's own lse, never a
+    rounded sum) and ``weight`` (``sum_b exp(lse_b - top)``, at least 1). A merge rescales ``acc`` by
+    ratios of those weights. The textbook merge, rescaling by ``exp(lse_b - logaddexp(...))`` with
+    the running lse rounded at every merge, errs by ``eps * |lse|`` per merge, so its error grows
+    with the number of blocks (and the backward amplifies it through ``rowsum(dO * O)``). Where
+    ``top`` is -inf (no block has reached a row yet) ``acc`` is 0 and ``weight`` is not read. The
+    tensors are updated in place (they may be views into larger accumulators).
 
     Attributes:
         acc: (..., R, Dv) in the compute dtype. top, weight: (..., R) in the compute dtype.
@@ -461,39 +465,41 @@ class Merge:
         """No block yet for rows of shape ``rows`` (e.g. (B, H, R)) with values of ``dv`` features."""
         return cls(torch.zeros(*rows, dv, dtype=dtype, device=device),
                    torch.full(rows, float("-inf"), dtype=dtype, device=device),
-                   torch.zeros(rows, dtype=dtype, device=device))
+                   torch.ones(rows, dtype=dtype, device=device))
 
     def part(self, view: Callable[[Tensor], Tensor]) -> Merge:
         """The same rows of each tensor, through ``view`` (a view, so updates reach this merge)."""
         return Merge(view(self.acc), view(self.top), view(self.weight))
 
     def first(self, out: Tensor, lse: Tensor) -> None:
-        """Set these rows to one block's result (rows with lse -inf: out must be 0 there)."""
+        """Set rows that no block has reached yet, whose ``weight`` is still 1 as :meth:`empty` made it,
+        to one block's result (out must be 0 where lse is -inf): two copies, no arithmetic."""
         self.acc.copy_(out)
         self.top.copy_(lse)
-        self.weight.copy_(torch.isfinite(lse))
 
     def add(self, out: Tensor, lse: Tensor) -> None:
         """Merge one more block's result (out, lse) of these rows; rows with lse -inf carry no weight."""
         top = torch.maximum(self.top, lse)
-        base = torch.where(torch.isfinite(top), top, torch.zeros_like(top))  # rows no block reached: weight 0
-        old, new = torch.exp(self.top - base), torch.exp(lse - base)
-        self.acc.mul_(old.unsqueeze(-1)).add_(out.to(self.acc.dtype) * new.unsqueeze(-1))
-        self.weight.mul_(old).add_(new)
+        base = torch.nan_to_num(top, neginf=0.0)  # rows no block reached: weight 0 on both sides
+        old = (self.top - base).exp_().mul_(self.weight)  # the weight so far, relative to the new top
+        new = (lse - base).exp_()
+        total = old + new
+        inv = total.clamp(min=torch.finfo(total.dtype).tiny).reciprocal_()  # 0 + 0: both factors stay 0
+        self.acc.mul_((old * inv).unsqueeze(-1)).addcmul_(out.to(self.acc.dtype), (new * inv).unsqueeze(-1))
+        self.weight.copy_(total)
         self.top.copy_(top)
 
     def clear(self) -> None:
-        """No block for these rows: output 0, lse -inf."""
+        """No block for these rows: output 0, lse -inf (and the rows as :meth:`empty` made them)."""
         self.acc.zero_()
         self.top.fill_(float("-inf"))
-        self.weight.zero_()
+        self.weight.fill_(1.0)
 
     def result(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
-        """(out, lse): out normalised, in ``dtype`` (default the accumulator's), 0 on rows no block
-        reached; lse in the compute dtype, -inf there. Divides ``acc`` in place when the dtypes match."""
-        weight = torch.where(self.weight > 0, self.weight, torch.ones_like(self.weight)).unsqueeze(-1)
-        out = self.acc.div_(weight) if dtype in (None, self.acc.dtype) else (self.acc / weight).to(dtype)
-        return out, self.top + torch.log(self.weight)
+        """(out, lse): out in ``dtype`` (default the accumulator's; ``acc`` itself then), 0 on rows no
+        block reached; lse = top + log(weight) in the compute dtype, -inf there."""
+        out = self.acc if dtype in (None, self.acc.dtype) else self.acc.to(dtype)
+        return out, torch.log(self.weight).add_(self.top)
 
 
 # ----------------------------------------------------------------------------- sinks

@@ -109,8 +109,9 @@ def _fused_forward(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | N
         o, l_s = fused_forward(q, k, v, scale=p.scale, causal=todo[0].kind == "causal")
         return o, l_s.to(ct)
     merged = Merge(torch.empty(b, hq, lq, dv, dtype=ct, device=q.device),  # the output itself when ct is q's dtype
-                   torch.empty(b, hq, lq, dtype=ct, device=q.device), torch.empty(b, hq, lq, dtype=ct, device=q.device))
+                   torch.empty(b, hq, lq, dtype=ct, device=q.device), torch.ones(b, hq, lq, dtype=ct, device=q.device))
     written: set[tuple[int, int]] = set()  # (batch item, q0) of the query blocks holding a partial result
+    merges = 0  # spans merged into a partial result: without any, the copies are the answer
     for run in todo:
         attn_mask, causal = run_mask(plan, run, bias, q.dtype, q.device)
         dead = None if attn_mask is None else kernels.dead_rows(attn_mask)
@@ -134,12 +135,15 @@ def _fused_forward(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | N
                     rows = merged.part(functools.partial(span_view, items=its, start=seg.q0, step=seg.dq, n=seg.n,
                                                          length=seg.rows))
                     (rows.first if new else rows.add)(o[j0:j1, heads], l_s[j0:j1, heads])
+                    merges += not new
             written.update((item, t) for item in range(items[0], items[0] + items[1])  # every query block
                            for s in starts for t in range(s, s + part.rows, plan.bq))  # a whole-call run covers
     for step in plan.steps():  # query blocks that see no key at all: output 0, lse -inf
         for item in range(*step.items.indices(b)[:2]):
             if (item, step.rows.start) not in written:
                 merged.part(operator.itemgetter((item, slice(None), slice(step.rows.start, step.rows.stop)))).clear()
+    if not merges:  # every row holds one span's result as it was computed: weight 1, lse = top
+        return merged.acc.to(q.dtype), merged.top
     return merged.result(q.dtype)
 
 
