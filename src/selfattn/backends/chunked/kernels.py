@@ -443,8 +443,9 @@ class Merge:
     ratios of those weights. The textbook merge, rescaling by ``exp(lse_b - logaddexp(...))`` with
     the running lse rounded at every merge, errs by ``eps * |lse|`` per merge, so its error grows
     with the number of blocks (and the backward amplifies it through ``rowsum(dO * O)``). Where
-    ``top`` is -inf (no block has reached a row yet) ``acc`` is 0 and ``weight`` is not read. The
-    tensors are updated in place (they may be views into larger accumulators).
+    ``top`` is -inf (no block has reached a row yet) ``acc`` is 0 and ``weight`` 1. A row that one
+    block has reached holds that block's (out, lse) with weight 1, so a caller may copy a first block
+    in. The tensors are updated in place (they may be views into larger accumulators).
 
     Attributes:
         acc: (..., R, Dv) in the compute dtype. top, weight: (..., R) in the compute dtype.
@@ -471,12 +472,6 @@ class Merge:
         """The same rows of each tensor, through ``view`` (a view, so updates reach this merge)."""
         return Merge(view(self.acc), view(self.top), view(self.weight))
 
-    def first(self, out: Tensor, lse: Tensor) -> None:
-        """Set rows that no block has reached yet, whose ``weight`` is still 1 as :meth:`empty` made it,
-        to one block's result (out must be 0 where lse is -inf): two copies, no arithmetic."""
-        self.acc.copy_(out)
-        self.top.copy_(lse)
-
     def add(self, out: Tensor, lse: Tensor) -> None:
         """Merge one more block's result (out, lse) of these rows; rows with lse -inf carry no weight."""
         top = torch.maximum(self.top, lse)
@@ -489,17 +484,12 @@ class Merge:
         self.weight.copy_(total)
         self.top.copy_(top)
 
-    def clear(self) -> None:
-        """No block for these rows: output 0, lse -inf (and the rows as :meth:`empty` made them)."""
-        self.acc.zero_()
-        self.top.fill_(float("-inf"))
-        self.weight.fill_(1.0)
-
     def result(self, dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         """(out, lse): out in ``dtype`` (default the accumulator's; ``acc`` itself then), 0 on rows no
-        block reached; lse = top + log(weight) in the compute dtype, -inf there."""
+        block reached; lse = top + log(weight) in the compute dtype, -inf there. It ends the merge:
+        the lse is computed in ``weight``'s memory."""
         out = self.acc if dtype in (None, self.acc.dtype) else self.acc.to(dtype)
-        return out, torch.log(self.weight).add_(self.top)
+        return out, self.weight.log_().add_(self.top)
 
 
 # ----------------------------------------------------------------------------- sinks

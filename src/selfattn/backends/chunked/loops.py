@@ -15,7 +15,6 @@ Shape legend: B batch, Hq query heads, Hkv kv heads, Lq/Lk lengths, D/Dv head di
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import replace
 
 import torch
@@ -108,10 +107,10 @@ def _fused_forward(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | N
     if covers_all(todo, plan):
         o, l_s = fused_forward(q, k, v, scale=p.scale, causal=todo[0].kind == "causal")
         return o, l_s.to(ct)
-    merged = Merge(torch.empty(b, hq, lq, dv, dtype=ct, device=q.device),  # the output itself when ct is q's dtype
-                   torch.empty(b, hq, lq, dtype=ct, device=q.device), torch.ones(b, hq, lq, dtype=ct, device=q.device))
+    acc = torch.empty(b, hq, lq, dv, dtype=ct, device=q.device)  # the output itself when ct is q's dtype
+    top = torch.empty(b, hq, lq, dtype=ct, device=q.device)  # each row's largest span lse: its lse until a merge
+    weight: Tensor | None = None  # Merge's weights, made at the first merge: until then every row's is 1
     written: set[tuple[int, int]] = set()  # (batch item, q0) of the query blocks holding a partial result
-    merges = 0  # spans merged into a partial result: without any, the copies are the answer
     for run in todo:
         attn_mask, causal = run_mask(plan, run, bias, q.dtype, q.device)
         dead = None if attn_mask is None else kernels.dead_rows(attn_mask)
@@ -132,19 +131,24 @@ def _fused_forward(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | N
             for its, heads, flags in stores:
                 for j0, j1, new in segments(flags):
                     seg = part.members(j0, j1)
-                    rows = merged.part(functools.partial(span_view, items=its, start=seg.q0, step=seg.dq, n=seg.n,
-                                                         length=seg.rows))
-                    (rows.first if new else rows.add)(o[j0:j1, heads], l_s[j0:j1, heads])
-                    merges += not new
+                    rows = functools.partial(span_view, items=its, start=seg.q0, step=seg.dq, n=seg.n, length=seg.rows)
+                    if new:  # the first span of these rows: its result as it is (weight 1)
+                        rows(acc).copy_(o[j0:j1, heads])
+                        rows(top).copy_(l_s[j0:j1, heads])
+                        continue
+                    if weight is None:
+                        weight = torch.ones(b, hq, lq, dtype=ct, device=q.device)
+                    Merge(rows(acc), rows(top), rows(weight)).add(o[j0:j1, heads], l_s[j0:j1, heads])
             written.update((item, t) for item in range(items[0], items[0] + items[1])  # every query block
                            for s in starts for t in range(s, s + part.rows, plan.bq))  # a whole-call run covers
     for step in plan.steps():  # query blocks that see no key at all: output 0, lse -inf
         for item in range(*step.items.indices(b)[:2]):
             if (item, step.rows.start) not in written:
-                merged.part(operator.itemgetter((item, slice(None), slice(step.rows.start, step.rows.stop)))).clear()
-    if not merges:  # every row holds one span's result as it was computed: weight 1, lse = top
-        return merged.acc.to(q.dtype), merged.top
-    return merged.result(q.dtype)
+                acc[item, :, step.rows.start:step.rows.stop] = 0
+                top[item, :, step.rows.start:step.rows.stop] = float("-inf")
+    if weight is None:  # nothing was merged: each row holds one span's (out, lse)
+        return acc.to(q.dtype), top
+    return Merge(acc, top, weight).result(q.dtype)
 
 
 def _key_pieces(run: Run, per_row_span: int, per_key: int, bk: int) -> list[Run]:
