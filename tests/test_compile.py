@@ -20,7 +20,7 @@ from helpers import make_qkv
 import selfattn
 from selfattn import masks, scores, testing
 from selfattn.backends import chunked
-from selfattn.backends.chunked import compiled
+from selfattn.backends.chunked import compiled as chunked_compiled
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
@@ -191,13 +191,13 @@ def test_masks_of_one_structure_share_a_graph(small_tiles):
     compiled = torch.compile(lambda q, k, v, m: selfattn.attention(q, k, v, mask=m, backend="chunked"),
                              backend=counter, fullgraph=True)
     q, k, v = make_qkv(2, 4, 2, L, L, 16, requires_grad=False)
-    keys = set(compiled._REGISTRY)
+    keys = set(chunked_compiled._REGISTRY)
     for lengths, ids in [([L, 40], _ids()), ([9, L], _ids().flip(-1)), ([0, 30], _ids())]:
         mask = masks.padding(torch.tensor(lengths)) & masks.document(ids)
         out = compiled(q, k, v, mask)
         assert testing.max_error(out, testing.reference_attention(q.double(), k.double(), v.double(), mask=mask)) < 1e-5
     assert counter.frame_count == 1
-    assert len(set(compiled._REGISTRY) - keys) == 1
+    assert len(set(chunked_compiled._REGISTRY) - keys) == 1
 
 
 def test_mask_changed_between_compiled_forward_and_backward_raises(small_tiles):
@@ -244,8 +244,8 @@ def test_dispatch_under_compile_reads_no_data():
         ran = "chunked" if "selfattn.chunked_fwd" in graphs.graphs[0].code else "sdpa"
         assert ran == want, mask
         assert testing.max_error(out, testing.reference_attention(q.double(), k.double(), v.double(), mask=mask)) < 1e-5
-    assert compiled.static_empty_fraction(masks.causal() & masks.padding(n), 512, 512, 128) == 6 / 16
-    assert compiled.static_empty_fraction(masks.document(ids), 512, 512, 128) == 0.0
+    assert chunked_compiled.static_empty_fraction(masks.causal() & masks.padding(n), 512, 512, 128) == 6 / 16
+    assert chunked_compiled.static_empty_fraction(masks.document(ids), 512, 512, 128) == 0.0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
