@@ -54,7 +54,7 @@ from dataclasses import replace
 import torch.distributed as dist
 from torch import Tensor
 
-from ..backends.chunked.kernels import draw_seed
+from ..backends.chunked.dropout import draw_seed
 from ..masks import Mask
 from ..scores import ScoreMod
 from .agree import agree

@@ -9,7 +9,8 @@ built, in the forward or the backward.
 The package, along its seams (each layer imports only those below it)::
 
     options.py   ChunkedOptions and options(): tile sizes and the kernel
-    kernels.py   one block: its terms, forward, backward, merge by lse, sinks, dropout tiles
+    dropout.py   the dropout keep-masks of a call, tile by tile of a fixed grid
+    kernels.py   one block: its terms, forward, backward, merge by lse, sinks
     plan.py      the tile map turned into key spans per query block (schedule, Plan)
     runs.py      spans grouped into batched calls of the fused kernel; views.py, their strided views
     loops.py     the forward and backward drivers and the one autograd function
@@ -26,16 +27,8 @@ Shape legend: B batch, Hq query heads, Hkv kv heads, Lq/Lk lengths, D/Dv head di
 from __future__ import annotations
 
 from .backend import BACKEND, ChunkedBackend
-from .kernels import (
-    Merge,
-    add_sinks,
-    draw_seed,
-    dropout_pattern,
-    fused_block,
-    fused_block_backward,
-    keep_mask,
-    sinks_grad,
-)
+from .dropout import draw_seed, dropout_pattern, keep_mask
+from .kernels import Merge, add_sinks, fused_block, fused_block_backward, sinks_grad
 from .kernels import fused_available as fused_block_available
 from .options import ChunkedOptions, current_options, options
 from .plan import Schedule, Span, schedule

@@ -13,7 +13,8 @@ from torch import Tensor
 from ..._call import AttentionCall
 from ..base import Backend, bias_rounds_in_kernel
 from . import compiled, loops
-from .kernels import Problem, draw_seed, fused_available
+from .dropout import draw_seed
+from .kernels import Problem, fused_available
 from .options import current_options
 from .plan import Plan
 

@@ -231,7 +231,7 @@ def chunked_attention(call: AttentionCall, opts: ChunkedOptions, fused: bool) ->
     """``ChunkedBackend.run`` as one ``selfattn::chunked_fwd`` call: (out, lse float32, None)."""
     tensors: list[Tensor] = []
     key = register(flatten(call.mask, tensors), flatten(call.score_mod, tensors), opts.as_pairs(), fused)
-    # the draw of kernels.draw_seed, kept a tensor (.item() would break the graph); the op reads it
+    # the draw of dropout.draw_seed, kept a tensor (.item() would break the graph); the op reads it
     seed = torch.randint(0, 1 << 62, (1,)) if call.dropout_p > 0 else None
     out, lse = chunked_fwd(call.q, call.k, call.v, call.bias, call.sinks, tensors, key, specialized(call.scale),
                            specialized(call.dropout_p), seed)

@@ -13,9 +13,8 @@ distributed ring both compute with it; neither restates its arithmetic.
   output by ratios of weights. Rescaling by ``exp(lse_b - logaddexp(...))`` at every merge (the
   textbook way) rounds the running lse each time, an error of ``eps * |lse|`` per merge that grows
   with the number of blocks and that the backward amplifies through ``rowsum(dO * O)``.
-- **Dropout is a property of the call, not of a tiling.** Keep-masks are drawn per tile of a fixed
-  :data:`DROPOUT_TILE` grid over the whole call, each from a generator seeded by (seed, tile), so
-  any block, of any size, from any caller (forward, backward, another rank) gets the same pattern.
+- **Dropout is a property of the call, not of a tiling** (:mod:`.dropout`): any block, of any
+  size, from any caller (forward, backward, another rank) gets its part of the same pattern.
 
 Shape legend: B batch, Hq query heads, Hkv kv heads, G = Hq // Hkv, Lq/Lk lengths, R rows of a
 block, C its keys, D/Dv head dims.
@@ -34,33 +33,25 @@ from ..._call import compute_dtype
 from ...masks import Causal, Mask, positions
 from ...scores import ScoreMod, apply_score_mod, score_mod_bias
 from .._common import additive_mask, split_heads, unit_stride
+from .dropout import Dropout
 
 __all__ = [
-    "DROPOUT_TILE",
     "Block",
-    "Dropout",
     "Merge",
     "Problem",
     "Terms",
     "add_sinks",
     "backward",
-    "draw_seed",
-    "dropout_pattern",
     "forward",
     "fused_available",
     "fused_block",
     "fused_block_backward",
     "grad_buffers",
     "items_of",
-    "keep_mask",
     "lse_for_backward",
     "rowsum_dout_out",
     "sinks_grad",
 ]
-
-DROPOUT_TILE = 128
-"""Rows and keys of one tile of the dropout grid (see the module docstring)."""
-
 
 @dataclass(frozen=True, slots=True)
 class Block:
@@ -69,14 +60,6 @@ class Block:
     rows: range
     keys: range
     items: slice = field(default_factory=lambda: slice(None))  # every item
-
-
-@dataclass(frozen=True)
-class Dropout:
-    """Dropout of one call: probability ``p``, keep-masks drawn from ``seed`` (see :func:`keep_mask`)."""
-
-    p: float
-    seed: int
 
 
 @dataclass(frozen=True)
@@ -168,20 +151,11 @@ class Problem:
                 and len(block.keys) == len(block.rows))
 
     def keep(self, block: Block, device: torch.device) -> Tensor | None:
-        """The dropout keep-mask of a block, (b, Hq, R, C), assembled from the call's tiles of the
-        :data:`DROPOUT_TILE` grid; None without dropout."""
+        """The dropout keep-mask of a block, (b, Hq, R, C), from the call's grid; None without dropout."""
         if self.dropout is None:
             return None
-        t, rows, keys = DROPOUT_TILE, block.rows, block.keys
-        strips = []
-        for t0 in range(rows.start - rows.start % t, rows.stop, t):
-            tiles = []
-            for u0 in range(keys.start - keys.start % t, keys.stop, t):
-                shape = (self.batch, self.heads, min(t0 + t, self.lq) - t0, min(u0 + t, self.lk) - u0)
-                tile = keep_mask(self.dropout.seed, shape, self.dropout.p, t0 // t, u0 // t, device)
-                tiles.append(tile[..., max(keys.start, u0) - u0:min(keys.stop, u0 + t) - u0])
-            strips.append(torch.cat(tiles, dim=-1)[:, :, max(rows.start, t0) - t0:min(rows.stop, t0 + t) - t0])
-        return torch.cat(strips, dim=-2)[block.items]
+        keep = self.dropout.keep(block.rows, block.keys, (self.batch, self.heads), (self.lq, self.lk), device)
+        return keep[block.items]
 
     def terms(self, block: Block, device: torch.device, *, partial: bool = True, bias: Tensor | None = None,
               kernel_causal: bool = False) -> Terms:
@@ -209,34 +183,6 @@ class Problem:
                 visible = self.visible(block, device)
         return Terms(visible=visible, bias=bias, mod_positions=mod_positions, keep=self.keep(block, device),
                      causal=causal)
-
-
-# ----------------------------------------------------------------------------- dropout
-
-
-def keep_mask(seed: int, shape: tuple[int, int, int, int], p: float, qb: int, kb: int,
-              device: torch.device) -> Tensor:
-    """The dropout keep-mask of tile (qb, kb) of the grid: bool (B, Hq, rows, cols), True = kept.
-
-    A pure function of (seed, tile), so forward, backward and every rank draw the same pattern.
-    """
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + qb * 65_537 + kb) % (1 << 63))
-    return torch.rand(shape, generator=gen, device=device) >= p
-
-
-def dropout_pattern(seed: int, b: int, hq: int, lq: int, lk: int, p: float, device: torch.device) -> Tensor:
-    """The whole keep-mask (B, Hq, Lq, Lk) that a call with this seed uses (for tests and debugging)."""
-    problem = Problem(scale=1.0, lq=lq, lk=lk, batch=b, heads=hq, compute_dtype=torch.float32,
-                      dropout=Dropout(p, seed))
-    keep = problem.keep(Block(range(lq), range(lk)), torch.device(device))
-    assert keep is not None
-    return keep
-
-
-def draw_seed() -> int:
-    """The dropout seed of one call, drawn from torch's global generator (so manual_seed rules it)."""
-    return int(torch.randint(0, 1 << 62, (1,)).item())
 
 
 # ----------------------------------------------------------------------------- the fused kernel
