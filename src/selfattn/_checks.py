@@ -37,6 +37,7 @@ __all__ = [
     "check_tensor",
 ]
 
+
 def _name(x: object) -> str:
     return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else repr(x)
 

@@ -25,7 +25,6 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 """Tile classes returned by :meth:`Mask.tiles`."""
 
 
-
 def positions(items: Tensor, heads: int, q0: int, q1: int, k0: int, k1: int, lq: int, lk: int,
               device: Device = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Broadcastable 4-D (b, h, i, j) index tensors of a block: batch items ``items`` (1-D),
@@ -307,7 +306,6 @@ class _Not(Mask):
 
     def __repr__(self) -> str:
         return f"~{self.a!r}"
-
 
 
 class HeadSlice(Mask):

@@ -53,6 +53,7 @@ __all__ = [
     "sinks_grad",
 ]
 
+
 @dataclass(frozen=True, slots=True)
 class Block:
     """Query rows ``rows`` of batch items ``items`` against keys ``keys``, in the call's coordinates."""
