@@ -26,6 +26,7 @@ test: $(BIN)/selfattn
 
 lint: $(BIN)/selfattn
 	$(BIN)/ruff check src tests examples scripts
+	$(BIN)/python -m mypy
 
 # The long property-based search (random examples, database kept under .hypothesis/).
 FUZZ_SECONDS ?= 3600

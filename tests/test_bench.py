@@ -89,7 +89,7 @@ def test_bench_masks_times_a_point_in_one_worker_and_memory_in_one_each(tmp_path
     processes' noise), peak memory not measured per implementation, or ratios in the JSON and
     the table that are not per repeat of that one interleaved run. The workers run in this
     process here (tests/test_cli.py runs them as real subprocesses)."""
-    import selfattn.bench as bench
+    from selfattn.bench import masks as bench_masks
 
     specs: list[dict] = []
 
@@ -99,7 +99,7 @@ def test_bench_masks_times_a_point_in_one_worker_and_memory_in_one_each(tmp_path
             return worker.time_group(spec)
         return {"peak_bytes": 1000 + len(specs), "first_s": 0.0}
 
-    monkeypatch.setattr(bench, "_worker", fake_worker)
+    monkeypatch.setattr(bench_masks, "run_worker", fake_worker)
     path = tmp_path / "r.json"
     rc = main(["bench", "--suite", "masks", "--cases", "padding(3L/4)+causal", "--lengths", "64", "--modes", "fwd",
                "--impls", "selfattn", "sdpa-causal", "flex-nope", "--repeats", "3", "--json", str(path)])
@@ -123,7 +123,7 @@ def test_decode_anchor_computes_what_the_module_computes():
     """catches: a decode anchor that does less (or other) work than the module it is compared
     with: a wrong slot, a missed projection, keys it should see left out."""
     import selfattn
-    from selfattn.bench import _decode_steps
+    from selfattn.bench.decode import decode_steps
 
     torch.manual_seed(0)
     b, e, h, cached = 3, 32, 4, 10
@@ -132,7 +132,7 @@ def test_decode_anchor_computes_what_the_module_computes():
     with torch.no_grad():
         for m, c in zip(mods, caches, strict=True):
             m(torch.randn(b, cached, e), cache=c, positions=torch.arange(cached).expand(b, -1))
-        steps = _decode_steps(mods, caches, torch.randn(b, 1, e), cached)
+        steps = decode_steps(mods, caches, torch.randn(b, 1, e), cached)
         torch.testing.assert_close(steps["selfattn"](), steps["sdpa"]())
 
 

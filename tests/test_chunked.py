@@ -14,6 +14,7 @@ from helpers import check_against_reference, make_qkv
 import selfattn
 from selfattn import masks
 from selfattn.backends import chunked
+from selfattn.backends.chunked import kernels, runs
 
 
 def _dropout_reference(q, k, v, keep, p, visible=None):
@@ -178,7 +179,7 @@ def kernel_batches(monkeypatch):
     """The batch size of every call of the fused kernel, forward and backward, the query rows and
     keys of each, and the batch sizes of the calls that had a mask."""
     seen: dict[str, list[int]] = {"fwd": [], "bwd": [], "masked": [], "rows": [], "keys": []}
-    ops = {"fwd": chunked._fused_op(), "bwd": chunked._fused_bwd_op()}
+    ops = {"fwd": kernels.fused_op(), "bwd": kernels.fused_bwd_op()}
 
     def recording(name, arg):
         def op(*args, **kwargs):
@@ -189,8 +190,8 @@ def kernel_batches(monkeypatch):
                 seen["masked"].append(args[arg].shape[0])
             return ops[name](*args, **kwargs)
         return lambda: op
-    monkeypatch.setattr(chunked, "_fused_op", recording("fwd", 0))
-    monkeypatch.setattr(chunked, "_fused_bwd_op", recording("bwd", 1))
+    monkeypatch.setattr(kernels, "fused_op", recording("fwd", 0))
+    monkeypatch.setattr(kernels, "fused_bwd_op", recording("bwd", 1))
     return seen
 
 
@@ -240,7 +241,7 @@ def test_batched_runs_match_reference_with_no_block_kept(case, small_tiles, monk
     from the comparison (no room left for it)."""
     from helpers import check_against_reference
 
-    monkeypatch.setattr(chunked, "_PATTERN_ELEMENTS", 0)
+    monkeypatch.setattr(runs, "_PATTERN_ELEMENTS", 0)
     make_mask, lq = _RUN_CASES[case]
     q, k, v = make_qkv(2, 4, 2, lq, 300, 16, seed=6)
     check_against_reference(q, k, v, backend="chunked", mask=make_mask(lq, 300))
@@ -268,3 +269,16 @@ def test_items_of_a_shared_schedule_split_by_pattern(kernel_batches):
     with chunked.options(block_q=128):
         check_against_reference(q, k, v, backend="chunked", mask=mask)
     assert not kernel_batches["masked"]  # every span is causal, full or empty for each item
+
+
+def test_dropout_pattern_does_not_depend_on_the_tiles():
+    """catches: a dropout pattern drawn per tile of the chunked options in force, so that changing the
+    tiles (or computing the same call elsewhere, as the distributed ring does) drops other weights."""
+    q, k, v = make_qkv(2, 4, 2, 150, 170, 16, dtype=torch.float64, requires_grad=False)
+    outs = []
+    for tiles in ({}, {"block_q": 32, "block_k": 48}, {"block_q": 64, "block_k": 128, "math_block_q": 16}):
+        torch.manual_seed(3)
+        with chunked.options(**tiles):
+            outs.append(selfattn.attention(q, k, v, mask=masks.sliding_window(60), dropout_p=0.4, backend="chunked"))
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)
+    torch.testing.assert_close(outs[2], outs[0], rtol=0, atol=1e-12)

@@ -19,7 +19,8 @@ from helpers import make_qkv
 
 import selfattn
 from selfattn import masks, scores, testing
-from selfattn.backends import _ops, chunked
+from selfattn.backends import chunked
+from selfattn.backends.chunked import compiled as chunked_compiled
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
@@ -190,13 +191,13 @@ def test_masks_of_one_structure_share_a_graph(small_tiles):
     compiled = torch.compile(lambda q, k, v, m: selfattn.attention(q, k, v, mask=m, backend="chunked"),
                              backend=counter, fullgraph=True)
     q, k, v = make_qkv(2, 4, 2, L, L, 16, requires_grad=False)
-    keys = set(_ops._REGISTRY)
+    keys = set(chunked_compiled._REGISTRY)
     for lengths, ids in [([L, 40], _ids()), ([9, L], _ids().flip(-1)), ([0, 30], _ids())]:
         mask = masks.padding(torch.tensor(lengths)) & masks.document(ids)
         out = compiled(q, k, v, mask)
         assert testing.max_error(out, testing.reference_attention(q.double(), k.double(), v.double(), mask=mask)) < 1e-5
     assert counter.frame_count == 1
-    assert len(set(_ops._REGISTRY) - keys) == 1
+    assert len(set(chunked_compiled._REGISTRY) - keys) == 1
 
 
 def test_mask_changed_between_compiled_forward_and_backward_raises(small_tiles):
@@ -243,8 +244,8 @@ def test_dispatch_under_compile_reads_no_data():
         ran = "chunked" if "selfattn.chunked_fwd" in graphs.graphs[0].code else "sdpa"
         assert ran == want, mask
         assert testing.max_error(out, testing.reference_attention(q.double(), k.double(), v.double(), mask=mask)) < 1e-5
-    assert _ops.static_empty_fraction(masks.causal() & masks.padding(n), 512, 512, 128) == 6 / 16
-    assert _ops.static_empty_fraction(masks.document(ids), 512, 512, 128) == 0.0
+    assert chunked_compiled.static_empty_fraction(masks.causal() & masks.padding(n), 512, 512, 128) == 6 / 16
+    assert chunked_compiled.static_empty_fraction(masks.document(ids), 512, 512, 128) == 0.0
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -334,3 +335,57 @@ def test_readme_compile_block_runs_with_inductor():
     namespace = {"torch": torch, "masks": masks, "mha": selfattn.MultiHeadAttention(512, 8, num_kv_heads=2)}
     exec(compile(block.source, f"README.md:{block.line}", "exec"), namespace)
     assert namespace["y"].shape == (2, 100, 512)
+
+
+class _Stripes(masks.Mask):
+    """A user's mask that keeps its state in slots, one of them a tuple of tensors and another a dtype:
+    nothing vars() could take apart, everything its constructor's arguments say."""
+
+    __slots__ = ("every", "kind", "lengths")
+
+    def __init__(self, every: int, lengths: tuple[torch.Tensor, ...], kind: torch.dtype = torch.int64) -> None:
+        self.every, self.lengths, self.kind = every, lengths, kind
+
+    def predicate(self, lq, lk, device=None):
+        n = self.lengths[0].to(device=device, dtype=self.kind)
+        return lambda b, h, i, j: ((i - j) % self.every != 1) & (j < n[b])
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        unknown = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=device)
+        return unknown, unknown
+
+    def batch_heads(self):
+        return self.lengths[0].numel(), 1
+
+    def tensors(self):
+        return self.lengths
+
+
+class _Tilt(scores.ScoreMod):
+    """A user's modifier with slots."""
+
+    __slots__ = ("slope",)
+
+    def __init__(self, slope: float) -> None:
+        self.slope = slope
+
+    def __call__(self, score, b, h, i, j):
+        return score + self.slope * torch.tanh((i - j).to(score.dtype))
+
+
+def test_a_user_mask_with_slots_compiles(small_tiles):
+    """catches: the compiled chunked path taking masks and modifiers apart with vars() and rebuilding
+    them with object.__new__, which fails only under torch.compile for any state that is not plain
+    instance attributes (slots, here)."""
+    q, k, v = make_qkv(2, 4, 2, L, L, 16)
+    mask, mod = _Stripes(3, (torch.tensor([L, 50]),)), _Tilt(0.3)
+
+    def fn(q, k, v):
+        return selfattn.attention(q, k, v, mask=mask, score_mod=mod, backend="chunked")
+
+    explained = torch._dynamo.explain(fn)(q, k, v)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    out, grads, dout = _compiled_out_and_grads(fn, q, k, v)
+    want = fn(q, k, v)
+    for got, exp in zip((out, *grads), (want, *torch.autograd.grad(want, (q, k, v), dout)), strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-6, atol=1e-6)

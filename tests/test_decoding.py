@@ -170,3 +170,31 @@ def test_batch_decoding_in_step_with_rollback_and_divergence_equals_full_forward
         assert cache.written[:, :10].tolist() == [[True] * 10, [True] * 9 + [False]]
     cache.reset()
     assert not cache.written.any()
+
+
+def test_cache_of_another_dtype_is_refused_before_anything_is_written():
+    """catches: a bfloat16 module given a default float32 cache writing the new keys into the cache
+    and then failing in attention with "cast them with .to(q.dtype)", which a user cannot act on."""
+    mha = selfattn.MultiHeadAttention(32, 4).to(torch.bfloat16)
+    cache = KVCache(2, 8, 4, 8)  # float32, the default
+    x = torch.randn(2, 3, 32, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"KVCache\.for_module\(module, batch_size=\.\.\., max_len=\.\.\.\).*dtype"):
+        mha(x, cache=cache, positions=torch.arange(3))
+    assert not bool(cache.written.any()) and not bool(cache.k.any()) and not bool(cache.v.any())
+    with pytest.raises(TypeError, match=r"KVCache\.for_module"):  # the cache itself refuses, before writing
+        cache.update(torch.arange(3).expand(2, 3), torch.randn(2, 4, 3, 8, dtype=torch.bfloat16),
+                     torch.randn(2, 4, 3, 8, dtype=torch.bfloat16))
+    assert not bool(cache.written.any()) and not bool(cache.k.any())
+    right = KVCache.for_module(mha, batch_size=2, max_len=8)
+    assert (right.k.dtype, right.k.shape) == (torch.bfloat16, (2, 4, 8, 8))
+    torch.testing.assert_close(mha(x, cache=right, positions=torch.arange(3)), mha(x, causal=True))
+
+
+def test_float32_cache_under_autocast_is_still_accepted():
+    """catches: the dtype check refusing a float32 cache of a float32 module run under autocast,
+    where attention casts the cached keys to the autocast dtype anyway."""
+    mha = selfattn.MultiHeadAttention(32, 4)
+    cache = KVCache.for_module(mha, batch_size=2, max_len=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = mha(torch.randn(2, 3, 32), cache=cache, positions=torch.arange(3))
+    assert y.dtype == torch.bfloat16 and bool(cache.written[:, :3].all())

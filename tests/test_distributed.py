@@ -229,6 +229,113 @@ def nccl_worker(rank: int, world: int) -> dict:
     return results
 
 
+def precision_worker(rank: int, world: int) -> dict:
+    """float32 with q and k of scale 2 and a small head dim, where rounding in the merge shows: the
+    ring's out, lse, dq, dk and dv held to the rule (error over tolerance) against the float64 oracle."""
+    gen = torch.Generator().manual_seed(3)
+    batch, heads, hkv, length, d = 2, 4, 2, 240, 8
+    q = (torch.randn(batch, heads, length, d, generator=gen, dtype=torch.float64) * 2).float()
+    k = (torch.randn(batch, hkv, length, d, generator=gen, dtype=torch.float64) * 2).float()
+    v = torch.randn(batch, hkv, length, d, generator=gen, dtype=torch.float64).float()
+    gout = torch.randn(batch, heads, length, d, generator=gen, dtype=torch.float64)
+    cases = {"none": {}, "causal": dict(causal=True),
+             "custom": dict(score_mod=lambda s, b, h, i, j: s + 0.2 * torch.sin(0.3 * i - 0.7 * j + h))}
+    results = {}
+    for name, kw in cases.items():
+        oracle = dict(causal=kw.get("causal", False), score_mod=kw.get("score_mod"))
+        q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+        qn, kn, vn = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        ref = testing.reference_attention(q64, k64, v64, **oracle)
+        naive = testing.reference_attention(qn, kn, vn, **oracle, dtype=None, safe=False)
+        refs = [ref, testing.reference_lse(q64, k64, **oracle), *torch.autograd.grad(ref, (q64, k64, v64), gout)]
+        naives = [naive, testing.reference_lse(q, k, **oracle, dtype=None),
+                  *torch.autograd.grad(naive, (qn, kn, vn), gout.float())]
+        for layout in ("contiguous", "zigzag"):
+            got = _sharded(q, k, v, gout.float(), layout, "ring", **kw)
+            ratios = {}
+            for what, a, r, nv in zip(("out", "lse", "dq", "dk", "dv"), got, refs, naives, strict=True):
+                r, nv = (sad.shard(t, layout=layout) if t.dim() == 4 else
+                         sad.shard(t.unsqueeze(-1), layout=layout).squeeze(-1) for t in (r, nv))
+                c = testing.compare_to_reference(a, r, nv, factor=2.0 if what in ("out", "lse") else 3.0)
+                ratios[what] = c.error / c.tolerance
+            results[f"{layout}/{name}"] = ratios
+    return results
+
+
+def agreement_worker(rank: int, world: int) -> dict:
+    """Ranks that disagree about the mask, the modifier or the dtype; an unlimited timeout; ring
+    dropout under other chunked tile options than the single-process reference."""
+    seen: dict[str, str] = {}
+    length, heads = 12 * world, 2
+    torch.manual_seed(0)
+    x = torch.randn(1, heads, length, 4, dtype=torch.float64)
+    local = sad.shard(x)
+    ids = torch.arange(length).div(7 if rank == 1 else 6, rounding_mode="floor")
+    lengths = torch.tensor([length - (3 if rank == 2 else 1)])
+    slopes = scores.alibi_slopes(heads) * (2.0 if rank == 0 else 1.0)
+    c = 0.5 if rank == 1 else 0.25
+    calls = {
+        "documents": dict(mask=masks.document(ids), causal=True),
+        "padding": dict(mask=masks.padding(lengths)),
+        "alibi": dict(score_mod=scores.alibi(slopes)),
+        "custom": dict(score_mod=lambda s, b, h, i, j: s + c * torch.cos(i - j)),
+    }
+    for name, kw in calls.items():
+        try:
+            sad.attention(local, local, local, timeout=20, **kw)
+            seen[name] = "no error"
+        except ValueError as e:
+            seen[name] = f"ValueError: {e}"
+    mine = local.float() if rank == 1 else local
+    try:
+        sad.attention(mine, mine, mine, timeout=20)
+        seen["dtype"] = "no error"
+    except ValueError as e:
+        seen["dtype"] = f"ValueError: {e}"
+    try:
+        out = sad.attention(local, local, local, causal=True, timeout=float("inf"))
+        seen["inf_timeout"] = f"error {_rel(out, sad.shard(selfattn.attention(x, x, x, causal=True)))}"
+    except Exception as e:  # recorded: the test names it
+        seen["inf_timeout"] = f"{type(e).__name__}: {e}"
+    big = torch.randn(1, heads, 32 * world, 8, dtype=torch.float64)
+    gout = torch.randn_like(big)
+    with chunked.options(block_q=32, block_k=48):  # the reference's tiles differ from the dropout grid
+        torch.manual_seed(11)
+        ref = _single(big, big, big, gout, backend="chunked", causal=True, dropout_p=0.3)
+    torch.manual_seed(11)
+    seen["dropout_errors"] = json.dumps(_errors(_sharded(big, big, big, gout, "zigzag", "ring", causal=True,
+                                                         dropout_p=0.3), ref, "zigzag"))
+    return seen
+
+
+_CALLS = [0]
+
+
+def _exit_in_the_backward(s, b, h, i, j):
+    """A score modifier, the same on every rank, whose process exits on rank 2 at its 4th call: the
+    first block of the backward (the forward computes 3 blocks at W = 3 without a mask)."""
+    _CALLS[0] += 1
+    if dist.get_rank() == 2 and _CALLS[0] == 4:
+        os._exit(0)
+    return s + 0.0 * i
+
+
+def dying_entry(rank: int, world: int, port: int, outdir: str) -> None:
+    """Rank 2 exits in the middle of the ring's backward; the others record what they were told."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=30))
+    x = sad.shard(torch.randn(1, 2, 24 * world, 4, dtype=torch.float64)).requires_grad_()
+    t0 = time.monotonic()
+    try:
+        sad.attention(x, x, x, score_mod=_exit_in_the_backward, timeout=30).sum().backward()
+        seen = "no error"
+    except RuntimeError as e:
+        seen = f"RuntimeError: {e}"
+    Path(outdir, f"{rank}.json").write_text(json.dumps({"error": seen, "seconds": time.monotonic() - t0}))
+    os._exit(0)
+
+
 # ----------------------------------------------------------------------------- tests
 
 
@@ -288,6 +395,112 @@ def test_failures_are_loud_not_hangs(tmp_path):
         if rank < world - 1:
             assert seen["dead_rank"].startswith("RuntimeError") and f"rank {world - 1}" in seen["dead_rank"]
             assert float(seen["dead_rank_s"]) < 2 + 2, seen["dead_rank_s"]
+
+
+def test_ring_keeps_the_float32_rule_for_every_gradient(tmp_path):
+    """catches: block outputs merged into a float32 output by rescaling it with a rounded running lse:
+    its rounding, amplified through rowsum(dO * O) in the backward, put dq and dk at up to 2.6x the
+    rule's tolerance at W = 3 (zigzag, q and k of scale 2, D = 8)."""
+    world = 3
+    res = _spawn("precision_worker", world, tmp_path, limit=300)
+    bad = {f"rank {r} {key}": ratios for r, per in enumerate(res) for key, ratios in per.items()
+           if max(ratios.values()) > 1}
+    assert not bad, bad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ring_keeps_the_float32_rule_at_every_world_size(world, tmp_path):
+    """catches: the same as above at the other world sizes (W = 1 zigzag already merges two chunks)."""
+    res = _spawn("precision_worker", world, tmp_path, limit=600)
+    bad = {f"rank {r} {key}": ratios for r, per in enumerate(res) for key, ratios in per.items()
+           if max(ratios.values()) > 1}
+    assert not bad, bad
+
+
+def test_ranks_agree_on_mask_modifier_and_dtype(tmp_path):
+    """catches: ranks that pass different document ids, padding lengths or score modifiers each
+    computing with their own (a silent mixture), a dtype mismatch reported as indices ("rank 0 has
+    2"), timeout=float('inf') failing in timedelta, and a ring dropout that follows the chunked
+    options in force instead of the call's own pattern."""
+    world = 3
+    res = _spawn("agreement_worker", world, tmp_path)
+    for name, field, odd in (("documents", "mask", 1), ("padding", "mask", 2), ("alibi", "score_mod", 0),
+                             ("custom", "score_mod", 1)):
+        msgs = {r[name] for r in res}
+        assert len(msgs) == 1, msgs  # the same error on every rank
+        (msg,) = msgs
+        others = " and ".join(str(r) for r in range(world) if r != odd)
+        assert msg.startswith("ValueError: selfattn.distributed.attention was called with different arguments"), msg
+        assert f"{field}: " in msg and f"rank {odd} has fingerprint" in msg and f"ranks {others} have" in msg, msg
+    assert {r["dtype"] for r in res} == {res[0]["dtype"]}
+    assert "dtype: ranks 0 and 2 have float64, rank 1 has float32" in res[0]["dtype"], res[0]["dtype"]
+    for r in res:
+        assert r["inf_timeout"].startswith("error ") and float(r["inf_timeout"][6:]) <= F64_EXACT, r["inf_timeout"]
+        errors = json.loads(r["dropout_errors"])
+        assert all(e <= (LSE_F32 if n == "lse" else F64_EXACT) for n, e in errors.items()), errors
+
+
+def test_a_rank_that_dies_mid_ring_is_named_by_its_neighbours(tmp_path):
+    """catches: a rank that exits in the middle of the ring's backward named vaguely, or reported
+    as "waited 30 s" when its connection broke at once."""
+    world = 3
+    outdir = tmp_path / "dying"
+    outdir.mkdir()
+    spawn_and_join(dying_entry, (world, _free_port(), str(outdir)), world, 120)
+    for rank in (0, 1):  # rank 2's neighbours: it receives from 1 and sends to 0
+        seen = json.loads((outdir / f"{rank}.json").read_text())
+        assert seen["error"].startswith("RuntimeError") and "lost rank 2" in seen["error"], seen
+        assert "waited 30 s" not in seen["error"] and seen["seconds"] < 25, seen
+    assert not (outdir / "2.json").exists()
+
+
+@pytest.fixture
+def one_rank_group():
+    """A gloo process group of this process alone."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+_Q = torch.randn(1, 2, 8, 4)
+BAD_FOR_BOTH = {
+    "scale-str": dict(scale="x"), "scale-zero": dict(scale=0.0), "scale-tensor": dict(scale=torch.tensor(0.5)),
+    "dropout-1": dict(dropout_p=1.0), "dropout-str": dict(dropout_p="0.1"),
+    "float-mask": dict(mask=torch.zeros(8, 8)), "mask-str": dict(mask="causal"),
+    "mask-device": dict(mask=torch.ones(8, 8, dtype=torch.bool, device="meta")),
+    "mask-batch": dict(mask=masks.padding([1, 2, 3])), "causal-str": dict(causal="upper"),
+    "score-mod-int": dict(score_mod=3), "score-mod-heads": dict(score_mod=scores.alibi(scores.alibi_slopes(4))),
+    "return-lse-int": dict(return_lse=1), "backend-none": dict(backend=None), "backend-unknown": dict(backend="nope"),
+    "q-3d": dict(q=torch.randn(1, 8, 4)), "q-int": dict(q=torch.ones(1, 2, 8, 4, dtype=torch.long)),
+    "k-float64": dict(k=_Q.double()), "length-0": dict(q=_Q[:, :, :0], k=_Q[:, :, :0], v=_Q[:, :, :0]),
+    "head-dim-0": dict(q=_Q[..., :0], k=_Q[..., :0], v=_Q[..., :0]),
+    "batch-0": dict(q=_Q[:0], k=_Q[:0], v=_Q[:0]),
+}
+
+
+def test_bad_arguments_get_the_single_process_errors(one_rank_group):
+    """catches: distributed.attention validating on its own and disagreeing with attention() (a bad
+    scale a ValueError there, a TypeError here; a mask tensor's device not checked; L = 0 and D = 0
+    a ZeroDivisionError; B = 0 accepted silently)."""
+    for name, bad in BAD_FOR_BOTH.items():
+        call = {"q": _Q, "k": _Q, "v": _Q, **bad}
+        errors = []
+        for fn in (selfattn.attention, sad.attention):
+            try:
+                fn(**call)
+                errors.append(None)
+            except (TypeError, ValueError) as e:
+                errors.append((type(e).__name__, str(e)))
+        assert errors[0] is not None and errors[0] == errors[1], (name, errors)
+
+
+def test_unlimited_timeout_is_accepted(one_rank_group):
+    """catches: timeout=float('inf') raising OverflowError from timedelta."""
+    out = sad.attention(_Q, _Q, _Q, causal=True, timeout=float("inf"))
+    torch.testing.assert_close(out, selfattn.attention(_Q, _Q, _Q, causal=True))
 
 
 def test_rejects_bad_arguments_without_a_group():

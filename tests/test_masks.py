@@ -171,3 +171,37 @@ def test_a_composition_with_a_function_mask_has_no_version():
     for m in (fm & masks.causal(), masks.padding(n) | fm, ~fm, ~(fm & masks.padding(n))):
         assert m.version() is None, m
     assert (masks.padding(n) & masks.causal()).version() == (n._version,)
+
+
+def test_heads_of_a_mask_are_those_heads_of_its_dense_form():
+    """catches: a head slice that reads other heads (an offset dropped in the predicate, the block or
+    the tile map) or that claims the wrong number of heads."""
+    t = torch.rand(2, 6, 9, 11) < 0.5
+    whole = masks.from_tensor(t) & masks.causal("bottom_right")
+    part = whole.heads(2, 3)
+    assert part.batch_heads() == (2, 3)
+    torch.testing.assert_close(part.dense(9, 11), whole.dense(9, 11)[:, 2:5])
+    torch.testing.assert_close(part.block(2, 7, 1, 10, 9, 11), whole.block(2, 7, 1, 10, 9, 11)[:, 2:5])
+    torch.testing.assert_close(part.tiles(9, 11, 4, 3), whole.tiles(9, 11, 4, 3)[:, 2:5])
+    idx = masks.positions(torch.arange(2), 3, 0, 9, 0, 11, 9, 11)
+    torch.testing.assert_close(part.predicate(9, 11)(*idx), whole.dense(9, 11)[:, 2:5])
+    c = masks.causal()
+    assert c.heads(1, 2) is c  # a mask that broadcasts over heads is its own slice
+    with pytest.raises(ValueError, match="reaches past"):
+        whole.heads(4, 3)
+    with pytest.raises(ValueError, match="count"):
+        whole.heads(0, 0)
+
+
+def test_masks_declare_what_they_are_made_of():
+    """catches: a mask that cannot be taken apart and built again from its fields (what the compiled
+    path and the distributed agreement read instead of vars())."""
+    ids = torch.tensor([[0, 0, 1, 1, 1]])
+    for m in (masks.causal("bottom_right"), masks.sliding_window(3, 1), masks.padding([4], queries=True),
+              masks.document(ids), masks.from_tensor(torch.rand(1, 2, 5, 5) < 0.5), ~masks.causal(),
+              masks.from_mask_mod(lambda b, h, q, kv: q >= kv, heads=2),
+              (masks.document(ids) & masks.causal()) | masks.sliding_window(1),
+              masks.from_tensor(torch.rand(1, 4, 5, 5) < 0.5).heads(1, 2)):
+        again = type(m).from_fields(**dict(m.fields()))
+        assert type(again) is type(m)
+        torch.testing.assert_close(again.dense(5, 5), m.dense(5, 5))

@@ -104,3 +104,22 @@ def test_score_mod_errors():
     with pytest.raises(ValueError, match="cap"):
         scores.softcap(0)
     assert scores.alibi_slopes(8)[0] == 0.5 and scores.alibi_slopes(6).shape == (6,)
+
+
+def test_heads_of_a_modifier_see_their_global_head():
+    """catches: a modifier for H heads applied to a slice of heads with local head indices (ALiBi
+    slopes of heads 0..count-1 instead of start..start+count-1), in its call and in its bias."""
+    slopes = scores.alibi_slopes(8)
+    part = scores.alibi(slopes).heads(4, 4)
+    assert part.num_heads() == 4 and part.additive
+    idx = masks.positions(torch.arange(1), 4, 0, 5, 0, 7, 5, 7)
+    want = scores.alibi(slopes[4:]).bias(*idx)
+    torch.testing.assert_close(part.bias(*idx), want)
+    s = torch.randn(1, 4, 5, 7)
+    torch.testing.assert_close(part(s, *idx), s + want)
+    shifted = scores.custom(lambda s, b, h, i, j: s + h).heads(2, 3)
+    assert shifted.num_heads() is None and not shifted.additive
+    torch.testing.assert_close(shifted(torch.zeros(1, 3, 1, 1), *masks.positions(torch.arange(1), 3, 0, 1, 0, 1, 1, 1)),
+                               torch.tensor([2.0, 3.0, 4.0]).view(1, 3, 1, 1))
+    with pytest.raises(ValueError, match="reaches past"):
+        scores.alibi(slopes).heads(6, 4)

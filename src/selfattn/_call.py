@@ -14,6 +14,9 @@ from torch import Tensor
 from .masks import Mask
 from .scores import ScoreMod
 
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+"""The dtypes an attention call takes."""
+
 
 @dataclass(slots=True)
 class AttentionCall:
@@ -68,3 +71,9 @@ class AttentionCall:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax accumulates in at least float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def specialized(x: float) -> float:
+    """``x``; under torch.compile a float that dynamo made dynamic (it changed between calls) becomes
+    a constant again, guarded on its value: a set's element is specialized, and ops take plain floats."""
+    return next(iter({x}))

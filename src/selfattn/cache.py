@@ -16,6 +16,8 @@ from torch import Tensor, nn
 
 __all__ = ["KVCache"]
 
+_HOW = "KVCache.for_module(module, batch_size=..., max_len=...) builds the cache a module needs"
+
 
 class KVCache(nn.Module):
     """Preallocated keys and values (non-persistent buffers: not saved in state dicts).
@@ -25,10 +27,30 @@ class KVCache(nn.Module):
         num_kv_heads: G. head_dim: D. dtype, device: of the buffers.
 
     Example:
-        >>> cache = KVCache(2, 128, num_kv_heads=2, head_dim=64)
+        >>> cache = KVCache(2, 128, num_kv_heads=2, head_dim=64)      # or KVCache.for_module(mha, ...)
         >>> y = mha(prompt, cache=cache, positions=torch.arange(10).expand(2, 10))
         >>> y = mha(next_tok, cache=cache, positions=torch.tensor([[10], [10]]))
     """
+
+    @classmethod
+    def for_module(cls, module: nn.Module, *, batch_size: int, max_len: int) -> KVCache:
+        """The cache of a :class:`~selfattn.MultiHeadAttention` (or any module with ``num_kv_heads``
+        and ``head_dim``): its kv heads and head dim, in the dtype and on the device of its weights.
+
+        Example:
+            >>> cache = KVCache.for_module(mha, batch_size=2, max_len=512)
+        """
+        try:
+            heads, dim = int(module.num_kv_heads), int(module.head_dim)  # type: ignore[arg-type]
+            weight = next(module.parameters())
+        except (AttributeError, StopIteration):
+            raise TypeError(f"KVCache.for_module needs a module with num_kv_heads, head_dim and weights (a "
+                            f"selfattn.MultiHeadAttention), got {type(module).__name__}") from None
+        return cls(batch_size, max_len, heads, dim, dtype=weight.dtype, device=weight.device)
+
+    k: Tensor  # (B, G, S, D), a buffer
+    v: Tensor  # (B, G, S, D), a buffer
+    _written: Tensor  # (B, S) bool, a buffer
 
     def __init__(self, batch_size: int, max_len: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -55,6 +77,19 @@ class KVCache(nn.Module):
         full = self._fill.full
         return self._written | (torch.arange(self.max_len, device=self._written.device) < full)
 
+    def check_fits(self, dtype: torch.dtype, device: torch.device, what: str) -> None:
+        """Raise unless keys and values of ``dtype`` on ``device`` (from ``what``) can be stored here as
+        they are: another device is an error, and so is another dtype unless autocast is on for that
+        device (the attention then casts everything to the autocast dtype anyway)."""
+        kbuf = self.k
+        if device != kbuf.device:
+            raise ValueError(f"this KVCache is on {kbuf.device} but {what} is on {device}; {_HOW} "
+                             f"(or pass device={str(device)!r} to KVCache)")
+        if dtype != kbuf.dtype and not (torch.amp.is_autocast_available(device.type)
+                                        and torch.is_autocast_enabled(device.type)):
+            raise TypeError(f"this KVCache holds {kbuf.dtype} keys and values but {what} is {dtype}; {_HOW} "
+                            f"(or pass dtype={dtype} to KVCache)")
+
     def reset(self) -> None:
         """Forget every cached token (the buffers are kept)."""
         self._written.zero_()
@@ -80,6 +115,7 @@ class KVCache(nn.Module):
         # each new key/value once, into its slot
         buffers, fill = self._buffers, self._fill
         kbuf, vbuf, written = buffers["k"], buffers["v"], buffers["_written"]
+        assert kbuf is not None and vbuf is not None and written is not None
         b, g, t, d = k.shape
         kshape = kbuf.shape
         if b != kshape[0] or g != kshape[1] or d != kshape[3] or v.shape != k.shape:
@@ -90,6 +126,9 @@ class KVCache(nn.Module):
                              f"{positions.dtype} {tuple(positions.shape)}")
         if t == 0:
             raise ValueError("update needs at least one new token (T >= 1)")
+        if k.dtype != kbuf.dtype or k.device != kbuf.device or v.dtype != k.dtype:
+            self.check_fits(k.dtype, k.device, "k")
+            self.check_fits(v.dtype, v.device, "v")
         rows = positions.tolist()  # one transfer; the bookkeeping below is plain Python
         first = rows[0]
         lo = first[0]

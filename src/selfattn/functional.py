@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal, overload
@@ -16,12 +15,10 @@ from typing import Literal, overload
 import torch
 from torch import Tensor
 
-from . import masks as _masks
 from . import scores as _scores
-from ._call import AttentionCall
+from ._call import FLOAT_DTYPES, AttentionCall
+from ._checks import build_call, check_backend, check_dropout, check_scale
 from .backends import REGISTRY, dispatch
-from .backends._ops import specialized
-from .backends.base import ALL_DTYPES
 from .masks import Mask
 
 __all__ = ["Explanation", "attention", "attention_with_weights", "explain", "use_backend"]
@@ -35,43 +32,6 @@ _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("selfattn_b
 _TRACED_FORCED: str | None = None
 
 
-def _name(x: object) -> str:
-    return f"shape {tuple(x.shape)}" if isinstance(x, Tensor) else repr(x)
-
-
-def _check_tensor(name: str, t: object) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != 4:
-        layout = "(B, Hkv, Lk, Dv)" if name == "v" else f"(B, H, L, D) for {name}"
-        raise ValueError(f"{name} must be 4-D {layout}, got {_name(t)}; "
-                         "for (B, L, D) input use .unsqueeze(1), for (B, L, H, D) use .transpose(1, 2)")
-    if t.dtype not in ALL_DTYPES:
-        raise TypeError(f"{name} must be a floating tensor (float16, bfloat16, float32, float64), got {t.dtype}")
-    if 0 in t.shape:
-        raise ValueError(f"{name} has an empty dimension, got {_name(t)}")
-    return t
-
-
-def _check_scale(scale: object, d: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(d)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be None or a positive number, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale <= 0:
-        raise ValueError(f"scale must be a finite number > 0, got {scale!r}; "
-                         f"leave it None for 1/sqrt(D) = {1 / math.sqrt(d):.4g}")
-    return float(scale)
-
-
-def _check_dropout(dropout_p: object) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a number in [0, 1), got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
-    return float(dropout_p)
-
-
 def _plain_call(q: object, k: object, v: object, scale: object, dropout_p: object) -> AttentionCall | None:
     """The call for ``attention(q, k, v)`` with at most scale and dropout (an unmasked layer, a
     decode step on a full cache), in a few operations: None unless q, k and v pass every check
@@ -81,117 +41,18 @@ def _plain_call(q: object, k: object, v: object, scale: object, dropout_p: objec
         return None
     qs, ks, vs = q.shape, k.shape, v.shape
     dtype, device = q.dtype, q.device
-    if not (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and dtype in ALL_DTYPES
+    if not (len(qs) == 4 and len(ks) == 4 and len(vs) == 4 and dtype in FLOAT_DTYPES
             and k.dtype == dtype and v.dtype == dtype and k.device == device and v.device == device
             and qs[0] == ks[0] == vs[0] and ks[1] == vs[1] and ks[2] == vs[2] and ks[3] == qs[3]
             and min(qs) > 0 and min(ks) > 0 and vs[3] > 0 and qs[1] % ks[1] == 0):
         return None
     if _autocasting(device.type):
         return None
-    return AttentionCall(q=q, k=k, v=v, mask=None, bias=None, scale=_check_scale(scale, qs[3]),
-                         dropout_p=_check_dropout(dropout_p), return_lse=False)
+    return AttentionCall(q=q, k=k, v=v, mask=None, bias=None, scale=check_scale(scale, qs[3]),
+                         dropout_p=check_dropout(dropout_p), return_lse=False)
 
 
-def _validate(q: Tensor, k: Tensor, v: Tensor, mask: object, bias: object, causal: object,
-              scale: object, dropout_p: object, return_lse: object, score_mod: object = None,
-              need_weights: bool = False, sinks: object = None) -> AttentionCall:
-    q, k, v = _check_tensor("q", q), _check_tensor("k", k), _check_tensor("v", v)
-    b, hq, lq, d = q.shape
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"q, k and v must share a dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}; "
-                        "cast them with .to(q.dtype)")
-    if k.device != q.device or v.device != q.device:
-        raise ValueError(f"q, k and v must be on one device, got q {q.device}, k {k.device}, v {v.device}")
-    if k.shape[0] != b or v.shape[0] != b:
-        raise ValueError(f"batch sizes differ: q {b}, k {k.shape[0]}, v {v.shape[0]}")
-    hkv, lk = k.shape[1], k.shape[2]
-    if v.shape[1] != hkv or v.shape[2] != lk:
-        raise ValueError(f"k and v must have the same heads and length: k {_name(k)}, v {_name(v)}")
-    if k.shape[3] != d:
-        raise ValueError(f"q and k must have the same head dim D: q has {d}, k has {k.shape[3]}")
-    if hq % hkv:
-        raise ValueError(f"q has {hq} heads and k/v have {hkv}; Hq must be a multiple of Hkv (GQA)")
-
-    if isinstance(causal, bool):
-        align = "top_left" if causal else None
-        if causal and lq != lk:
-            raise ValueError(f"causal=True needs Lq == Lk, got Lq={lq}, Lk={lk}; name the alignment: "
-                             "causal='top_left' (query i sees keys <= i) or causal='bottom_right' "
-                             "(the last query sees every key, as in decoding)")
-    elif causal in ("top_left", "bottom_right"):
-        align = causal
-    else:
-        raise ValueError(f"causal must be False, True, 'top_left' or 'bottom_right', got {causal!r}")
-
-    m: Mask | None
-    if mask is None:
-        m = None
-    elif isinstance(mask, Mask):
-        m = mask
-    elif isinstance(mask, Tensor):
-        if mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}; "
-                            "pass an additive float mask as bias=, and 0/1 values as mask.bool()")
-        if mask.device != q.device:
-            raise ValueError(f"mask is on {mask.device} but q is on {q.device}; move it with .to(q.device)")
-        m = _masks.from_tensor(mask)
-    else:
-        raise TypeError(f"mask must be None, a selfattn.masks.Mask or a bool tensor, got {type(mask).__name__}")
-    if m is not None:
-        try:
-            m.check(b, hq, lq, lk)
-        except ValueError as e:
-            raise ValueError(f"mask: {e}") from None
-    if align is not None:
-        c = _masks.causal(align)
-        m = c if m is None else c & m
-
-    if bias is not None:
-        if not isinstance(bias, Tensor):
-            raise TypeError(f"bias must be None or a float tensor, got {type(bias).__name__}")
-        if not bias.dtype.is_floating_point:
-            raise TypeError(f"bias must be a float tensor added to the scores, got dtype {bias.dtype}; "
-                            "pass a bool visibility tensor as mask= instead")
-        if bias.device != q.device:
-            raise ValueError(f"bias is on {bias.device} but q is on {q.device}; move it with .to(q.device)")
-        want = (b, hq, lq, lk)
-        shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
-        if bias.dim() > 4 or any(s not in (1, w) for s, w in zip(shape, want, strict=True)):
-            raise ValueError(f"bias of shape {tuple(bias.shape)} does not broadcast to "
-                             f"(B, Hq, Lq, Lk) = {want}; use size 1 for dims that broadcast")
-        bias = bias.reshape(shape)
-
-    if torch.compiler.is_compiling() and (scale is not None or dropout_p):
-        scale, dropout_p = specialized(scale), specialized(dropout_p)  # a float dynamo made dynamic: a constant
-    scale_f, dropout_f = _check_scale(scale, d), _check_dropout(dropout_p)
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
-
-    mod: _scores.ScoreMod | None
-    if score_mod is None or isinstance(score_mod, _scores.ScoreMod):
-        mod = score_mod
-    elif callable(score_mod):
-        mod = _scores.custom(score_mod)
-    else:
-        raise TypeError(f"score_mod must be None, a selfattn.scores modifier or a callable (score, b, h, i, j), "
-                        f"got {type(score_mod).__name__}")
-    if mod is not None and mod.num_heads() not in (None, hq):
-        raise ValueError(f"score_mod {mod!r} is built for {mod.num_heads()} heads, but q has {hq}")
-
-    if sinks is not None:
-        if not isinstance(sinks, Tensor):
-            raise TypeError(f"sinks must be None or a float tensor of shape (Hq,), got {type(sinks).__name__}")
-        if not sinks.dtype.is_floating_point:
-            raise TypeError(f"sinks must be a float tensor (one logit per query head), got dtype {sinks.dtype}")
-        if tuple(sinks.shape) != (hq,):
-            raise ValueError(f"sinks must have shape (Hq,) = ({hq},), one logit per query head, "
-                             f"got {tuple(sinks.shape)}")
-        if sinks.device != q.device:
-            raise ValueError(f"sinks is on {sinks.device} but q is on {q.device}; move it with .to(q.device)")
-
-    return AttentionCall(q=q, k=k, v=v, mask=m, bias=bias, scale=scale_f,  # type: ignore[arg-type]
-                         dropout_p=dropout_f, return_lse=return_lse, need_weights=need_weights,
-                         score_mod=mod, sinks=sinks)  # type: ignore[arg-type]
+_validate = build_call  # the full path's checks (a module attribute, so tests can watch it)
 
 
 @dataclass(frozen=True)
@@ -235,12 +96,8 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
 
 
 def _forced_name(backend: object) -> str | None:
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-    if backend != "auto" and backend not in REGISTRY:
-        raise ValueError(f"unknown backend {backend!r}; expected 'auto' or one of {sorted(REGISTRY)}")
-    if backend != "auto":
-        return backend
+    if (name := check_backend(backend, REGISTRY)) != "auto":
+        return name
     return _TRACED_FORCED if torch.compiler.is_compiling() else _FORCED.get()
 
 
@@ -253,8 +110,9 @@ def _autocast(q: object, k: object, v: object, bias: object) -> tuple:
     dtype = torch.get_autocast_dtype(q.device.type)
 
     def cast(t: object) -> object:
-        ok = isinstance(t, Tensor) and t.dtype.is_floating_point and t.dtype != torch.float64
-        return t.to(dtype) if ok else t  # type: ignore[union-attr]
+        if isinstance(t, Tensor) and t.dtype.is_floating_point and t.dtype != torch.float64:
+            return t.to(dtype)
+        return t
     return cast(q), cast(k), cast(v), cast(bias)
 
 
@@ -281,6 +139,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = .
               dropout_p: float = ..., backend: str = ..., return_lse: Literal[True],
               score_mod: _scores.ScoreMod | ScoreFn | None = ...,
               sinks: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
+@overload
+def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = ...,
+              bias: Tensor | None = ..., causal: Causal = ..., scale: float | None = ...,
+              dropout_p: float = ..., backend: str = ..., return_lse: bool,
+              score_mod: _scores.ScoreMod | ScoreFn | None = ...,
+              sinks: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
               bias: Tensor | None = None, causal: Causal = False, scale: float | None = None,
               dropout_p: float = 0.0, backend: str = "auto", return_lse: bool = False,

@@ -69,12 +69,11 @@ class SelfAttention(nn.Module):
         q = self.query(x).unsqueeze(1)  # (B, 1, L, E): one head
         k = self.key(x).unsqueeze(1)
         v = self.value(x).unsqueeze(1)
-        kwargs = dict(mask=_module_mask(mask), causal=causal,
-                      dropout_p=self.dropout if self.training else 0.0)
+        m, dropout_p = _module_mask(mask), self.dropout if self.training else 0.0
         if need_weights:
-            out, w = attention_with_weights(q, k, v, **kwargs)
+            out, w = attention_with_weights(q, k, v, mask=m, causal=causal, dropout_p=dropout_p)
             return out.squeeze(1), w.squeeze(1)
-        return attention(q, k, v, **kwargs).squeeze(1)
+        return attention(q, k, v, mask=m, causal=causal, dropout_p=dropout_p).squeeze(1)
 
 
 class MultiHeadAttention(nn.Module):
@@ -147,6 +146,8 @@ class MultiHeadAttention(nn.Module):
             if mask is not None or causal is not False or context is not None:
                 raise ValueError("with a cache, visibility comes from positions (each query sees its sequence's "
                                  "tokens at positions <= its own); don't pass mask, causal or context")
+            weight = self.qkv.weight
+            cache.check_fits(weight.dtype, weight.device, f"this {type(self).__name__}'s projection")
         b, lq, _ = x.shape
         if context is None:
             # one view of the fused projection as (B, H + 2G, L, D) heads, split into three views
@@ -164,6 +165,7 @@ class MultiHeadAttention(nn.Module):
             pos = torch.arange(lq, device=x.device) if positions is None else positions.clamp(min=0)
             q, k = apply_rope(q, pos, base=self.rope_base), apply_rope(k, pos, base=self.rope_base)
         if cache is not None:
+            assert positions is not None  # checked above
             k, v, mask = cache.update(positions, k, v)  # (B, G, S', D), (B, 1, L, S') or None
         dropout_p = self.dropout if self.training else 0.0
         if mask is not None:

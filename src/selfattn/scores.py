@@ -23,11 +23,17 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ._fields import Declared
+
 __all__ = ["ScoreMod", "alibi", "alibi_slopes", "chain", "custom", "softcap"]
 
 
-class ScoreMod:
-    """A score modifier. ``additive`` ones are ``score + bias(b, h, i, j)``."""
+class ScoreMod(Declared):
+    """A score modifier. ``additive`` ones are ``score + bias(b, h, i, j)``.
+
+    A modifier is made of its constructor's arguments (:meth:`fields`, :meth:`from_fields`): store
+    each under its own name, or override both, so that ``torch.compile`` can take it apart.
+    """
 
     additive = False
 
@@ -41,6 +47,22 @@ class ScoreMod:
     def num_heads(self) -> int | None:
         """The number of heads this modifier is built for (None: any)."""
         return None
+
+    def heads(self, start: int, count: int) -> ScoreMod:
+        """This modifier on heads ``start:start + count`` of the call it was built for, seen as local
+        heads 0..count-1: for a call that holds only those heads (one rank's heads in all-to-all
+        context parallelism).
+
+        Example:
+            >>> mod = scores.alibi(scores.alibi_slopes(8)).heads(4, 4)   # slopes 4..7 for heads 0..3
+        """
+        for name, value in (("start", start), ("count", count)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "count" else 0):
+                raise ValueError(f"heads {name} must be an int >= {1 if name == 'count' else 0}, got {value!r}")
+        total = self.num_heads()
+        if total is not None and start + count > total:
+            raise ValueError(f"heads({start}, {count}) reaches past the {total} heads of {self!r}")
+        return _Heads(self, start, count)
 
 
 class _Alibi(ScoreMod):
@@ -114,13 +136,32 @@ class _Chain(ScoreMod):
                                                                                 device=i.device))
 
     def num_heads(self) -> int | None:
-        sizes = {m.num_heads() for m in self.mods} - {None}  # (a walrus here is not traceable by dynamo)
+        sizes = {n for n in (m.num_heads() for m in self.mods) if n is not None}  # (no walrus: dynamo)
         if len(sizes) > 1:
             raise ValueError(f"chained score modifiers are built for different head counts {sorted(sizes)}")
         return sizes.pop() if sizes else None
 
     def __repr__(self) -> str:
         return " then ".join(map(repr, self.mods))
+
+
+class _Heads(ScoreMod):
+    """A modifier built for more heads, on heads start:start+count as local heads 0..count-1."""
+
+    def __init__(self, inner: ScoreMod, start: int, count: int) -> None:
+        self.inner, self.start, self.count, self.additive = inner, start, count, inner.additive
+
+    def __call__(self, score, b, h, i, j):
+        return self.inner(score, b, h + self.start, i, j)
+
+    def bias(self, b, h, i, j, dtype=torch.float32):
+        return self.inner.bias(b, h + self.start, i, j, dtype)
+
+    def num_heads(self) -> int | None:
+        return None if self.inner.num_heads() is None else self.count
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r}[heads {self.start}:{self.start + self.count}]"
 
 
 def alibi_slopes(num_heads: int) -> Tensor:
@@ -209,5 +250,5 @@ def score_mod_bias(mod: ScoreMod, idx: tuple[Tensor, Tensor, Tensor, Tensor], dt
     """The bias of an additive modifier on a block, computed in ``dtype`` and broadcastable to
     (B, Hq, rows, keys), checked like :func:`apply_score_mod`."""
     shape = torch.broadcast_shapes(*(t.shape for t in idx))
-    bias = _call(mod, lambda *a: mod.bias(*a, dtype=dtype), idx, shape, "its bias")
+    bias = _call(mod, lambda b, h, i, j: mod.bias(b, h, i, j, dtype=dtype), idx, shape, "its bias")
     return _fit(mod, bias, shape, "its bias", exact=False).to(dtype)

@@ -364,9 +364,10 @@ def check_against_reference(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: 
         g = torch.Generator().manual_seed(seed + 1)
         dout = torch.randn(ref.shape, generator=g, dtype=torch.float64).to(q.device)
         names = ["q", "k", "v"] + (["sinks"] if grad_sinks else [])
-        extra = [s64, sn, sa] if grad_sinks else [None, None, None]
-        ins64, insn, insa = ([*xs, e] if grad_sinks else list(xs) for xs, e in
-                             zip([(q64, k64, v64), (qn, kn, vn), (qa, ka, va)], extra, strict=True))
+        ins64, insn, insa = [q64, k64, v64], [qn, kn, vn], [qa, ka, va]
+        if grad_sinks:
+            assert s64 is not None and sn is not None and sa is not None
+            ins64, insn, insa = [*ins64, s64], [*insn, sn], [*insa, sa]
         gref = torch.autograd.grad(ref, ins64, dout)
         gnaive = torch.autograd.grad(naive, insn, dout.to(q.dtype))
         gout = torch.autograd.grad(out, insa, dout.to(q.dtype))

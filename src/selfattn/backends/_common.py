@@ -49,3 +49,4 @@ def unit_stride(t: Tensor) -> Tensor:
     """``t`` itself when its last dim has stride 1, else a contiguous copy: torch's raw fused CPU
     ops read the last dim as if it were unit-stride."""
     return t if t.stride(-1) == 1 else t.contiguous()
+

@@ -15,11 +15,11 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor
 
-from .._call import AttentionCall
+from .._call import FLOAT_DTYPES, AttentionCall
 
 __all__ = ["ALL_DTYPES", "Backend", "bias_rounds_in_kernel"]
 
-ALL_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+ALL_DTYPES = FLOAT_DTYPES
 
 
 def bias_rounds_in_kernel(call: AttentionCall) -> str | None:

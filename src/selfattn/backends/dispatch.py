@@ -21,8 +21,9 @@ import torch
 
 from .._call import AttentionCall
 from ..masks import EMPTY
-from . import REGISTRY, _ops
+from . import REGISTRY
 from .chunked import ChunkedBackend
+from .chunked import compiled as _compiled
 from .sdpa import SdpaBackend
 
 __all__ = ["DENSE_MASK_LIMIT", "DENSE_MASK_MEMORY_LIMIT", "SKIP_FRACTION", "Choice", "choose", "choose_plain",
@@ -57,7 +58,7 @@ def _empty_tile_fraction(call: AttentionCall, block: int) -> float:
     if call.mask is None:
         return 0.0
     if torch.compiler.is_compiling():  # no data-dependent decision in a graph: the mask's structure only
-        return _ops.static_empty_fraction(call.mask, call.lq, call.lk, block)
+        return _compiled.static_empty_fraction(call.mask, call.lq, call.lk, block)
     tiles = call.mask.tiles(call.lq, call.lk, block, block, call.device)
     return float((tiles == EMPTY).float().mean())
 

@@ -12,6 +12,7 @@ Shape legend: B batch, H heads, L total length, W world size, D head dim.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -25,10 +26,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from rich.progress import Progress, TaskID
+from rich.table import Table
 
-from .worker import _Memory
+from .memory import Memory
 
-__all__ = ["CASES", "run_point", "spawn_and_join"]
+__all__ = ["CASES", "IN_ALL", "NAME", "grid", "points", "run", "run_point", "spawn_and_join", "tables"]
+
+NAME = "distributed"
+IN_ALL = False
 
 CASES = ["causal", "documents(8)+causal"]
 WORLDS = [1, 2, 4]
@@ -83,10 +89,12 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         def step() -> None:
             for t in (q, k, v):
                 t.grad = None
-            sad.attention(q, k, v, layout=layout, strategy=strategy, timeout=600, **kw).sum().backward()
+            out = sad.attention(q, k, v, layout=layout, strategy=strategy, timeout=600, **kw)
+            assert isinstance(out, torch.Tensor)
+            out.sum().backward()
 
         step()  # warm-up
-        mem = _Memory("cpu")
+        mem = Memory("cpu")
         dist.barrier()
         mem.start()
         times, waits = [], []
@@ -156,6 +164,45 @@ def points(lengths: list[int] | None, quick: bool, repeats: int | None) -> list[
                     out.append(dict(suite="distributed", case=case, L=length, W=world, layout="zigzag",
                                     strategy=strategy, H=H, D=D, mode="fwd+bwd", repeats=repeats or 2))
     return out
+
+
+def grid(args: argparse.Namespace) -> list[dict]:
+    return points(args.lengths, args.quick, args.repeats)
+
+
+def run(todo: list[dict], args: argparse.Namespace, progress: Progress, task: TaskID) -> list[dict]:
+    """:func:`run_point` on every point, each on its own spawned processes."""
+    out = []
+    for p in todo:
+        progress.update(task, description=f"distributed {p['case']} {p['strategy']} W={p['W']} L={p['L']}")
+        out.append({**p, **run_point(p)})
+        progress.advance(task)
+    return out
+
+
+def tables(results: list[dict]) -> list[Table]:
+    """One row per point: time and peak memory per rank, each also as a ratio to W = 1."""
+    table = Table(title="context parallelism (zigzag, fwd+bwd, per rank; x = ratio to W=1; hidden = share of "
+                        "communication overlapped by compute)")
+    for col in ("case", "L", "strategy", "W", "time s", "x", "peak MiB", "x", "comm alone s", "hidden"):
+        table.add_column(col)
+    rows = [r for r in results if r["suite"] == "distributed"]
+    if not rows:
+        return []
+    base = {(r["case"], r["L"], r["strategy"]): r for r in rows if r["W"] == 1 and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] != "ok":
+            table.add_row(r["case"], str(r["L"]), r["strategy"], str(r["W"]), r["status"], "", r.get("note", ""),
+                          "", "", "")
+            continue
+        b = base.get((r["case"], r["L"], r["strategy"]))
+        mib = max(0, r["peak_bytes"]) / 2**20  # resident growth; the allocator's reuse can make it ~0
+        hidden = "-" if r["hidden"] is None else f"{100 * r['hidden']:.0f}%"
+        peak_ratio = f"{r['peak_bytes'] / b['peak_bytes']:.2f}" if b and b["peak_bytes"] >= 2**20 else "-"
+        table.add_row(r["case"], str(r["L"]), r["strategy"], str(r["W"]), f"{r['time_s']:.2f}",
+                      f"{r['time_s'] / b['time_s']:.2f}" if b else "", f"{mib:.0f}", peak_ratio,
+                      f"{r['comm_alone_s']:.3f}", hidden)
+    return [table]
 
 
 if __name__ == "__main__":

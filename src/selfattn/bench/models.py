@@ -19,20 +19,16 @@ attention, so differences of whole-step peaks would understate it).
 Each point runs in its own process, so its peak memory is its own; time is the median of the
 repeats, with the first (warm-up) step reported apart.
 
-Generation (rows of suite ``models-generate``): the same model (weights shared by selfattn and
-sdpa, vocabulary 1024) greedily generates 48 tokens after a 256-token prompt, B = 1 and 8, with a
-dynamic and a static cache in eager mode, and with a static cache and the forward compiled by
-``generate`` (``CompileConfig(fullgraph=True)``, inductor). selfattn and sdpa run in one process,
-timed in turns (:func:`~selfattn.bench.timing.time_interleaved`), so their ratio is taken repeat
-by repeat; the time is per generated token (the whole ``generate`` call, prefill included, over
-48); the first call (compilation, for the compiled points) is reported apart, and whether the
-two produced the same tokens.
+The suite also times greedy generation with the same model, selfattn vs sdpa (rows of suite
+``models-generate``, see :mod:`selfattn.bench.generation`); ``--cases train`` or ``--cases generate``
+runs one half.
 
-Shape legend: L tokens in the row; B batch.
+Shape legend: L tokens in the row.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -41,11 +37,16 @@ import time
 from typing import Any
 
 import torch
+from rich.progress import Progress, TaskID
+from rich.table import Table
 
-from .worker import _Memory
+from .memory import Memory
 
-__all__ = ["DOCS", "GENERATE_POINTS", "IMPLS", "attention_step", "generate_call", "measure", "measure_generate",
-           "model_step", "points", "run_generate_point", "run_point", "run_suite"]
+__all__ = ["DOCS", "IMPLS", "IN_ALL", "NAME", "attention_step", "grid", "measure", "model_step", "points", "run",
+           "run_point", "run_suite", "tables"]
+
+NAME = "models"
+IN_ALL = False
 
 IMPLS = ["selfattn", "sdpa", "eager", "none"]
 DOCS = 8
@@ -66,6 +67,11 @@ def _passthrough(module: Any, query: torch.Tensor, key: torch.Tensor, value: tor
     """No attention: each query head takes its key/value head's value at its own position."""
     g = query.shape[1] // value.shape[1]
     return value.repeat_interleave(g, 1).transpose(1, 2).contiguous(), None
+
+
+def register() -> None:
+    """selfattn and the pass-through baseline ("none") as transformers attention implementations."""
+    _register()
 
 
 def _register() -> None:
@@ -111,7 +117,7 @@ def attention_step(impl: str, length: int, seed: int = 0):
     cfg = transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                                    num_hidden_layers=1, vocab_size=VOCAB, max_position_embeddings=length)
     cfg._attn_implementation = impl
-    module = torch.nn.Module()
+    module: Any = torch.nn.Module()  # what transformers' attention functions read of a layer
     module.num_key_value_groups, module.is_causal, module.training = HEADS // KV_HEADS, True, True
     fn = modeling_llama.eager_attention_forward if impl == "eager" else transformers.AttentionInterface()[impl]
     g = torch.Generator().manual_seed(seed + 1)
@@ -131,76 +137,6 @@ def attention_step(impl: str, length: int, seed: int = 0):
     return step
 
 
-PROMPT, NEW_TOKENS = 256, 48
-GENERATE_IMPLS = ("selfattn", "sdpa")
-# (cache, mode, B): eager generation with each cache, and generate()'s compiled forward (static cache)
-GENERATE_POINTS = [(cache, "eager", b) for cache in ("dynamic", "static") for b in (1, 8)] + [
-    ("static", "compiled", b) for b in (1, 8)]
-
-
-def generate_call(impl: str, batch: int, cache: str, mode: str, seed: int = 0):
-    """(call, model): ``call()`` greedily generates :data:`NEW_TOKENS` tokens after a
-    :data:`PROMPT`-token prompt for ``batch`` sequences and returns them."""
-    import transformers
-
-    _register()
-    cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
-                                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
-                                   max_position_embeddings=PROMPT + NEW_TOKENS)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
-    model.generation_config.eos_token_id = None  # always NEW_TOKENS tokens
-    g = torch.Generator().manual_seed(seed + 1)
-    ids = torch.randint(0, VOCAB, (batch, PROMPT), generator=g)
-    kwargs: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                  pad_token_id=0)
-    if cache == "static":
-        kwargs["cache_implementation"] = "static"
-    if mode == "compiled":
-        config = transformers.CompileConfig(fullgraph=True)
-        config._compile_all_devices = True  # transformers 5.24: generate() compiles on a CPU only with this flag
-        kwargs["compile_config"] = config
-    else:
-        kwargs["disable_compile"] = True
-
-    def call() -> torch.Tensor:
-        with torch.inference_mode():
-            return model.generate(ids, **kwargs)
-    return call, model
-
-
-def run_generate_point(cache: str, mode: str, batch: int, repeats: int) -> list[dict]:
-    """selfattn and sdpa generating, timed in turns in this process: one row per implementation."""
-    from .timing import time_interleaved
-    calls, first, tokens = {}, {}, {}
-    for impl in GENERATE_IMPLS:
-        calls[impl] = generate_call(impl, batch, cache, mode)[0]
-        t0 = time.perf_counter()
-        tokens[impl] = calls[impl]()  # warm-up (compiles, for the compiled points)
-        first[impl] = time.perf_counter() - t0
-    timings = time_interleaved(calls, repeats, "cpu", warmup=0)
-    same = all(torch.equal(tokens[impl], tokens[GENERATE_IMPLS[0]]) for impl in GENERATE_IMPLS)
-    return [{"impl": impl, "case": f"{cache} cache", "mode": mode, "B": batch, "L": PROMPT,
-             "time_s": timings[impl].median / NEW_TOKENS, "times": [t / NEW_TOKENS for t in timings[impl].times],
-             "first_s": first[impl], "same_tokens": same} for impl in GENERATE_IMPLS]
-
-
-def measure_generate(point: tuple[str, str, int], repeats: int) -> list[dict]:
-    """One generation point (both implementations) in its own process; rows of suite
-    ``models-generate`` with their ratios to sdpa."""
-    from .ratios import attach_ratios
-    cache, mode, batch = point
-    cmd = [sys.executable, "-m", "selfattn.bench.models", "generate", cache, mode, str(batch), str(repeats)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-    base = {"suite": "models-generate", "case": f"{cache} cache", "mode": mode, "B": batch, "L": PROMPT}
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return [{**base, "impl": impl, "status": "error", "note": tail[0][:200]} for impl in GENERATE_IMPLS]
-    rows = [{**base, **r, "status": "ok"} for r in json.loads(proc.stdout.strip().splitlines()[-1])]
-    attach_ratios(rows, "models-generate", ("case", "mode", "B"), ("sdpa",))
-    return rows
-
-
 def estimate_bytes(impl: str, length: int, part: str = "model") -> int:
     """Rough peak of the implementations that hold (L, L) tensors, to skip points that cannot fit:
     eager keeps scores and weights of every layer for the backward; sdpa builds the bool mask and
@@ -217,7 +153,7 @@ def run_point(impl: str, length: int, repeats: int, part: str = "model") -> dict
 
     part: "model" (the whole training step) or "attention" (one layer's mask and attention)."""
     step = model_step(impl, length)[0] if part == "model" else attention_step(impl, length)
-    mem = _Memory("cpu")
+    mem = Memory("cpu")
     mem.start()
     t0 = time.perf_counter()
     step()
@@ -276,9 +212,67 @@ def run_suite(lengths: list[int], impls: list[str], repeats: int = 1, parts: tup
     return rows
 
 
+def grid(args: argparse.Namespace) -> list[dict]:
+    """The training points (``--cases train``) and the generation points (``--cases generate``); both by default."""
+    from .generation import GENERATE_POINTS
+
+    halves = args.cases or ["train", "generate"]
+    impls = [i for i in IMPLS if not args.impls or i in args.impls]
+    train = points(args.lengths or ([1024] if args.quick else [8192, 16384]), impls) if "train" in halves else []
+    generate = [dict(suite="models-generate", cache=c, mode=m, B=b)
+                for c, m, b in (GENERATE_POINTS[:1] if args.quick else GENERATE_POINTS)] if "generate" in halves else []
+    return train + generate
+
+
+def run(todo: list[dict], args: argparse.Namespace, progress: Progress, task: TaskID) -> list[dict]:
+    """:func:`measure` every training point, :func:`~selfattn.bench.generation.measure_generate` every generation
+    point."""
+    from .generation import measure_generate
+
+    out = []
+    for p in todo:
+        if p["suite"] == "models-generate":
+            progress.update(task, description=f"models (generate) {p['mode']}, {p['cache']} cache, B={p['B']}")
+            out += measure_generate((p["cache"], p["mode"], p["B"]), args.repeats or 5)
+        else:
+            progress.update(task, description=f"models ({p['part']}) {p['impl']} L={p['L']}")
+            out.append({**p, **measure(p, args.repeats or 1)})
+        progress.advance(task)
+    return out
+
+
+def tables(results: list[dict]) -> list[Table]:
+    """One row per point: time and peak memory, each also as a ratio to transformers' sdpa."""
+    table = Table(title=f"Llama-shaped model on one packed row of {DOCS} documents, fwd+bwd "
+                        "(attention = one layer's mask + attention alone; model = the whole training step; "
+                        "x = ratio to sdpa)")
+    for col in ("part", "L", "impl", "time s", "x sdpa", "peak MiB", "x sdpa"):
+        table.add_column(col)
+    rows = [r for r in results if r["suite"] == "models"]
+    generation = _generation_tables(results)
+    if not rows:
+        return generation
+    sdpa = {(r["part"], r["L"]): r for r in rows if r["impl"] == "sdpa" and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] != "ok":
+            table.add_row(r["part"], str(r["L"]), r["impl"], r["status"], r.get("note", ""), "", "")
+            continue
+        b = sdpa.get((r["part"], r["L"]))
+        table.add_row(r["part"], str(r["L"]), r["impl"], f"{r['time_s']:.2f}",
+                      f"{r['time_s'] / b['time_s']:.2f}x" if b else "-", f"{r['peak_bytes'] / 2**20:.0f}",
+                      f"{r['peak_bytes'] / b['peak_bytes']:.2f}x" if b and b["peak_bytes"] > 0 else "-")
+    return [table, *generation]
+
+
+def _generation_tables(results: list[dict]) -> list[Table]:
+    from .generation import NEW_TOKENS, PROMPT
+    from .report import ratio_tables
+
+    return ratio_tables(results, "models-generate", ("case", "mode", "B"), "sdpa",
+                        f"Greedy generation, {PROMPT}-token prompt, {NEW_TOKENS} new tokens: time per token "
+                        "(x = ratio to sdpa, per repeat: median (min-max))")
+
+
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("SELFATTN_BENCH_THREADS", torch.get_num_threads())))
-    if sys.argv[1] == "generate":
-        print(json.dumps(run_generate_point(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]))))
-    else:
-        print(json.dumps(run_point(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))
+    print(json.dumps(run_point(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])))

@@ -29,6 +29,7 @@ import selfattn
 from selfattn import masks
 
 from .anchors import compiled_flex, flex_block_mask, textbook_attention
+from .memory import Memory
 from .timing import Timing, sync, time_call, time_interleaved
 
 WINDOW = 256
@@ -83,38 +84,6 @@ def case_batch(name: str) -> int:
     if name in PADDED_LENGTHS:
         return len(PADDED_LENGTHS[name])
     return 2 if name.startswith("padding") else 1
-
-
-class _Memory:
-    """Peak extra memory of what runs between start() and stop()."""
-
-    def __init__(self, device: str) -> None:
-        self.cuda = device.startswith("cuda")
-
-    @staticmethod
-    def _status(key: str) -> int:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key):
-                    return int(line.split()[1]) * 1024
-        return 0
-
-    def start(self) -> None:
-        gc.collect()
-        if self.cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset the high-water mark to the current resident size
-            self.base = self._status("VmRSS")
-
-    def stop(self) -> int:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - self.base
-        return self._status("VmHWM") - self.base
 
 
 def make_step(fn: Callable[[], Tensor], params: list[Tensor], backward: bool) -> Callable[[], None]:
@@ -188,7 +157,7 @@ def measure_memory(spec: dict) -> dict:
     device = spec["device"]
     _warm_step(spec, device)
     prepare, _inputs = _attention_step(spec, small=False)
-    mem = _Memory(device)
+    mem = Memory(device)
     mem.start()
     step = prepare()
     first = time_call(step, device)

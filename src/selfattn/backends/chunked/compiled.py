@@ -14,10 +14,16 @@ primitives:
   traces the call (:func:`register` runs then, for real);
 - ``scale``, ``dropout_p`` and the dropout seed as a tensor, drawn inside the compiled graph.
 
+Masks and modifiers are taken apart through what they declare they are made of
+(``Mask.fields()``, ``ScoreMod.fields()``) and built again with ``from_fields``, so a user's
+subclass works here as long as it declares its fields (by default: its constructor's arguments,
+stored under their names).
+
 At run time the op rebuilds the mask and the modifier from the structure and the tensors it is
 given, and computes the schedule (the tile map) from the real tensors, so no data-dependent Python
-reaches dynamo. The backward op recomputes the same schedule from the saved tensors; torch's
-saved-tensor check refuses mask tensors changed in place between the forward and the backward.
+reaches dynamo; the forward and the backward are the eager path's own (:mod:`.loops`). The
+backward op recomputes the same schedule from the saved tensors; torch's saved-tensor check
+refuses mask tensors changed in place between the forward and the backward.
 
 The same structure gives dispatch its static cost model under compile
 (:func:`static_empty_fraction`).
@@ -28,18 +34,20 @@ Shape legend: B batch, Hq query heads, Lq/Lk lengths, Dv value head dim.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import enum
 import operator
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import Tensor
 
-from .._call import AttentionCall, compute_dtype
-from ..masks import EMPTY, Mask
-from ..scores import ScoreMod
-from . import chunked
-from ._common import unit_stride
+from ..._call import AttentionCall, compute_dtype, specialized
+from ..._fields import Declared
+from ...masks import EMPTY, Mask
+from . import loops
+from .kernels import Problem
+from .options import ChunkedOptions
+from .plan import Plan
 
 __all__ = ["chunked_attention", "chunked_bwd", "chunked_fwd", "register", "static_empty_fraction"]
 
@@ -48,19 +56,22 @@ Struct = tuple  # nested tuples of constants, see flatten()
 _REGISTRY: dict[str, Struct] = {}
 """key -> (mask structure, score modifier structure, chunked options, fused kernel)."""
 
+_CONSTANTS = (type(None), bool, str, torch.dtype, torch.device, enum.Enum)
+
 
 def flatten(obj: object, tensors: list[Tensor]) -> Struct:
     """The structure of a mask, a score modifier or None: nested tuples of constants in which each
     tensor is replaced by its index in ``tensors`` (appended to). Masks and modifiers are taken
-    apart by their attributes (tensors, masks, modifiers, tuples, numbers, strings, functions)."""
+    apart by their declared fields (tensors, masks, modifiers, tuples and lists, numbers, strings,
+    dtypes, devices, enums, functions)."""
     if isinstance(obj, Tensor):
         tensors.append(obj)
         return ("tensor", len(tensors) - 1)
-    if isinstance(obj, (Mask, ScoreMod)):
-        return ("object", type(obj), tuple((name, flatten(value, tensors)) for name, value in vars(obj).items()))
-    if isinstance(obj, tuple):
-        return ("tuple", tuple(flatten(x, tensors) for x in obj))
-    if obj is None or isinstance(obj, (bool, str)):
+    if isinstance(obj, Declared):
+        return ("object", type(obj), tuple((name, flatten(value, tensors)) for name, value in obj.fields()))
+    if isinstance(obj, (tuple, list)):
+        return ("tuple" if isinstance(obj, tuple) else "list", tuple(flatten(x, tensors) for x in obj))
+    if isinstance(obj, _CONSTANTS):
         return ("const", obj)
     if isinstance(obj, int):
         return ("const", operator.index(obj))  # an int dynamo made dynamic (a window size) is specialized
@@ -68,15 +79,10 @@ def flatten(obj: object, tensors: list[Tensor]) -> Struct:
         return ("const", specialized(obj))
     if callable(obj):  # a custom score modifier's or from_mask_mod's function
         return ("function", obj)
-    raise TypeError(f"under torch.compile the chunked backend takes masks and score modifiers apart by their "
-                    f"attributes (tensors, masks, numbers, strings, functions); it cannot take a "
-                    f"{type(obj).__name__}")
-
-
-def specialized(x: float) -> float:
-    """``x``; under torch.compile a float that dynamo made dynamic (it changed between calls) becomes
-    a constant again, guarded on its value: a set's element is specialized, and ops take plain floats."""
-    return next(iter({x}))
+    raise TypeError(f"under torch.compile the chunked backend takes masks and score modifiers apart by the fields "
+                    f"they declare (tensors, masks, modifiers, tuples, lists, numbers, strings, dtypes, devices, "
+                    f"functions); it cannot take a {type(obj).__name__}: keep it out of fields(), or run the call "
+                    "outside torch.compile")
 
 
 def rebuild(struct: Struct, tensors: Sequence[Tensor] | None) -> object:
@@ -88,18 +94,17 @@ def rebuild(struct: Struct, tensors: Sequence[Tensor] | None) -> object:
     if kind == "tensor":
         assert tensors is not None
         return tensors[struct[1]]
-    if kind == "tuple":
-        return tuple(rebuild(x, tensors) for x in struct[1])
+    if kind in ("tuple", "list"):
+        items = [rebuild(x, tensors) for x in struct[1]]
+        return tuple(items) if kind == "tuple" else items
     cls, fields = struct[1], struct[2]
-    if tensors is None and any(_reads_data(value) for _, value in fields):
+    if tensors is None and issubclass(cls, Mask) and any(_reads_data(value) for _, value in fields):
         return _Unknown()
-    obj = object.__new__(cls)
-    obj.__dict__.update({name: rebuild(value, tensors) for name, value in fields})
-    return obj
+    return cls.from_fields(**{name: rebuild(value, tensors) for name, value in fields})
 
 
 def _reads_data(struct: Struct) -> bool:
-    if struct[0] == "tuple":
+    if struct[0] in ("tuple", "list"):
         return any(_reads_data(x) for x in struct[1])
     return struct[0] in ("tensor", "function")
 
@@ -115,8 +120,9 @@ def describe(struct: Struct) -> str:
         fn = struct[1]
         name = getattr(fn, "__qualname__", type(fn).__name__)
         return f"{getattr(fn, '__module__', None)}.{name}@{id(fn):#x}"
-    if kind == "tuple":
-        return "(" + ", ".join(describe(x) for x in struct[1]) + ")"
+    if kind in ("tuple", "list"):
+        inside = ", ".join(describe(x) for x in struct[1])
+        return f"({inside})" if kind == "tuple" else f"[{inside}]"
     cls, fields = struct[1], struct[2]
     return f"{cls.__module__}.{cls.__qualname__}(" + ", ".join(f"{n}={describe(v)}" for n, v in fields) + ")"
 
@@ -143,22 +149,18 @@ def register(mask: Struct, score_mod: Struct, options: tuple, fused: bool) -> st
     return key
 
 
-def _options_struct(opts: chunked.ChunkedOptions) -> tuple:
-    return tuple((f.name, getattr(opts, f.name)) for f in dataclasses.fields(opts))
-
-
 def _plan(q: Tensor, k: Tensor, tensors: Sequence[Tensor], key: str, scale: float, dropout_p: float,
-          seed: Tensor | None) -> chunked._Plan:
+          seed: Tensor | None) -> Plan:
     try:
         mask_struct, mod_struct, opts_struct, fused = _REGISTRY[key]
     except KeyError:
         raise RuntimeError(f"selfattn chunked op called with the unregistered key {key!r}: keys are registered "
                            "when selfattn.attention is traced; call the op only through selfattn.attention") from None
-    mask, mod = rebuild(mask_struct, tensors), rebuild(mod_struct, tensors)
-    opts = chunked.ChunkedOptions(**dict(opts_struct))  # the options traced with, whatever is in force now
-    return chunked._Plan.build(mask, mod, q.shape, k.shape[2], q.dtype, q.device,  # type: ignore[arg-type]
-                               scale=scale, dropout_p=dropout_p, seed=0 if seed is None else int(seed.item()),
-                               fused=fused, opts=opts)
+    problem = Problem.of(q, k, scale=scale, mask=rebuild(mask_struct, tensors),  # type: ignore[arg-type]
+                         score_mod=rebuild(mod_struct, tensors), dropout_p=dropout_p,  # type: ignore[arg-type]
+                         seed=0 if seed is None else int(seed.item()))
+    opts = ChunkedOptions(**dict(opts_struct))  # the options traced with, whatever is in force now
+    return Plan.build(problem, q.device, fused=fused, opts=opts)
 
 
 @torch.library.custom_op("selfattn::chunked_fwd", mutates_args=())
@@ -167,11 +169,7 @@ def chunked_fwd(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Ten
     """Chunked attention: out (B, Hq, Lq, Dv) in q's dtype and lse (B, Hq, Lq) in the compute dtype,
     with the sinks' term when given. ``key`` and ``tensors`` describe the mask and score modifier."""
     plan = _plan(q, k, tensors, key, scale, dropout_p, seed)
-    if plan.fused:  # the fused op reads the last dim as unit-stride
-        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
-    out, lse = chunked._forward(plan, q, k, v, bias)
-    if sinks is not None:
-        out, lse = chunked.add_sinks(out, lse, sinks)
+    out, lse = loops.forward(plan, *loops.kernel_inputs(plan, q, k, v), bias, sinks)
     return out.contiguous(), lse.contiguous()
 
 
@@ -197,12 +195,11 @@ def chunked_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | No
     """dq, dk, dv (shapes and dtypes of q, k, v) and dsinks ((Hq,), or empty without sinks), from the
     forward's (out, lse) with the sinks' term: its probabilities exp(s - lse) are then the sinks'."""
     plan = _plan(q, k, tensors, key, scale, dropout_p, seed)
-    if plan.fused:
-        q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
-    dout = dout.contiguous()
-    with _autograd_inside() if plan.score_mod is not None and not plan.score_mod.additive else contextlib.nullcontext():
-        dq, dk, dv = chunked._backward(plan, q, k, v, bias, out, lse, dout)
-    dsinks = q.new_empty(0) if sinks is None else chunked.sinks_grad(dout, out, lse, sinks)
+    mod = plan.problem.score_mod
+    with _autograd_inside() if mod is not None and not mod.additive else contextlib.nullcontext():
+        dq, dk, dv, dsinks = loops.backward(plan, *loops.kernel_inputs(plan, q, k, v), bias, sinks, out, lse,
+                                            dout.contiguous())
+    dsinks = q.new_empty(0) if dsinks is None else dsinks
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks.contiguous()
 
 
@@ -230,11 +227,11 @@ def _backward(ctx, dout: Tensor, _dlse: Tensor | None) -> tuple:
 chunked_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def chunked_attention(call: AttentionCall, opts: chunked.ChunkedOptions, fused: bool) -> tuple[Tensor, Tensor, None]:
+def chunked_attention(call: AttentionCall, opts: ChunkedOptions, fused: bool) -> tuple[Tensor, Tensor, None]:
     """``ChunkedBackend.run`` as one ``selfattn::chunked_fwd`` call: (out, lse float32, None)."""
     tensors: list[Tensor] = []
-    key = register(flatten(call.mask, tensors), flatten(call.score_mod, tensors), _options_struct(opts), fused)
-    # the draw of chunked.draw_seed, kept a tensor (.item() would break the graph); the op reads it
+    key = register(flatten(call.mask, tensors), flatten(call.score_mod, tensors), opts.as_pairs(), fused)
+    # the draw of dropout.draw_seed, kept a tensor (.item() would break the graph); the op reads it
     seed = torch.randint(0, 1 << 62, (1,)) if call.dropout_p > 0 else None
     out, lse = chunked_fwd(call.q, call.k, call.v, call.bias, call.sinks, tensors, key, specialized(call.scale),
                            specialized(call.dropout_p), seed)

@@ -1,0 +1,91 @@
+"""One distributed call, validated: :class:`Spec`, what every rank computes with and must agree on.
+
+The arguments that ``selfattn.attention`` also takes are checked by its own checkers
+(``selfattn._checks``), so the same bad input gets the same error from both; what only context
+parallelism needs (one local length, the layout, the strategy, heads divisible by W) is checked here.
+
+Shape legend: B batch, H query heads, Hkv key/value heads, L the global length, W the world size,
+n = L / W tokens per rank, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from .. import masks as _masks
+from .._checks import (
+    check_backend,
+    check_causal,
+    check_dropout,
+    check_mask,
+    check_qkv,
+    check_return_lse,
+    check_scale,
+    check_score_mod,
+)
+from ..backends import REGISTRY
+from ..masks import Mask
+from ..scores import ScoreMod
+from .group import Group
+from .layout import check_layout, num_chunks
+
+__all__ = ["STRATEGIES", "Spec", "Strategy", "validate"]
+
+Strategy = Literal["ring", "all_to_all"]
+STRATEGIES = ("ring", "all_to_all")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A validated call: the layout, the strategy and the attention's arguments (the mask as given,
+    on global positions; ``causal`` apart), and the dropout seed every rank uses (rank 0's)."""
+
+    layout: str
+    strategy: str
+    mask: Mask | None
+    score_mod: ScoreMod | None
+    causal: bool
+    scale: float
+    dropout_p: float
+    return_lse: bool
+    backend: str
+    seed: int = 0
+
+    def full_mask(self) -> Mask | None:
+        """The mask with causal folded in (self-attention: both alignments are the same)."""
+        if not self.causal:
+            return self.mask
+        return _masks.causal() if self.mask is None else _masks.causal() & self.mask
+
+
+def validate(q: object, k: object, v: object, g: Group, layout: object, strategy: object, mask: object,
+             causal: object, scale: object, dropout_p: object, score_mod: object, return_lse: object,
+             backend: object) -> Spec:
+    """The :class:`Spec` of a call, or the error ``selfattn.attention`` gives for the same argument."""
+    q, k, v = check_qkv(q, k, v)
+    check_layout(layout)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be 'ring' or 'all_to_all', got {strategy!r}")
+    b, h, n, d = q.shape
+    if k.shape[2] != n:
+        raise ValueError(f"context-parallel self-attention needs q (B, H, n, D), k (B, Hkv, n, D) and "
+                         f"v (B, Hkv, n, Dv) with one local length n; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}")
+    if n % (num_chunks(layout, g.world) // g.world):  # type: ignore[arg-type]
+        raise ValueError(f"layout 'zigzag' needs L divisible by 2W = {2 * g.world}: this rank holds {n} tokens, "
+                         "an odd number, so the global length is not; pad the sequence to a multiple of 2W")
+    if strategy == "all_to_all" and (h % g.world or k.shape[1] % g.world):
+        raise ValueError(f"strategy 'all_to_all' splits heads across the {g.world} ranks: q heads ({h}) and "
+                         f"k/v heads ({k.shape[1]}) must be divisible by W = {g.world}; use strategy='ring'")
+    length = n * g.world
+    align = check_causal(causal, length, length)
+    m = check_mask(mask, q.device, b, h, length, length)
+    spec = Spec(layout=layout, strategy=strategy, mask=m, causal=align is not None,  # type: ignore[arg-type]
+                scale=check_scale(scale, d), dropout_p=check_dropout(dropout_p),
+                return_lse=check_return_lse(return_lse), score_mod=check_score_mod(score_mod, h),
+                backend=check_backend(backend, REGISTRY))
+    if strategy == "ring" and backend != "auto":
+        raise ValueError(f"backend={backend!r} applies to strategy='all_to_all', whose local attention runs "
+                         "any backend; the ring computes its blocks itself: leave backend='auto'")
+    return spec
