@@ -10,12 +10,18 @@ TORCH_VERSION ?= 2.13.0
 
 # requirements-corpus.txt: real attention libraries the doctor's tests check, test-only; --no-deps so that
 # none of them can replace torch (their own dependencies are pinned in the file), and pip check proves it.
-$(BIN)/selfattn: pyproject.toml requirements-corpus.txt
+# torchvision's CUDA-only extension does not load beside the CPU torch: a startup hook defines the two
+# operator schemas it would (tests/torchvision_ops.py), so that torchvision, and transformers, import.
+$(BIN)/selfattn: pyproject.toml requirements-corpus.txt tests/torchvision_ops.py tests/torchvision_hook.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps -r requirements-corpus.txt
 	$(BIN)/python -m pip check
+	site=$$($(BIN)/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])") && \
+	cp tests/torchvision_ops.py "$$site/_selfattn_torchvision_ops.py" && \
+	cp tests/torchvision_hook.py "$$site/_selfattn_torchvision_hook.py" && \
+	echo "import _selfattn_torchvision_hook" > "$$site/_selfattn_torchvision_hook.pth"
 	touch $(BIN)/selfattn
 
 demo: $(BIN)/selfattn

@@ -13,6 +13,7 @@ import ast
 import functools
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -104,16 +105,25 @@ def test_corpus_table_is_complete():
     assert set(NOT_YET) | set(NOT_NAMED_YET) <= set(dc.CORPUS)
 
 
-def _python(code: str) -> subprocess.CompletedProcess:
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=ROOT / "tests")
+                          cwd=ROOT / "tests", env={**os.environ, **env})
+
+
+@needs_libraries
+def test_transformers_imports_in_a_fresh_process():
+    """catches: torchvision installed for the corpus breaking transformers' model imports in processes that do not
+    run the tests' conftest (the bench's and the examples' subprocesses): the startup hook must be installed."""
+    done = subprocess.run([sys.executable, "-c", "from transformers.models.llama import modeling_llama"],
+                          capture_output=True, text=True, timeout=300, cwd="/")
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @needs_libraries
 def test_torchvision_ops_are_still_needed():
     """catches: the torchvision workaround outliving its cause. If torchvision imports on its own, its C extension
     loads (a CPU build of torchvision, or a torch it matches): delete tests/torchvision_ops.py and its calls."""
-    done = _python("import torchvision")
+    done = _python("import torchvision", SELFATTN_NO_TORCHVISION_HOOK="1")
     assert done.returncode != 0, "torchvision imports without tests/torchvision_ops.py: remove the workaround"
     assert "torchvision::nms does not exist" in done.stderr, done.stderr[-2000:]
 

@@ -13,9 +13,15 @@ read from its ``_C.so``) when, and only when, torchvision is installed and its C
 load. The attention classes the doctor's corpus checks never call them; calling one raises
 ("no kernel registered"), it never computes a wrong result.
 
+Where: the tests call it from ``tests/conftest.py``; ``make`` also installs it into the dev virtualenv
+with :mod:`torchvision_hook` (a ``.pth`` startup hook that calls it just before the first ``import
+torchvision``), so that transformers, which imports torchvision when it is installed, works in every
+process of that virtualenv (the bench's and the examples' subprocesses too). The environment variable
+``SELFATTN_NO_TORCHVISION_HOOK=1`` turns the hook off.
+
 Checked with torch 2.13.0+cpu and torchvision 0.28.0. ``tests/test_check_corpus.py`` has a test that
-fails when torchvision imports without this (then delete this file) and one that fails when it stops
-working.
+fails when torchvision imports without this (then delete this file and the hook) and one that fails when
+it stops working.
 """
 
 from __future__ import annotations
@@ -47,6 +53,15 @@ def torchvision_extension_loads() -> bool | None:
     return True
 
 
+def _defined() -> bool:
+    """Are the schemas there already (defined by another copy of this module, the startup hook's)?"""
+    try:
+        torch.ops.torchvision.nms.default  # noqa: B018 - looking it up is the question
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def define_torchvision_ops() -> bool:
     """Define ``torchvision::nms`` and ``torchvision::qnms`` if torchvision needs them to import.
 
@@ -60,6 +75,8 @@ def define_torchvision_ops() -> bool:
         return True
     if torchvision_extension_loads() is not False:  # not installed, or the real operators are there
         return False
+    if _defined():  # by the startup hook's copy of this module (looking torchvision up above runs the hook)
+        return True
     _library = torch.library.Library("torchvision", "DEF")
     for schema in SCHEMAS:
         _library.define(schema)
