@@ -441,13 +441,12 @@ def test_models_bench_measures_each_part_in_its_own_process():
 def test_models_bench_generation_point_times_both_in_turns(monkeypatch):
     """The generation points: selfattn and sdpa in one process, per-token times of the same repeats
     (ratios pair repeat by repeat), the same tokens; the README block is written from the rows."""
-    from selfattn.bench import markdown
-    from selfattn.bench import models as bench_models
+    from selfattn.bench import generation, markdown
     from selfattn.bench.ratios import attach_ratios
-    monkeypatch.setattr(bench_models, "PROMPT", 16)
-    monkeypatch.setattr(bench_models, "NEW_TOKENS", 3)
+    monkeypatch.setattr(generation, "PROMPT", 16)
+    monkeypatch.setattr(generation, "NEW_TOKENS", 3)
     rows = [{**r, "suite": "models-generate", "status": "ok"}
-            for r in bench_models.run_generate_point("static", "eager", 2, repeats=2)]
+            for r in generation.run_generate_point("static", "eager", 2, repeats=2)]
     assert [r["impl"] for r in rows] == ["selfattn", "sdpa"]
     assert all(len(r["times"]) == 2 and r["time_s"] > 0 and r["same_tokens"] for r in rows)
     attach_ratios(rows, "models-generate", ("case", "mode", "B"), ("sdpa",))

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .llama import HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, register
+
 __all__ = ["GENERATE_IMPLS", "GENERATE_POINTS", "NEW_TOKENS", "PROMPT", "generate_call", "measure_generate",
            "run_generate_point"]
 
@@ -37,8 +39,6 @@ def generate_call(impl: str, batch: int, cache: str, mode: str, seed: int = 0):
     """(call, model): ``call()`` greedily generates :data:`NEW_TOKENS` tokens after a :data:`PROMPT`-token
     prompt for ``batch`` sequences and returns them."""
     import transformers
-
-    from .models import HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, register
 
     register()
     cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,

@@ -40,6 +40,7 @@ import torch
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
+from .llama import HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB, register
 from .memory import Memory
 
 __all__ = ["DOCS", "IMPLS", "IN_ALL", "NAME", "attention_step", "grid", "measure", "model_step", "points", "run",
@@ -50,7 +51,6 @@ IN_ALL = False
 
 IMPLS = ["selfattn", "sdpa", "eager", "none"]
 DOCS = 8
-HIDDEN, HEADS, KV_HEADS, LAYERS, VOCAB = 512, 8, 2, 4, 1024
 
 
 def _document_lengths(length: int, docs: int, seed: int = 0) -> list[int]:
@@ -62,33 +62,11 @@ def _document_lengths(length: int, docs: int, seed: int = 0) -> list[int]:
     return sizes.tolist()
 
 
-def _passthrough(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *args: Any,
-                 **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """No attention: each query head takes its key/value head's value at its own position."""
-    g = query.shape[1] // value.shape[1]
-    return value.repeat_interleave(g, 1).transpose(1, 2).contiguous(), None
-
-
-def register() -> None:
-    """selfattn and the pass-through baseline ("none") as transformers attention implementations."""
-    _register()
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    from ..integrations import transformers as sa_hf
-    sa_hf.register()
-    AttentionInterface.register("none", _passthrough)
-    AttentionMaskInterface.register("none", lambda *a, **k: None)
-
-
 def model_step(impl: str, length: int, seed: int = 0):
     """(step, model): one forward + backward of the packed-row loss with ``impl``."""
     import transformers
 
-    _register()
+    register()
     cfg = transformers.LlamaConfig(hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, num_hidden_layers=LAYERS,
                                    num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, vocab_size=VOCAB,
                                    max_position_embeddings=length)
@@ -113,7 +91,7 @@ def attention_step(impl: str, length: int, seed: int = 0):
     from transformers.masking_utils import create_causal_mask
     from transformers.models.llama import modeling_llama
 
-    _register()
+    register()
     cfg = transformers.LlamaConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                                    num_hidden_layers=1, vocab_size=VOCAB, max_position_embeddings=length)
     cfg._attn_implementation = impl
