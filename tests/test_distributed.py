@@ -170,6 +170,29 @@ def exact_worker(rank: int, world: int) -> dict:
     return results
 
 
+def sinks_worker(rank: int, world: int) -> dict:
+    """Attention sinks (gpt-oss): out, lse and every gradient, the sinks' summed over the ranks, in both strategies."""
+    torch.manual_seed(0)
+    batch, hkv, length = 2, world, 4 * world * 3
+    heads = 2 * hkv
+    q = torch.randn(batch, heads, length, 8, dtype=torch.float64)
+    k, v = (torch.randn(batch, hkv, length, 8, dtype=torch.float64) for _ in range(2))
+    gout = torch.randn(batch, heads, length, 8, dtype=torch.float64)
+    sinks = torch.randn(heads, dtype=torch.float64)
+    results = {}
+    for name, kw in (("causal", dict(causal=True)), ("window", dict(mask=masks.sliding_window(5)))):
+        s1 = sinks.clone().requires_grad_()
+        ref = _single(q, k, v, gout, sinks=s1, **kw)
+        for layout in ("contiguous", "zigzag"):
+            for strategy in ("ring", "all_to_all"):
+                s2 = sinks.clone().requires_grad_()
+                got = _sharded(q, k, v, gout, layout, strategy, sinks=s2, **kw)
+                dsinks = s2.grad.clone()
+                dist.all_reduce(dsinks)
+                results[f"{layout}/{strategy}/{name}"] = {**_errors(got, ref, layout), "dsinks": _rel(dsinks, s1.grad)}
+    return results
+
+
 def _balance(q: torch.Tensor) -> dict:
     """Work per rank for causal attention in each layout, and the pairs skipped."""
     out = {}
@@ -367,6 +390,14 @@ def test_exact_every_mask_layout_strategy(exact_run):
     ring dropout pattern that differs from the single-process one."""
     world, res = exact_run
     _judge(res, world)
+
+
+def test_attention_sinks_across_ranks(tmp_path):
+    """catches: sinks missing from distributed attention (gpt-oss under context parallelism), added per block
+    instead of once on the merged rows, or their gradient taken from the wrong rows."""
+    for res in _spawn("sinks_worker", 2, tmp_path):
+        bad = {case: e for case, e in res.items() if max(e.values()) > 1e-10}
+        assert not bad, bad
 
 
 def test_zigzag_balances_causal_work(exact_run):

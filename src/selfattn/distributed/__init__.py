@@ -73,7 +73,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | Non
               layout: Layout = "contiguous", mask: Mask | Tensor | None = None, causal: bool | str = False,
               scale: float | None = None, dropout_p: float = 0.0, score_mod: ScoreMod | ScoreFn | None = None,
               return_lse: bool = False, strategy: Strategy = "ring", backend: str = "auto",
-              timeout: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
+              timeout: float | None = None, sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over a sequence split across the ranks of ``group``; each rank passes its shard.
 
     The result on each rank equals this rank's tokens of ``selfattn.attention`` on the gathered
@@ -100,6 +100,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | Non
         timeout: seconds any transfer may wait for another rank (default :data:`DEFAULT_TIMEOUT_S`;
             ``float("inf")``: no limit of its own, the process group's timeout applies); past it,
             RuntimeError naming the rank that did not answer.
+        sinks: (H,) attention sinks, one logit per query head (as ``selfattn.attention``'s), the same on
+            every rank; its gradient on each rank is that rank's rows' share (sum it over the group, as
+            any parameter every rank holds).
 
     Returns:
         out (B, H, L / W, Dv) in q's dtype, or (out, lse).
@@ -108,7 +111,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | Non
         >>> out_local = sad.attention(q_local, k_local, v_local, layout="zigzag", causal=True)
     """
     g = group_of(group, timeout)
-    spec = validate(q, k, v, g, layout, strategy, mask, causal, scale, dropout_p, score_mod, return_lse, backend)
+    spec = validate(q, k, v, g, layout, strategy, mask, causal, scale, dropout_p, score_mod, return_lse, backend,
+                    sinks)
     if spec.dropout_p > 0:  # drawn where the single-process chunked call draws it; every rank takes rank 0's
         spec = replace(spec, seed=draw_seed())
     spec = agree(g, spec, q, k, v)

@@ -10,7 +10,7 @@ What is compared:
   their dtype (by name) and device type;
 - the layout, the strategy, the local backend (all_to_all), causal, scale and dropout_p (to 1e-9),
   return_lse;
-- the mask and the score modifier, each by a fingerprint (:func:`fingerprint`): their structure
+- the mask, the score modifier and the sinks, each by a fingerprint (:func:`fingerprint`): their structure
   (types and the fields they declare: numbers, strings, dtypes; functions by module, qualified
   name, bytecode, constants, defaults and the values they close over) and their tensors (shape,
   dtype and contents: every byte of a tensor of up to 2^16 elements, 2^16 evenly spaced elements
@@ -136,7 +136,8 @@ def _signature(spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> list[_Field]:
             _Field("scale", round(spec.scale * 1e9), lambda x: f"{x / 1e9:g}"),
             _Field("dropout_p", round(spec.dropout_p * 1e9), lambda x: f"{x / 1e9:g}"),
             _Field("return_lse", int(spec.return_lse), lambda x: str(bool(x))),
-            _Field("mask", fingerprint(spec.mask), fp), _Field("score_mod", fingerprint(spec.score_mod), fp)]
+            _Field("mask", fingerprint(spec.mask), fp), _Field("score_mod", fingerprint(spec.score_mod), fp),
+            _Field("sinks", fingerprint(spec.sinks), fp)]
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -85,8 +85,9 @@ def all_to_all_attention(g: Group, spec: Spec, q: Tensor, k: Tensor, v: Tensor) 
     with rng:
         if spec.dropout_p > 0:  # each head group draws its own pattern from the shared seed
             torch.manual_seed((spec.seed + 7919 * g.rank) % (1 << 62))
+        sinks = None if spec.sinks is None else spec.sinks[h0:h0 + count]
         res = _local_attention(qh, kh, vh, mask=mask, causal=spec.causal, scale=spec.scale, dropout_p=spec.dropout_p,
-                               backend=spec.backend, return_lse=spec.return_lse, score_mod=mod)
+                               backend=spec.backend, return_lse=spec.return_lse, score_mod=mod, sinks=sinks)
     if not spec.return_lse:
         return _Swap.apply(res, g, spec.layout, False), None
     out_h, lse_h = res

@@ -169,7 +169,7 @@ def _rows(rows: slice) -> operator.itemgetter:
     return operator.itemgetter((slice(None), slice(None), rows))
 
 
-def _forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+def _forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) -> tuple[Tensor, Tensor]:
     p, g = ring.problem, ring.g
     ct = p.compute_dtype
     b, h, n, _ = q.shape
@@ -189,7 +189,10 @@ def _forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tenso
             ring.stats.compute_s += time.perf_counter() - t0
         if step is not None:
             kv = step.result()
-    return merged.result(q.dtype)
+    if sinks is None:
+        return merged.result(q.dtype)
+    out, lse = kernels.add_sinks(*merged.result(), sinks)  # once, on the merged rows of every key
+    return out.to(q.dtype), lse
 
 
 def _backward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
@@ -233,22 +236,23 @@ def _backward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, ring: Ring) -> tuple[Tensor, Tensor]:
-        out, lse = _forward(ring, q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, ring: Ring) -> tuple[Tensor, Tensor]:
+        out, lse = _forward(ring, q, k, v, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.ring = ring
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor, Tensor, Tensor, None]:
-        q, k, v, out, lse = ctx.saved_tensors
-        with torch.no_grad():
-            dq, dk, dv = _backward(ctx.ring, q, k, v, out, lse, dout)
-        return dq, dk, dv, None
+    def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, None]:
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        with torch.no_grad():  # with sinks, the sink-included out and lse make the blocks' backward that of the
+            dq, dk, dv = _backward(ctx.ring, q, k, v, out, lse, dout)  # softmax with the sink: nothing else changes
+            dsinks = None if sinks is None else kernels.sinks_grad(dout, out, lse, sinks)  # this rank's rows
+        return dq, dk, dv, dsinks, None
 
 
 def ring_attention(g: Group, spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     """This rank's (out (B, H, n, Dv) in q's dtype, lse (B, H, n) in the compute dtype), differentiable
-    in q, k and v."""
-    return _RingAttention.apply(q, k, v, _ring(g, spec, q, v))
+    in q, k, v and the sinks (whose gradient is this rank's rows' share, like any replicated parameter's)."""
+    return _RingAttention.apply(q, k, v, spec.sinks, _ring(g, spec, q, v))

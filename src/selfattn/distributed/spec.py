@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from torch import Tensor
+
 from .. import masks as _masks
 from .._checks import (
     check_backend,
@@ -23,6 +25,7 @@ from .._checks import (
     check_return_lse,
     check_scale,
     check_score_mod,
+    check_sinks,
 )
 from ..backends import REGISTRY
 from ..masks import Mask
@@ -51,6 +54,7 @@ class Spec:
     return_lse: bool
     backend: str
     seed: int = 0
+    sinks: Tensor | None = None  # (H,) attention sinks, one logit per query head
 
     def full_mask(self) -> Mask | None:
         """The mask with causal folded in (self-attention: both alignments are the same)."""
@@ -61,7 +65,7 @@ class Spec:
 
 def validate(q: object, k: object, v: object, g: Group, layout: object, strategy: object, mask: object,
              causal: object, scale: object, dropout_p: object, score_mod: object, return_lse: object,
-             backend: object) -> Spec:
+             backend: object, sinks: object = None) -> Spec:
     """The :class:`Spec` of a call, or the error ``selfattn.attention`` gives for the same argument."""
     q, k, v = check_qkv(q, k, v)
     check_layout(layout)
@@ -84,7 +88,7 @@ def validate(q: object, k: object, v: object, g: Group, layout: object, strategy
     spec = Spec(layout=layout, strategy=strategy, mask=m, causal=align is not None,  # type: ignore[arg-type]
                 scale=check_scale(scale, d), dropout_p=check_dropout(dropout_p),
                 return_lse=check_return_lse(return_lse), score_mod=check_score_mod(score_mod, h),
-                backend=check_backend(backend, REGISTRY))
+                backend=check_backend(backend, REGISTRY), sinks=check_sinks(sinks, h, q.device))
     if strategy == "ring" and backend != "auto":
         raise ValueError(f"backend={backend!r} applies to strategy='all_to_all', whose local attention runs "
                          "any backend; the ring computes its blocks itself: leave backend='auto'")
