@@ -23,6 +23,9 @@
   not go through transformers' attention interface is refused with a ``ValueError``
   (:func:`unsupported_reason`).
 
+:func:`context_parallel` trains such a model on sequences split across the ranks of a process group
+(:mod:`._context`).
+
 Shape legend: B batch, Hq/Hkv heads, Lq/Lk lengths, D head dim.
 """
 
@@ -46,9 +49,10 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from . import _families, _lower, _symbolic, _upstream
 from ._attention import attention_forward
 from ._carrier import MaskTensor
+from ._context import ContextParallel, context_parallel
 
-__all__ = ["MaskTensor", "attention_forward", "mask_from_predicate", "mask_function", "register", "selfattn_mask",
-           "unsupported_reason"]
+__all__ = ["ContextParallel", "MaskTensor", "attention_forward", "context_parallel", "mask_from_predicate",
+           "mask_function", "register", "selfattn_mask", "unsupported_reason"]
 
 MaskFunction = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 

@@ -14,6 +14,7 @@ from torch import Tensor
 from ... import functional as _functional
 from ... import masks as _masks
 from ... import scores as _scores
+from . import _context
 from ._carrier import MaskTensor
 
 __all__ = ["attention_forward"]
@@ -67,6 +68,13 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     Returns:
         (out (B, Lq, Hq, D) contiguous, weights or None).
     """
+    cp = _context.active(module)
+    if cp is not None:  # inside context_parallel: this rank's shards, the global mask
+        if output_attentions or position_bias is not None:
+            raise ValueError("under context_parallel, attention weights (output_attentions) and position biases "
+                             "are not available: the scores of a row are spread over the ranks")
+        return cp.attend(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
+                         s_aux), None
     lq, lk = query.shape[2], key.shape[2]
     mask: _masks.Mask | Tensor | None = None
     bias = position_bias

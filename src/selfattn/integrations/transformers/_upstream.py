@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["can_set_attn_implementation", "getitem_as_index", "guard_model_checks"]
+__all__ = ["at_end_of_backward", "can_set_attn_implementation", "getitem_as_index", "guard_model_checks"]
 
 
 def getitem_as_index() -> contextlib.AbstractContextManager:
@@ -24,6 +24,18 @@ def getitem_as_index() -> contextlib.AbstractContextManager:
     """
     from torch._dynamo._trace_wrapped_higher_order_op import TransformGetItemToIndex
     return TransformGetItemToIndex()
+
+
+def at_end_of_backward(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the backward pass now running has finished (every gradient accumulated), as
+    DistributedDataParallel does to reduce its last buckets. Call it from inside the backward (a hook).
+
+    torch 2.13: ``torch.autograd.Variable._execution_engine.queue_callback``; there is no public
+    equivalent (post-accumulate-grad hooks run per parameter, before the pass ends).
+    """
+    import torch
+
+    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
 
 
 def can_set_attn_implementation(model_class: type) -> bool:

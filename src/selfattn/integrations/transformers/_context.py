@@ -1,0 +1,334 @@
+"""Context parallelism for transformers models: train on sequences split across the ranks of a group.
+
+>>> register()
+>>> model = AutoModelForCausalLM.from_config(cfg, attn_implementation="selfattn")
+>>> with context_parallel(model, group=cp_group, layout="zigzag") as cp:
+...     batch = cp.shard(input_ids=ids, position_ids=pos, labels=labels)   # global -> this rank's part
+...     loss = model(**batch).loss                                           # the global loss
+...     loss.backward()                                                      # gradients summed over the group
+
+Every rank passes the *global* batch to :meth:`ContextParallel.shard` and gets its part of the sequence
+back: its tokens (``layout``: "contiguous" or "zigzag", as :func:`selfattn.distributed.shard`), their
+global ``position_ids`` (so rotary positions are the global ones), and the labels shifted on the global
+sequence before they are cut (transformers' ``shift_labels``), with the global count of labelled tokens
+(``num_items_in_batch``), so that each rank's loss is its share of the global mean. Inside the context,
+every selfattn attention of the model runs :func:`selfattn.distributed.attention` on the local shards
+with the global mask: the module's causality and sliding window, packed documents from the global
+``position_ids`` (a position that does not follow its predecessor starts a document, as transformers
+reads them) or the global padding ``attention_mask``; soft-capping, sinks, GQA and dropout as in one
+process. The loss the model returns is the global loss (the sum of the ranks' shares, whose gradient is
+this rank's share), and after ``backward`` the parameters' gradients are summed over the group (and over
+``data_parallel_group``, when given), so every rank holds the gradient of the global loss and the
+optimizer steps are the same everywhere. Outside the context the model is untouched.
+
+With :class:`torch.nn.parallel.DistributedDataParallel` over a data-parallel group, pass the DDP-wrapped
+model: the context installs a communication hook that averages each gradient bucket over DDP's group (as
+DDP does) and sums it over the context-parallel group. FSDP: shard parameters over the data-parallel
+group only and let the context sum over the context-parallel group (see docs/design.md).
+
+Shape legend: B batch, L the global length, W the group's size, n = L / W tokens per rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ... import masks as _masks
+from ... import scores as _scores
+from ...distributed import attention as _cp_attention
+from ...distributed import shard as _shard
+from ...masks.kinds import Document
+from . import _upstream
+
+__all__ = ["ContextParallel", "context_parallel"]
+
+_ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar("selfattn_cp", default=None)
+IGNORE = -100  # transformers' ignore_index
+
+
+def active(module: nn.Module) -> ContextParallel | None:
+    """The context-parallel context ``module`` runs in, or None."""
+    ctx = _ACTIVE.get()
+    return ctx if ctx is not None and id(module) in ctx._modules else None
+
+
+@dataclass
+class ContextParallel:
+    """What :func:`context_parallel` returns: :meth:`shard` cuts a global batch into this rank's part."""
+
+    model: nn.Module
+    group: dist.ProcessGroup | None
+    layout: str
+    strategy: str
+    data_parallel_group: dist.ProcessGroup | None
+    timeout: float | None
+    _modules: set[int] = field(default_factory=set, repr=False)
+    _documents: Tensor | None = field(default=None, repr=False)  # (B, L) global document ids, or None
+    _padding: Tensor | None = field(default=None, repr=False)  # (B, L) bool, True = a real token, or None
+    _length: int | None = field(default=None, repr=False)
+    _reads_documents: bool | None = field(default=None, repr=False)  # decided at the first attention of a batch
+
+    def shard(self, *, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None,
+              position_ids: Tensor | None = None, labels: Tensor | None = None,
+              attention_mask: Tensor | None = None, **kwargs: Any) -> dict[str, Any]:
+        """This rank's part of a global batch, as keyword arguments of the model's forward.
+
+        Args:
+            input_ids: (B, L) token ids of the global sequence (or ``inputs_embeds`` (B, L, E)).
+            position_ids: (B, L) global positions; packed documents restart them (default 0 .. L-1).
+            labels: (B, L) the global labels, shifted here on the global sequence (transformers'
+                ``shift_labels``); -100 is ignored.
+            attention_mask: (B, L) 1 = a real token, 0 = padding (the global padding of the keys).
+            kwargs: passed on unchanged.
+
+        Returns:
+            ``input_ids`` (or ``inputs_embeds``) and ``position_ids`` of this rank's n = L / W tokens in the
+            layout's order, and with labels: ``labels`` and ``shift_labels`` (the shifted labels of those
+            tokens) and ``num_items_in_batch`` (the global number of labelled tokens).
+
+        Raises:
+            ValueError: no tokens, tensors of other lengths, or L not divisible by W (2W for zigzag).
+        """
+        tokens = input_ids if input_ids is not None else inputs_embeds
+        if tokens is None or tokens.dim() < 2:
+            raise ValueError("shard needs input_ids (B, L) or inputs_embeds (B, L, E) of the global sequence")
+        b, length = tokens.shape[:2]
+        world = _world(self.group)
+        parts = world * (2 if self.layout == "zigzag" else 1)
+        if length % parts:
+            raise ValueError(f"the global length {length} must be divisible by {parts} (W = {world} ranks"
+                             f"{', two chunks each in the zigzag layout' if self.layout == 'zigzag' else ''}): "
+                             f"pad the sequence to a multiple of {parts}")
+        for name, t in (("position_ids", position_ids), ("labels", labels), ("attention_mask", attention_mask)):
+            if t is not None and tuple(t.shape[:2]) != (b, length) and not (name == "position_ids" and
+                                                                           tuple(t.shape) == (1, length)):
+                raise ValueError(f"{name} must have the global shape (B, L) = ({b}, {length}), got {tuple(t.shape)}")
+        device = tokens.device
+        pos = torch.arange(length, device=device).expand(b, length) if position_ids is None else \
+            position_ids.expand(b, length)
+        self._length = length
+        self._padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
+        self._documents = _document_ids(pos) if self._padding is None else None
+        self._reads_documents = None
+
+        def cut(t: Tensor) -> Tensor:
+            return _shard(t, group=self.group, layout=self.layout, dim=1)  # type: ignore[arg-type]
+
+        out: dict[str, Any] = {"use_cache": False, **kwargs}  # no cache across ranks (and transformers reads
+        out["input_ids" if input_ids is not None else "inputs_embeds"] = cut(tokens)  # packed documents only then)
+        out["position_ids"] = cut(pos)
+        if labels is not None:
+            shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
+            count = (shifted != IGNORE).sum().to(torch.float64)
+            if self.data_parallel_group is not None:
+                dist.all_reduce(count, group=self.data_parallel_group)
+            local = cut(shifted)
+            out.update(labels=local, shift_labels=local, num_items_in_batch=count)
+        return out
+
+    def mask_for(self, module: nn.Module, sliding_window: int | None) -> _masks.Mask | None:
+        """The global mask of ``module``'s attention: its causality and window, the documents or padding."""
+        parts: list[_masks.Mask] = []
+        causal = bool(getattr(module, "is_causal", True))
+        if causal:
+            parts.append(_masks.causal())
+        if sliding_window is not None:
+            w = int(sliding_window) - 1  # transformers' window counts the query itself
+            parts.append(_masks.sliding_window(w, 0 if causal else w))
+        if self._documents is not None and self._reads_documents:
+            parts.append(_masks.document(self._documents))
+        if self._padding is not None:
+            parts.append(_masks.from_tensor(self._padding[:, None, None, :]))
+        mask = None
+        for p in parts:
+            mask = p if mask is None else mask & p
+        return mask
+
+    def _decide_documents(self, local: object, device: torch.device) -> None:
+        """Does the model read packed documents from ``position_ids``? transformers does for a model that passes
+        them to its mask functions, only (Llama does, gpt-oss does not). Such a model's local mask holds documents
+        on some rank (a restart of the positions is in some rank's shard); the ranks agree on it once per batch."""
+        found = torch.tensor([float(_holds(local, Document))], dtype=torch.float64, device=device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)  # on every rank, batch or not: the ranks'
+        # calls stay in step, and ranks that disagree about the batch meet in the agreement's error
+        self._reads_documents = bool(found.item())
+
+    def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, local_mask: object,
+               dropout: float, scaling: float | None, sliding_window: int | None, softcap: float | None,
+               s_aux: Tensor | None) -> Tensor:
+        """``module``'s attention on this rank's shards, with the global mask: (B, n, Hq, D). ``local_mask`` is
+        what transformers' mask function made of the local shard: it tells whether the model reads documents."""
+        if self._length is None:
+            raise RuntimeError("inside context_parallel, pass the model the batch cp.shard(...) returns: it keeps "
+                               "the global positions, documents and padding the attention needs")
+        if query.shape[2] * _world(self.group) != self._length:
+            raise ValueError(f"this rank's attention got {query.shape[2]} tokens, but cp.shard cut {self._length} "
+                             f"tokens into {_world(self.group)} parts: pass the batch cp.shard(...) returned")
+        if self._reads_documents is None:
+            self._decide_documents(getattr(local_mask, "mask", local_mask), query.device)
+        out = _cp_attention(query, key, value, group=self.group, layout=self.layout,  # type: ignore[arg-type]
+                            strategy=self.strategy,  # type: ignore[arg-type]
+                            mask=self.mask_for(module, sliding_window), scale=scaling, dropout_p=float(dropout),
+                            score_mod=None if softcap is None else _scores.softcap(float(softcap)), sinks=s_aux,
+                            timeout=self.timeout)
+        return out.transpose(1, 2).contiguous()  # type: ignore[union-attr]
+
+
+def _holds(mask: object, kind: type) -> bool:
+    """Is a ``kind`` part of the (composed) selfattn mask ``mask``?"""
+    if isinstance(mask, kind):
+        return True
+    if isinstance(mask, _masks.Mask):
+        return any(_holds(v, kind) for _, v in mask.fields() if isinstance(v, _masks.Mask))
+    return False
+
+
+def _world(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group)
+
+
+def _document_ids(position_ids: Tensor) -> Tensor | None:
+    """(B, L) document ids where positions restart (a position that is not its predecessor's + 1), as
+    transformers finds packed sequences; None when every row is one sequence."""
+    first = position_ids[:, :1] - 1
+    ids = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    return ids if bool((ids[:, -1] != 0).any()) else None
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+@contextlib.contextmanager
+def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None, layout: str = "zigzag",
+                     strategy: str = "ring", data_parallel_group: dist.ProcessGroup | None = None,
+                     timeout: float | None = None) -> Iterator[ContextParallel]:
+    """Run ``model`` (built with ``attn_implementation="selfattn"``) context-parallel over ``group``.
+
+    Args:
+        model: a transformers model using selfattn's attention, or a DistributedDataParallel wrapping one.
+        group: the context-parallel process group (None: the default group).
+        layout: "zigzag" (balanced causal work; L divisible by 2W) or "contiguous".
+        strategy: "ring" or "all_to_all" (heads divisible by W), as :func:`selfattn.distributed.attention`.
+        data_parallel_group: a data-parallel group whose replicas each run their own batch without DDP: the
+            labelled-token count and the gradients are summed over it too (the global mean over every
+            replica's tokens). With DDP, leave it None: DDP's group is read from the wrapper.
+        timeout: seconds a transfer may wait for another rank (as :func:`selfattn.distributed.attention`).
+
+    Yields:
+        A :class:`ContextParallel`: ``cp.shard(...)`` gives this rank's part of a global batch.
+
+    Raises:
+        ValueError: the model does not use selfattn's attention, or a bad layout or strategy.
+
+    Example:
+        >>> with context_parallel(model, group=cp_group) as cp:
+        ...     model(**cp.shard(input_ids=ids, labels=ids)).loss.backward()
+    """
+    inner = _inner(model)
+    config = getattr(inner, "config", None)
+    name = getattr(config, "_attn_implementation", None)
+    from transformers import AttentionInterface
+
+    if name is None or name not in AttentionInterface() or AttentionInterface()[name] is not _upstream_attention():
+        raise ValueError(f"context_parallel needs a model whose attention is selfattn's (attn_implementation="
+                         f"'selfattn' after register()); this one uses {name!r}")
+    if layout not in ("contiguous", "zigzag"):
+        raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    if strategy not in ("ring", "all_to_all"):
+        raise ValueError(f"strategy must be 'ring' or 'all_to_all', got {strategy!r}")
+    ctx = ContextParallel(model, group, layout, strategy, data_parallel_group, timeout,
+                          {id(m) for m in inner.modules()})
+    token = _ACTIVE.set(ctx)
+    handles = _reduce_gradients(model, group, data_parallel_group)
+    loss_hook = inner.register_forward_hook(lambda m, args, out: _global_loss(out, group, data_parallel_group))
+    try:
+        yield ctx
+    finally:
+        _ACTIVE.reset(token)
+        loss_hook.remove()
+        for h in handles:
+            h.remove()
+
+
+def _upstream_attention() -> Any:
+    from ._attention import attention_forward
+
+    return attention_forward
+
+
+def _global_loss(out: Any, group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None) -> Any:
+    """The model's output with its loss the global loss: the sum of the ranks' shares in value, this rank's
+    share in gradient (the gradients are summed over the ranks after the backward)."""
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, Tensor):
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=group)
+        if dp_group is not None:
+            dist.all_reduce(total, group=dp_group)
+        out.loss = loss + (total - loss.detach())
+    return out
+
+
+def _reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None,
+                      dp_group: dist.ProcessGroup | None) -> list[Any]:
+    """Sum every parameter's gradient over the group (and ``dp_group``) once per backward, after the last
+    gradient is accumulated; with DDP, in its communication hook instead. Returns the hook handles."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        _ddp_hook(model)
+        return []
+    params = [p for p in model.parameters() if p.requires_grad]
+    state = {"queued": False}
+
+    def reduce_all() -> None:
+        state["queued"] = False
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            same = [p for p in params if p.dtype == dtype]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
+            dist.all_reduce(flat, group=group)
+            if dp_group is not None:
+                dist.all_reduce(flat, group=dp_group)
+            at = 0
+            for p in same:
+                n = p.numel()
+                p.grad = flat[at:at + n].view_as(p).clone()
+                at += n
+
+    def ready(_: Tensor) -> None:
+        if not state["queued"]:
+            state["queued"] = True
+            _upstream.at_end_of_backward(reduce_all)
+
+    return [p.register_post_accumulate_grad_hook(ready) for p in params]
+
+
+_DDP_HOOKED: set[int] = set()
+
+
+def _ddp_hook(model: nn.parallel.DistributedDataParallel) -> None:
+    """Once per DDP model: a communication hook that averages a bucket over DDP's group, as DDP does, and,
+    inside a context, sums it over the context-parallel group."""
+    if id(model) in _DDP_HOOKED:
+        return
+    _DDP_HOOKED.add(id(model))
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future[Tensor]:
+        buf = bucket.buffer()
+        dist.all_reduce(buf, group=model.process_group)
+        buf.div_(dist.get_world_size(model.process_group))
+        ctx = _ACTIVE.get()
+        if ctx is not None and ctx.model is model:
+            dist.all_reduce(buf, group=ctx.group)
+        fut: torch.futures.Future[Tensor] = torch.futures.Future()
+        fut.set_result(buf)
+        return fut
+
+    model.register_comm_hook(None, hook)

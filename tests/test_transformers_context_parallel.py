@@ -1,0 +1,222 @@
+"""Context parallelism through the transformers adapter: ``context_parallel`` on W gloo processes gives the loss
+and every parameter gradient of the single-process model on the gathered batch.
+
+Families: Llama (GQA, rotary), Qwen2, Mistral (sliding window), Gemma 2 (soft-capping, alternating sliding and
+full layers, query_pre_attn_scalar), gpt-oss (sinks, alternating layers); batches with packed documents (global
+position_ids restart) and with padding (a global attention mask). float64, tiny random configs. Each test spawns
+W processes that run their cases and write the errors; the test judges them.
+
+Shape legend: B batch, L the global length, W the world size.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+from selfattn.bench.distributed import spawn_and_join
+
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss")
+L = 24  # divisible by 2W for W = 1..4
+# The loss goes through transformers' float32 cross-entropy (logits.float()): summed in another order on W
+# ranks it differs in float32's last bits; the gradients reach the float64 model through per-token float32
+# terms computed alike, and agree to float64 rounding.
+LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-9
+# Gemma 2's RMSNorm computes in float32 even for a float64 model (x.float()): its gradients are float32's.
+FLOAT32_INSIDE = {"gemma2": 1e-5}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn_name: str, world: int, port: int, outdir: str, args: dict) -> None:
+    code = 1
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        result = globals()[fn_name](rank, world, **args)
+        Path(outdir, f"{rank}.json").write_text(json.dumps(result))
+        code = 0
+    except BaseException:
+        Path(outdir, f"{rank}.err").write_text(traceback.format_exc())
+    finally:
+        os._exit(code)
+
+
+def _spawn(fn_name: str, world: int, tmp_path: Path, limit: float = 300.0, **args: object) -> list[dict]:
+    outdir = tmp_path / f"{fn_name}-{world}-{len(list(tmp_path.iterdir()))}"
+    outdir.mkdir()
+    done = spawn_and_join(_entry, (fn_name, world, _free_port(), str(outdir), args), world, limit)
+    errors = {r: (outdir / f"{r}.err").read_text() for r in range(world) if (outdir / f"{r}.err").exists()}
+    assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
+    assert done, f"{fn_name} on {world} ranks: a process died without a result, or ran past {limit} s"
+    return [json.loads((outdir / f"{r}.json").read_text()) for r in range(world)]
+
+
+# ----------------------------------------------------------------------------- run in the workers
+
+
+def _model(family: str, seed: int = 0):
+    import transformers
+
+    from selfattn.integrations import transformers as sa_hf
+
+    sa_hf.register()
+    common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64, max_position_embeddings=128)
+    extra: dict = {}
+    if family == "llama":
+        config = transformers.LlamaConfig(**common)
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common)
+    elif family == "mistral":
+        config = transformers.MistralConfig(**common, sliding_window=5)
+    elif family == "gemma2":
+        config = transformers.Gemma2Config(**common, head_dim=8, sliding_window=5, query_pre_attn_scalar=8,
+                                           attn_logit_softcapping=1.0, final_logit_softcapping=None)
+    else:
+        config = transformers.GptOssConfig(**common, head_dim=8, sliding_window=5, num_local_experts=2,
+                                           num_experts_per_tok=1)
+        extra = {"experts_implementation": "eager"}  # the grouped-mm experts take no float64
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="selfattn",
+                                                          dtype=torch.float64, **extra)
+
+
+def _batch(case: str, seed: int = 1) -> dict:
+    """A global batch of 2 rows: packed documents (position_ids restart), or right padding in row 1."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (2, L), generator=g)
+    labels = ids.clone()
+    if case == "packed":
+        pos = torch.cat([torch.arange(n) for n in (7, 9, 8)]).expand(2, L).clone()
+        pos[1] = torch.cat([torch.arange(n) for n in (13, 11)])
+        labels[0, 3] = -100
+        return dict(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)  # packed rows train without a
+    mask = torch.ones(2, L, dtype=torch.long)                                           # cache (transformers reads
+    mask[1, L - 5:] = 0                                                                 # documents only then)
+    labels[1, L - 5:] = -100
+    return dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / max(1e-300, float(b.double().abs().max())))
+
+
+def exact_worker(rank: int, world: int, families: list[str], cases: list[str], combos: list[list[str]],
+                 steps: int = 1) -> dict:
+    """For each family x case x (layout, strategy): the CP model's loss and gradients against one process's
+    (over ``steps`` SGD steps when steps > 1: the weights after them)."""
+    from selfattn.integrations.transformers import context_parallel
+
+    out: dict = {}
+    for family in families:
+        for case in cases:
+            batch = _batch(case)
+            for layout, strategy in combos:
+                if strategy == "all_to_all" and 2 % world:  # 2 kv heads split across the ranks
+                    continue
+                ref, cp_model = _model(family), _model(family)
+                opt_ref, opt_cp = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, cp_model))
+                errors: dict = {"loss": 0.0, "grad": 0.0}
+                for _ in range(steps):
+                    opt_ref.zero_grad()
+                    opt_cp.zero_grad()
+                    ref_loss = ref(**batch).loss
+                    ref_loss.backward()
+                    with context_parallel(cp_model, layout=layout, strategy=strategy) as cp:
+                        loss = cp_model(**cp.shard(**batch)).loss
+                        loss.backward()
+                    errors["loss"] = max(errors["loss"], abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
+                    grads = {n: p.grad for n, p in cp_model.named_parameters()}
+                    errors["grad"] = max(errors["grad"], max(_rel(grads[n], p.grad) for n, p in ref.named_parameters()
+                                                             if p.grad is not None and p.grad.abs().max() > 0))
+                    opt_ref.step()
+                    opt_cp.step()
+                if steps > 1:
+                    cp_weights = dict(cp_model.named_parameters())
+                    errors["weights"] = max(_rel(cp_weights[n].detach(), p.detach()) for n, p in ref.named_parameters())
+                out[f"{family}/{case}/{layout}/{strategy}"] = errors
+    return out
+
+
+def _judge(results: list[dict]) -> None:
+    for rank, res in enumerate(results):
+        assert res, "no case ran"
+        bad = {k: e for k, e in res.items() if e["loss"] > LOSS_RTOL or
+               max(e["grad"], e.get("weights", 0.0)) > FLOAT32_INSIDE.get(k.split("/")[0], GRAD_RTOL)}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+def test_every_family_matches_one_process_on_two_ranks(tmp_path):
+    """catches: a mask built from the local shard instead of the global sequence (causal offsets, windows,
+    packed documents, padding), rotary positions from local indices, labels shifted inside a shard, a loss
+    that is not the global mean, gradients not summed over the group, sinks or soft-capping lost."""
+    _judge(_spawn("exact_worker", 2, tmp_path, families=list(FAMILIES), cases=["packed", "padding"],
+                  combos=[["zigzag", "ring"], ["contiguous", "all_to_all"]]))
+
+
+def test_several_optimizer_steps_give_the_same_weights(tmp_path):
+    """catches: gradients reduced more than once per backward, or a reduction left over from a previous step."""
+    _judge(_spawn("exact_worker", 2, tmp_path, families=["llama"], cases=["packed"], combos=[["zigzag", "ring"]],
+                  steps=3))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_every_world_size_layout_and_strategy(world, tmp_path):
+    """catches: errors that only show at some world sizes or in one layout or strategy."""
+    combos = [[layout, strategy] for layout in ("contiguous", "zigzag") for strategy in ("ring", "all_to_all")]
+    _judge(_spawn("exact_worker", world, tmp_path, limit=1800, families=list(FAMILIES),
+                  cases=["packed", "padding"], combos=combos))
+
+
+def mismatch_worker(rank: int, world: int) -> dict:
+    """Rank 1 passes other document boundaries: the ranks' agreement must refuse, on every rank."""
+    from selfattn.integrations.transformers import context_parallel
+
+    model = _model("llama")
+    batch = _batch("packed")
+    if rank == 1:
+        batch["position_ids"] = torch.arange(L).expand(2, L)
+    try:
+        with context_parallel(model, timeout=20) as cp:
+            model(**cp.shard(**batch)).loss.backward()
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_ranks_with_different_batches_get_the_agreement_error(tmp_path):
+    """catches: ranks that disagree about the global batch (documents) computing a silent mixture."""
+    for res in _spawn("mismatch_worker", 2, tmp_path):
+        assert res["error"] and "mask" in res["error"] and "different ranks" in res["error"], res
+
+
+def test_refusals_without_processes():
+    """catches: a model not using selfattn, or a bad layout, reaching the ranks before it is refused."""
+    import transformers
+
+    from selfattn.integrations.transformers import context_parallel
+
+    eager = transformers.AutoModelForCausalLM.from_config(
+        transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 vocab_size=32), attn_implementation="eager")
+    with pytest.raises(ValueError, match="selfattn"), context_parallel(eager):
+        pass
+    with pytest.raises(ValueError, match="layout"), context_parallel(_model("llama"), layout="sideways"):
+        pass
