@@ -220,3 +220,38 @@ def test_refusals_without_processes():
         pass
     with pytest.raises(ValueError, match="layout"), context_parallel(_model("llama"), layout="sideways"):
         pass
+
+
+def mesh_worker(rank: int, world: int) -> dict:
+    """A 2 x 2 mesh (data parallel x context parallel): each data-parallel replica trains on its row of the batch,
+    split over its context-parallel group; with the data-parallel group given to the context, and with DDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from selfattn.integrations.transformers import context_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    dp, cp_group, dp_group = mesh.get_local_rank("dp"), mesh.get_group("cp"), mesh.get_group("dp")
+    out = {}
+    for case in ("dp_group", "ddp"):
+        batch = _batch("packed")
+        if case == "ddp":  # DDP averages the replicas' gradients: equal when the replicas count equal tokens
+            batch["labels"] = batch["input_ids"].clone()
+        ref = _model("llama")
+        ref(**batch).loss.backward()
+        model = _model("llama")
+        row = {k: v[dp:dp + 1] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        wrapped = DistributedDataParallel(model, process_group=dp_group) if case == "ddp" else model
+        with context_parallel(wrapped, group=cp_group, data_parallel_group=dp_group if case == "dp_group" else None,
+                              layout="zigzag") as cp:
+            wrapped(**cp.shard(**row)).loss.backward()
+        grads = dict(model.named_parameters())
+        out[case] = max(_rel(grads[n].grad, p.grad) for n, p in ref.named_parameters() if p.grad.abs().max() > 0)
+    return out
+
+
+def test_data_parallel_times_context_parallel(tmp_path):
+    """catches: gradients reduced over only one of the two dimensions of a data x context mesh, the loss
+    normalised per replica instead of over every replica's tokens, or DDP's averaging fighting the context's sum."""
+    for res in _spawn("mesh_worker", 4, tmp_path):
+        assert res["dp_group"] < GRAD_RTOL and res["ddp"] < GRAD_RTOL, res

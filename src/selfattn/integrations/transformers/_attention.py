@@ -14,10 +14,13 @@ from torch import Tensor
 from ... import functional as _functional
 from ... import masks as _masks
 from ... import scores as _scores
-from . import _context
 from ._carrier import MaskTensor
 
 __all__ = ["attention_forward"]
+
+# The attribute context_parallel sets on every module of the model it runs (its ContextParallel): read
+# by getattr, which torch.compile traces, where a global context variable would break the graph.
+CONTEXT_ATTR = "_selfattn_context_parallel"
 
 DENSE_LIMIT = 1 << 16
 """Mask elements (B * Lq * Lk) up to which a carried mask is made dense once and the tensor shared
@@ -68,7 +71,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     Returns:
         (out (B, Lq, Hq, D) contiguous, weights or None).
     """
-    cp = _context.active(module)
+    cp = getattr(module, CONTEXT_ATTR, None)
     if cp is not None:  # inside context_parallel: this rank's shards, the global mask
         if output_attentions or position_bias is not None:
             raise ValueError("under context_parallel, attention weights (output_attentions) and position biases "

@@ -32,7 +32,6 @@ Shape legend: B batch, L the global length, W the group's size, n = L / W tokens
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,17 +46,11 @@ from ...distributed import attention as _cp_attention
 from ...distributed import shard as _shard
 from ...masks.kinds import Document
 from . import _upstream
+from ._attention import CONTEXT_ATTR, attention_forward
 
 __all__ = ["ContextParallel", "context_parallel"]
 
-_ACTIVE: contextvars.ContextVar[ContextParallel | None] = contextvars.ContextVar("selfattn_cp", default=None)
 IGNORE = -100  # transformers' ignore_index
-
-
-def active(module: nn.Module) -> ContextParallel | None:
-    """The context-parallel context ``module`` runs in, or None."""
-    ctx = _ACTIVE.get()
-    return ctx if ctx is not None and id(module) in ctx._modules else None
 
 
 @dataclass
@@ -70,7 +63,6 @@ class ContextParallel:
     strategy: str
     data_parallel_group: dist.ProcessGroup | None
     timeout: float | None
-    _modules: set[int] = field(default_factory=set, repr=False)
     _documents: Tensor | None = field(default=None, repr=False)  # (B, L) global document ids, or None
     _padding: Tensor | None = field(default=None, repr=False)  # (B, L) bool, True = a real token, or None
     _length: int | None = field(default=None, repr=False)
@@ -238,31 +230,31 @@ def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None
     name = getattr(config, "_attn_implementation", None)
     from transformers import AttentionInterface
 
-    if name is None or name not in AttentionInterface() or AttentionInterface()[name] is not _upstream_attention():
+    if name is None or name not in AttentionInterface() or AttentionInterface()[name] is not attention_forward:
         raise ValueError(f"context_parallel needs a model whose attention is selfattn's (attn_implementation="
                          f"'selfattn' after register()); this one uses {name!r}")
     if layout not in ("contiguous", "zigzag"):
         raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
     if strategy not in ("ring", "all_to_all"):
         raise ValueError(f"strategy must be 'ring' or 'all_to_all', got {strategy!r}")
-    ctx = ContextParallel(model, group, layout, strategy, data_parallel_group, timeout,
-                          {id(m) for m in inner.modules()})
-    token = _ACTIVE.set(ctx)
+    # The context rides on the model's own modules (an attribute each, not a global), so that attention
+    # finds it under torch.compile too, and another model in the same process is left alone.
+    owners = dict.fromkeys([model, *inner.modules()])
+    if any(CONTEXT_ATTR in m.__dict__ for m in owners):
+        raise ValueError("this model is already inside a context_parallel block: one at a time")
+    ctx = ContextParallel(model, group, layout, strategy, data_parallel_group, timeout)
+    for m in owners:
+        m.__dict__[CONTEXT_ATTR] = ctx
     handles = _reduce_gradients(model, group, data_parallel_group)
     loss_hook = inner.register_forward_hook(lambda m, args, out: _global_loss(out, group, data_parallel_group))
     try:
         yield ctx
     finally:
-        _ACTIVE.reset(token)
+        for m in owners:
+            m.__dict__.pop(CONTEXT_ATTR, None)
         loss_hook.remove()
         for h in handles:
             h.remove()
-
-
-def _upstream_attention() -> Any:
-    from ._attention import attention_forward
-
-    return attention_forward
 
 
 def _global_loss(out: Any, group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None) -> Any:
@@ -320,14 +312,14 @@ def _ddp_hook(model: nn.parallel.DistributedDataParallel) -> None:
         return
     _DDP_HOOKED.add(id(model))
 
-    def hook(state: Any, bucket: Any) -> torch.futures.Future[Tensor]:
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads these annotations: none, or its own types
         buf = bucket.buffer()
         dist.all_reduce(buf, group=model.process_group)
         buf.div_(dist.get_world_size(model.process_group))
-        ctx = _ACTIVE.get()
-        if ctx is not None and ctx.model is model:
+        ctx = model.__dict__.get(CONTEXT_ATTR)
+        if ctx is not None:
             dist.all_reduce(buf, group=ctx.group)
-        fut: torch.futures.Future[Tensor] = torch.futures.Future()
+        fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(buf)
         return fut
 
