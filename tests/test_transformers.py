@@ -392,6 +392,12 @@ def test_upstream_seams_are_where_they_were():
     assert not _upstream.can_set_attn_implementation(transformers.FalconForCausalLM)
     assert getattr(transformers.PreTrainedModel.get_correct_attn_implementation, "_selfattn_guard", None) is not None
     assert "_compile_all_devices" in vars(transformers.CompileConfig)  # generate() compiling on a CPU (tests)
+    # context_parallel's gradient sum: a callback queued from a hook runs once, after the whole backward
+    w = torch.ones(3, requires_grad=True)
+    seen: list[str] = []
+    w.register_post_accumulate_grad_hook(lambda p: _upstream.at_end_of_backward(lambda: seen.append("end")))
+    (w * 2).sum().backward()
+    assert seen == ["end"] and w.grad is not None
 
 
 def test_packed_mask_skips_tiles_like_a_document_mask():

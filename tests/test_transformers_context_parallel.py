@@ -255,3 +255,15 @@ def test_data_parallel_times_context_parallel(tmp_path):
     normalised per replica instead of over every replica's tokens, or DDP's averaging fighting the context's sum."""
     for res in _spawn("mesh_worker", 4, tmp_path):
         assert res["dp_group"] < GRAD_RTOL and res["ddp"] < GRAD_RTOL, res
+
+
+def test_example_trains_and_matches_one_process():
+    """catches: the example drifting from the API, or its first-step check against one process failing."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "examples" / "hf_context_parallel.py"), "--steps", "3",
+                           "--length", "256"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "-> equal" in proc.stdout and "loss" in proc.stdout.splitlines()[-1], proc.stdout

@@ -60,13 +60,15 @@ def _parser() -> argparse.ArgumentParser:
                         "the share the doctor names (its kill rate) and the mutants it misses")
 
     b = sub.add_parser("bench", help="time and memory against the anchors, in one run")
-    b.add_argument("--suite", choices=["modules", "overhead", "decode", "masks", "distributed", "models", "all"],
+    b.add_argument("--suite", choices=["modules", "overhead", "decode", "masks", "distributed", "models",
+                                       "context-models", "all"],
                    default="all",
                    help="modules: MultiHeadAttention vs nn.MultiheadAttention and the tutorial's; "
                         "overhead: attention(auto) vs raw SDPA; decode: a KV-cache decode step vs SDPA on "
                         "the cached tensors; masks: masked attention 1k-64k; distributed: context parallelism on "
                         "1, 2, 4 processes; models: a Llama-shaped transformers model trained on a packed row and "
-                        "generating, selfattn vs sdpa and eager (distributed and models are not part of all)")
+                        "generating, selfattn vs sdpa and eager; context-models: that model trained with its row "
+                        "split over 1, 2, 4 processes (distributed, models and context-models are not part of all)")
     b.add_argument("--quick", action="store_true", help="a reduced grid that runs in under two minutes")
     b.add_argument("--cases", nargs="+",
                    help="mask cases to run (default: all); for the models suite, train and/or generate")

@@ -55,7 +55,8 @@ def generate_call(impl: str, batch: int, cache: str, mode: str, seed: int = 0):
         kwargs["cache_implementation"] = "static"
     if mode == "compiled":
         config = transformers.CompileConfig(fullgraph=True)
-        config._compile_all_devices = True  # transformers 5.24: generate() compiles on a CPU only with this flag
+        # transformers 5.24: generate() compiles on a CPU only with this flag (declared `= None`, so typed None)
+        config._compile_all_devices = True  # type: ignore[assignment]
         kwargs["compile_config"] = config
     else:
         kwargs["disable_compile"] = True

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -150,14 +151,14 @@ def _guess(name: str, sizes: Sizes) -> object:
 _UNKNOWN = object()
 
 
-def _config_fields(config_cls: type) -> set[str]:
+def _config_fields(config_cls: type[Any]) -> set[str]:
     fields = set(_signature(config_cls.__init__))
     fields |= set(getattr(config_cls, "__dataclass_fields__", {}))
     fields |= set(getattr(config_cls, "attribute_map", {}) or {})
     return fields - {"self", "args", "kwargs"}
 
 
-def _config_kwargs(config_cls: type, sizes: Sizes) -> dict:
+def _config_kwargs(config_cls: type[Any], sizes: Sizes) -> dict:
     """Keyword arguments for a config class: its embed, head, width and dropout fields at the doctor's sizes."""
     fields = _config_fields(config_cls)
     takes_any = any(p.kind == p.VAR_KEYWORD for p in _signature(config_cls.__init__).values())
@@ -181,7 +182,7 @@ def _config_kwargs(config_cls: type, sizes: Sizes) -> dict:
     return kwargs
 
 
-def _config_class(cls: type) -> type | None:
+def _config_class(cls: type[Any]) -> type | None:
     """The configuration class a ``cls(config, ...)`` constructor wants: its annotation, or the one
     ``*Config`` class in the module that defines ``cls``."""
     owner = sys.modules.get(cls.__module__)
@@ -197,7 +198,7 @@ def _config_class(cls: type) -> type | None:
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _build_with_config(cls: type, init: dict | None, sizes: Sizes) -> tuple[nn.Module, str]:
+def _build_with_config(cls: type[Any], init: dict | None, sizes: Sizes) -> tuple[nn.Module, str]:
     config_cls = _config_class(cls)
     if config_cls is None:
         raise CannotRun(f"{cls.__name__}(config, ...) needs a config object and no single *Config class was found "
@@ -223,7 +224,7 @@ def _build_with_config(cls: type, init: dict | None, sizes: Sizes) -> tuple[nn.M
                         "--factory 'lambda: ...'") from e
 
 
-def build(cls: type, init: dict | None, embed_dim: int, *, heads: int = 4) -> tuple[nn.Module, str]:
+def build(cls: type[Any], init: dict | None, embed_dim: int, *, heads: int = 4) -> tuple[nn.Module, str]:
     """Instantiate ``cls`` from ``init``, a config object or its signature; returns (module, how it was built).
 
     Without ``init``, every required constructor argument must be one the doctor recognises by name

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +52,7 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
                     mask = c.module_mask(keep)
                     if c(x, mask).shape != x.shape or c(x).shape != x.shape:
                         continue
-                    seen = dependency(lambda t, c=c, m=mask: c(t, m), x)
+                    seen = dependency(partial(c, mask=mask), x)
                     full = dependency(c, x)
             except Exception:  # not this shape or kind
                 continue
@@ -175,7 +176,9 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     call: Caller | None = Caller(module, "adapter", adapter=adapter) if adapter is not None else None
     notes: dict = {}
     coincidence, failed_first = "", []
-    ran, wrong, failed, errors = [], [], [], []
+    ran: list[tuple[int, int, int]] = []
+    wrong, failed, errors = [], [], []
+    why: str | None
     for b, n in shapes:
         shape = (b, n, e)
         if call is None:
@@ -198,9 +201,9 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
             failed.append((shape, why))
             errors.append(why)
     if not ran and not wrong and sizes.lengths is None:
-        found = _discover_length(module, adapter, errors, e, {n for _, n in shapes}, gen, dtype, device)
-        if found is not None:
-            call, n = found
+        discovered = _discover_length(module, adapter, errors, e, {n for _, n in shapes}, gen, dtype, device)
+        if discovered is not None:
+            call, n = discovered
             notes["length"] = f"runs only at length {n} among those tried (a size its errors or tensors name; " \
                               "--length states it)"
             heads = num_heads_of(module)

@@ -133,7 +133,8 @@ def _orientation(w: Tensor, p: Tensor) -> str | None:
 def _product_after(trace: Trace, tid: int) -> tuple[Op, int, list[str]] | None:
     """The first product that reads ``tid`` (through layout operations and at most two others), the identity it
     reads, and the names of the non-layout operations on the way."""
-    frontier, passed = [tid], []
+    frontier = [tid]
+    passed: list[str] = []
     for _ in range(3):
         nxt = []
         for t in frontier:
@@ -396,8 +397,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         raise Unrecognised("the softmax input does not have the score product's size")
     names = [n for n, _ in steps]
     if "tanh" in names:
-        cut = names.index("tanh")
-        cap = math.prod(x for _, x in steps[:cut] if x is not None)
+        tanh_at = names.index("tanh")
+        cap = math.prod(x for _, x in steps[:tanh_at] if x is not None)
         raw = s.double()
         s = torch.where(raw > _MASKED, cap * torch.atanh((raw / cap).clamp(-1 + 1e-12, 1 - 1e-12)), raw)
         facts["soft-capping"] = f"scores capped at {cap:.6g} by cap * tanh(scores / cap)"

@@ -13,6 +13,8 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
@@ -214,7 +216,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             if not watch.used and not watch.reached:
                 untouched.add(label)
             continue
-        d = dependency(lambda t, c=caller, mk=mask: c(t, mk), x, rtol=ctx.dependency_rtol)
+        d = dependency(partial(caller, mask=mask), x, rtol=ctx.dependency_rtol)
         off = ~torch.eye(length, dtype=torch.bool)  # a row's own token is its query too: not compared
         k0 = keep[0]
         as_keep, as_ignore = k0 & dep & off, ~k0 & dep & off

@@ -37,8 +37,10 @@ import sys
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from types import ModuleType
+from typing import TypeGuard, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -95,7 +97,7 @@ def _src(node: ast.AST) -> str:
     return ast.unparse(node)
 
 
-def _is_call_to(node: ast.AST, *names: str) -> bool:
+def _is_call_to(node: ast.AST, *names: str) -> TypeGuard[ast.Call]:
     return isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name)) and \
         (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id) in names
 
@@ -128,26 +130,46 @@ def _unscaled(node: ast.expr) -> ast.expr:
     return Edit().visit(copy.deepcopy(node))
 
 
-def _edits(node: ast.AST) -> Iterator[tuple[str, Callable[[ast.AST], ast.AST]]]:
+_Node = TypeVar("_Node", bound=ast.AST)
+_Edit = Callable[[ast.AST], ast.AST]
+
+
+def _on(kind: type[_Node], edit: Callable[[_Node], ast.AST]) -> _Edit:
+    """``edit``, written for a ``kind`` node, as an edit of any node: it only gets copies of the node it was for."""
+    def checked(n: ast.AST) -> ast.AST:
+        assert isinstance(n, kind)
+        return edit(n)
+    return checked
+
+
+def _receiver(n: ast.Call) -> ast.expr:
+    """``x`` of a method call ``x.f(...)``."""
+    assert isinstance(n.func, ast.Attribute)
+    return n.func.value
+
+
+def _edits(node: ast.AST) -> Iterator[tuple[str, _Edit]]:
     """(operator, edit) pairs for one node; an edit takes a copy of the node and returns its replacement."""
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Div, ast.Mult)) and \
             any(w in _src(node.right) for w in _SCALE_WORDS) and not isinstance(node.right, ast.Constant):
-        yield "drop the scale", lambda n: n.left
+        yield "drop the scale", _on(ast.BinOp, lambda n: n.left)
         if _src(_unscaled(node.right)) != _src(node.right):
-            yield "scale 1/d instead of 1/sqrt(d)", lambda n: ast.BinOp(n.left, n.op, _unscaled(n.right))
-        yield "scale doubled", lambda n: ast.BinOp(n.left, n.op, ast.BinOp(n.right, ast.Mult() if isinstance(
-            n.op, ast.Mult) else ast.Div(), ast.Constant(2)))
+            yield "scale 1/d instead of 1/sqrt(d)", _on(ast.BinOp, lambda n: ast.BinOp(n.left, n.op,
+                                                                                        _unscaled(n.right)))
+        yield "scale doubled", _on(ast.BinOp, lambda n: ast.BinOp(n.left, n.op, ast.BinOp(
+            n.right, ast.Mult() if isinstance(n.op, ast.Mult) else ast.Div(), ast.Constant(2))))
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.MatMult):
-        yield "swap matmul operands", lambda n: ast.BinOp(n.right, n.op, n.left)
+        yield "swap matmul operands", _on(ast.BinOp, lambda n: ast.BinOp(n.right, n.op, n.left))
     if _is_call_to(node, "matmul", "bmm") and len(node.args) == 2:
-        yield "swap matmul operands", lambda n: ast.Call(n.func, [n.args[1], n.args[0]], n.keywords)
+        yield "swap matmul operands", _on(ast.Call, lambda n: ast.Call(n.func, [n.args[1], n.args[0]], n.keywords))
     if _is_call_to(node, "transpose") and isinstance(node.func, ast.Attribute) and len(node.args) == 2:
         a, b = (_const_int(x) for x in node.args)
         if a is not None and b is not None and 0 not in (a, b):
-            yield "transpose the batch dimension", lambda n: ast.Call(n.func, [ast.Constant(0), n.args[1]], [])
-        yield "drop a transpose", lambda n: n.func.value
+            yield "transpose the batch dimension", _on(ast.Call, lambda n: ast.Call(n.func, [ast.Constant(0),
+                                                                                              n.args[1]], []))
+        yield "drop a transpose", _on(ast.Call, _receiver)
     if _is_call_to(node, "contiguous") and isinstance(node.func, ast.Attribute):
-        yield "drop .contiguous()", lambda n: n.func.value
+        yield "drop .contiguous()", _on(ast.Call, _receiver)
     if _is_call_to(node, "softmax"):
         method = isinstance(node.func, ast.Attribute) and _src(node.func.value) not in ("torch", "F", "nn.functional",
                                                                                      "torch.nn.functional")
@@ -159,69 +181,81 @@ def _edits(node: ast.AST) -> Iterator[tuple[str, Callable[[ast.AST], ast.AST]]]:
                     return ast.Call(n.func, n.args[:pos + 1] if len(n.args) > pos else n.args,
                                     [*kws, ast.keyword("dim", _int(new))])
                 return ast.Call(n.func, [*n.args[:pos], _int(new), *n.args[pos + 1:]], n.keywords)
-            yield f"softmax over dim {new}", set_dim
+            yield f"softmax over dim {new}", _on(ast.Call, set_dim)
     if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], (ast.Eq, ast.NotEq)) and \
             any(w in _src(node) for w in _MASK_WORDS):
-        yield "flip a mask comparison", lambda n: ast.Compare(n.left, [ast.NotEq() if isinstance(n.ops[0], ast.Eq)
-                                                                       else ast.Eq()], n.comparators)
+        yield "flip a mask comparison", _on(ast.Compare, lambda n: ast.Compare(
+            n.left, [ast.NotEq() if isinstance(n.ops[0], ast.Eq) else ast.Eq()], n.comparators))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Invert):
-        yield "drop a mask inversion (~)", lambda n: n.operand
+        yield "drop a mask inversion (~)", _on(ast.UnaryOp, lambda n: n.operand)
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and "mask" in _src(node.right):
-        yield "subtract the mask instead of adding it", lambda n: ast.BinOp(n.left, ast.Sub(), n.right)
+        yield "subtract the mask instead of adding it", _on(ast.BinOp, lambda n: ast.BinOp(n.left, ast.Sub(), n.right))
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and "mask" in _src(node.right):
-        yield "drop the mask", lambda n: n.left
+        yield "drop the mask", _on(ast.BinOp, lambda n: n.left)
     if _is_call_to(node, "masked_fill") and isinstance(node.func, ast.Attribute):
-        yield "drop a masked_fill", lambda n: n.func.value
+        yield "drop a masked_fill", _on(ast.Call, _receiver)
     if _is_call_to(node, "Softmax") and any(k.arg == "dim" for k in node.keywords):
         for new in (-2, 0):
-            yield f"softmax over dim {new}", lambda n, new=new: ast.Call(
-                n.func, n.args, [*(k for k in n.keywords if k.arg != "dim"), ast.keyword("dim", _int(new))])
+            def set_module_dim(n: ast.Call, new: int = new) -> ast.AST:
+                return ast.Call(n.func, n.args, [*(k for k in n.keywords if k.arg != "dim"),
+                                                 ast.keyword("dim", _int(new))])
+            yield f"softmax over dim {new}", _on(ast.Call, set_module_dim)
     if isinstance(node, ast.Assign) and len(node.targets) == 1 and any(
             w in _src(node.targets[0]).lower() for w in ("scale", "scaling")) and \
             not isinstance(node.value, ast.Constant) and any(w in _src(node.value) for w in ("**", "sqrt")):
-        yield "drop the scale", lambda n: ast.Assign(n.targets, ast.Constant(1.0), lineno=n.lineno)
+        yield "drop the scale", _on(ast.Assign, lambda n: ast.Assign(n.targets, ast.Constant(1.0), lineno=n.lineno))
         if _src(_unscaled(node.value)) != _src(node.value):
-            yield "scale 1/d instead of 1/sqrt(d)", lambda n: ast.Assign(n.targets, _unscaled(n.value), lineno=n.lineno)
-        yield "scale doubled", lambda n: ast.Assign(n.targets, ast.BinOp(n.value, ast.Mult(), ast.Constant(2)),
-                                                    lineno=n.lineno)
+            yield "scale 1/d instead of 1/sqrt(d)", _on(ast.Assign, lambda n: ast.Assign(
+                n.targets, _unscaled(n.value), lineno=n.lineno))
+        yield "scale doubled", _on(ast.Assign, lambda n: ast.Assign(
+            n.targets, ast.BinOp(n.value, ast.Mult(), ast.Constant(2)), lineno=n.lineno))
     if isinstance(node, ast.Call):
         for i, kw in enumerate(node.keywords):
             if kw.arg in ("scale", "alpha", "softmax_scale", "scaling") and not isinstance(kw.value, ast.Constant):
-                yield "drop the scale", lambda n, i=i: _with_keyword(n, i, ast.Constant(1.0))
-                yield "scale doubled", lambda n, i=i: _with_keyword(n, i, ast.BinOp(n.keywords[i].value, ast.Mult(),
-                                                                                     ast.Constant(2)))
+                def unscaled(n: ast.Call, i: int = i) -> ast.AST:
+                    return _with_keyword(n, i, ast.Constant(1.0))
+
+                def doubled(n: ast.Call, i: int = i) -> ast.AST:
+                    return _with_keyword(n, i, ast.BinOp(n.keywords[i].value, ast.Mult(), ast.Constant(2)))
+                yield "drop the scale", _on(ast.Call, unscaled)
+                yield "scale doubled", _on(ast.Call, doubled)
             if kw.arg == "is_causal":
-                yield "flip is_causal", lambda n, i=i: _with_keyword(n, i, ast.UnaryOp(ast.Not(), n.keywords[i].value))
+                def flipped(n: ast.Call, i: int = i) -> ast.AST:
+                    return _with_keyword(n, i, ast.UnaryOp(ast.Not(), n.keywords[i].value))
+                yield "flip is_causal", _on(ast.Call, flipped)
             if kw.arg in ("attn_mask", "attention_mask", "mask") and _is_call_to(node, "scaled_dot_product_attention"):
-                yield "drop the mask", lambda n, i=i: _with_keyword(n, i, ast.Constant(None))
+                def unmasked(n: ast.Call, i: int = i) -> ast.AST:
+                    return _with_keyword(n, i, ast.Constant(None))
+                yield "drop the mask", _on(ast.Call, unmasked)
     if _is_call_to(node, "scaled_dot_product_attention"):
         if len(node.args) >= 2:
-            yield "swap q and k", lambda n: ast.Call(n.func, [n.args[1], n.args[0], *n.args[2:]], n.keywords)
+            yield "swap q and k", _on(ast.Call, lambda n: ast.Call(n.func, [n.args[1], n.args[0], *n.args[2:]],
+                                                                    n.keywords))
         if not any(k.arg == "scale" for k in node.keywords):
-            yield "drop the scale", lambda n: ast.Call(n.func, n.args, [*n.keywords, ast.keyword("scale",
-                                                                                                   ast.Constant(1.0))])
+            yield "drop the scale", _on(ast.Call, lambda n: ast.Call(n.func, n.args, [
+                *n.keywords, ast.keyword("scale", ast.Constant(1.0))]))
         if not any(k.arg == "is_causal" for k in node.keywords):
-            yield "flip is_causal", lambda n: ast.Call(n.func, n.args, [*n.keywords, ast.keyword("is_causal",
-                                                                                                   ast.Constant(True))])
+            yield "flip is_causal", _on(ast.Call, lambda n: ast.Call(n.func, n.args, [
+                *n.keywords, ast.keyword("is_causal", ast.Constant(True))]))
     if _is_call_to(node, "einsum") and node.args and isinstance(node.args[0], ast.Constant) and \
             isinstance(node.args[0].value, str) and "->" in node.args[0].value:
         ins, out = node.args[0].value.replace(" ", "").split("->")
         first, *rest = ins.split(",")
         if len(out) >= 2:
-            yield "einsum: swap the output's last two axes", lambda n: _with_arg0(
-                n, f"{ins}->{out[:-2]}{out[-1]}{out[-2]}")
+            yield "einsum: swap the output's last two axes", _on(ast.Call, lambda n: _with_arg0(
+                n, f"{ins}->{out[:-2]}{out[-1]}{out[-2]}"))
         if len(first) >= 2 and rest:
-            yield "einsum: transpose the first operand", lambda n: _with_arg0(
-                n, f"{','.join([first[:-2] + first[-1] + first[-2], *rest])}->{out}")
+            yield "einsum: transpose the first operand", _on(ast.Call, lambda n: _with_arg0(
+                n, f"{','.join([first[:-2] + first[-1] + first[-2], *rest])}->{out}"))
     if _is_call_to(node, "rearrange") and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and \
             isinstance(node.args[1].value, str):
         pattern = node.args[1].value
         swapped = re.sub(r"\((\w+) (\w+)\)", lambda g: f"({g.group(2)} {g.group(1)})", pattern, count=1)
         if swapped != pattern:
-            yield "einops: swap a grouped axis", lambda n: ast.Call(n.func, [n.args[0], ast.Constant(swapped),
-                                                                                *n.args[2:]], n.keywords)
+            yield "einops: swap a grouped axis", _on(ast.Call, lambda n: ast.Call(
+                n.func, [n.args[0], ast.Constant(swapped), *n.args[2:]], n.keywords))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and not isinstance(node.operand, ast.Constant):
-        yield "drop a negation", lambda n: n.operand
+        yield "drop a negation", _on(ast.UnaryOp, lambda n: n.operand)
     if _is_call_to(node, "triu", "tril"):
         for delta in (1, -1):
             def shift(n: ast.Call, delta: int = delta) -> ast.AST:
@@ -230,7 +264,7 @@ def _edits(node: ast.AST) -> Iterator[tuple[str, Callable[[ast.AST], ast.AST]]]:
                 value = _const_int(old)
                 new = _int(value + delta) if value is not None else ast.BinOp(old, ast.Add(), _int(delta))
                 return ast.Call(n.func, [new], kws)
-            yield f"causal offset {delta:+d}", shift
+            yield f"causal offset {delta:+d}", _on(ast.Call, shift)
 
 
 def _with_keyword(n: ast.Call, i: int, value: ast.expr) -> ast.Call:
@@ -341,7 +375,7 @@ def mutants(source: str, class_name: str, *, definitions_only: bool = False) -> 
     return found
 
 
-def _replace(tree: ast.AST, target: ast.AST, edit: Callable[[ast.AST], ast.AST]) -> None:
+def _replace(tree: ast.AST, target: ast.AST, edit: _Edit) -> None:
     """Replace ``target`` (a node of ``tree``) by ``edit(copy of target)``, in place."""
     for parent in ast.walk(tree):
         for fname, value in ast.iter_fields(parent):
@@ -436,7 +470,7 @@ def _outputs(module: nn.Module, options: dict, mask_note: object) -> list[object
     adapter = options.get("call")
     style = "adapter" if adapter else find_call_style(module, xs[0])[0]
     call = Caller(module, style, adapter=adapter if callable(adapter) else None)
-    runs: list[Callable[[], Tensor]] = [lambda t=t: call(t) for t in xs] + [lambda: call(xs[0] * 50)]
+    runs: list[Callable[[], Tensor]] = [partial(call, t) for t in xs] + [lambda: call(xs[0] * 50)]
     if isinstance(mask_note, dict) and "kind" in mask_note:
         spec = _spec_of(mask_note)
         masked = call.with_mask(spec, mask_note.get("argument"))
@@ -447,7 +481,10 @@ def _outputs(module: nn.Module, options: dict, mask_note: object) -> list[object
         if not spec.key_only:
             causal = i[None, :] <= i[:, None]
             keeps += [causal.expand(3, n, n), (causal & (i[None, :] >= i[:, None] - 2)).expand(3, n, n)]
-        runs += [lambda k=k: masked(xs[0], masked.module_mask(k, dtype)) for k in keeps]
+
+        def with_keep(k: Tensor) -> Callable[[], Tensor]:
+            return lambda: masked(xs[0], masked.module_mask(k, dtype))
+        runs += [with_keep(k) for k in keeps]
         half = copy.deepcopy(module).half()
         runs.append(lambda: masked.for_module(half)(xs[0].half(), masked.module_mask(keeps[0], torch.float16)))
     else:

@@ -211,6 +211,7 @@ def gradients(ctx: Context) -> Outcome[None]:
         return Outcome([Finding.of("no-grad", "some parameters (or the input) receive no gradient",
                                    {"parameters without gradient": missing, "input gets gradient": not no_input_grad})],
                        notes={"gradients": f"{len(used)} parameter tensors used by the call"})
+    assert xg.grad is not None  # no_input_grad is False here
     dx = xg.grad.detach().clone()
     m.zero_grad(set_to_none=True)
     exact = exact and watch.lowest == torch.float64  # a float32 softmax inside leaves float32's rounding

@@ -224,7 +224,9 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
                       **({"device": str(device)} if device.type != "cpu" else {})})
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        call, x = got.take(calling(module, sizes, gen, adapter, dtype, device))
+        called = got.take(calling(module, sizes, gen, adapter, dtype, device))
+        assert called is not None  # calling() gives the caller and its input, or raises CannotRun
+        call, x = called
         call.make_mask = make_mask
         try:
             with torch.no_grad():

@@ -64,13 +64,13 @@ def _linear(weight: Tensor, bias: Tensor | None) -> Project:
 def _fused_splits(o: Tensor, e: int) -> list[tuple[Tensor, Tensor, Tensor]]:
     """Readings of one fused projection of width W: [q | k | v] in equal thirds, or q of width E and k, v halves."""
     width = o.shape[-1]
-    splits = []
+    splits: list[tuple[Tensor, Tensor, Tensor]] = []
     if width % 3 == 0:
         splits.append(tuple(o.split(width // 3, dim=-1)))
     rest = width - e
     if rest > 0 and rest % 2 == 0 and rest // 2 != width // 3:
         splits.append(tuple(o.split([e, rest // 2, rest // 2], dim=-1)))
-    return splits  # type: ignore[return-value]
+    return splits
 
 
 def capture(trace: Trace, module: nn.Module, x: Tensor) -> Capture | str:
@@ -111,23 +111,31 @@ def capture(trace: Trace, module: nn.Module, x: Tensor) -> Capture | str:
     return f"no input goes through 1 (fused), 2 (q and kv) or 3 (q, k, v) projections (groups of {sizes})"
 
 
+def _output(lin: Linear) -> Tensor:
+    """The output of a map :func:`linears` recorded (it records each with its output)."""
+    assert lin.output is not None
+    return lin.output
+
+
 def _readings(group: list[Linear]) -> tuple[list[tuple[Tensor, Tensor, Tensor]], str]:
     e = group[0].input.shape[-1]
     if len(group) == 1:
-        return _fused_splits(group[0].output, e), f"fused projection {group[0].name!r} split as [q | k | v]"
+        return _fused_splits(_output(group[0]), e), f"fused projection {group[0].name!r} split as [q | k | v]"
     if len(group) == 2:
         a, b = group
         if name_role(b.name) == "q" or "kv" in a.name.split(".")[-1]:
             a, b = b, a
-        if b.output.shape[-1] % 2 == 0 and (b.output.shape[-1] == 2 * a.output.shape[-1] or "kv" in b.name):
-            k, v = b.output.chunk(2, dim=-1)
-            return [(a.output, k, v)], f"projections {a.name!r} (q) and {b.name!r} split as [k | v]"
+        q, kv = _output(a), _output(b)
+        if kv.shape[-1] % 2 == 0 and (kv.shape[-1] == 2 * q.shape[-1] or "kv" in b.name):
+            k, v = kv.chunk(2, dim=-1)
+            return [(q, k, v)], f"projections {a.name!r} (q) and {b.name!r} split as [k | v]"
         return [], ""
     if len(group) == 3:
-        roles = {name_role(g.name): g.output for g in group}
+        roles = {name_role(g.name): _output(g) for g in group}
         if set(roles) == {"q", "k", "v"}:
             return [(roles["q"], roles["k"], roles["v"])], "separate projections, recognised by name"
-        return [tuple(g.output for g in group)], "separate projections, taken in call order as q, k, v"  # type: ignore
+        q, k, v = (_output(g) for g in group)
+        return [(q, k, v)], "separate projections, taken in call order as q, k, v"
     return [], ""
 
 

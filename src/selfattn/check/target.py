@@ -246,7 +246,7 @@ def mask_parameters(module: nn.Module, style: str) -> list[str | None]:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return [None]
-    named = [p.name for p in params if p.name in MASK_NAMES and p.kind != p.POSITIONAL_ONLY]
+    named: list[str | None] = [p.name for p in params if p.name in MASK_NAMES and p.kind != p.POSITIONAL_ONLY]
     if named:
         return named
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

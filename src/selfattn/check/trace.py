@@ -250,8 +250,10 @@ def linears(trace: Trace, module: nn.Module) -> list[Linear]:
             b = op.args[2] if len(op.args) > 2 else op.kwargs.get("bias")
             bias = None if b is None else b.detach().double()
             name = trace.names.get(op.out_ids[0], "F.linear")
-            found.append(Linear(name, op.args[0], op.in_ids[0], op.outputs[0],
-                                lambda t, w=w, b=bias: nn.functional.linear(t, w, b)))
+
+            def apply(t: Tensor, w: Tensor = w, b: Tensor | None = bias) -> Tensor:
+                return nn.functional.linear(t, w, b)
+            found.append(Linear(name, op.args[0], op.in_ids[0], op.outputs[0], apply))
         elif op.module:
             found.append(Linear(op.module, op.args[0], op.in_ids[0], op.outputs[0], module_map(module, op.module)))
     return found

@@ -17,6 +17,7 @@ Shape legend: B batch, L length, E embed dim, H heads, D head dim.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -64,7 +65,7 @@ def _informative_input(module: nn.Module, call: Callable[[Tensor], Tensor], x: T
     """x, scaled up (at most 3 times) while the scores Q K^T / sqrt(D) are too small (std < 0.5) to tell the
     scale, the softmax axis and the other formulas apart (small initialisations: GPT-2's std 0.02)."""
     for _ in range(3):
-        trace, _ = record(module, lambda t=x: call(t))
+        trace, _ = record(module, partial(call, x))
         cap = capture(trace, module, x)
         split = None if isinstance(cap, str) else qkv_heads(cap.splits[0], heads[0])
         if split is None:

@@ -6,7 +6,7 @@ Shape legend: B batch, Hq/Hkv heads, Lq/Lk lengths, D head dim.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import Tensor
@@ -45,6 +45,18 @@ def _shared_dense(carrier: MaskTensor, lq: int, lk: int, device: torch.device) -
     return cached[1]
 
 
+class _Options(TypedDict):
+    """The keyword arguments :func:`attention_forward` gives the attention function."""
+
+    mask: _masks.Mask | Tensor | None
+    bias: Tensor | None
+    causal: _functional.Causal
+    scale: float
+    dropout_p: float
+    score_mod: _scores.ScoreMod | None
+    sinks: Tensor | None
+
+
 def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value: Tensor,
                       attention_mask: _masks.Mask | Tensor | None, dropout: float = 0.0,
                       scaling: float | None = None, is_causal: bool | None = None,
@@ -81,7 +93,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
     lq, lk = query.shape[2], key.shape[2]
     mask: _masks.Mask | Tensor | None = None
     bias = position_bias
-    causal: bool | str = False
+    causal: _functional.Causal = False
     if isinstance(attention_mask, MaskTensor):
         mask = _shared_dense(attention_mask, lq, lk, query.device)
     elif isinstance(attention_mask, _masks.Mask):
@@ -102,11 +114,11 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                         f"got {type(attention_mask).__name__}")
     score_mod = _scores.softcap(float(softcap)) if softcap is not None else None
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else float(scaling)
-    kwargs = dict(mask=mask, bias=bias, causal=causal, scale=scale, dropout_p=float(dropout),
-                  score_mod=score_mod, sinks=s_aux)
+    kwargs: _Options = dict(mask=mask, bias=bias, causal=causal, scale=scale, dropout_p=float(dropout),
+                            score_mod=score_mod, sinks=s_aux)
     if output_attentions:
-        out, weights = _functional.attention_with_weights(query, key, value, **kwargs)  # type: ignore[arg-type]
+        out, weights = _functional.attention_with_weights(query, key, value, **kwargs)
     else:
-        out, weights = _functional.attention(query, key, value, **kwargs), None  # type: ignore[arg-type]
+        out, weights = _functional.attention(query, key, value, **kwargs), None
     return out.transpose(1, 2).contiguous(), weights
 

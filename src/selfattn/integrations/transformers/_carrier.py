@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -68,9 +68,10 @@ class MaskTensor(Tensor):
         device = kwargs.get("device", next((a for a in args if isinstance(a, (torch.device, str))), None))
         if device is None or torch.device(device) == self.device:
             return self
-        return MaskTensor(self.mask, tuple(self.shape), device)
+        return MaskTensor(self.mask, cast(tuple[int, int, int, int], tuple(self.shape)), device)  # a carrier is 4-D
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    # mypy rejects any override of a dunder method with a keyword-only parameter, Tensor's own signature included
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"MaskTensor({self.mask!r}, shape={tuple(self.shape)})"
 
 

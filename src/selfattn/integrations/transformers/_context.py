@@ -312,14 +312,16 @@ def _ddp_hook(model: nn.parallel.DistributedDataParallel) -> None:
         return
     _DDP_HOOKED.add(id(model))
 
-    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP reads these annotations: none, or its own types
+    # Unannotated on purpose: DDP compares a hook's annotations with its own types, and this module's
+    # annotations are strings (from __future__ import annotations).
+    def hook(state, bucket):
         buf = bucket.buffer()
         dist.all_reduce(buf, group=model.process_group)
         buf.div_(dist.get_world_size(model.process_group))
         ctx = model.__dict__.get(CONTEXT_ATTR)
         if ctx is not None:
             dist.all_reduce(buf, group=ctx.group)
-        fut: torch.futures.Future = torch.futures.Future()
+        fut = torch.futures.Future()
         fut.set_result(buf)
         return fut
 

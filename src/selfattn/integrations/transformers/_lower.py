@@ -176,8 +176,8 @@ def _affine(e: Expr) -> tuple[dict[str, int], int] | None:
         a, b = _affine(e[1]), _affine(e[2])
         if a is None or b is None or (a[0] and b[0]):
             return None
-        (coeffs, c), k = (a, b[1]) if not b[0] else (b, a[1])
-        return {n: v * k for n, v in coeffs.items() if v * k}, c * k
+        (coeffs, c), factor = (a, b[1]) if not b[0] else (b, a[1])
+        return {n: v * factor for n, v in coeffs.items() if v * factor}, c * factor
     return None
 
 

@@ -100,8 +100,8 @@ class Sym:
     def __lt__(self, o): return self._bin("lt", o)
     def __ge__(self, o): return self._bin("ge", o)
     def __gt__(self, o): return self._bin("gt", o)
-    def __eq__(self, o): return self._bin("eq", o)  # type: ignore[override]
-    def __ne__(self, o): return self._bin("ne", o)  # type: ignore[override]
+    def __eq__(self, o): return self._bin("eq", o)
+    def __ne__(self, o): return self._bin("ne", o)
     def __neg__(self): return Sym(("neg", self.node))
     def __abs__(self): return Sym(("abs", self.node))
     def __invert__(self): return Sym(("not", self.node))

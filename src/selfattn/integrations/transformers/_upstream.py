@@ -35,7 +35,7 @@ def at_end_of_backward(fn: Callable[[], None]) -> None:
     """
     import torch
 
-    torch.autograd.Variable._execution_engine.queue_callback(fn)  # type: ignore[attr-defined]
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
 def can_set_attn_implementation(model_class: type) -> bool:

@@ -1,0 +1,188 @@
+"""``selfattn bench --suite context-models``: a transformers Llama trained with its packed row split over
+W = 1, 2, 4 processes by :func:`selfattn.integrations.transformers.context_parallel`.
+
+The model is the ``models`` suite's (hidden 512, 8 query heads, 2 key/value heads, 4 layers, vocabulary
+1024, float32, random weights); one row of L tokens packs 8 uneven documents (``position_ids`` restart at
+each). Every rank runs on gloo over 127.0.0.1 with one CPU thread. Two parts, each measured per rank:
+
+- ``model``: the whole training step (``cp.shard`` of the global row, forward, the global loss, backward,
+  the gradients summed over the ranks);
+- ``attention``: one layer's attention alone, as the model runs it under the context: forward + backward of
+  ``selfattn.distributed.attention`` on this rank's (1, 8, L / W, 64) queries and (1, 2, L / W, 64)
+  keys/values with the row's document & causal mask (zigzag layout, ring).
+
+W = 1 is the model in one process without the context (the anchor): the ratios are against it. Each row
+reports the slowest rank's median time and the largest rank's peak extra memory (resident growth during
+the step). On a machine with fewer cores than W the ranks share cores, so times at W = 4 measure that
+sharing as well; the memory per rank does not depend on it.
+
+Shape legend: L tokens in the row, W processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.progress import Progress, TaskID
+from rich.table import Table
+
+from .distributed import spawn_and_join
+from .llama import HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB
+from .memory import Memory
+from .models import DOCS, _document_lengths, model_step
+
+__all__ = ["IN_ALL", "NAME", "PARTS", "WORLDS", "grid", "points", "run", "run_point", "tables"]
+
+NAME = "context-models"
+IN_ALL = False
+
+PARTS = ["attention", "model"]
+WORLDS = [1, 2, 4]
+
+
+def _row(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids (1, L), position_ids (1, L)) of the packed row, as the models suite draws it."""
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, VOCAB, (1, length), generator=g)
+    pos = torch.cat([torch.arange(n) for n in _document_lengths(length, DOCS, seed)]).unsqueeze(0)
+    return ids, pos
+
+
+def _model_step(length: int, world: int):
+    """One training step of this rank's part of the row (W = 1: the plain model, no context)."""
+    from ..integrations.transformers import context_parallel
+
+    step, model = model_step("selfattn", length)  # the same weights on every rank (seeded)
+    if world == 1:
+        return step
+    ids, pos = _row(length)
+
+    def cp_step() -> None:
+        model.zero_grad(set_to_none=True)
+        with context_parallel(model, layout="zigzag", strategy="ring", timeout=600) as cp:
+            model(**cp.shard(input_ids=ids, position_ids=pos, labels=ids)).loss.backward()
+    return cp_step
+
+
+def _attention_step(length: int, world: int):
+    """Forward + backward of one layer's attention on this rank's shard, with the row's global mask."""
+    from .. import distributed as sad
+    from .. import masks
+
+    _, pos = _row(length)
+    documents = (pos == 0).cumsum(-1) - 1  # (1, L) document ids from the restarting positions
+    mask = masks.document(documents) & masks.causal()
+    n, d = length // world, HIDDEN // HEADS
+    g = torch.Generator().manual_seed(2 + dist.get_rank())
+    q = torch.randn(1, HEADS, n, d, generator=g, requires_grad=True)
+    k = torch.randn(1, KV_HEADS, n, d, generator=g, requires_grad=True)
+    v = torch.randn(1, KV_HEADS, n, d, generator=g, requires_grad=True)
+
+    def step() -> None:
+        out = sad.attention(q, k, v, layout="zigzag", strategy="ring", mask=mask, timeout=600)
+        assert isinstance(out, torch.Tensor)
+        out.sum().backward()
+        q.grad = k.grad = v.grad = None
+    return step
+
+
+def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
+    code = 1
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=1800))
+        length = spec["L"]
+        step = _model_step(length, world) if spec["part"] == "model" else _attention_step(length, world)
+        mem = Memory("cpu")
+        dist.barrier()
+        mem.start()
+        t0 = time.perf_counter()
+        step()  # warm-up, inside the peak: the first step allocates what the later ones reuse
+        first = time.perf_counter() - t0
+        times = []
+        for _ in range(spec["repeats"]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        peak = mem.stop()
+        median = sorted(times)[len(times) // 2] if times else first
+        Path(out, f"{rank}.json").write_text(json.dumps(dict(time_s=median, first_s=first, peak_bytes=peak)))
+        code = 0
+    except BaseException as e:
+        Path(out, f"{rank}.err").write_text(f"{type(e).__name__}: {e}")
+    finally:
+        os._exit(code)
+
+
+def run_point(spec: dict) -> dict:
+    """One (part, L, W) point on W spawned processes: the slowest rank's time, the largest peak."""
+    world = spec["W"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        done = spawn_and_join(_rank, (world, port, spec, out), world, spec.get("limit_s", 3600))
+        errors = [Path(out, f"{r}.err").read_text() for r in range(world) if Path(out, f"{r}.err").exists()]
+        if errors or not done:
+            return {"status": "error", "note": (errors or ["timed out"])[0][:200]}
+        ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+    return {"status": "ok", "time_s": max(r["time_s"] for r in ranks), "first_s": max(r["first_s"] for r in ranks),
+            "peak_bytes": max(r["peak_bytes"] for r in ranks)}
+
+
+def points(lengths: list[int] | None, quick: bool, repeats: int | None) -> list[dict]:
+    """Both parts at each length, W = 1, 2, 4 (L divisible by 2W: the zigzag layout)."""
+    return [dict(suite=NAME, part=part, L=length, W=world, repeats=repeats if repeats is not None else 1)
+            for length in lengths or ([2048] if quick else [16384]) for part in PARTS for world in WORLDS]
+
+
+def grid(args: argparse.Namespace) -> list[dict]:
+    for length in args.lengths or []:
+        if length % (2 * max(WORLDS)):
+            raise SystemExit(f"context-models: L={length} must be divisible by {2 * max(WORLDS)} (zigzag on W=4)")
+    return points(args.lengths, args.quick, args.repeats)
+
+
+def run(todo: list[dict], args: argparse.Namespace, progress: Progress, task: TaskID) -> list[dict]:
+    """:func:`run_point` on every point, each on its own spawned processes."""
+    out = []
+    for p in todo:
+        progress.update(task, description=f"context-models {p['part']} W={p['W']} L={p['L']}")
+        out.append({**p, **run_point(p)})
+        progress.advance(task)
+    return out
+
+
+def tables(results: list[dict]) -> list[Table]:
+    """One row per point, with time and peak memory per rank as ratios to W = 1, and the peak against the
+    1.2 / W that an even split of the activations would give."""
+    rows = [r for r in results if r["suite"] == NAME]
+    if not rows:
+        return []
+    table = Table(title=f"Llama {LAYERS} layers, hidden {HIDDEN}, packed row, context parallel (zigzag ring), "
+                        "per rank; x = ratio to W=1 (one process, no context)")
+    for col in ("part", "L", "W", "time s", "x", "peak MiB", "x", "<= 1.2/W"):
+        table.add_column(col)
+    base = {(r["part"], r["L"]): r for r in rows if r["W"] == 1 and r["status"] == "ok"}
+    for r in rows:
+        if r["status"] != "ok":
+            table.add_row(r["part"], str(r["L"]), str(r["W"]), r["status"], "", r.get("note", ""), "", "")
+            continue
+        b = base.get((r["part"], r["L"]))
+        ratio = r["peak_bytes"] / b["peak_bytes"] if b and b["peak_bytes"] >= 2**20 else None
+        table.add_row(r["part"], str(r["L"]), str(r["W"]), f"{r['time_s']:.2f}",
+                      f"{r['time_s'] / b['time_s']:.2f}" if b else "", f"{max(0, r['peak_bytes']) / 2**20:.0f}",
+                      "-" if ratio is None else f"{ratio:.2f}",
+                      "-" if ratio is None else ("yes" if ratio <= 1.2 / r["W"] else "no"))
+    return [table]
