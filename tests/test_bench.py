@@ -263,3 +263,22 @@ def test_readme_has_a_marked_block_for_every_table_the_script_writes():
     for name in markdown.BLOCKS:
         assert text.count(f"<!-- bench:{name} -->") == 1 and text.count(f"<!-- /bench:{name} -->") == 1, name
     assert markdown.rewrite(text, {}) == (text, [])
+
+
+def test_models_training_step_attends_within_the_packed_documents(monkeypatch):
+    """catches: the models suite's training step called with a cache (transformers' default use_cache), so that
+    transformers did not read the packed documents and every point measured full causal attention instead."""
+    pytest.importorskip("transformers")
+    from selfattn import functional
+    from selfattn.bench.models import model_step
+
+    seen: list[str] = []
+    real = functional.attention
+
+    def spy(*args, **kwargs):
+        seen.append(repr(kwargs.get("mask")))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(functional, "attention", spy)
+    step, _ = model_step("selfattn", 512)  # above the size at which the adapter passes a small mask dense
+    step()
+    assert seen and all("document" in m for m in seen), seen

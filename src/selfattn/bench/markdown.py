@@ -32,7 +32,7 @@ from .ratios import format_ratio, ratio_stats
 
 __all__ = ["BLOCKS", "blocks", "load", "rewrite"]
 
-BLOCKS = ("modules", "overhead", "decode", "masks", "masks-targets", "models", "models-generate")
+BLOCKS = ("modules", "overhead", "decode", "masks", "masks-targets", "models", "models-generate", "context-models")
 _MARKED = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 _README_LENGTH = 16384  # the masks table's length when the results have it (the README's since the start)
 
@@ -272,6 +272,31 @@ def _models_generate(rows: list[dict]) -> str | None:
             + _table(["cache", "forward", "B", "selfattn / token", "sdpa / token", "x sdpa", "same tokens"], body))
 
 
+def _context_models(rows: list[dict]) -> str | None:
+    rows = [r for r in rows if r.get("suite") == "context-models"]
+    if not any(r.get("status") == "ok" for r in rows):
+        return None
+    body = []
+    for part, length in dict.fromkeys((r["part"], r["L"]) for r in rows):
+        one = _ok(rows, part=part, L=length, W=1)
+        for r in (x for x in rows if x["part"] == part and x["L"] == length):
+            if r.get("status") != "ok":
+                body.append([part, str(length), str(r["W"]), r.get("status", "-"), r.get("note", ""), "", "", ""])
+                continue
+            time_x = f"{r['time_s'] / one['time_s']:.2f}x" if one else "-"
+            mem = r["peak_bytes"] / one["peak_bytes"] if one and one["peak_bytes"] > 0 else None
+            body.append([part, str(length), str(r["W"]), _seconds(r["time_s"]), time_x,
+                         f"{r['peak_bytes'] / 2**20:.0f} MiB", "-" if mem is None else f"{mem:.2f}x",
+                         f"{1.2 / r['W']:.2f}x"])
+    meta = rows[0].get("meta", {})
+    source = (f"_Written by `scripts/readme_tables.py` from `selfattn bench --suite context-models --json` (torch "
+              f"{meta.get('torch', '?')}, {meta.get('cpus', '?')} CPUs, {(meta.get('date') or '')[:10]}); per rank "
+              "(the slowest rank's median step, the largest rank's peak extra resident memory), one CPU thread "
+              "per rank, x = ratio to W = 1 (one process, no context). attention = one layer's "
+              "distributed.attention, fwd+bwd; model = the whole training step._")
+    return source + "\n\n" + _table(["part", "L", "W", "time", "x W=1", "peak", "x W=1", "1.2 / W"], body)
+
+
 def blocks(results: list[dict], *, length: int | None = None) -> dict[str, str]:
     """The markdown of every block the results have data for: name -> text.
 
@@ -281,7 +306,7 @@ def blocks(results: list[dict], *, length: int | None = None) -> dict[str, str]:
     """
     out = {}
     for name, make in (("modules", _modules), ("overhead", _overhead), ("decode", _decode), ("models", _models),
-                       ("models-generate", _models_generate)):
+                       ("models-generate", _models_generate), ("context-models", _context_models)):
         text = make(results)
         if text is not None:
             out[name] = text

@@ -78,7 +78,8 @@ def model_step(impl: str, length: int, seed: int = 0):
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, position_ids=pos, labels=ids).loss
+        # use_cache=False: transformers finds the packed documents in position_ids only without a cache
+        loss = model(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss
         loss.backward()
     return step, model
 
