@@ -282,3 +282,26 @@ def test_models_training_step_attends_within_the_packed_documents(monkeypatch):
     step, _ = model_step("selfattn", 512)  # above the size at which the adapter passes a small mask dense
     step()
     assert seen and all("document" in m for m in seen), seen
+
+
+def test_distributed_model_points_and_their_tables():
+    """catches: the model points missing from the distributed suite's grid, a budget point whose length is not
+    W x the tokens per rank, or tables (terminal and README) that compare a point with another length's W = 1."""
+    import argparse
+
+    from selfattn.bench import distributed
+
+    args = argparse.Namespace(cases=["model", "model-budget"], lengths=[1024], quick=False, repeats=None)
+    todo = distributed.grid(args)
+    assert {(p["part"], p["L"], p["W"]) for p in todo if "per_rank" not in p} == {
+        (part, 1024, w) for part in ("attention", "model") for w in (1, 2, 4)}
+    assert sorted((p["W"], p["L"]) for p in todo if "per_rank" in p) == [(1, 1024), (2, 2048), (4, 4096)]
+    with pytest.raises(SystemExit, match="divisible"):
+        distributed.grid(argparse.Namespace(cases=["model"], lengths=[1020], quick=False, repeats=None))
+    mib = 2**20
+    results = [{**p, "status": "ok", "time_s": 1.0 / p["W"], "first_s": 1.0, "peak_bytes": 100 * mib // p["W"]}
+               for p in todo]
+    assert [t.row_count for t in distributed.tables(results)] == [6, 3]
+    text = markdown.blocks(results)["distributed-model"]
+    assert "| model | 1024 | 4 | 0.2 s | 0.25x | 25 MiB | 0.25x | 0.30x |" in text
+    assert "| 1024 | 4 | 4096 | 25 MiB | 0.25x |" in text

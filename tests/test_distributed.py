@@ -548,6 +548,35 @@ def test_import_does_not_initialise_distributed():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def pieces_worker(rank: int, world: int) -> dict:
+    """The ring with sub-blocks of 8 rows whose keys are cut into pieces of 16 (merged by lse), every mask kind."""
+    from selfattn.distributed import ring
+
+    ring._ROWS, ring._KEYS = 8, 16
+    torch.manual_seed(0)
+    batch, heads, length = 2, 2 * world, 2 * world * 24  # zigzag chunks of 24 keys: pieces of 16 and 8
+    q = torch.randn(batch, heads, length, 8, dtype=torch.float64)
+    k, v = (torch.randn(batch, world, length, 8, dtype=torch.float64) for _ in range(2))
+    gout = torch.randn(batch, heads, length, 8, dtype=torch.float64)
+    results = {}
+    for name, kw in _cases(batch, heads, length).items():
+        ref = _single(q, k, v, gout, **kw)
+        for layout in ("contiguous", "zigzag"):
+            results[f"{layout}/ring/{name}"] = _errors(_sharded(q, k, v, gout, layout, "ring", **kw), ref, layout)
+    kw = dict(mask=masks.sliding_window(9), dropout_p=0.3)
+    torch.manual_seed(123)
+    ref = _single(q, k, v, gout, backend="chunked", **kw)
+    torch.manual_seed(123)
+    results["zigzag/ring/dropout"] = _errors(_sharded(q, k, v, gout, "zigzag", "ring", **kw), ref, "zigzag")
+    return results
+
+
+def test_ring_cuts_the_keys_of_a_sub_block_into_pieces(tmp_path):
+    """catches: the pieces a sub-block's keys are cut into (so that its scores stay a fixed size) skipping or
+    repeating keys, a piece's mask taken from the wrong tiles, or its dropout pattern differing."""
+    _judge(_spawn("pieces_worker", 2, tmp_path), 2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_exact_larger(world, tmp_path):

@@ -60,18 +60,18 @@ def _parser() -> argparse.ArgumentParser:
                         "the share the doctor names (its kill rate) and the mutants it misses")
 
     b = sub.add_parser("bench", help="time and memory against the anchors, in one run")
-    b.add_argument("--suite", choices=["modules", "overhead", "decode", "masks", "distributed", "models",
-                                       "context-models", "all"],
+    b.add_argument("--suite", choices=["modules", "overhead", "decode", "masks", "distributed", "models", "all"],
                    default="all",
                    help="modules: MultiHeadAttention vs nn.MultiheadAttention and the tutorial's; "
                         "overhead: attention(auto) vs raw SDPA; decode: a KV-cache decode step vs SDPA on "
                         "the cached tensors; masks: masked attention 1k-64k; distributed: context parallelism on "
-                        "1, 2, 4 processes; models: a Llama-shaped transformers model trained on a packed row and "
-                        "generating, selfattn vs sdpa and eager; context-models: that model trained with its row "
-                        "split over 1, 2, 4 processes (distributed, models and context-models are not part of all)")
+                        "1, 2, 4 processes (--cases model model-budget: a transformers Llama trained "
+                        "context-parallel); models: a Llama-shaped transformers model trained on a packed row and "
+                        "generating, selfattn vs sdpa and eager (distributed and models are not part of all)")
     b.add_argument("--quick", action="store_true", help="a reduced grid that runs in under two minutes")
     b.add_argument("--cases", nargs="+",
-                   help="mask cases to run (default: all); for the models suite, train and/or generate")
+                   help="mask cases to run (default: all); for the models suite, train and/or generate; for the "
+                        "distributed suite, its mask cases and/or model, model-budget")
     b.add_argument("--lengths", nargs="+", type=int, help="sequence lengths for the masks suite")
     b.add_argument("--modes", nargs="+", choices=["fwd", "fwd+bwd"], help="default: both (--quick: fwd+bwd)")
     b.add_argument("--impls", nargs="+", help="implementations for the masks suite (default: all)")

@@ -1,5 +1,6 @@
-"""``selfattn bench --suite context-models``: a transformers Llama trained with its packed row split over
-W = 1, 2, 4 processes by :func:`selfattn.integrations.transformers.context_parallel`.
+"""The model points of ``selfattn bench --suite distributed`` (``--cases model model-budget``): a
+transformers Llama trained with its packed row split over W = 1, 2, 4 processes by
+:func:`selfattn.integrations.transformers.context_parallel`.
 
 The model is the ``models`` suite's (hidden 512, 8 query heads, 2 key/value heads, 4 layers, vocabulary
 1024, float32, random weights); one row of L tokens packs 8 uneven documents (``position_ids`` restart at
@@ -13,15 +14,16 @@ each). Every rank runs on gloo over 127.0.0.1 with one CPU thread. Two parts, ea
 
 W = 1 is the model in one process without the context (the anchor): the ratios are against it. Each row
 reports the slowest rank's median time and the largest rank's peak extra memory (resident growth during
-the step). On a machine with fewer cores than W the ranks share cores, so times at W = 4 measure that
-sharing as well; the memory per rank does not depend on it.
+the step, the warm-up step included). ``model-budget`` keeps the tokens per rank fixed (L = W x the given
+length) to show how the longest row that fits a per-rank memory budget grows with W. On a machine with
+fewer cores than W the ranks share cores, so times at W = 4 measure that sharing as well; the memory per
+rank does not depend on it.
 
 Shape legend: L tokens in the row, W processes.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -32,18 +34,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from rich.progress import Progress, TaskID
 from rich.table import Table
 
-from .distributed import spawn_and_join
 from .llama import HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB
 from .memory import Memory
 from .models import DOCS, _document_lengths, model_step
+from .spawn import spawn_and_join
 
-__all__ = ["IN_ALL", "NAME", "PARTS", "WORLDS", "grid", "points", "run", "run_point", "tables"]
+__all__ = ["NAME", "PARTS", "WORLDS", "budget_points", "points", "run_point", "tables"]
 
-NAME = "context-models"
-IN_ALL = False
+NAME = "distributed-model"  # the rows' suite field
 
 PARTS = ["attention", "model"]
 WORLDS = [1, 2, 4]
@@ -147,42 +147,56 @@ def points(lengths: list[int] | None, quick: bool, repeats: int | None) -> list[
             for length in lengths or ([2048] if quick else [16384]) for part in PARTS for world in WORLDS]
 
 
-def grid(args: argparse.Namespace) -> list[dict]:
-    for length in args.lengths or []:
+def budget_points(lengths: list[int] | None, quick: bool, repeats: int | None) -> list[dict]:
+    """The whole step with a fixed number of tokens per rank: L = W x each length, W = 1, 2, 4."""
+    return [dict(suite=NAME, part="model", L=length * world, W=world, per_rank=length,
+                 repeats=repeats if repeats is not None else 0)
+            for length in lengths or ([1024] if quick else [16384]) for world in WORLDS]
+
+
+def check_lengths(lengths: list[int] | None) -> None:
+    for length in lengths or []:
         if length % (2 * max(WORLDS)):
-            raise SystemExit(f"context-models: L={length} must be divisible by {2 * max(WORLDS)} (zigzag on W=4)")
-    return points(args.lengths, args.quick, args.repeats)
-
-
-def run(todo: list[dict], args: argparse.Namespace, progress: Progress, task: TaskID) -> list[dict]:
-    """:func:`run_point` on every point, each on its own spawned processes."""
-    out = []
-    for p in todo:
-        progress.update(task, description=f"context-models {p['part']} W={p['W']} L={p['L']}")
-        out.append({**p, **run_point(p)})
-        progress.advance(task)
-    return out
+            raise SystemExit(f"distributed model points: L={length} must be divisible by {2 * max(WORLDS)} "
+                             "(the zigzag layout on W = 4)")
 
 
 def tables(results: list[dict]) -> list[Table]:
-    """One row per point, with time and peak memory per rank as ratios to W = 1, and the peak against the
-    1.2 / W that an even split of the activations would give."""
+    """Per rank, as ratios to W = 1: one row per (part, L, W); with the budget points, a second table of the
+    peak at a fixed number of tokens per rank."""
     rows = [r for r in results if r["suite"] == NAME]
-    if not rows:
-        return []
-    table = Table(title=f"Llama {LAYERS} layers, hidden {HIDDEN}, packed row, context parallel (zigzag ring), "
-                        "per rank; x = ratio to W=1 (one process, no context)")
-    for col in ("part", "L", "W", "time s", "x", "peak MiB", "x", "<= 1.2/W"):
-        table.add_column(col)
-    base = {(r["part"], r["L"]): r for r in rows if r["W"] == 1 and r["status"] == "ok"}
-    for r in rows:
-        if r["status"] != "ok":
-            table.add_row(r["part"], str(r["L"]), str(r["W"]), r["status"], "", r.get("note", ""), "", "")
-            continue
-        b = base.get((r["part"], r["L"]))
-        ratio = r["peak_bytes"] / b["peak_bytes"] if b and b["peak_bytes"] >= 2**20 else None
-        table.add_row(r["part"], str(r["L"]), str(r["W"]), f"{r['time_s']:.2f}",
-                      f"{r['time_s'] / b['time_s']:.2f}" if b else "", f"{max(0, r['peak_bytes']) / 2**20:.0f}",
-                      "-" if ratio is None else f"{ratio:.2f}",
-                      "-" if ratio is None else ("yes" if ratio <= 1.2 / r["W"] else "no"))
-    return [table]
+    out = []
+    fixed = [r for r in rows if "per_rank" not in r]
+    if fixed:
+        table = Table(title=f"Llama {LAYERS} layers, hidden {HIDDEN}, packed row, context parallel (zigzag ring), "
+                            "per rank; x = ratio to W=1 (one process, no context)")
+        for col in ("part", "L", "W", "time s", "x", "peak MiB", "x", "<= 1.2/W"):
+            table.add_column(col)
+        base = {(r["part"], r["L"]): r for r in fixed if r["W"] == 1 and r["status"] == "ok"}
+        for r in fixed:
+            if r["status"] != "ok":
+                table.add_row(r["part"], str(r["L"]), str(r["W"]), r["status"], "", r.get("note", ""), "", "")
+                continue
+            b = base.get((r["part"], r["L"]))
+            ratio = r["peak_bytes"] / b["peak_bytes"] if b and b["peak_bytes"] >= 2**20 else None
+            table.add_row(r["part"], str(r["L"]), str(r["W"]), f"{r['time_s']:.2f}",
+                          f"{r['time_s'] / b['time_s']:.2f}" if b else "", f"{max(0, r['peak_bytes']) / 2**20:.0f}",
+                          "-" if ratio is None else f"{ratio:.2f}",
+                          "-" if ratio is None else ("yes" if ratio <= 1.2 / r["W"] else "no"))
+        out.append(table)
+    budget = [r for r in rows if "per_rank" in r]
+    if budget:
+        table = Table(title="the whole step with L / W tokens per rank fixed: peak per rank; x = ratio to W=1")
+        for col in ("tokens per rank", "W", "L", "time s", "peak MiB", "x"):
+            table.add_column(col)
+        base = {r["per_rank"]: r for r in budget if r["W"] == 1 and r["status"] == "ok"}
+        for r in budget:
+            if r["status"] != "ok":
+                table.add_row(str(r["per_rank"]), str(r["W"]), str(r["L"]), r["status"], r.get("note", ""), "")
+                continue
+            b = base.get(r["per_rank"])
+            table.add_row(str(r["per_rank"]), str(r["W"]), str(r["L"]), f"{r['time_s']:.2f}",
+                          f"{max(0, r['peak_bytes']) / 2**20:.0f}",
+                          f"{r['peak_bytes'] / b['peak_bytes']:.2f}" if b and b["peak_bytes"] > 0 else "-")
+        out.append(table)
+    return out

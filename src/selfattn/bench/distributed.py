@@ -7,6 +7,9 @@ behind compute: ``hidden = 1 - exposed / alone``, where ``exposed`` is the time 
 waiting for transfers and ``alone`` the time the same transfers take with no compute (all_to_all
 does not overlap, so its share is 0 by construction and ``alone`` is what it costs).
 
+With ``--cases model`` (and ``model-budget``) the suite also trains a transformers Llama
+context-parallel: :mod:`selfattn.bench.context_models`.
+
 Shape legend: B batch, H heads, L total length, W world size, D head dim.
 """
 
@@ -20,16 +23,16 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
+from . import context_models
 from .memory import Memory
+from .spawn import spawn_and_join
 
 __all__ = ["CASES", "IN_ALL", "NAME", "grid", "points", "run", "run_point", "spawn_and_join", "tables"]
 
@@ -117,23 +120,6 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         os._exit(code)
 
 
-def spawn_and_join(fn: Callable[..., None], args: tuple, world: int, limit_s: float) -> bool:
-    """Run ``fn(rank, *args)`` on ``world`` spawned processes; True when all ended within ``limit_s``
-    seconds (those still running then are killed, so a hung rank never hangs the caller)."""
-    ctx = mp.spawn(fn, args=args, nprocs=world, join=False)
-    deadline = time.monotonic() + limit_s
-    done = False
-    while not done and time.monotonic() < deadline:
-        try:
-            done = ctx.join(timeout=1.0)
-        except mp.ProcessExitedException:
-            break
-    for p in ctx.processes:
-        if p.is_alive():
-            p.kill()
-    return done
-
-
 def run_point(spec: dict) -> dict:
     """Run one point (case, L, W, layout, strategy, repeats) on W spawned processes; the slowest rank's
     time, the largest peak memory and the hidden share of communication."""
@@ -166,16 +152,36 @@ def points(lengths: list[int] | None, quick: bool, repeats: int | None) -> list[
     return out
 
 
+MODEL_CASES = ["model", "model-budget"]
+
+
 def grid(args: argparse.Namespace) -> list[dict]:
-    return points(args.lengths, args.quick, args.repeats)
+    """The kernel points of the mask cases asked for (default: all); with ``--cases model`` or
+    ``model-budget``, the transformers model's points (:mod:`selfattn.bench.context_models`)."""
+    cases = args.cases or CASES
+    unknown = set(cases) - set(CASES) - set(MODEL_CASES)
+    if unknown:
+        raise SystemExit(f"distributed: unknown cases {sorted(unknown)}; known: {CASES + MODEL_CASES}")
+    todo = [p for p in points(args.lengths, args.quick, args.repeats) if p["case"] in cases]
+    if set(cases) & set(MODEL_CASES):
+        context_models.check_lengths(args.lengths)
+    if "model" in cases:
+        todo += context_models.points(args.lengths, args.quick, args.repeats)
+    if "model-budget" in cases:
+        todo += context_models.budget_points(args.lengths, args.quick, args.repeats)
+    return todo
 
 
 def run(todo: list[dict], args: argparse.Namespace, progress: Progress, task: TaskID) -> list[dict]:
     """:func:`run_point` on every point, each on its own spawned processes."""
     out = []
     for p in todo:
-        progress.update(task, description=f"distributed {p['case']} {p['strategy']} W={p['W']} L={p['L']}")
-        out.append({**p, **run_point(p)})
+        if p["suite"] == context_models.NAME:
+            progress.update(task, description=f"distributed Llama {p['part']} W={p['W']} L={p['L']}")
+            out.append({**p, **context_models.run_point(p)})
+        else:
+            progress.update(task, description=f"distributed {p['case']} {p['strategy']} W={p['W']} L={p['L']}")
+            out.append({**p, **run_point(p)})
         progress.advance(task)
     return out
 
@@ -188,7 +194,7 @@ def tables(results: list[dict]) -> list[Table]:
         table.add_column(col)
     rows = [r for r in results if r["suite"] == "distributed"]
     if not rows:
-        return []
+        return context_models.tables(results)
     base = {(r["case"], r["L"], r["strategy"]): r for r in rows if r["W"] == 1 and r["status"] == "ok"}
     for r in rows:
         if r["status"] != "ok":
@@ -202,7 +208,7 @@ def tables(results: list[dict]) -> list[Table]:
         table.add_row(r["case"], str(r["L"]), r["strategy"], str(r["W"]), f"{r['time_s']:.2f}",
                       f"{r['time_s'] / b['time_s']:.2f}" if b else "", f"{mib:.0f}", peak_ratio,
                       f"{r['comm_alone_s']:.3f}", hidden)
-    return [table]
+    return [table, *context_models.tables(results)]
 
 
 if __name__ == "__main__":

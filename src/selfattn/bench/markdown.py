@@ -32,7 +32,7 @@ from .ratios import format_ratio, ratio_stats
 
 __all__ = ["BLOCKS", "blocks", "load", "rewrite"]
 
-BLOCKS = ("modules", "overhead", "decode", "masks", "masks-targets", "models", "models-generate", "context-models")
+BLOCKS = ("modules", "overhead", "decode", "masks", "masks-targets", "models", "models-generate", "distributed-model")
 _MARKED = re.compile(r"(<!-- bench:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench:(?P=name) -->)", re.S)
 _README_LENGTH = 16384  # the masks table's length when the results have it (the README's since the start)
 
@@ -49,7 +49,7 @@ def load(paths: Iterable[Path]) -> list[dict]:
         for r in data["results"]:
             key = tuple(sorted((k, str(v)) for k, v in r.items()
                                if k in ("suite", "case", "mode", "L", "B", "E", "H", "impl", "strategy", "W",
-                                        "part")))
+                                        "part", "per_rank")))
             rows[key] = {**r, "meta": data.get("meta", {})}
     return list(rows.values())
 
@@ -272,9 +272,10 @@ def _models_generate(rows: list[dict]) -> str | None:
             + _table(["cache", "forward", "B", "selfattn / token", "sdpa / token", "x sdpa", "same tokens"], body))
 
 
-def _context_models(rows: list[dict]) -> str | None:
-    rows = [r for r in rows if r.get("suite") == "context-models"]
-    if not any(r.get("status") == "ok" for r in rows):
+def _distributed_model(rows: list[dict]) -> str | None:
+    every = [r for r in rows if r.get("suite") == "distributed-model"]
+    rows = [r for r in every if "per_rank" not in r]
+    if not any(r.get("status") == "ok" for r in every):
         return None
     body = []
     for part, length in dict.fromkeys((r["part"], r["L"]) for r in rows):
@@ -288,13 +289,28 @@ def _context_models(rows: list[dict]) -> str | None:
             body.append([part, str(length), str(r["W"]), _seconds(r["time_s"]), time_x,
                          f"{r['peak_bytes'] / 2**20:.0f} MiB", "-" if mem is None else f"{mem:.2f}x",
                          f"{1.2 / r['W']:.2f}x"])
-    meta = rows[0].get("meta", {})
-    source = (f"_Written by `scripts/readme_tables.py` from `selfattn bench --suite context-models --json` (torch "
-              f"{meta.get('torch', '?')}, {meta.get('cpus', '?')} CPUs, {(meta.get('date') or '')[:10]}); per rank "
-              "(the slowest rank's median step, the largest rank's peak extra resident memory), one CPU thread "
-              "per rank, x = ratio to W = 1 (one process, no context). attention = one layer's "
-              "distributed.attention, fwd+bwd; model = the whole training step._")
-    return source + "\n\n" + _table(["part", "L", "W", "time", "x W=1", "peak", "x W=1", "1.2 / W"], body)
+    meta = every[0].get("meta", {})
+    source = (f"_Written by `scripts/readme_tables.py` from `selfattn bench --suite distributed --cases model "
+              f"model-budget --json` (torch {meta.get('torch', '?')}, {meta.get('cpus', '?')} CPUs, "
+              f"{(meta.get('date') or '')[:10]}); per rank (the slowest rank's median step, the largest rank's peak "
+              "extra resident memory), one CPU thread per rank, x = ratio to W = 1 (one process, no context). "
+              "attention = one layer's distributed.attention, fwd+bwd; model = the whole training step._")
+    text = source
+    if body:
+        text += "\n\n" + _table(["part", "L", "W", "time", "x W=1", "peak", "x W=1", "1.2 / W"], body)
+    budget = [r for r in every if "per_rank" in r]
+    if budget:
+        lines = []
+        for r in budget:
+            one = _ok(budget, per_rank=r["per_rank"], W=1)
+            if r.get("status") != "ok":
+                lines.append([str(r["per_rank"]), str(r["W"]), str(r["L"]), r.get("status", "-"), r.get("note", "")])
+                continue
+            mem = f"{r['peak_bytes'] / one['peak_bytes']:.2f}x" if one and one["peak_bytes"] > 0 else "-"
+            lines.append([str(r["per_rank"]), str(r["W"]), str(r["L"]), f"{r['peak_bytes'] / 2**20:.0f} MiB", mem])
+        text += ("\n\nThe whole step with the tokens per rank fixed (L = W x tokens per rank), one step each:\n\n"
+                 + _table(["tokens per rank", "W", "L", "peak per rank", "x W=1"], lines))
+    return text
 
 
 def blocks(results: list[dict], *, length: int | None = None) -> dict[str, str]:
@@ -306,7 +322,7 @@ def blocks(results: list[dict], *, length: int | None = None) -> dict[str, str]:
     """
     out = {}
     for name, make in (("modules", _modules), ("overhead", _overhead), ("decode", _decode), ("models", _models),
-                       ("models-generate", _models_generate), ("context-models", _context_models)):
+                       ("models-generate", _models_generate), ("distributed-model", _distributed_model)):
         text = make(results)
         if text is not None:
             out[name] = text

@@ -36,6 +36,7 @@ __all__ = ["ring_attention"]
 
 _ROWS = 256  # query rows of one sub-block
 _SCORE_BYTES = 1 << 28  # one sub-block's (B, H, R, c) scores stay under 256 MiB in compute dtype
+_KEYS = 1024  # keys of one piece of a sub-block (rounded to a multiple of the sub-block's rows)
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,8 @@ class Ring:
         problem: the call as its blocks see it (global lengths, mask with causal folded in).
         classes: EMPTY / PARTIAL / FULL per (query chunk, key chunk), over batch and heads.
         sub: query rows of a sub-block (and keys of a fine tile).
+        keys: keys of one piece of a sub-block, a multiple of ``sub`` (a sub-block's keys are cut into
+            pieces, merged by lse, so that its (B, H, R, keys) scores do not grow with the chunk).
         fine: classes of (sub x sub) tiles of the whole call, (L / sub, L / sub), or None.
         fused: blocks run in the fused kernel (else in plain math).
     """
@@ -56,6 +59,7 @@ class Ring:
     chunk: int
     classes: list[list[int]]
     sub: int
+    keys: int
     fine: Tensor | None
     fused: bool
     stats: Stats | None
@@ -69,9 +73,10 @@ def _classes(mask: Mask, length: int, tile: int, device: torch.device) -> Tensor
 
 
 def _ring(g: Group, spec: Spec, q: Tensor, v: Tensor) -> Ring:
-    """The ring of a call. The sub-block size R is at most ``_ROWS``, so that (B, H, R, c) scores
-    shrink with the chunk (1 / W), and less where they would pass ``_SCORE_BYTES``; when R divides
-    the chunk, a fine tile map trims each sub-block's keys to the tiles the mask leaves non-empty."""
+    """The ring of a call. The sub-block size R is at most ``_ROWS`` (less where (B, H, R, c) scores
+    would pass ``_SCORE_BYTES``), and a sub-block's keys are computed in pieces of ``_KEYS``, so the
+    scores in flight have a size that does not grow with the chunk; when R divides the chunk, a fine
+    tile map trims each sub-block's keys (and skips pieces) to the tiles the mask leaves non-empty."""
     b, h, n, d = q.shape
     length = n * g.world
     c = length // num_chunks(spec.layout, g.world)
@@ -86,7 +91,8 @@ def _ring(g: Group, spec: Spec, q: Tensor, v: Tensor) -> Ring:
     fine = _classes(mask, length, sub, q.device) if mask is not None and c % sub == 0 and sub < c else None
     fused = (problem.dropout is None and (spec.score_mod is None or spec.score_mod.additive)
              and kernels.fused_available(q.device, d, v.shape[3]))
-    return Ring(g, problem, spec.layout, c, classes, sub, fine, fused, current_stats())
+    keys = max(sub, _KEYS // sub * sub)
+    return Ring(g, problem, spec.layout, c, classes, sub, keys, fine, fused, current_stats())
 
 
 class _Visit(NamedTuple):
@@ -123,9 +129,17 @@ def _visit(ring: Ring, owner: int) -> Iterator[_Visit]:
                     partial = bool((tiles[live[0]:live[-1] + 1] != FULL).any())
                 if ring.stats is not None:
                     ring.stats.work += rows * (k1 - k0)
-                q0, key0 = a * c + r0, kb * c + k0
-                yield _Visit(slice(ai * c + r0, ai * c + r0 + rows), slice(bi * c + k0, bi * c + k1),
-                             Block(range(q0, q0 + rows), range(key0, key0 + k1 - k0)), partial)
+                q0 = a * c + r0
+                for p0 in range(k0, k1, ring.keys):  # at most ``keys`` keys a piece: the scores' size is fixed
+                    p1 = min(k1, p0 + ring.keys)
+                    piece_partial = partial
+                    if partial and ring.fine is not None:
+                        tiles = ring.fine[(a * c + r0) // sub, (kb * c + p0) // sub:(kb * c + p1) // sub]
+                        if bool((tiles == EMPTY).all()):
+                            continue
+                        piece_partial = bool((tiles != FULL).any())
+                    yield _Visit(slice(ai * c + r0, ai * c + r0 + rows), slice(bi * c + p0, bi * c + p1),
+                                 Block(range(q0, q0 + rows), range(kb * c + p0, kb * c + p1)), piece_partial)
 
 
 class _Pass:
