@@ -219,11 +219,14 @@ def _backward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
     shapes = (k.shape, v.shape)
     kv = _pack(k, v)
     kv_step = grad_step = None
-    grads = torch.zeros(kv.numel(), dtype=ct, device=q.device)
+    mine = torch.zeros(kv.numel(), dtype=ct, device=q.device)  # this rank's share of a block's dK/dV
     for s in range(g.world):
         kv_step = _Pass(ring, kv, "a K/V block (backward)") if s < g.world - 1 else None
         kb, vb = _unpack(kv, shapes)
-        mine = torch.zeros(kv.numel(), dtype=ct, device=q.device)  # this rank's share of the block's dK/dV
+        if s == 1:  # step 0's share went out as the accumulator itself: a new one, reused from here on
+            mine = torch.zeros_like(mine)
+        elif s > 1:
+            mine.zero_()
         dk, dv = _unpack(mine, shapes)
         t0 = time.perf_counter()
         for vis in _visit(ring, (g.rank - s) % g.world):
@@ -237,7 +240,7 @@ def _backward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
             dv[:, :, keys] += gv
         if ring.stats is not None:
             ring.stats.compute_s += time.perf_counter() - t0
-        grads = mine if grad_step is None else grad_step.result() + mine
+        grads = mine if grad_step is None else grad_step.result().add_(mine)  # into the received buffer
         if kv_step is not None:
             kv = kv_step.result()
         if g.world > 1:  # the accumulated dK/dV go on to the rank that computes with this block next
