@@ -185,6 +185,40 @@ def test_every_world_size_layout_and_strategy(world, tmp_path):
                   cases=["packed", "padding"], combos=combos))
 
 
+def accumulation_worker(rank: int, world: int) -> dict:
+    """Gradients accumulated over two micro-batches (two backward passes, one step), and a backward left outside
+    the block."""
+    from selfattn.integrations.transformers import context_parallel
+
+    ref, model = _model("llama"), _model("llama")
+    batches = [_batch("packed", seed=1), _batch("padding", seed=2)]
+    for batch in batches:
+        ref(**batch).loss.backward()
+    with context_parallel(model) as cp:
+        for batch in batches:
+            model(**cp.shard(**batch)).loss.backward()
+    grads = dict(model.named_parameters())
+    out = {"grad": max(_rel(grads[n].grad, p.grad) for n, p in ref.named_parameters() if p.grad.abs().max() > 0)}
+    try:
+        with context_parallel(model) as cp:
+            loss = model(**cp.shard(**batches[0])).loss
+        loss.backward()
+        out["outside"] = None
+    except RuntimeError as e:
+        out["outside"] = str(e)
+    with torch.no_grad(), context_parallel(model) as cp:  # a loss for logging: no backward needed
+        model(**cp.shard(**batches[0]))
+    return out
+
+
+def test_gradient_accumulation_and_a_backward_outside_the_block(tmp_path):
+    """catches: a second micro-batch's reduction summing the first one's (already global) gradients W times
+    again, and a backward after the block silently keeping each rank's own share."""
+    for res in _spawn("accumulation_worker", 2, tmp_path):
+        assert res["grad"] < GRAD_RTOL, res
+        assert res["outside"] and "inside the `with` block" in res["outside"], res
+
+
 def mismatch_worker(rank: int, world: int) -> dict:
     """Rank 1 passes other document boundaries: the ranks' agreement must refuse, on every rank."""
     from selfattn.integrations.transformers import context_parallel

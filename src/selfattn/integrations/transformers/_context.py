@@ -67,6 +67,7 @@ class ContextParallel:
     _padding: Tensor | None = field(default=None, repr=False)  # (B, L) bool, True = a real token, or None
     _length: int | None = field(default=None, repr=False)
     _reads_documents: bool | None = field(default=None, repr=False)  # decided at the first attention of a batch
+    _pending: int = field(default=0, repr=False)  # losses made inside the context whose backward has not run
 
     def shard(self, *, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None,
               position_ids: Tensor | None = None, labels: Tensor | None = None,
@@ -246,60 +247,99 @@ def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None
     for m in owners:
         m.__dict__[CONTEXT_ATTR] = ctx
     handles = _reduce_gradients(model, group, data_parallel_group)
-    loss_hook = inner.register_forward_hook(lambda m, args, out: _global_loss(out, group, data_parallel_group))
+    loss_hook = inner.register_forward_hook(lambda m, args, out: _global_loss(ctx, out))
+    failed = False
     try:
         yield ctx
+    except BaseException:
+        failed = True
+        raise
     finally:
         for m in owners:
             m.__dict__.pop(CONTEXT_ATTR, None)
         loss_hook.remove()
         for h in handles:
             h.remove()
+        if ctx._pending and not failed:
+            raise RuntimeError("a loss computed inside context_parallel was not backpropagated inside it: call "
+                               "loss.backward() inside the `with` block, where the gradients are summed over the "
+                               "ranks (outside it each rank would keep only its own share); under torch.no_grad() "
+                               "a loss for logging needs no backward")
 
 
-def _global_loss(out: Any, group: dist.ProcessGroup | None, dp_group: dist.ProcessGroup | None) -> Any:
+def _global_loss(ctx: ContextParallel, out: Any) -> Any:
     """The model's output with its loss the global loss: the sum of the ranks' shares in value, this rank's
     share in gradient (the gradients are summed over the ranks after the backward)."""
     loss = getattr(out, "loss", None)
     if isinstance(loss, Tensor):
         total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        if dp_group is not None:
-            dist.all_reduce(total, group=dp_group)
+        dist.all_reduce(total, group=ctx.group)
+        if ctx.data_parallel_group is not None:
+            dist.all_reduce(total, group=ctx.data_parallel_group)
         out.loss = loss + (total - loss.detach())
+        if out.loss.requires_grad and not torch.compiler.is_compiling():
+            ctx._pending += 1
+            out.loss.register_hook(lambda grad: _backpropagated(ctx))
     return out
+
+
+def _backpropagated(ctx: ContextParallel) -> None:
+    ctx._pending -= 1
 
 
 def _reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None,
                       dp_group: dist.ProcessGroup | None) -> list[Any]:
-    """Sum every parameter's gradient over the group (and ``dp_group``) once per backward, after the last
-    gradient is accumulated; with DDP, in its communication hook instead. Returns the hook handles."""
+    """Sum over the group (and ``dp_group``) what each backward adds to the parameters' gradients, once per
+    backward, when it ends; with DDP, in its communication hook instead. Returns the hook handles.
+
+    Only the backward's own contribution is summed, so gradients accumulated over several backward passes
+    (micro-batches) before an optimizer step are summed once each: a hook on each parameter adds the
+    gradient arriving for it into a flat buffer; at the end this rank's part is taken out of ``.grad``,
+    the buffer is all-reduced, and the sum is put back in."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
         _ddp_hook(model)
         return []
     params = [p for p in model.parameters() if p.requires_grad]
-    state = {"queued": False}
+    state: dict[str, Any] = {"queued": False, "flat": {}, "views": {}}
+
+    def views() -> dict[int, Tensor]:
+        """One flat buffer per dtype and device (made once per context), a view of it per parameter."""
+        if not state["views"]:
+            for kind in dict.fromkeys((p.dtype, p.device) for p in params):
+                same = [p for p in params if (p.dtype, p.device) == kind]
+                flat = torch.zeros(sum(p.numel() for p in same), dtype=kind[0], device=kind[1])
+                state["flat"][kind] = flat
+                at = 0
+                for p in same:
+                    state["views"][id(p)] = flat[at:at + p.numel()].view_as(p)
+                    at += p.numel()
+        return state["views"]
 
     def reduce_all() -> None:
         state["queued"] = False
-        for dtype in dict.fromkeys(p.dtype for p in params):
-            same = [p for p in params if p.dtype == dtype]
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
+        mine = state["views"]
+        for p in params:
+            if p.grad is not None:
+                p.grad = p.grad - mine[id(p)]  # .grad without this backward's local part (a new tensor)
+        for flat in state["flat"].values():
             dist.all_reduce(flat, group=group)
             if dp_group is not None:
                 dist.all_reduce(flat, group=dp_group)
-            at = 0
-            for p in same:
-                n = p.numel()
-                p.grad = flat[at:at + n].view_as(p).clone()
-                at += n
+        for p in params:
+            p.grad = mine[id(p)].clone() if p.grad is None else p.grad.add_(mine[id(p)])
 
-    def ready(_: Tensor) -> None:
-        if not state["queued"]:
-            state["queued"] = True
-            _upstream.at_end_of_backward(reduce_all)
+    def arriving(p: Tensor) -> Any:
+        def hook(grad: Tensor) -> None:
+            if not state["queued"]:  # the first gradient of this backward
+                state["queued"] = True
+                views()
+                for flat in state["flat"].values():
+                    flat.zero_()
+                _upstream.at_end_of_backward(reduce_all)
+            state["views"][id(p)].add_(grad)
+        return hook
 
-    return [p.register_post_accumulate_grad_hook(ready) for p in params]
+    return [p.register_hook(arriving(p)) for p in params]
 
 
 _DDP_HOOKED: set[int] = set()
