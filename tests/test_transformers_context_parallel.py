@@ -219,6 +219,106 @@ def test_gradient_accumulation_and_a_backward_outside_the_block(tmp_path):
         assert res["outside"] and "inside the `with` block" in res["outside"], res
 
 
+def edges_worker(rank: int, world: int) -> dict:
+    """Batches and models at the edges of the contract (each case's outcome, judged by the test)."""
+    import transformers
+
+    from selfattn.integrations.transformers import context_parallel
+
+    out: dict = {}
+
+    def grads_against(ref, model, batch) -> float:
+        ref(**batch).loss.backward()
+        with context_parallel(model) as cp:
+            model(**cp.shard(**batch)).loss.backward()
+        mine = dict(model.named_parameters())
+        return max(_rel(mine[n].grad, p.grad) for n, p in ref.named_parameters() if p.grad is not None
+                   and p.grad.abs().max() > 0)
+
+    # an all-ones attention mask with restarting positions: transformers then reads no documents
+    batch = _batch("packed")
+    batch["attention_mask"] = torch.ones(2, L, dtype=torch.long)
+    out["ones_mask_packed"] = grads_against(_model("llama"), _model("llama"), batch)
+    # inputs_embeds: the token embedding gets no gradient, and keeps None as in one process
+    model = _model("llama")
+    embeds = model.get_input_embeddings()(_batch("packed")["input_ids"]).detach()
+    with context_parallel(model) as cp:
+        loss = model(**cp.shard(inputs_embeds=embeds, labels=_batch("packed")["labels"])).loss
+        loss.backward()
+    out["unused_grad_is_none"] = model.get_input_embeddings().weight.grad is None
+    # a float32 model's loss stays float32
+    model = _model("llama").float()
+    with context_parallel(model) as cp:
+        loss = model(**cp.shard(**_batch("packed"))).loss
+        out["loss_dtype"] = str(loss.dtype)
+        loss.backward()
+    # a loss backpropagated twice inside (retain_graph), then another left for after the block
+    model = _model("llama")
+    try:
+        with context_parallel(model) as cp:
+            first = model(**cp.shard(**_batch("packed"))).loss
+            first.backward(retain_graph=True)
+            first.backward()
+            second = model(**cp.shard(**_batch("packed"))).loss
+        second.backward()
+        out["retain_graph_then_outside"] = None
+    except RuntimeError as e:
+        out["retain_graph_then_outside"] = str(e)
+    # ranks passing different token ids
+    batch = _batch("packed", seed=1 + rank)
+    try:
+        with context_parallel(_model("llama")) as cp:
+            cp.shard(**batch)
+        out["different_tokens"] = None
+    except ValueError as e:
+        out["different_tokens"] = str(e)
+    # labels for a model that is not a causal language model
+    bert = transformers.AutoModelForMaskedLM.from_config(
+        transformers.BertConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                vocab_size=64), attn_implementation="selfattn")
+    try:
+        with context_parallel(bert) as cp:
+            cp.shard(input_ids=batch["input_ids"], labels=batch["labels"])
+        out["masked_lm_labels"] = None
+    except ValueError as e:
+        out["masked_lm_labels"] = str(e)
+    return out
+
+
+def test_edges_of_the_contract(tmp_path):
+    """catches: an all-ones attention mask with restarting positions read as packed documents (one process reads
+    none), a parameter no gradient reached given a zero gradient, a float32 loss turned float64, a loss left for
+    after the block hidden by a retain_graph backward, ranks with different token ids training on a mixture, and
+    a masked LM's labels shifted as a causal LM's."""
+    for res in _spawn("edges_worker", 2, tmp_path):
+        assert res["ones_mask_packed"] < GRAD_RTOL, res
+        assert res["unused_grad_is_none"] and res["loss_dtype"] == "torch.float32", res
+        assert res["retain_graph_then_outside"] and "inside the `with` block" in res["retain_graph_then_outside"]
+        assert res["different_tokens"] and "input_ids" in res["different_tokens"], res
+        assert res["masked_lm_labels"] and "BertForMaskedLM" in res["masked_lm_labels"], res
+
+
+def test_models_mixing_tokens_outside_attention_are_refused():
+    """catches: a model whose convolutions, linear-attention or chunked-attention layers mix tokens within each
+    rank's shard accepted, and silently wrong."""
+    import transformers
+
+    from selfattn.integrations.transformers import context_parallel, register
+
+    register()
+    small = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    lfm2 = transformers.AutoModelForCausalLM.from_config(
+        transformers.Lfm2Config(**small, num_hidden_layers=2, layer_types=["conv", "full_attention"]),
+        attn_implementation="selfattn")
+    with pytest.raises(ValueError, match="conv"), context_parallel(lfm2):
+        pass
+    llama4 = transformers.AutoModelForCausalLM.from_config(
+        transformers.Llama4TextConfig(**small, num_hidden_layers=2, attention_chunk_size=4, head_dim=8,
+                                      num_local_experts=2), attn_implementation="selfattn")
+    with pytest.raises(ValueError, match="chunked_attention"), context_parallel(llama4):
+        pass
+
+
 def mismatch_worker(rank: int, world: int) -> dict:
     """Rank 1 passes other document boundaries: the ranks' agreement must refuse, on every rank."""
     from selfattn.integrations.transformers import context_parallel
@@ -236,9 +336,10 @@ def mismatch_worker(rank: int, world: int) -> dict:
 
 
 def test_ranks_with_different_batches_get_the_agreement_error(tmp_path):
-    """catches: ranks that disagree about the global batch (documents) computing a silent mixture."""
+    """catches: ranks that disagree about the global batch (documents) computing a silent mixture: cp.shard
+    compares the batches (the attention's agreement would catch the mask later)."""
     for res in _spawn("mismatch_worker", 2, tmp_path):
-        assert res["error"] and "mask" in res["error"] and "different ranks" in res["error"], res
+        assert res["error"] and "position_ids differ" in res["error"], res
 
 
 def test_refusals_without_processes():

@@ -247,7 +247,7 @@ def score(spec: str | type, options: dict | None = None, *, seed: int = 0,
     if "causal" not in options and "bidirectional" not in options:  # and so is what its queries see
         if base.inferred.get("sees every key"):
             options["bidirectional"] = True
-        elif base.inferred.get("causal") and "window" not in base.inferred:
+        elif base.inferred.get("causal"):  # a causal sliding window too: no query may see a later key
             options["causal"] = True
     base_errors = {f.id for f in base.findings if f.severity == "error"}
     result = Score(spec if isinstance(spec, str) else f"{spec.__module__}:{spec.__qualname__}", sorted(base_errors))

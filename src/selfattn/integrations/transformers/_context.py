@@ -104,12 +104,20 @@ class ContextParallel:
             if t is not None and tuple(t.shape[:2]) != (b, length) and not (name == "position_ids" and
                                                                            tuple(t.shape) == (1, length)):
                 raise ValueError(f"{name} must have the global shape (B, L) = ({b}, {length}), got {tuple(t.shape)}")
+        if labels is not None and not _causal_lm(_inner(self.model)):
+            raise ValueError(f"cp.shard shifts labels for a causal language model's next-token loss; "
+                             f"{type(_inner(self.model)).__name__} is not one: leave labels out and compute the loss "
+                             "from this rank's logits (as this rank's share of the global loss: the gradients are "
+                             "summed over the ranks)")
         device = tokens.device
         pos = torch.arange(length, device=device).expand(b, length) if position_ids is None else \
             position_ids.expand(b, length)
+        _same_on_every_rank(self.group, input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
+                            labels=labels, attention_mask=attention_mask)
         self._length = length
         self._padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
-        self._documents = _document_ids(pos) if self._padding is None else None
+        # as transformers: packed documents are read from position_ids only when no attention mask is given
+        self._documents = _document_ids(pos) if attention_mask is None else None
         self._reads_documents = None
 
         def cut(t: Tensor) -> Tensor:
@@ -120,7 +128,7 @@ class ContextParallel:
         out["position_ids"] = cut(pos)
         if labels is not None:
             shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE)], dim=1)
-            count = (shifted != IGNORE).sum().to(torch.float64)
+            count = (shifted != IGNORE).sum()  # int64: the loss keeps its dtype when divided by it
             if self.data_parallel_group is not None:
                 dist.all_reduce(count, group=self.data_parallel_group)
             local = cut(shifted)
@@ -175,6 +183,24 @@ class ContextParallel:
         return out.transpose(1, 2).contiguous()  # type: ignore[union-attr]
 
 
+def _same_on_every_rank(group: dist.ProcessGroup | None, **tensors: Tensor | None) -> None:
+    """Every rank must pass the same global batch: compare a fingerprint of each tensor (shape, dtype and an exact
+    checksum of its elements, sampled beyond 2^16 elements as the ranks' agreement does) across the group."""
+    from ...distributed.agree import fingerprint
+
+    names = sorted(tensors)
+    device = torch.device("cpu") if dist.get_backend(group) == "gloo" else \
+        torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
+    lo = torch.tensor([fingerprint(tensors[n]) for n in names], dtype=torch.int64, device=device)
+    hi = lo.clone()
+    dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
+    dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+    differ = [n for n, a, z in zip(names, lo.tolist(), hi.tolist(), strict=True) if a != z]
+    if differ:
+        raise ValueError(f"the ranks passed different global batches to cp.shard ({', '.join(differ)} differ): every "
+                         "rank of a context-parallel group must pass the same whole batch, and gets its own part back")
+
+
 def _holds(mask: object, kind: type) -> bool:
     """Is a ``kind`` part of the (composed) selfattn mask ``mask``?"""
     if isinstance(mask, kind):
@@ -194,6 +220,38 @@ def _document_ids(position_ids: Tensor) -> Tensor | None:
     first = position_ids[:, :1] - 1
     ids = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
     return ids if bool((ids[:, -1] != 0).any()) else None
+
+
+# Layer kinds (transformers' config.layer_types) whose attention is all of a sequence, or a causal window of it:
+# the global mask context_parallel rebuilds. Kinds that are not attention (an MLP or MoE layer) mix no tokens.
+_ATTENTION_KINDS = frozenset({"full_attention", "sliding_attention"})
+_MIXING_WORDS = ("attention", "conv", "linear", "hybrid", "mamba", "recurrent", "ssm", "rwkv")
+
+
+def _mixing_outside_attention(model: nn.Module) -> str | None:
+    """What of ``model`` mixes tokens other than attention over the whole sequence (or a causal window), or None:
+    layer kinds such as chunked or linear attention, convolutions and state-space layers, as the config declares
+    them (``layer_types``), and any 1-D convolution wider than one token."""
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None)):
+        kinds = getattr(cfg, "layer_types", None)
+        if isinstance(kinds, (list, tuple)):
+            other = sorted({k for k in kinds if isinstance(k, str) and k not in _ATTENTION_KINDS
+                            and any(w in k.lower() for w in _MIXING_WORDS)})
+            if other:
+                return f"has layers of kind {', '.join(map(repr, other))} (config.layer_types)"
+    for path, m in model.named_modules():
+        if isinstance(m, nn.Conv1d) and m.kernel_size[0] > 1:
+            return f"mixes neighbouring tokens in {path} ({type(m).__name__}, kernel {m.kernel_size[0]})"
+    return None
+
+
+def _causal_lm(model: nn.Module) -> bool:
+    """Is ``model`` a causal language model (its loss: the next token's, on labels it shifts itself)?"""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = type(model).__name__
+    return name.endswith("ForCausalLM") or name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def _inner(model: nn.Module) -> nn.Module:
@@ -234,6 +292,10 @@ def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None
     if name is None or name not in AttentionInterface() or AttentionInterface()[name] is not attention_forward:
         raise ValueError(f"context_parallel needs a model whose attention is selfattn's (attn_implementation="
                          f"'selfattn' after register()); this one uses {name!r}")
+    mixing = _mixing_outside_attention(inner)
+    if mixing is not None:
+        raise ValueError(f"context_parallel splits each sequence over the ranks, and only attention brings the other "
+                         f"ranks' tokens; this model also {mixing}, which would see only this rank's tokens")
     if layout not in ("contiguous", "zigzag"):
         raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
     if strategy not in ("ring", "all_to_all"):
@@ -279,12 +341,19 @@ def _global_loss(ctx: ContextParallel, out: Any) -> Any:
         out.loss = loss + (total - loss.detach())
         if out.loss.requires_grad and not torch.compiler.is_compiling():
             ctx._pending += 1
-            out.loss.register_hook(lambda grad: _backpropagated(ctx))
+            out.loss.register_hook(_backpropagated(ctx))
     return out
 
 
-def _backpropagated(ctx: ContextParallel) -> None:
-    ctx._pending -= 1
+def _backpropagated(ctx: ContextParallel) -> Any:
+    """A hook for one loss: its first backward settles it (a second, with retain_graph, changes nothing)."""
+    done = [False]
+
+    def hook(grad: Tensor) -> None:
+        if not done[0]:
+            done[0] = True
+            ctx._pending -= 1
+    return hook
 
 
 def _reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None,
@@ -300,7 +369,7 @@ def _reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None,
         _ddp_hook(model)
         return []
     params = [p for p in model.parameters() if p.requires_grad]
-    state: dict[str, Any] = {"queued": False, "flat": {}, "views": {}}
+    state: dict[str, Any] = {"queued": False, "flat": {}, "views": {}, "reached": None}
 
     def views() -> dict[int, Tensor]:
         """One flat buffer per dtype and device (made once per context), a view of it per parameter."""
@@ -317,29 +386,34 @@ def _reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None,
 
     def reduce_all() -> None:
         state["queued"] = False
-        mine = state["views"]
+        mine, reached = state["views"], state["reached"]
         for p in params:
             if p.grad is not None:
                 p.grad = p.grad - mine[id(p)]  # .grad without this backward's local part (a new tensor)
-        for flat in state["flat"].values():
-            dist.all_reduce(flat, group=group)
+        for t in (*state["flat"].values(), reached):
+            dist.all_reduce(t, group=group)
             if dp_group is not None:
-                dist.all_reduce(flat, group=dp_group)
-        for p in params:
-            p.grad = mine[id(p)].clone() if p.grad is None else p.grad.add_(mine[id(p)])
+                dist.all_reduce(t, group=dp_group)
+        for i, p in enumerate(params):
+            if p.grad is not None:
+                p.grad.add_(mine[id(p)])
+            elif reached[i] > 0:  # a gradient reached it on another rank (a parameter none reached keeps None)
+                p.grad = mine[id(p)].clone()
 
-    def arriving(p: Tensor) -> Any:
+    def arriving(i: int, p: Tensor) -> Any:
         def hook(grad: Tensor) -> None:
             if not state["queued"]:  # the first gradient of this backward
                 state["queued"] = True
                 views()
                 for flat in state["flat"].values():
                     flat.zero_()
+                state["reached"] = torch.zeros(len(params), device=next(iter(state["flat"].values())).device)
                 _upstream.at_end_of_backward(reduce_all)
             state["views"][id(p)].add_(grad)
+            state["reached"][i] = 1.0
         return hook
 
-    return [p.register_hook(arriving(p)) for p in params]
+    return [p.register_hook(arriving(i, p)) for i, p in enumerate(params)]
 
 
 _DDP_HOOKED: set[int] = set()
