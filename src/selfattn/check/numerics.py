@@ -231,6 +231,11 @@ def gradients(ctx: Context) -> Outcome[None]:
     return found
 
 
+def _size(p: Tensor) -> float:
+    """The typical size of a parameter's entries (root mean square), at least 1e-2 (a bias initialised at 0)."""
+    return max(float(p.detach().double().pow(2).mean().sqrt()), 1e-2)
+
+
 def _directional(call: Caller, x: Tensor, weights: Tensor, dx: Tensor | None, params: list[tuple[nn.Parameter, Tensor]],
                  step: float, gen: torch.Generator) -> tuple[float, float, float]:
     """(autograd's derivative, the finite difference's, the finite difference's own uncertainty) of
@@ -247,10 +252,13 @@ def _directional(call: Caller, x: Tensor, weights: Tensor, dx: Tensor | None, pa
             def f(t: float) -> float:
                 return float(_objective(call, x + t * u, weights))
         else:
-            dirs = [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p) for p, _ in params]
+            # each tensor moves in proportion to its own size: weights initialised at 0.02 and norms' gains at 1
+            # both change by a fraction ``step``, and a normalisation of small projections (q/k norm) stays in
+            # its linear range
+            dirs = [torch.randn(p.shape, generator=gen, dtype=torch.float64).mul_(_size(p)).to(p) for p, _ in params]
             auto = sum(float((g.double() * u.double()).sum()) for (_, g), u in zip(params, dirs, strict=True))
             saved = [p.detach().clone() for p, _ in params]
-            h = step * (1 + max((float(s.abs().max()) for s in saved), default=0.0))
+            h = step
 
             def f(t: float) -> float:
                 try:
