@@ -211,10 +211,21 @@ def accumulation_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_gradient_accumulation_and_a_backward_outside_the_block(tmp_path):
+def contract_worker(rank: int, world: int) -> dict:
+    """The contract's cases that need processes, in one spawn: accumulation, edges, mismatched batches."""
+    return {"accumulation": accumulation_worker(rank, world), "edges": edges_worker(rank, world),
+            "mismatch": mismatch_worker(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def contract_run(tmp_path_factory):
+    return _spawn("contract_worker", 2, tmp_path_factory.mktemp("contract"))
+
+
+def test_gradient_accumulation_and_a_backward_outside_the_block(contract_run):
     """catches: a second micro-batch's reduction summing the first one's (already global) gradients W times
     again, and a backward after the block silently keeping each rank's own share."""
-    for res in _spawn("accumulation_worker", 2, tmp_path):
+    for res in (r["accumulation"] for r in contract_run):
         assert res["grad"] < GRAD_RTOL, res
         assert res["outside"] and "inside the `with` block" in res["outside"], res
 
@@ -285,12 +296,12 @@ def edges_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_edges_of_the_contract(tmp_path):
+def test_edges_of_the_contract(contract_run):
     """catches: an all-ones attention mask with restarting positions read as packed documents (one process reads
     none), a parameter no gradient reached given a zero gradient, a float32 loss turned float64, a loss left for
     after the block hidden by a retain_graph backward, ranks with different token ids training on a mixture, and
     a masked LM's labels shifted as a causal LM's."""
-    for res in _spawn("edges_worker", 2, tmp_path):
+    for res in (r["edges"] for r in contract_run):
         assert res["ones_mask_packed"] < GRAD_RTOL, res
         assert res["unused_grad_is_none"] and res["loss_dtype"] == "torch.float32", res
         assert res["retain_graph_then_outside"] and "inside the `with` block" in res["retain_graph_then_outside"]
@@ -335,10 +346,10 @@ def mismatch_worker(rank: int, world: int) -> dict:
     return {"error": None}
 
 
-def test_ranks_with_different_batches_get_the_agreement_error(tmp_path):
+def test_ranks_with_different_batches_get_the_agreement_error(contract_run):
     """catches: ranks that disagree about the global batch (documents) computing a silent mixture: cp.shard
     compares the batches (the attention's agreement would catch the mask later)."""
-    for res in _spawn("mismatch_worker", 2, tmp_path):
+    for res in (r["mismatch"] for r in contract_run):
         assert res["error"] and "position_ids differ" in res["error"], res
 
 
@@ -392,6 +403,7 @@ def test_data_parallel_times_context_parallel(tmp_path):
         assert res["dp_group"] < GRAD_RTOL and res["ddp"] < GRAD_RTOL, res
 
 
+@pytest.mark.slow
 def test_example_trains_and_matches_one_process():
     """catches: the example drifting from the API, or its first-step check against one process failing."""
     import subprocess
