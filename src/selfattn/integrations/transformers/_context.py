@@ -88,7 +88,8 @@ class ContextParallel:
             tokens) and ``num_items_in_batch`` (the global number of labelled tokens).
 
         Raises:
-            ValueError: no tokens, tensors of other lengths, or L not divisible by W (2W for zigzag).
+            ValueError: no tokens, tensors of other lengths, L not divisible by W (2W for zigzag), labels for a
+                model that is not a causal LM, or ranks that passed different batches (naming what differs).
         """
         tokens = input_ids if input_ids is not None else inputs_embeds
         if tokens is None or tokens.dim() < 2:
@@ -278,7 +279,9 @@ def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None
         A :class:`ContextParallel`: ``cp.shard(...)`` gives this rank's part of a global batch.
 
     Raises:
-        ValueError: the model does not use selfattn's attention, or a bad layout or strategy.
+        ValueError: the model does not use selfattn's attention, or mixes tokens outside attention
+            (convolutions, linear, chunked or state-space layers), or a bad layout or strategy.
+        RuntimeError: when the block ends, a loss made inside it whose backward did not run inside it.
 
     Example:
         >>> with context_parallel(model, group=cp_group) as cp:
