@@ -27,8 +27,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +37,7 @@ from rich.table import Table
 from .llama import HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB
 from .memory import Memory
 from .models import DOCS, _document_lengths, model_step
-from .spawn import spawn_and_join
+from .spawn import run_ranks
 
 __all__ = ["NAME", "PARTS", "WORLDS", "budget_points", "points", "run_point", "tables"]
 
@@ -127,16 +125,9 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
 
 def run_point(spec: dict) -> dict:
     """One (part, L, W) point on W spawned processes: the slowest rank's time, the largest peak."""
-    world = spec["W"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out:
-        done = spawn_and_join(_rank, (world, port, spec, out), world, spec.get("limit_s", 3600))
-        errors = [Path(out, f"{r}.err").read_text() for r in range(world) if Path(out, f"{r}.err").exists()]
-        if errors or not done:
-            return {"status": "error", "note": (errors or ["timed out"])[0][:200]}
-        ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+    ranks = run_ranks(_rank, spec, spec["W"], spec.get("limit_s", 3600))
+    if isinstance(ranks, str):
+        return {"status": "error", "note": ranks}
     return {"status": "ok", "time_s": max(r["time_s"] for r in ranks), "first_s": max(r["first_s"] for r in ranks),
             "peak_bytes": max(r["peak_bytes"] for r in ranks)}
 

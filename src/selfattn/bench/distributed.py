@@ -19,9 +19,7 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -32,7 +30,7 @@ from rich.table import Table
 
 from . import context_models
 from .memory import Memory
-from .spawn import spawn_and_join
+from .spawn import run_ranks, spawn_and_join
 
 __all__ = ["CASES", "IN_ALL", "NAME", "grid", "points", "run", "run_point", "spawn_and_join", "tables"]
 
@@ -123,16 +121,9 @@ def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
 def run_point(spec: dict) -> dict:
     """Run one point (case, L, W, layout, strategy, repeats) on W spawned processes; the slowest rank's
     time, the largest peak memory and the hidden share of communication."""
-    world = spec["W"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out:
-        done = spawn_and_join(_rank, (world, port, spec, out), world, spec.get("limit_s", 1800))
-        errors = [Path(out, f"{r}.err").read_text() for r in range(world) if Path(out, f"{r}.err").exists()]
-        if errors or not done:
-            return {"status": "error", "note": (errors or ["timed out"])[0][:200]}
-        ranks = [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+    ranks = run_ranks(_rank, spec, spec["W"], spec.get("limit_s", 1800))
+    if isinstance(ranks, str):
+        return {"status": "error", "note": ranks}
     alone = max(r["alone_s"] for r in ranks)
     wait = max(r["wait_s"] for r in ranks)
     hidden = None if alone == 0 or spec["strategy"] == "all_to_all" else max(0.0, min(1.0, 1 - wait / alone))

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import socket
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.multiprocessing as mp
 
-__all__ = ["spawn_and_join"]
+__all__ = ["run_ranks", "spawn_and_join"]
 
 
 def spawn_and_join(fn: Callable[..., None], args: tuple, world: int, limit_s: float) -> bool:
@@ -25,3 +29,17 @@ def spawn_and_join(fn: Callable[..., None], args: tuple, world: int, limit_s: fl
         if p.is_alive():
             p.kill()
     return done
+
+
+def run_ranks(fn: Callable[..., None], spec: dict, world: int, limit_s: float) -> list[dict] | str:
+    """``fn(rank, world, port, spec, folder)`` on ``world`` processes, each writing ``{rank}.json`` (or
+    ``{rank}.err``) into ``folder``: the ranks' results, or the first error (or "timed out")."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as out:
+        done = spawn_and_join(fn, (world, port, spec, out), world, limit_s)
+        errors = [Path(out, f"{r}.err").read_text() for r in range(world) if Path(out, f"{r}.err").exists()]
+        if errors or not done:
+            return (errors or ["timed out"])[0][:200]
+        return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
