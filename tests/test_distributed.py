@@ -29,7 +29,7 @@ import selfattn
 from selfattn import distributed as sad
 from selfattn import masks, scores, testing
 from selfattn.backends import chunked
-from selfattn.bench.distributed import spawn_and_join
+from selfattn.bench.spawn import spawn_and_join
 
 F64_EXACT = 1e-12  # float64: distributed and single-process agree to this, relative to max(1, |ref|)
 LSE_F32 = 4 * torch.finfo(torch.float32).eps  # lse is returned in float32 by both

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from selfattn.bench.distributed import spawn_and_join
+from selfattn.bench.spawn import spawn_and_join
 
 FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss")
 L = 24  # divisible by 2W for W = 1..4

@@ -24,11 +24,7 @@ Shape legend: L tokens in the row, W processes.
 
 from __future__ import annotations
 
-import datetime
-import json
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -93,39 +89,30 @@ def _attention_step(length: int, world: int):
     return step
 
 
-def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
-    code = 1
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=1800))
-        length = spec["L"]
-        step = _model_step(length, world) if spec["part"] == "model" else _attention_step(length, world)
-        mem = Memory("cpu")
+def _measure(rank: int, world: int, spec: dict) -> dict:
+    """One rank's median step time and peak extra memory (the warm-up step included in the peak)."""
+    length = spec["L"]
+    step = _model_step(length, world) if spec["part"] == "model" else _attention_step(length, world)
+    mem = Memory("cpu")
+    dist.barrier()
+    mem.start()
+    t0 = time.perf_counter()
+    step()  # warm-up, inside the peak: the first step allocates what the later ones reuse
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(spec["repeats"]):
         dist.barrier()
-        mem.start()
         t0 = time.perf_counter()
-        step()  # warm-up, inside the peak: the first step allocates what the later ones reuse
-        first = time.perf_counter() - t0
-        times = []
-        for _ in range(spec["repeats"]):
-            dist.barrier()
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        peak = mem.stop()
-        median = sorted(times)[len(times) // 2] if times else first
-        Path(out, f"{rank}.json").write_text(json.dumps(dict(time_s=median, first_s=first, peak_bytes=peak)))
-        code = 0
-    except BaseException as e:
-        Path(out, f"{rank}.err").write_text(f"{type(e).__name__}: {e}")
-    finally:
-        os._exit(code)
+        step()
+        times.append(time.perf_counter() - t0)
+    peak = mem.stop()
+    median = sorted(times)[len(times) // 2] if times else first
+    return dict(time_s=median, first_s=first, peak_bytes=peak)
 
 
 def run_point(spec: dict) -> dict:
     """One (part, L, W) point on W spawned processes: the slowest rank's time, the largest peak."""
-    ranks = run_ranks(_rank, spec, spec["W"], spec.get("limit_s", 3600))
+    ranks = run_ranks(_measure, spec, spec["W"], spec.get("limit_s", 3600), timeout_s=1800)
     if isinstance(ranks, str):
         return {"status": "error", "note": ranks}
     return {"status": "ok", "time_s": max(r["time_s"] for r in ranks), "first_s": max(r["first_s"] for r in ranks),

@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -30,9 +28,9 @@ from rich.table import Table
 
 from . import context_models
 from .memory import Memory
-from .spawn import run_ranks, spawn_and_join
+from .spawn import run_ranks
 
-__all__ = ["CASES", "IN_ALL", "NAME", "grid", "points", "run", "run_point", "spawn_and_join", "tables"]
+__all__ = ["CASES", "IN_ALL", "NAME", "grid", "points", "run", "run_point", "tables"]
 
 NAME = "distributed"
 IN_ALL = False
@@ -72,56 +70,46 @@ def _alone(strategy: str, q: torch.Tensor, world: int, timeout: datetime.timedel
     return time.perf_counter() - t0
 
 
-def _rank(rank: int, world: int, port: int, spec: dict, out: str) -> None:
-    code = 1
-    try:
-        torch.set_num_threads(1)
-        timeout = datetime.timedelta(seconds=600)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timeout)
-        from .. import distributed as sad
+def _measure(rank: int, world: int, spec: dict) -> dict:
+    """One rank's median step time, its time waiting for transfers, the transfers' time alone, its peak."""
+    from .. import distributed as sad
 
-        length, layout, strategy = spec["L"], spec["layout"], spec["strategy"]
-        torch.manual_seed(0)
-        n = length // world
-        q, k, v = (torch.randn(1, H, n, D, requires_grad=True) for _ in range(3))
-        kw = _case(spec["case"], length)
+    timeout = datetime.timedelta(seconds=600)
+    length, layout, strategy = spec["L"], spec["layout"], spec["strategy"]
+    torch.manual_seed(0)
+    n = length // world
+    q, k, v = (torch.randn(1, H, n, D, requires_grad=True) for _ in range(3))
+    kw = _case(spec["case"], length)
 
-        def step() -> None:
-            for t in (q, k, v):
-                t.grad = None
-            out = sad.attention(q, k, v, layout=layout, strategy=strategy, timeout=600, **kw)
-            assert isinstance(out, torch.Tensor)
-            out.sum().backward()
+    def step() -> None:
+        for t in (q, k, v):
+            t.grad = None
+        out = sad.attention(q, k, v, layout=layout, strategy=strategy, timeout=600, **kw)
+        assert isinstance(out, torch.Tensor)
+        out.sum().backward()
 
-        step()  # warm-up
-        mem = Memory("cpu")
+    step()  # warm-up
+    mem = Memory("cpu")
+    dist.barrier()
+    mem.start()
+    times, waits = [], []
+    for _ in range(spec["repeats"]):
         dist.barrier()
-        mem.start()
-        times, waits = [], []
-        for _ in range(spec["repeats"]):
-            dist.barrier()
-            with sad.record() as stats:
-                t0 = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - t0)
-            waits.append(stats.wait_s)
-        peak = mem.stop()
-        dist.barrier()
-        alone = _alone(strategy, q.detach(), world, timeout)
-        Path(out, f"{rank}.json").write_text(json.dumps(dict(time_s=sorted(times)[len(times) // 2],
-                                                             wait_s=min(waits), alone_s=alone, peak_bytes=peak)))
-        code = 0
-    except BaseException as e:
-        Path(out, f"{rank}.err").write_text(f"{type(e).__name__}: {e}")
-    finally:
-        os._exit(code)
+        with sad.record() as stats:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        waits.append(stats.wait_s)
+    peak = mem.stop()
+    dist.barrier()
+    alone = _alone(strategy, q.detach(), world, timeout)
+    return dict(time_s=sorted(times)[len(times) // 2], wait_s=min(waits), alone_s=alone, peak_bytes=peak)
 
 
 def run_point(spec: dict) -> dict:
     """Run one point (case, L, W, layout, strategy, repeats) on W spawned processes; the slowest rank's
     time, the largest peak memory and the hidden share of communication."""
-    ranks = run_ranks(_rank, spec, spec["W"], spec.get("limit_s", 1800))
+    ranks = run_ranks(_measure, spec, spec["W"], spec.get("limit_s", 1800))
     if isinstance(ranks, str):
         return {"status": "error", "note": ranks}
     alone = max(r["alone_s"] for r in ranks)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import socket
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["run_ranks", "spawn_and_join"]
@@ -31,14 +35,33 @@ def spawn_and_join(fn: Callable[..., None], args: tuple, world: int, limit_s: fl
     return done
 
 
-def run_ranks(fn: Callable[..., None], spec: dict, world: int, limit_s: float) -> list[dict] | str:
-    """``fn(rank, world, port, spec, folder)`` on ``world`` processes, each writing ``{rank}.json`` (or
-    ``{rank}.err``) into ``folder``: the ranks' results, or the first error (or "timed out")."""
+def _rank_entry(rank: int, world: int, port: int, spec: dict, out: str, body: Callable[[int, int, dict], dict],
+                timeout_s: float) -> None:
+    """One rank: a gloo group on 127.0.0.1, one CPU thread, ``body(rank, world, spec)`` written to
+    ``{rank}.json`` (or its exception to ``{rank}.err``); the process then exits at once."""
+    code = 1
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        Path(out, f"{rank}.json").write_text(json.dumps(body(rank, world, spec)))
+        code = 0
+    except BaseException as e:
+        Path(out, f"{rank}.err").write_text(f"{type(e).__name__}: {e}")
+    finally:
+        os._exit(code)
+
+
+def run_ranks(body: Callable[[int, int, dict], dict], spec: dict, world: int, limit_s: float,
+              timeout_s: float = 600) -> list[dict] | str:
+    """``body(rank, world, spec)`` (a module-level function) on ``world`` spawned ranks of a gloo group whose
+    transfers wait at most ``timeout_s``: the ranks' results, or the first error (or "timed out" past
+    ``limit_s``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        done = spawn_and_join(fn, (world, port, spec, out), world, limit_s)
+        done = spawn_and_join(_rank_entry, (world, port, spec, out, body, timeout_s), world, limit_s)
         errors = [Path(out, f"{r}.err").read_text() for r in range(world) if Path(out, f"{r}.err").exists()]
         if errors or not done:
             return (errors or ["timed out"])[0][:200]
