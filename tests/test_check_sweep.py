@@ -75,3 +75,13 @@ def test_full_sweep(tmp_path):
                                                                                          "timed out", "worker died")]
     assert not bad, bad
     assert "<!-- sweep:transformers -->" in docs.read_text()
+
+
+@pytest.mark.parametrize("family", ["persimmon", "nanochat", "timesfm2_5"])
+def test_q_k_normalised_projections_get_no_false_gradient_alarm(family):
+    """catches: the gradient check's finite differences moving every parameter by one absolute step, which takes
+    q/k-normalised projections initialised small out of their linear range (wrong-gradient on correct modules)."""
+    built = hc.build(family)
+    report = check(built.module, call=built.call, **built.options)
+    assert "wrong-gradient" not in report.ids, [(f.id, f.evidence) for f in report.findings]
+    assert report.coverage["gradients"] == "verified", report.coverage
