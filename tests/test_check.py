@@ -216,3 +216,47 @@ def test_cli_json_exit_codes_and_files_untouched(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert user.read_text() == src
     assert "imports and runs" in _cli("--help").stdout.replace("\n", " ")
+
+
+class _ValuesFromKeys(_SelfAttention):
+    """Broken: the weights multiply the keys; the values are computed (one fused projection) and dropped."""
+
+    def forward(self, x, mask=None):
+        q, k, _ = self.qkv(x).chunk(3, dim=-1)
+        return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1) @ k
+
+
+class _TrainReturnsNone(_SelfAttention):
+    """Correct; its train() returns None, as some public modules' overrides do (timm's LeViT)."""
+
+    def train(self, mode=True):
+        super().train(mode)
+
+
+class _ZeroInitOutput(_SelfAttention):
+    """Correct; its output projection starts at zero, as some models initialise it (the output is 0 at first)."""
+
+    def __init__(self, embed_dim: int) -> None:
+        super().__init__(embed_dim)
+        self.out = nn.Linear(embed_dim, embed_dim)
+        nn.init.zeros_(self.out.weight)
+        nn.init.zeros_(self.out.bias)
+
+    def forward(self, x, mask=None):
+        return self.out(super().forward(x, mask))
+
+
+def test_values_replaced_by_the_keys_are_not_certified():
+    """catches: attention that multiplies the weights by the keys, certified because the fused projection that
+    also makes the (unused) values still gets a gradient."""
+    report = check(_ValuesFromKeys(32))
+    assert not report.passed and "no-grad" in report.ids, [(f.id, f.evidence) for f in report.findings]
+
+
+def test_modules_whose_train_returns_none_and_zero_initialised_outputs_are_checked():
+    """catches: a crash on ``module.eval()`` returning None, and a zero-initialised output projection (constant
+    output) read as causal-leak, mask-inverted and no-grad instead of probed with those weights drawn."""
+    assert check(_TrainReturnsNone(32)).passed
+    report = check(_ZeroInitOutput(32))
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+    assert "out.weight" in report.inferred["drawn"] and report.coverage["gradients"] == "verified"

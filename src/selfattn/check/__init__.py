@@ -125,7 +125,8 @@ def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dic
     grads = {n: p.grad for n, p in target.named_parameters()}  # the probes' backward must not eat these
     inferred = {"module": type(target).__name__, **({"built as": built} if built else {})}
     try:
-        return examine(target.eval(), inferred, declared=mask_convention, causal=causal, seed=seed, spec=spec,
+        target.eval()  # not chained: some modules' train() returns None (timm's LeViT)
+        return examine(target, inferred, declared=mask_convention, causal=causal, seed=seed, spec=spec,
                        adapter=adapter, make_mask=make_mask, allow_nonstandard=allow_nonstandard,
                        sizes=Sizes(embed_dim, 4, batch, lengths), no_mask=no_mask, scale=scale,
                        bidirectional=bidirectional)

@@ -232,7 +232,9 @@ def score(spec: str | type, options: dict | None = None, *, seed: int = 0,
 
     def instance(cls: type) -> nn.Module:
         torch.manual_seed(seed)
-        return (make(cls) if make is not None else build(cls, init, embed_dim)[0]).eval()
+        made = make(cls) if make is not None else build(cls, init, embed_dim)[0]
+        made.eval()  # not chained: some modules' train() returns None
+        return made
 
     try:
         original = instance(target.load(target.source))

@@ -12,6 +12,7 @@ Shape legend: B batch, L length, E embed dim.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +31,12 @@ _PLATFORM = ("not implemented for", "does not support", "unsupported")
 _OVERFLOW = ("value cannot be converted", "overflow")
 _MIXED = ("expected scalar type", "mixed dtype", "must have the same dtype", "expected both", "dtype",
           "Expected query, key, and value to have the same")
+
+
+def _eval(m: nn.Module) -> nn.Module:
+    """``m`` in eval mode (some modules' ``train()`` returns None, so ``m.eval()`` is not chained)."""
+    m.eval()
+    return m
 
 
 def _fix_for(err: Exception) -> str | None:
@@ -80,7 +87,7 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
     mismatch: dict[str, str] = {}
     fix: str | None = None
     for dtype in (torch.float16, torch.bfloat16):
-        m = ctx.module if ctx.x.dtype == dtype else copy.deepcopy(ctx.module).to(dtype).eval()
+        m = ctx.module if ctx.x.dtype == dtype else _eval(copy.deepcopy(ctx.module).to(dtype))
         tol = HALF_ULPS * torch.finfo(dtype).eps
         base_err = None
         for suffix, ref in refs.items():
@@ -156,10 +163,10 @@ class _UsedParameters(TorchFunctionMode):
         return out
 
 
-def _still_zero(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]], zero: list[str],
-                gen: torch.Generator) -> list[str]:
-    """Of the parameters ``zero`` whose gradient was exactly 0, those that still get 0 once every used parameter is
-    moved by a little noise (a gate that starts at 0 blocks its neighbours' gradients only at that point)."""
+def _grads_after_noise(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]],
+                       gen: torch.Generator) -> dict[str, Tensor | None]:
+    """The used parameters' gradients once every one is moved by a little noise (a gate that starts at 0 blocks
+    its neighbours' gradients only at that point); the parameters are restored."""
     saved = [p.detach().clone() for _, p in used]
     try:
         with torch.no_grad():
@@ -167,12 +174,36 @@ def _still_zero(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, 
                 p.add_(1e-2 * (1 + p.abs().max()) * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
         call.module.zero_grad(set_to_none=True)
         (call(x).double() * weights).sum().backward()
-        return [n for n, p in used if n in zero and (p.grad is None or not p.grad.any())]
+        return {n: None if p.grad is None else p.grad.detach().clone() for n, p in used}
     finally:
         with torch.no_grad():
             for (_, p), s in zip(used, saved, strict=True):
                 p.copy_(s)
         call.module.zero_grad(set_to_none=True)
+
+
+def _still_zero(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]], zero: list[str],
+                gen: torch.Generator) -> list[str]:
+    """Of the parameters ``zero`` whose gradient was exactly 0, those that still get 0 off the draw."""
+    after = _grads_after_noise(call, x, weights, used, gen)
+    return [n for n in zero if (g := after.get(n)) is None or not g.any()]
+
+
+def _dead_rows(grads: Mapping[str, Tensor | None], linear: set[str]) -> dict[str, str]:
+    """``nn.Linear`` weights (names in ``linear``) a block of whose rows (output features) gets exactly no
+    gradient while the others do: name -> the rows. A projection's outputs that never reach the output (the
+    values of a fused qkv projection when the keys are used in their place). Tables such as embeddings, whose
+    unused rows are by design, are not Linear weights."""
+    out = {}
+    for name, g in grads.items():
+        if g is None or g.dim() != 2 or name not in linear:
+            continue
+        dead = (g.reshape(g.shape[0], -1) == 0).all(1)
+        count = int(dead.sum())
+        if 0 < count < g.shape[0] and count >= max(2, g.shape[0] // 8):
+            rows = dead.nonzero().flatten().tolist()
+            out[name] = f"{count} of {g.shape[0]} rows (output features) get no gradient, rows {rows[0]}-{rows[-1]}"
+    return out
 
 
 def _objective(call: Caller, x: Tensor, weights: Tensor) -> Tensor:
@@ -210,6 +241,17 @@ def gradients(ctx: Context) -> Outcome[None]:
         m.zero_grad(set_to_none=True)
         return Outcome([Finding.of("no-grad", "some parameters (or the input) receive no gradient",
                                    {"parameters without gradient": missing, "input gets gradient": not no_input_grad})],
+                       notes={"gradients": f"{len(used)} parameter tensors used by the call"})
+    linear = {f"{path}.weight" if path else "weight" for path, mod in m.named_modules() if isinstance(mod, nn.Linear)}
+    dead = _dead_rows(grads, linear)
+    if dead:  # only if it holds off the draw too
+        dead = {n: why for n, why in _dead_rows(_grads_after_noise(call, x0, weights, used, ctx.gen), linear).items()
+                if n in dead}
+    if dead:
+        m.zero_grad(set_to_none=True)
+        return Outcome([Finding.of("no-grad", "part of a projection never reaches the output: some of its output "
+                                   "features get no gradient (in a fused qkv projection: values computed and then "
+                                   "not used, e.g. weights @ k instead of weights @ v)", dead)],
                        notes={"gradients": f"{len(used)} parameter tensors used by the call"})
     assert xg.grad is not None  # no_input_grad is False here
     dx = xg.grad.detach().clone()

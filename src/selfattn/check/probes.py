@@ -174,7 +174,9 @@ def _float64_twin(call: Caller, x: Tensor, out: Tensor) -> Caller | None:
     if x.dtype == torch.float64 or not x.dtype.is_floating_point:
         return None
     try:
-        twin = call.for_module(copy.deepcopy(call.module).double().eval())
+        copied = copy.deepcopy(call.module).double()
+        copied.eval()  # not chained: some modules' train() returns None
+        twin = call.for_module(copied)
         with torch.no_grad():
             out64 = twin(x.double())
     except Exception:  # a module that cannot run in float64 is analysed in its own dtype
@@ -182,6 +184,39 @@ def _float64_twin(call: Caller, x: Tensor, out: Tensor) -> Caller | None:
     if out64.dtype != torch.float64 or not close(out64, out, 64 * tolerance(x.dtype)):
         return None
     return twin
+
+
+def _constant(call: Caller, x: Tensor, out: Tensor) -> bool:
+    """Is the module's output the same for another input (a zero-initialised output projection or norm)?"""
+    g = torch.Generator().manual_seed(4321)  # its own draws: the probes' generator is left as it was
+    other = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype=x.dtype, device=x.device)
+    try:
+        with torch.no_grad():
+            return bool(torch.equal(call(other), out))
+    except Exception:
+        return False
+
+
+def _with_zeros_drawn(call: Caller, x: Tensor, gen: torch.Generator) -> tuple[nn.Module, Caller, Tensor, list[str]]:
+    """A copy of the module whose all-zero parameters are drawn from N(0, 0.02^2) (weights of the scale real
+    models initialise), its caller and output; CannotRun when there is none to draw or the output stays constant."""
+    module = copy.deepcopy(call.module)
+    drawn = []
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.numel() and not p.any():
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
+                drawn.append(name)
+    if not drawn:
+        raise CannotRun("the module's output does not depend on its input (the same for two random inputs), and no "
+                        "parameter is all zeros to explain it: check what the forward returns")
+    new = call.for_module(module)
+    with torch.no_grad():
+        out = new(x)
+    if _constant(new, x, out):
+        raise CannotRun("the module's output does not depend on its input, even with its all-zero parameters "
+                        f"({', '.join(drawn)}) drawn at random: check what the forward returns")
+    return module, new, out, drawn
 
 
 def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: bool, seed: int,
@@ -233,6 +268,10 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
                 out = call(x)
         except Exception as err:
             raise CannotRun(f"the module failed on the probe input: {type(err).__name__}: {err}") from err
+        if _constant(call, x, out):  # a zero-initialised output layer: probe a copy with those values drawn
+            module, call, out, drawn = _with_zeros_drawn(call, x, gen)
+            got.inferred["drawn"] = (f"the output does not depend on the input with these weights; the probes ran on "
+                                     f"a copy whose all-zero parameters were drawn at random: {', '.join(drawn)}")
         exact = _float64_twin(call, x, out)
         got.inferred["analysed in"] = "a float64 copy" if exact is not None else str(x.dtype)[6:]
         ctx = Context(module, call, x, gen, declared, causal, spec, allow_nonstandard, exact, no_mask, scale,
