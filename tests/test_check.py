@@ -260,3 +260,28 @@ def test_modules_whose_train_returns_none_and_zero_initialised_outputs_are_check
     report = check(_ZeroInitOutput(32))
     assert report.passed, [(f.id, f.message) for f in report.findings]
     assert "out.weight" in report.inferred["drawn"] and report.coverage["gradients"] == "verified"
+
+
+class _TalkingHeads(nn.Module):
+    """Correct talking-heads attention (CaiT): the weights are mixed across heads after the softmax."""
+
+    def __init__(self, embed_dim: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+        self.mix = nn.Parameter(torch.eye(heads) + 0.1 * torch.randn(heads, heads))
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        attn = torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)
+        attn = torch.einsum("bhij,hg->bgij", attn, self.mix)
+        return (attn @ v).transpose(1, 2).reshape(b, n, e)
+
+
+def test_talking_heads_are_a_design_not_a_matmul_order_bug():
+    """catches: the head-mixing product after the softmax read as the product with the values (matmul-order on
+    correct code, even with --allow-nonstandard)."""
+    report = check(_TalkingHeads(32))
+    assert report.ids == {"definition-mismatch"}, [(f.id, f.message) for f in report.findings]
+    assert check(_TalkingHeads(32), allow_nonstandard=True).passed

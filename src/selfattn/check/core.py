@@ -363,6 +363,13 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if passed:
         return Verdict("definition-mismatch", {"matches": f"the weights pass through {', '.join(passed)} between "
                                                "the softmax and the product with the values", **evidence})
+    other = operands[1 - position][1] if len(operands) > 1 else None
+    made = pv.outputs[0] if pv.outputs else None
+    if other is not None and made is not None and made.dim() >= 2 and tuple(made.shape[-2:]) == (length, length) \
+            and length not in tuple(other.shape):
+        # weights times a matrix with no token axis, still (L, L): the heads are mixed (talking heads, re-attention)
+        return Verdict("definition-mismatch", {"matches": "the weights are mixed across heads between the softmax "
+                                               "and the product with the values (talking heads)", **evidence})
     s = sm.args[0]
     sinks = p.shape[-1] - length if p.dim() >= 2 and p.shape[-2] == length and p.shape[-1] > length == w.shape[-1] \
         else 0
