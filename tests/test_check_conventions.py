@@ -206,7 +206,7 @@ def test_coverage_severity_and_rendering():
 
 
 def test_mutant_operators():
-    """catches: a mutation operator the issue asks for that generates nothing."""
+    """catches: a mutation operator the documentation lists that generates nothing."""
     source = Path(fx.__file__).read_text()
     ops = {m.operator for m in mutants(source, "KeyPaddingMask")} | {m.operator for m in mutants(source,
                                                                                                  "CausalCorrect")}

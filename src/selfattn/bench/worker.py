@@ -72,7 +72,7 @@ def mask_case(name: str, length: int, device: str) -> MaskCase:
     raise ValueError(f"unknown mask case {name!r}")
 
 
-# the padded batches the issue tracks: each item's real length as a fraction of L
+# the padded batches the README tracks: each item's real length as a fraction of L
 PADDED_LENGTHS = {"padding(L)+causal": (1.0,), "padding(3L/4)+causal": (0.75,),
                   "padding(3L/4,L)+causal": (0.75, 1.0)}
 MASK_CASES = ["causal", "padding+causal", "padding(queries)+causal", *PADDED_LENGTHS, f"sliding_window({WINDOW})",
