@@ -14,7 +14,6 @@ import datetime
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,16 +28,11 @@ import selfattn
 from selfattn import distributed as sad
 from selfattn import masks, scores, testing
 from selfattn.backends import chunked
-from selfattn.bench.spawn import spawn_and_join
+from selfattn.bench.spawn import free_port, spawn_and_join
 
 F64_EXACT = 1e-12  # float64: distributed and single-process agree to this, relative to max(1, |ref|)
 LSE_F32 = 4 * torch.finfo(torch.float32).eps  # lse is returned in float32 by both
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, fn_name: str, world: int, port: int, outdir: str, backend: str) -> None:
@@ -63,7 +57,7 @@ def _spawn(fn_name: str, world: int, tmp_path: Path, limit: float = 120.0, backe
     """Run ``fn_name(rank, world)`` on ``world`` processes; their results, by rank. Fails past ``limit`` s."""
     outdir = tmp_path / f"{fn_name}-{world}"
     outdir.mkdir()
-    done = spawn_and_join(_entry, (fn_name, world, _free_port(), str(outdir), backend), world, limit)
+    done = spawn_and_join(_entry, (fn_name, world, free_port(), str(outdir), backend), world, limit)
     errors = {r: (outdir / f"{r}.err").read_text() for r in range(world) if (outdir / f"{r}.err").exists()}
     assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
     assert done, f"{fn_name} on {world} ranks: a process died without a result, or ran past {limit} s"
@@ -478,7 +472,7 @@ def test_a_rank_that_dies_mid_ring_is_named_by_its_neighbours(tmp_path):
     world = 3
     outdir = tmp_path / "dying"
     outdir.mkdir()
-    spawn_and_join(dying_entry, (world, _free_port(), str(outdir)), world, 120)
+    spawn_and_join(dying_entry, (world, free_port(), str(outdir)), world, 120)
     for rank in (0, 1):  # rank 2's neighbours: it receives from 1 and sends to 0
         seen = json.loads((outdir / f"{rank}.json").read_text())
         assert seen["error"].startswith("RuntimeError") and "lost rank 2" in seen["error"], seen

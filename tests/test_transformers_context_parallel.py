@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import traceback
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 
 pytest.importorskip("transformers")
 
-from selfattn.bench.spawn import spawn_and_join
+from selfattn.bench.spawn import free_port, spawn_and_join
 
 FAMILIES = ("llama", "qwen2", "mistral", "gemma2", "gpt_oss")
 L = 24  # divisible by 2W for W = 1..4
@@ -35,11 +34,6 @@ LOSS_RTOL, GRAD_RTOL = 1e-6, 1e-9
 # Gemma 2's RMSNorm computes in float32 even for a float64 model (x.float()): its gradients are float32's.
 FLOAT32_INSIDE = {"gemma2": 1e-5}
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(rank: int, fn_name: str, world: int, port: int, outdir: str, args: dict) -> None:
@@ -60,7 +54,7 @@ def _entry(rank: int, fn_name: str, world: int, port: int, outdir: str, args: di
 def _spawn(fn_name: str, world: int, tmp_path: Path, limit: float = 300.0, **args: object) -> list[dict]:
     outdir = tmp_path / f"{fn_name}-{world}-{len(list(tmp_path.iterdir()))}"
     outdir.mkdir()
-    done = spawn_and_join(_entry, (fn_name, world, _free_port(), str(outdir), args), world, limit)
+    done = spawn_and_join(_entry, (fn_name, world, free_port(), str(outdir), args), world, limit)
     errors = {r: (outdir / f"{r}.err").read_text() for r in range(world) if (outdir / f"{r}.err").exists()}
     assert not errors, "\n".join(f"rank {r}:\n{e}" for r, e in errors.items())
     assert done, f"{fn_name} on {world} ranks: a process died without a result, or ran past {limit} s"

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "spawn_and_join"]
+__all__ = ["free_port", "run_ranks", "spawn_and_join"]
 
 
 def spawn_and_join(fn: Callable[..., None], args: tuple, world: int, limit_s: float) -> bool:
@@ -33,6 +33,13 @@ def spawn_and_join(fn: Callable[..., None], args: tuple, world: int, limit_s: fl
         if p.is_alive():
             p.kill()
     return done
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a gloo rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _rank_entry(rank: int, world: int, port: int, spec: dict, out: str, body: Callable[[int, int, dict], dict],
@@ -57,11 +64,8 @@ def run_ranks(body: Callable[[int, int, dict], dict], spec: dict, world: int, li
     """``body(rank, world, spec)`` (a module-level function) on ``world`` spawned ranks of a gloo group whose
     transfers wait at most ``timeout_s``: the ranks' results, or the first error (or "timed out" past
     ``limit_s``)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as out:
-        done = spawn_and_join(_rank_entry, (world, port, spec, out, body, timeout_s), world, limit_s)
+        done = spawn_and_join(_rank_entry, (world, free_port(), spec, out, body, timeout_s), world, limit_s)
         errors = [Path(out, f"{r}.err").read_text() for r in range(world) if Path(out, f"{r}.err").exists()]
         if errors or not done:
             return (errors or ["timed out"])[0][:200]

@@ -44,6 +44,7 @@ from ... import masks as _masks
 from ... import scores as _scores
 from ...distributed import attention as _cp_attention
 from ...distributed import shard as _shard
+from ...distributed.agree import fingerprint
 from ...masks.kinds import Document
 from . import _upstream
 from ._attention import CONTEXT_ATTR, attention_forward
@@ -187,8 +188,6 @@ class ContextParallel:
 def _same_on_every_rank(group: dist.ProcessGroup | None, **tensors: Tensor | None) -> None:
     """Every rank must pass the same global batch: compare a fingerprint of each tensor (shape, dtype and an exact
     checksum of its elements, sampled beyond 2^16 elements as the ranks' agreement does) across the group."""
-    from ...distributed.agree import fingerprint
-
     names = sorted(tensors)
     device = torch.device("cpu") if dist.get_backend(group) == "gloo" else \
         torch.device("cuda", torch.cuda.current_device())  # NCCL reduces CUDA tensors only
