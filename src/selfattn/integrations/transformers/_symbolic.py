@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 __all__ = ["BINARY", "UNARY", "Sym", "Untraceable", "evaluate", "trace"]
 
@@ -147,10 +148,23 @@ class Sym:
     def logical_not(self) -> Sym:
         return ~self
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        """A torch operation with a symbolic operand: tensor indexing and the elementwise ops above."""
+
+def _symbolic(x: object) -> bool:
+    return isinstance(x, Sym) or (isinstance(x, (tuple, list)) and any(_symbolic(i) for i in x))
+
+
+class _Recording(TorchFunctionMode):
+    """While a predicate runs on symbols: a torch operation with a symbolic operand (tensor indexing and the
+    elementwise ops above) records a node; every other operation runs as it is.
+
+    A mode rather than ``Sym.__torch_function__``: torch.compile traces a mode's ``__torch_function__``, but
+    not indexing a tensor with an object that is not one (``position_ids[b, q]`` in transformers' packed-sequence
+    predicates broke the graph)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if not (_symbolic(args) or _symbolic(tuple(kwargs.values()))):
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "__getitem__" and isinstance(args[0], Tensor):
             idx = args[1] if isinstance(args[1], tuple) else (args[1],)
@@ -172,7 +186,8 @@ def trace(fn: Callable) -> Expr:
     """The expression ``fn(b, h, q, kv)`` computes, or raise :class:`Untraceable`."""
     b, h, q, kv = Sym(("b",)), Sym(("h",)), Sym(("q",)), Sym(("kv",))
     try:
-        out = fn(b, h, q, kv)
+        with _Recording():
+            out = fn(b, h, q, kv)
     except Untraceable:
         raise
     except Exception as e:  # the predicate did something a symbol cannot do (vmap-only code, data access)
