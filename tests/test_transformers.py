@@ -10,6 +10,7 @@ in one row, found from ``position_ids``).
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
@@ -398,6 +399,16 @@ def test_upstream_seams_are_where_they_were():
     w.register_post_accumulate_grad_hook(lambda p: _upstream.at_end_of_backward(lambda: seen.append("end")))
     (w * 2).sum().backward()
     assert seen == ["end"] and w.grad is not None
+    # context_parallel's document decision: transformers' packed-sequence detection, by name, None for one sequence
+    mu = transformers.masking_utils
+    one = torch.arange(6).expand(2, 6)
+    assert mu.find_packed_sequence_indices(one) is None
+    with _upstream.packed_sequences_always_found():
+        assert torch.equal(mu.find_packed_sequence_indices(one), torch.zeros(2, 6, dtype=torch.long))
+        packed = mu.find_packed_sequence_indices(torch.tensor([[0, 1, 0, 1, 2, 3]]))
+        assert packed.tolist() == [[0, 0, 1, 1, 1, 1]]
+    assert mu.find_packed_sequence_indices(one) is None
+    assert "find_packed_sequence_indices(position_ids)" in inspect.getsource(mu._preprocess_mask_arguments)
 
 
 def test_packed_mask_skips_tiles_like_a_document_mask():

@@ -79,6 +79,14 @@ def _model(family: str, seed: int = 0):
         config = transformers.Qwen2Config(**common)
     elif family == "mistral":
         config = transformers.MistralConfig(**common, sliding_window=5)
+    elif family == "opt":  # positions from the attention mask (cumsum(mask) - 1) when none are given
+        config = transformers.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                                        vocab_size=64, max_position_embeddings=128, word_embed_proj_dim=32,
+                                        dropout=0.0)
+    elif family == "roberta":  # positions from the token ids (padding_idx + 1 + count of non-pad tokens)
+        config = transformers.RobertaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, vocab_size=64, max_position_embeddings=128,
+                                            is_decoder=True, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     elif family == "gemma2":
         config = transformers.Gemma2Config(**common, head_dim=8, sliding_window=5, query_pre_attn_scalar=8,
                                            attn_logit_softcapping=1.0, final_logit_softcapping=None)
@@ -92,23 +100,38 @@ def _model(family: str, seed: int = 0):
 
 
 def _batch(case: str, seed: int = 1) -> dict:
-    """A global batch of 2 rows: packed documents (position_ids restart), or right padding in row 1."""
+    """A global batch of 2 rows: packed documents (position_ids restart), documents of L / 2 tokens ("aligned":
+    every boundary on the contiguous layout's shard boundary at W = 2), or padding in row 1 on the right
+    ("padding") or on the left ("left"), with no position_ids."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 64, (2, L), generator=g)
+    ids = torch.randint(2, 64, (2, L), generator=g)  # 1 is RoBERTa's padding token
     labels = ids.clone()
-    if case == "packed":
+    if case in ("packed", "aligned"):
         pos = torch.cat([torch.arange(n) for n in (7, 9, 8)]).expand(2, L).clone()
         pos[1] = torch.cat([torch.arange(n) for n in (13, 11)])
+        if case == "aligned":
+            pos = torch.arange(L // 2).repeat(2).expand(2, L)
         labels[0, 3] = -100
         return dict(input_ids=ids, position_ids=pos, labels=labels, use_cache=False)  # packed rows train without a
     mask = torch.ones(2, L, dtype=torch.long)                                           # cache (transformers reads
-    mask[1, L - 5:] = 0                                                                 # documents only then)
-    labels[1, L - 5:] = -100
+    padded = slice(L - 5, L) if case == "padding" else slice(0, 5)                     # documents only then)
+    mask[1, padded] = 0
+    labels[1, padded] = -100
     return dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max() / max(1e-300, float(b.double().abs().max())))
+
+
+def _grad_error(model: torch.nn.Module, ref: torch.nn.Module) -> float:
+    """The largest relative error of a parameter gradient against one process's, over the parameters whose
+    gradient is not zero in exact arithmetic: a key projection's bias (the softmax is blind to it, OPT and RoBERTa
+    have one) gets rounding noise, below 1e-12 of the largest gradient, on both sides."""
+    grads = dict(model.named_parameters())
+    scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
+    return max(_rel(grads[n].grad, p.grad) for n, p in ref.named_parameters()
+               if p.grad is not None and float(p.grad.abs().max()) > 1e-12 * scale)
 
 
 def exact_worker(rank: int, world: int, families: list[str], cases: list[str], combos: list[list[str]],
@@ -136,9 +159,7 @@ def exact_worker(rank: int, world: int, families: list[str], cases: list[str], c
                         loss = cp_model(**cp.shard(**batch)).loss
                         loss.backward()
                     errors["loss"] = max(errors["loss"], abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()))
-                    grads = {n: p.grad for n, p in cp_model.named_parameters()}
-                    errors["grad"] = max(errors["grad"], max(_rel(grads[n], p.grad) for n, p in ref.named_parameters()
-                                                             if p.grad is not None and p.grad.abs().max() > 0))
+                    errors["grad"] = max(errors["grad"], _grad_error(cp_model, ref))
                     opt_ref.step()
                     opt_cp.step()
                 if steps > 1:
@@ -162,6 +183,93 @@ def test_every_family_matches_one_process_on_two_ranks(tmp_path):
     that is not the global mean, gradients not summed over the group, sinks or soft-capping lost."""
     _judge(_spawn("exact_worker", 2, tmp_path, families=list(FAMILIES), cases=["packed", "padding"],
                   combos=[["zigzag", "ring"], ["contiguous", "all_to_all"]]))
+
+
+def test_global_decisions_are_made_from_the_global_batch(tmp_path):
+    """catches: whether the model reads packed documents decided from each rank's shard (documents whose boundaries
+    all fall on shard boundaries: no rank sees a restart, the document mask dropped), and positions a model derives
+    from the attention mask (OPT's cumsum(mask) - 1) replaced by 0 .. L-1 under left padding."""
+    _judge(_spawn("exact_worker", 2, tmp_path, families=[*FAMILIES, "opt"], cases=["aligned", "left", "padding"],
+                  combos=[["contiguous", "ring"], ["zigzag", "ring"]]))
+
+
+def refused_positions_worker(rank: int, world: int) -> dict:
+    """A model deriving its positions from the token ids: refused without position_ids, exact with them; rotary
+    frequencies that depend on the length, refused past it."""
+    import transformers
+
+    from selfattn.integrations.transformers import context_parallel
+
+    out: dict = {}
+    batch = _batch("left")
+    try:
+        with context_parallel(_model("roberta")) as cp:
+            cp.shard(**batch)
+        out["refused"] = None
+    except ValueError as e:
+        out["refused"] = str(e)
+    ref, model = _model("roberta"), _model("roberta")
+    ref(**batch).loss.backward()
+    pos = ref.roberta.embeddings.create_position_ids_from_input_ids(batch["input_ids"], ref.config.pad_token_id)
+    given = {**batch, "position_ids": pos}
+    with context_parallel(model) as cp:
+        model(**cp.shard(**given)).loss.backward()
+    out["grad"] = _grad_error(model, ref)
+    # rotary frequencies that change past a length ("dynamic" scaling): each rank sees only its own positions
+    for limit in (16, 128):
+        config = _model("llama").config
+        config.max_position_embeddings = limit
+        config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        dynamic = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="selfattn")
+        try:
+            with context_parallel(dynamic) as cp:
+                cp.shard(**_batch("packed"))
+                cp.shard(**_batch("left"))
+            out[f"dynamic-{limit}"] = None
+        except ValueError as e:
+            out[f"dynamic-{limit}"] = str(e)
+    return out
+
+
+def test_positions_a_model_derives_from_its_tokens_are_refused(tmp_path):
+    """catches: a model that computes its positions from the token ids (RoBERTa) silently given 0 .. L-1 under
+    context parallelism, instead of being asked for the positions it would compute on the whole batch; and rotary
+    embeddings whose frequencies depend on the largest position of the call ("dynamic", "longrope") computed from
+    each rank's own positions past the length where they change."""
+    for res in _spawn("refused_positions_worker", 2, tmp_path):
+        assert res["refused"] and "position_ids" in res["refused"] and "RobertaForCausalLM" in res["refused"], res
+        assert res["grad"] < GRAD_RTOL, res
+        assert res["dynamic-16"] and "'dynamic' rotary" in res["dynamic-16"] and res["dynamic-128"] is None, res
+
+
+def compiled_worker(rank: int, world: int) -> dict:
+    """The model compiled inside the block, zigzag, on one plain sequence and on packed documents: the first compile
+    of a fresh process (each spawned rank is one)."""
+    from selfattn.integrations.transformers import context_parallel
+
+    out: dict = {}
+    for case in ("plain", "packed"):
+        batch = _batch("packed")
+        if case == "plain":
+            del batch["position_ids"]
+        ref, model = _model("llama"), _model("llama")
+        ref(**batch).loss.backward()
+        compiled = torch.compile(model, backend="aot_eager")
+        with context_parallel(model, layout="zigzag") as cp:
+            loss = compiled(**cp.shard(**batch)).loss
+            loss.backward()
+        out[case] = {"loss": abs(loss.item() - ref(**batch).loss.item()) / abs(loss.item()),
+                     "grad": _grad_error(model, ref)}
+    return out
+
+
+def test_the_model_compiles_inside_the_block(tmp_path):
+    """catches: torch.compile of a model inside context_parallel crashing in the mask lowering (a rank's zigzag
+    positions jump, so transformers hands even one plain sequence's mask a packed-sequence predicate, which dynamo
+    could not trace), and compiled gradients that differ from one process's."""
+    for res in _spawn("compiled_worker", 2, tmp_path):
+        for case, e in res.items():
+            assert e["loss"] <= LOSS_RTOL and e["grad"] <= GRAD_RTOL, (case, e)
 
 
 def test_several_optimizer_steps_give_the_same_weights(tmp_path):
@@ -408,3 +516,4 @@ def test_example_trains_and_matches_one_process():
                            "--length", "256"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "-> equal" in proc.stdout and "loss" in proc.stdout.splitlines()[-1], proc.stdout
+

@@ -67,8 +67,8 @@ class ContextParallel:
     _documents: Tensor | None = field(default=None, repr=False)  # (B, L) global document ids, or None
     _padding: Tensor | None = field(default=None, repr=False)  # (B, L) bool, True = a real token, or None
     _length: int | None = field(default=None, repr=False)
-    _reads_documents: bool | None = field(default=None, repr=False)  # decided at the first attention of a batch
     _pending: int = field(default=0, repr=False)  # losses made inside the context whose backward has not run
+    _owners: list[nn.Module] = field(default_factory=list, repr=False)  # the modules the context rides on
 
     def shard(self, *, input_ids: Tensor | None = None, inputs_embeds: Tensor | None = None,
               position_ids: Tensor | None = None, labels: Tensor | None = None,
@@ -111,16 +111,15 @@ class ContextParallel:
                              f"{type(_inner(self.model)).__name__} is not one: leave labels out and compute the loss "
                              "from this rank's logits (as this rank's share of the global loss: the gradients are "
                              "summed over the ranks)")
-        device = tokens.device
-        pos = torch.arange(length, device=device).expand(b, length) if position_ids is None else \
-            position_ids.expand(b, length)
         _same_on_every_rank(self.group, input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
                             labels=labels, attention_mask=attention_mask)
+        pos = position_ids.expand(b, length) if position_ids is not None else \
+            self._own_positions("input_ids" if input_ids is not None else "inputs_embeds", tokens, attention_mask)
+        _refuse_length_dependent_rotary(_inner(self.model), int(pos.max()) + 1 if pos.numel() else 0)
         self._length = length
         self._padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
         # as transformers: packed documents are read from position_ids only when no attention mask is given
         self._documents = _document_ids(pos) if attention_mask is None else None
-        self._reads_documents = None
 
         def cut(t: Tensor) -> Tensor:
             return _shard(t, group=self.group, layout=self.layout, dim=1)  # type: ignore[arg-type]
@@ -137,8 +136,31 @@ class ContextParallel:
             out.update(labels=local, shift_labels=local, num_items_in_batch=count)
         return out
 
-    def mask_for(self, module: nn.Module, sliding_window: int | None) -> _masks.Mask | None:
-        """The global mask of ``module``'s attention: its causality and window, the documents or padding."""
+    def _own_positions(self, name: str, tokens: Tensor, attention_mask: Tensor | None) -> Tensor:
+        """(B, L) the positions the model computes itself for the global batch when it is given no position_ids:
+        the token indices (Llama and most families) or the count of real tokens before each one (OPT's
+        ``cumsum(attention_mask) - 1``), as the model's rule, found once per model (:func:`_position_rule`)."""
+        b, length = tokens.shape[:2]
+        index = torch.arange(length, device=tokens.device).expand(b, length)
+        rule = _position_rule(self, name, tokens)
+        if rule == "index" or attention_mask is None:
+            return index
+        return _counted_positions(attention_mask)
+
+    @contextlib.contextmanager
+    def _detached(self) -> Iterator[None]:
+        """The model as outside the block (its attention local), for a probe run on every rank alike."""
+        for m in self._owners:
+            m.__dict__.pop(CONTEXT_ATTR, None)
+        try:
+            yield
+        finally:
+            for m in self._owners:
+                m.__dict__[CONTEXT_ATTR] = self
+
+    def mask_for(self, module: nn.Module, sliding_window: int | None, reads_documents: bool) -> _masks.Mask | None:
+        """The global mask of ``module``'s attention: its causality and window, the global batch's documents (when
+        this attention reads documents) or padding."""
         parts: list[_masks.Mask] = []
         causal = bool(getattr(module, "is_causal", True))
         if causal:
@@ -146,7 +168,7 @@ class ContextParallel:
         if sliding_window is not None:
             w = int(sliding_window) - 1  # transformers' window counts the query itself
             parts.append(_masks.sliding_window(w, 0 if causal else w))
-        if self._documents is not None and self._reads_documents:
+        if self._documents is not None and reads_documents:
             parts.append(_masks.document(self._documents))
         if self._padding is not None:
             parts.append(_masks.from_tensor(self._padding[:, None, None, :]))
@@ -155,31 +177,26 @@ class ContextParallel:
             mask = p if mask is None else mask & p
         return mask
 
-    def _decide_documents(self, local: object, device: torch.device) -> None:
-        """Does the model read packed documents from ``position_ids``? transformers does for a model that passes
-        them to its mask functions, only (Llama does, gpt-oss does not). Such a model's local mask holds documents
-        on some rank (a restart of the positions is in some rank's shard); the ranks agree on it once per batch."""
-        found = torch.tensor([float(_holds(local, Document))], dtype=torch.float64, device=device)
-        dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)  # on every rank, batch or not: the ranks'
-        # calls stay in step, and ranks that disagree about the batch meet in the agreement's error
-        self._reads_documents = bool(found.item())
-
     def attend(self, module: nn.Module, query: Tensor, key: Tensor, value: Tensor, local_mask: object,
                dropout: float, scaling: float | None, sliding_window: int | None, softcap: float | None,
                s_aux: Tensor | None) -> Tensor:
         """``module``'s attention on this rank's shards, with the global mask: (B, n, Hq, D). ``local_mask`` is
-        what transformers' mask function made of the local shard: it tells whether the model reads documents."""
+        what transformers' mask function made of the local shard: only whether it reads documents is taken
+        from it."""
         if self._length is None:
             raise RuntimeError("inside context_parallel, pass the model the batch cp.shard(...) returns: it keeps "
                                "the global positions, documents and padding the attention needs")
         if query.shape[2] * _world(self.group) != self._length:
             raise ValueError(f"this rank's attention got {query.shape[2]} tokens, but cp.shard cut {self._length} "
                              f"tokens into {_world(self.group)} parts: pass the batch cp.shard(...) returned")
-        if self._reads_documents is None:
-            self._decide_documents(getattr(local_mask, "mask", local_mask), query.device)
+        # Whether this attention reads packed documents is the model's choice (does its mask function get
+        # position_ids?), shown by the local mask: inside the block every such mask holds a document part, whatever
+        # the local positions hold. The documents themselves are the global batch's.
+        reads_documents = _holds(getattr(local_mask, "mask", local_mask), Document)
         out = _cp_attention(query, key, value, group=self.group, layout=self.layout,  # type: ignore[arg-type]
                             strategy=self.strategy,  # type: ignore[arg-type]
-                            mask=self.mask_for(module, sliding_window), scale=scaling, dropout_p=float(dropout),
+                            mask=self.mask_for(module, sliding_window, reads_documents), scale=scaling,
+                            dropout_p=float(dropout),
                             score_mod=None if softcap is None else _scores.softcap(float(softcap)), sinks=s_aux,
                             timeout=self.timeout)
         return out.transpose(1, 2).contiguous()  # type: ignore[union-attr]
@@ -199,6 +216,92 @@ def _same_on_every_rank(group: dist.ProcessGroup | None, **tensors: Tensor | Non
     if differ:
         raise ValueError(f"the ranks passed different global batches to cp.shard ({', '.join(differ)} differ): every "
                          "rank of a context-parallel group must pass the same whole batch, and gets its own part back")
+
+
+_POSITION_RULE = "_selfattn_position_rule"  # the model's own rule for positions, found once per model
+_PROBE = 6  # tokens of the probe rows
+
+
+def _counted_positions(attention_mask: Tensor) -> Tensor:
+    """OPT's positions: the number of real tokens before each real token, -1 on padding."""
+    m = attention_mask.long()
+    return m.cumsum(-1) * m - 1
+
+
+def _position_rule(ctx: ContextParallel, name: str, tokens: Tensor) -> str:
+    """How the model derives positions when it is given none: "index" (0 .. L-1 whatever the padding) or
+    "counted" (:func:`_counted_positions`), found by running it on every rank alike, locally and without
+    gradient, on two probe rows of the batch's first tokens, one of them left-padded: once with no positions,
+    once with each rule's, compared on the real tokens. A model that follows neither rule (positions from the
+    token ids, say) is refused: cp.shard cannot give its ranks the positions it would compute on the whole batch.
+    """
+    model = _inner(ctx.model)
+    rule = model.__dict__.get(_POSITION_RULE)
+    if rule is not None:
+        return rule
+    n = min(_PROBE, tokens.shape[1])
+    sample = tokens[:1, :n].repeat(2, *([1] * (tokens.dim() - 1)))
+    mask = torch.ones(2, n, dtype=torch.long, device=tokens.device)
+    mask[1, :n // 2] = 0
+    candidates = {"index": torch.arange(n, device=tokens.device).expand(2, n), "counted": _counted_positions(mask)}
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        with ctx._detached(), torch.no_grad():
+            outs = {key: _first_tensor(model(**{name: sample}, attention_mask=mask, use_cache=False,
+                                             **({} if pos is None else {"position_ids": pos})))
+                    for key, pos in (("own", None), *candidates.items())}
+    except Exception as e:
+        raise ValueError(f"cp.shard was given no position_ids, and could not run {type(model).__name__} on a probe "
+                         f"to learn how it derives them ({type(e).__name__}: {e}): pass position_ids (B, L), the "
+                         "global positions the model computes on the whole batch") from e
+    finally:
+        for m, mode in modes:
+            m.training = mode
+    real = mask.bool()
+
+    def apart(a: Tensor, b: Tensor) -> float:
+        return float((a.double() - b.double())[real].abs().max())
+
+    spread = apart(outs["index"], outs["counted"])
+    for key in candidates:
+        if apart(outs["own"], outs[key]) <= 1e-3 * spread:
+            model.__dict__[_POSITION_RULE] = key
+            return key
+    raise ValueError(f"{type(model).__name__} derives its positions itself, neither as 0 .. L-1 nor from the attention "
+                     "mask (cumsum(attention_mask) - 1): under context parallelism each rank holds part of the "
+                     "sequence, so pass position_ids (B, L), the positions the model computes on the whole batch")
+
+
+def _refuse_length_dependent_rotary(model: nn.Module, span: int) -> None:
+    """Rotary embeddings whose frequencies depend on the largest position they are given (transformers' "dynamic"
+    NTK scaling and "longrope") see only this rank's positions under context parallelism: past the length where
+    their frequencies change, the ranks would rotate with different ones than the whole batch. ``span``: the
+    global batch's largest position + 1."""
+    for path, m in model.named_modules():
+        kinds = m.__dict__.get("rope_type")
+        for kind in (kinds.values() if isinstance(kinds, dict) else (kinds,)):
+            if not isinstance(kind, str) or not ("dynamic" in kind or kind == "longrope"):
+                continue
+            limit = getattr(m, "original_max_seq_len", None)
+            params = getattr(getattr(m, "config", None), "rope_parameters", None)
+            if kind == "longrope" and isinstance(params, dict):
+                limit = params.get("original_max_position_embeddings", limit)
+            if not isinstance(limit, int) or span > limit:
+                raise ValueError(f"{path or type(model).__name__} uses {kind!r} rotary embeddings, whose frequencies "
+                                 f"depend on the largest position of the call: past {limit} positions (this batch "
+                                 f"reaches {span}) each rank would see only its own positions and rotate with other "
+                                 "frequencies than the whole batch. Use rotary embeddings without length-dependent "
+                                 "scaling under context parallelism, or sequences within that length")
+
+
+def _first_tensor(out: Any) -> Tensor:
+    """The first floating (B, L, ...) tensor of a model's output (logits or the last hidden state)."""
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else (out,)
+    for v in values:
+        if isinstance(v, Tensor) and v.is_floating_point() and v.dim() >= 2:
+            return v
+    raise TypeError(f"no (B, L, ...) floating output in {type(out).__name__}")
 
 
 def _holds(mask: object, kind: type) -> bool:
@@ -307,14 +410,15 @@ def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None
     owners = dict.fromkeys([model, *inner.modules()])
     if any(CONTEXT_ATTR in m.__dict__ for m in owners):
         raise ValueError("this model is already inside a context_parallel block: one at a time")
-    ctx = ContextParallel(model, group, layout, strategy, data_parallel_group, timeout)
+    ctx = ContextParallel(model, group, layout, strategy, data_parallel_group, timeout, _owners=list(owners))
     for m in owners:
         m.__dict__[CONTEXT_ATTR] = ctx
     handles = _reduce_gradients(model, group, data_parallel_group)
     loss_hook = inner.register_forward_hook(lambda m, args, out: _global_loss(ctx, out))
     failed = False
     try:
-        yield ctx
+        with _upstream.packed_sequences_always_found():
+            yield ctx
     except BaseException:
         failed = True
         raise

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["at_end_of_backward", "can_set_attn_implementation", "getitem_as_index", "guard_model_checks"]
+__all__ = ["at_end_of_backward", "can_set_attn_implementation", "getitem_as_index", "guard_model_checks",
+           "packed_sequences_always_found"]
 
 
 def getitem_as_index() -> contextlib.AbstractContextManager:
@@ -47,6 +48,37 @@ def can_set_attn_implementation(model_class: type) -> bool:
     """
     check = getattr(model_class, "_can_set_attn_implementation", None)
     return bool(check()) if callable(check) else False
+
+
+@contextlib.contextmanager
+def packed_sequences_always_found() -> Iterator[None]:
+    """A context in which transformers' packed-sequence detection returns the document ids of every call it
+    makes, also when every row is one sequence (all zeros where it would return None), so that each mask
+    built from ``position_ids`` carries its document part whatever the positions hold.
+
+    Context parallelism needs it: whether a model reads packed documents is a property of the model (does it
+    hand ``position_ids`` to its mask functions?), but transformers only shows it when the positions it is
+    given restart, and a rank's shard may hold no restart although the global row does.
+
+    transformers 5.24: ``transformers.masking_utils.find_packed_sequence_indices(position_ids)``, called by
+    name from ``_preprocess_mask_arguments`` for every mask function given ``position_ids`` (with no
+    attention mask and no cache), returns None for rows of one sequence each outside torch.compile (under
+    compile it already always returns the ids). The wrapper is removed when the context ends.
+    """
+    from transformers import masking_utils
+
+    original = masking_utils.find_packed_sequence_indices
+
+    @functools.wraps(original)
+    def always_found(position_ids: Any) -> Any:
+        ids = original(position_ids)
+        return ids if ids is not None else position_ids.new_zeros(position_ids.shape)
+
+    masking_utils.find_packed_sequence_indices = always_found
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
 
 
 _GUARDED: set[str] = set()
