@@ -198,3 +198,20 @@ def test_float32_cache_under_autocast_is_still_accepted():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = mha(torch.randn(2, 3, 32), cache=cache, positions=torch.arange(3))
     assert y.dtype == torch.bfloat16 and bool(cache.written[:, :3].all())
+
+
+def test_positions_other_than_slots_and_padding_are_refused_before_anything_is_written():
+    """catches: any negative position taken as padding (only -1 is), and a row writing one slot twice in an
+    update (which write wins is undefined), both accepted silently."""
+    cache = KVCache(2, 8, 2, 4)
+    k = torch.randn(2, 2, 3, 4)
+    for positions, match in (([[0, 1, 2], [-2, 0, 1]], "-2"), ([[0, 1, 1], [0, 1, 2]], "slot 1 more than once")):
+        with pytest.raises(ValueError, match=match):
+            cache.update(torch.tensor(positions), k, k)
+        assert not bool(cache.written.any()) and not bool(cache.k.any())
+    mha = selfattn.MultiHeadAttention(16, 2)
+    with pytest.raises(ValueError, match="more than once"):
+        mha(torch.randn(1, 2, 16), cache=KVCache.for_module(mha, batch_size=1, max_len=4),
+            positions=torch.tensor([[3, 3]]))
+    cache.update(torch.tensor([[-1, 0, 1], [0, 1, 2]]), k, k)  # -1 is padding, still accepted
+    assert cache.written[0, :2].all() and not cache.written[0, 2]

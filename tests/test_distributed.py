@@ -160,6 +160,14 @@ def exact_worker(rank: int, world: int) -> dict:
         got = _sharded(q32, k32, v32, gout.float(), "zigzag", strategy, **kw32)[0]
         c = testing.compare_to_reference(got, ref64, naive)
         results[f"float32/{strategy}"] = {"ok": c.ok, "error": c.error, "tolerance": c.tolerance}
+    # unshard along another dimension, as shard: (B, L / W, E) -> (B, L, E), the backward hands back this rank's part
+    x, gx = torch.randn(batch, length, 5, dtype=torch.float64), torch.randn(batch, length, 5, dtype=torch.float64)
+    for layout in ("contiguous", "zigzag"):
+        local = sad.shard(x, layout=layout, dim=1).requires_grad_()
+        whole = sad.unshard(local, layout=layout, dim=-2, timeout=20)
+        whole.backward(gx)
+        results[f"{layout}/unshard-dim1"] = {"out": _rel(whole.detach(), x),
+                                             "grad": _rel(local.grad, sad.shard(gx, layout=layout, dim=1))}
     results["balance"] = _balance(q)
     return results
 
@@ -520,6 +528,18 @@ def test_bad_arguments_get_the_single_process_errors(one_rank_group):
             except (TypeError, ValueError) as e:
                 errors.append((type(e).__name__, str(e)))
         assert errors[0] is not None and errors[0] == errors[1], (name, errors)
+
+
+def test_unshard_takes_dim_like_shard(one_rank_group):
+    """catches: unshard gathering only 4-D tensors along dim 2 while shard takes any dim, and a bad dim reaching the
+    collective instead of a named error."""
+    x = torch.randn(2, 6, 3)
+    assert torch.equal(sad.unshard(sad.shard(x, dim=1, layout="zigzag"), dim=1, layout="zigzag"), x)
+    for bad in (3, -4, 1.0, True):
+        with pytest.raises(ValueError, match="dim"):
+            sad.unshard(x, dim=bad)
+    with pytest.raises(ValueError, match="two equal chunks"):
+        sad.unshard(torch.randn(2, 5, 3), dim=1, layout="zigzag")
 
 
 def test_unlimited_timeout_is_accepted(one_rank_group):

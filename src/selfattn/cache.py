@@ -99,8 +99,8 @@ class KVCache(nn.Module):
         """Write new keys/values at their positions and return what attention needs.
 
         Args:
-            positions: int (B, T), the position of each new token in its sequence; -1 = padding
-                (not written).
+            positions: int (B, T), the position of each new token in its sequence, distinct within a
+                row; -1 = padding (not written). Any other negative position raises ValueError.
             k, v: (B, G, T, D) for the new tokens.
 
         Returns:
@@ -137,6 +137,7 @@ class KVCache(nn.Module):
             hi = lo + t - 1
         else:
             lo, hi = min(min(r) for r in rows), max(max(r) for r in rows)
+            _check_positions(rows)
         if hi >= kshape[2]:
             raise ValueError(f"position {hi} does not fit a cache of max_len {kshape[2]}; "
                              "build a larger KVCache")
@@ -163,6 +164,21 @@ class KVCache(nn.Module):
         visible = (written[:, None, :used] | (j < fill.full)) & (j <= positions[:, :, None])  # (B, T, S')
         visible &= (positions >= 0)[:, :, None]
         return k_all, v_all, visible[:, None]
+
+
+def _check_positions(rows: list[list[int]]) -> None:
+    """Positions are -1 (padding) or a slot, and a row writes each slot at most once (which write would win is
+    undefined)."""
+    for b, row in enumerate(rows):
+        bad = [p for p in row if p < -1]
+        if bad:
+            raise ValueError(f"positions[{b}] holds {bad[0]}: a position is a slot >= 0, or -1 for padding "
+                             "(not written); no other negative value")
+        slots = [p for p in row if p >= 0]
+        if len(set(slots)) != len(slots):
+            twice = next(p for p in slots if slots.count(p) > 1)
+            raise ValueError(f"positions[{b}] writes slot {twice} more than once in one update: give each new token "
+                             "of a sequence its own position")
 
 
 class _Fill:

@@ -76,7 +76,7 @@ def shard(x: Tensor, *, group: dist.ProcessGroup | None = None, layout: Layout =
 
 class _Unshard(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, g: Group, layout: str) -> Tensor:
+    def forward(ctx, x: Tensor, g: Group, layout: str, dim: int) -> Tensor:
         parts = [torch.empty_like(x) for _ in range(g.world)]
         xs = x.contiguous()
         if g.world > 1:
@@ -85,32 +85,34 @@ class _Unshard(torch.autograd.Function):
         else:
             parts = [xs]
         nc = num_chunks(layout, g.world)
-        c = x.shape[2] // (nc // g.world)
+        c = x.shape[dim] // (nc // g.world)
         chunks: list[Tensor | None] = [None] * nc
         for r, part in enumerate(parts):
             for i, cid in enumerate(chunks_of(layout, r, g.world)):
-                chunks[cid] = part[:, :, i * c:(i + 1) * c]
-        ctx.g, ctx.layout = g, layout
-        return torch.cat(chunks, dim=2)  # type: ignore[arg-type]
+                chunks[cid] = part.narrow(dim, i * c, c)
+        ctx.g, ctx.layout, ctx.dim = g, layout, dim
+        return torch.cat(chunks, dim=dim)  # type: ignore[arg-type]
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
         g: Group = ctx.g
-        c = grad.shape[2] // num_chunks(ctx.layout, g.world)
-        own = [grad[:, :, cid * c:(cid + 1) * c] for cid in chunks_of(ctx.layout, g.rank, g.world)]
-        return torch.cat(own, dim=2), None, None
+        c = grad.shape[ctx.dim] // num_chunks(ctx.layout, g.world)
+        own = [grad.narrow(ctx.dim, cid * c, c) for cid in chunks_of(ctx.layout, g.rank, g.world)]
+        return torch.cat(own, dim=ctx.dim), None, None, None
 
 
 def unshard(x_local: Tensor, *, group: dist.ProcessGroup | None = None, layout: Layout = "contiguous",
-            timeout: float | None = None) -> Tensor:
-    """Gather every rank's tokens back into the global tensor, on every rank.
+            timeout: float | None = None, dim: int = 2) -> Tensor:
+    """Gather every rank's tokens back into the global tensor, on every rank (the inverse of :func:`shard`).
 
     Args:
-        x_local: (B, H, L / W, D), this rank's tokens in the order :func:`shard` gives them.
+        x_local: (B, H, L / W, D) by default, this rank's tokens in the order :func:`shard` gives them; any
+            tensor with this rank's tokens along ``dim`` (the same shape on every rank).
         group: the process group; None for the default group.
         layout: the layout the tokens were sharded with.
         timeout: seconds to wait for the other ranks (default ``DEFAULT_TIMEOUT_S``; ``float("inf")``
             for no limit of its own).
+        dim: the sequence dimension (as :func:`shard`'s).
 
     Returns:
         (B, H, L, D), the same on every rank. Its backward hands each rank its own tokens'
@@ -118,11 +120,18 @@ def unshard(x_local: Tensor, *, group: dist.ProcessGroup | None = None, layout: 
 
     Example:
         >>> out = sad.unshard(out_local, layout="zigzag")
+        >>> logits = sad.unshard(logits_local, layout="zigzag", dim=1)   # (B, L / W, V) -> (B, L, V)
     """
     check_layout(layout)
-    if not isinstance(x_local, Tensor) or x_local.dim() != 4:
-        raise ValueError(f"unshard takes a 4-D (B, H, L / W, D) tensor, got {getattr(x_local, 'shape', x_local)!r}")
+    if not isinstance(x_local, Tensor):
+        raise TypeError(f"unshard takes a tensor, got {type(x_local).__name__}")
+    rank = x_local.dim()
+    if rank == 0 or isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
+        raise ValueError(f"unshard: dim must be an int in [{-x_local.dim()}, {x_local.dim()}) for a tensor of shape "
+                         f"{tuple(x_local.shape)}, got {dim!r}")
+    dim = dim % x_local.dim()
     g = group_of(group, timeout)
-    if layout == "zigzag" and x_local.shape[2] % 2:
-        raise ValueError(f"unshard: a zigzag shard holds two equal chunks, but it has {x_local.shape[2]} tokens")
-    return _Unshard.apply(x_local, g, layout)
+    if layout == "zigzag" and x_local.shape[dim] % 2:
+        raise ValueError(f"unshard: a zigzag shard holds two equal chunks, but it has {x_local.shape[dim]} tokens "
+                         f"along dim {dim}")
+    return _Unshard.apply(x_local, g, layout, dim)
