@@ -157,12 +157,17 @@ class _RefusesEmptyRows(_SelfAttention):
         return super().forward(x, mask)
 
 
-def test_probe_that_raises_is_not_verified():
+def test_probe_that_raises_is_not_verified_and_the_verdict_inconclusive():
     """catches: a probe that crashes on an unexpected exception being dropped silently (the property
-    looks checked), or taking the whole check down with it."""
+    looks checked), taking the whole check down with it, or the module certified (PASSED) although a
+    property was never looked at."""
     report = check(_RaisesUnderAutograd)
     assert report.not_verified == {"gradients": "not verified: RuntimeError: no autograd here"}
-    assert report.passed and report.findings == []
+    assert not report.passed and report.verdict == "inconclusive" and report.findings == []
+    assert report.doctor_errors == []  # the module raised, not the doctor
+    assert json.loads(report.to_json())["verdict"] == "inconclusive"
+    with pytest.raises(AssertionError, match=r"(?s)inconclusive.*gradients"):
+        selfattn.testing.assert_attention_correct(_RaisesUnderAutograd)
     assert report.inferred["white box"]["without mask"].startswith("matches the definition")
     assert report.inferred["white box"]["with a causal mask"].startswith("matches the definition")
     assert report.coverage["gradients"] == "not verified: RuntimeError: no autograd here"
@@ -170,14 +175,31 @@ def test_probe_that_raises_is_not_verified():
     console = Console(file=io.StringIO(), width=200)
     render(report, console)
     assert "not verified: RuntimeError: no autograd here" in console.file.getvalue()
+    assert "INCONCLUSIVE" in console.file.getvalue()
+
+
+def test_a_probe_failing_inside_the_doctor_is_a_doctor_error_never_a_pass(monkeypatch):
+    """catches: the white box raising inside the doctor's own code (a doctor bug) and the report still saying
+    PASSED with the white box "not verified": no certificate without a look."""
+    from selfattn.check import probes
+
+    monkeypatch.setattr(probes, "white_box", None)  # the call itself fails in the doctor's code
+    report = check(selfattn.SelfAttention(16))
+    assert report.verdict == "inconclusive" and not report.passed
+    assert report.doctor_errors == ["white box"]
+    assert report.not_verified["white box"].startswith("not verified (doctor error): TypeError")
+    assert report.coverage["white_box"].startswith("not verified (doctor error)")
+    data = json.loads(report.to_json())
+    assert data["inconclusive"] is True and data["doctor_errors"] == ["white box"]
 
 
 def test_probes_do_not_depend_on_state_left_by_another():
     """catches: half precision reading the fully-masked-row mask that an earlier probe stored on the
-    doctor (it failed with AttributeError whenever that probe had raised first)."""
+    doctor (it failed with AttributeError whenever that probe had raised first), and a module that refuses
+    a row with no visible key (an explicit error, not NaN) left unverified instead of reported as a fact."""
     report = check(_RefusesEmptyRows)
-    assert set(report.not_verified) == {"fully masked rows", "half precision"}
-    assert all(why == "not verified: ValueError: a row has no visible key" for why in report.not_verified.values())
+    assert report.not_verified == {}, report.not_verified
+    assert report.inferred["fully masked rows"].startswith("refused by the module (no NaN): ValueError")
     assert report.passed and report.inferred["mask"]["kind"] == "keep"
 
 
@@ -285,3 +307,56 @@ def test_talking_heads_are_a_design_not_a_matmul_order_bug():
     report = check(_TalkingHeads(32))
     assert report.ids == {"definition-mismatch"}, [(f.id, f.message) for f in report.findings]
     assert check(_TalkingHeads(32), allow_nonstandard=True).passed
+
+
+_INCONCLUSIVE_FILE = '''
+import torch
+from torch import nn
+
+
+class RefusesGrad(nn.Module):
+    """Correct attention that refuses an input requiring grad: the gradients cannot be probed."""
+
+    def __init__(self, embed_dim):
+        super().__init__()
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim)
+
+    def forward(self, x):
+        if x.requires_grad:
+            raise RuntimeError("no autograd here")
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1) @ v
+'''
+
+
+def test_cli_exit_status_3_when_inconclusive(tmp_path):
+    """catches: an inconclusive verdict (a probe could not run) exiting 0 as a certificate, or 1 as a bug."""
+    user = tmp_path / "refuses.py"
+    user.write_text(_INCONCLUSIVE_FILE)
+    out = _cli(f"{user}:RefusesGrad", "--json")
+    assert out.returncode == 3, out.stdout + out.stderr
+    data = json.loads(out.stdout)
+    assert data["verdict"] == "inconclusive" and data["passed"] is False and "gradients" in data["not_verified"]
+    text = _cli(f"{user}:RefusesGrad")
+    assert text.returncode == 3 and "INCONCLUSIVE" in text.stdout
+
+
+class _KeyFromTheQueryProjection(nn.Module):
+    """Broken: the key projection is defined but the keys come from the query projection (k = self.query(x))."""
+
+    def __init__(self, embed_dim: int) -> None:
+        super().__init__()
+        self.query, self.key, self.value = (nn.Linear(embed_dim, embed_dim) for _ in range(3))
+
+    def forward(self, x):
+        q, k, v = self.query(x), self.query(x), self.value(x)
+        return torch.softmax(q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1) @ v
+
+
+def test_a_projection_the_forward_never_uses_is_no_grad():
+    """catches: a key projection left out of the computation (the keys taken from the query projection)
+    certified because only the parameters the call touches were required to get a gradient."""
+    report = check(_KeyFromTheQueryProjection(32))
+    assert "no-grad" in report.ids and not report.passed, [(f.id, f.evidence) for f in report.findings]
+    (finding,) = [f for f in report.findings if f.id == "no-grad"]
+    assert finding.evidence["projections never used"] == ["key"]

@@ -189,8 +189,8 @@ def test_global_decisions_are_made_from_the_global_batch(tmp_path):
     """catches: whether the model reads packed documents decided from each rank's shard (documents whose boundaries
     all fall on shard boundaries: no rank sees a restart, the document mask dropped), and positions a model derives
     from the attention mask (OPT's cumsum(mask) - 1) replaced by 0 .. L-1 under left padding."""
-    _judge(_spawn("exact_worker", 2, tmp_path, families=[*FAMILIES, "opt"], cases=["aligned", "left", "padding"],
-                  combos=[["contiguous", "ring"], ["zigzag", "ring"]]))
+    _judge(_spawn("exact_worker", 2, tmp_path, families=[*FAMILIES, "opt"], cases=["aligned", "left"],
+                  combos=[["contiguous", "ring"]]))
 
 
 def refused_positions_worker(rank: int, world: int) -> dict:
@@ -243,15 +243,14 @@ def test_positions_a_model_derives_from_its_tokens_are_refused(tmp_path):
 
 
 def compiled_worker(rank: int, world: int) -> dict:
-    """The model compiled inside the block, zigzag, on one plain sequence and on packed documents: the first compile
-    of a fresh process (each spawned rank is one)."""
+    """The model compiled inside the block, zigzag, on one plain sequence (whose local positions jump on a rank, so
+    transformers builds a packed-sequence mask): the first compile of a fresh process (each spawned rank is one)."""
     from selfattn.integrations.transformers import context_parallel
 
     out: dict = {}
-    for case in ("plain", "packed"):
+    for case in ("plain",):
         batch = _batch("packed")
-        if case == "plain":
-            del batch["position_ids"]
+        del batch["position_ids"]
         ref, model = _model("llama"), _model("llama")
         ref(**batch).loss.backward()
         compiled = torch.compile(model, backend="aot_eager")
@@ -263,6 +262,7 @@ def compiled_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_the_model_compiles_inside_the_block(tmp_path):
     """catches: torch.compile of a model inside context_parallel crashing in the mask lowering (a rank's zigzag
     positions jump, so transformers hands even one plain sequence's mask a packed-sequence predicate, which dynamo

@@ -19,7 +19,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Run an attention module through black-box and white-box probes and certify it or "
                     "name each bug with evidence and a fix. NOTE: this imports and runs the given Python "
                     "file (its top-level code too); it never writes to it. Exit status: 0 passed, "
-                    "1 findings, 2 could not run the module.")
+                    "1 findings, 2 could not run the module, 3 inconclusive (no error found, but a probe "
+                    "could not run: not certified).")
     c.add_argument("target", help="path/to/file.py:ClassName")
     c.add_argument("--init", type=json.loads, default=None, metavar="JSON",
                    help='constructor keyword arguments, e.g. \'{"embed_dim": 64}\' (default: try the usual '
@@ -135,7 +136,7 @@ def _check(args: argparse.Namespace) -> int:
         print(report.to_json())
     else:
         render(report, console)
-    return 0 if report.passed else 1
+    return {"passed": 0, "failed": 1, "inconclusive": 3}[report.verdict]
 
 
 def _cannot_run(console: object, as_json: bool, message: str) -> int:

@@ -380,14 +380,19 @@ def check_against_reference(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: 
 
 
 def assert_attention_correct(module: nn.Module | type | str, **kwargs: object) -> Report:
-    """Fail (AssertionError) with every finding of :func:`selfattn.check` if there is any.
+    """Fail (AssertionError) with every finding of :func:`selfattn.check` if there is any, and when the verdict
+    is inconclusive (a probe could not run, so the module is not certified), with the probes that did not run.
 
     Example:
         >>> def test_my_attention():
         ...     selfattn.testing.assert_attention_correct(MyAttention(64), causal=True)
     """
     report = check(module, **kwargs)  # type: ignore[arg-type]
-    if not report.passed:
+    if report.verdict == "failed":
         lines = [f"- {f.id}: {f.message}\n  evidence: {f.evidence}\n  fix: {f.fix}" for f in report.findings]
         raise AssertionError("attention module has findings:\n" + "\n".join(lines))
+    if report.verdict == "inconclusive":
+        lines = [f"- {probe}: {why}" for probe, why in report.not_verified.items()]
+        raise AssertionError("the doctor's verdict is inconclusive: no error found, but these probes could not run, "
+                             "so the module is not certified:\n" + "\n".join(lines))
     return report

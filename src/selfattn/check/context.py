@@ -9,6 +9,7 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -19,7 +20,7 @@ from .report import Finding
 from .target import Caller, MaskSpec
 
 __all__ = ["Context", "Outcome", "close", "empty_row_keep", "future", "not_verified", "padding_keep", "probe_keep",
-           "rel", "tolerance"]
+           "raised_inside_doctor", "rel", "tolerance"]
 
 T = TypeVar("T")
 
@@ -100,9 +101,27 @@ def not_verified(err: Exception) -> str:
         err: the exception the probe raised.
 
     Returns:
-        "not verified: <exception type>: <message>", the part after "not verified: " cut to 200 characters.
+        "not verified: <exception type>: <message>", the part after "not verified: " cut to 200 characters;
+        "not verified (doctor error): ..." when the exception was raised by the doctor's own code.
     """
-    return f"not verified: {f'{type(err).__name__}: {err}'[:200]}"
+    where = " (doctor error)" if raised_inside_doctor(err) else ""
+    return f"not verified{where}: {f'{type(err).__name__}: {err}'[:200]}"
+
+
+_DOCTOR = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def raised_inside_doctor(err: BaseException) -> bool:
+    """Was ``err`` raised by the doctor's own code rather than by the module it runs? The deepest frame of the
+    traceback outside torch decides (an operation of torch's that fails on what the doctor built is the doctor's)."""
+    tb, deepest = err.__traceback__, None
+    while tb is not None:
+        name = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not name.startswith(_TORCH + os.sep):
+            deepest = name
+        tb = tb.tb_next
+    return deepest is not None and deepest.startswith(_DOCTOR + os.sep)
 
 
 def close(a: Tensor, b: Tensor, rtol: float = 1e-4) -> bool:

@@ -19,7 +19,17 @@ import torch
 from torch import Tensor
 
 from .calling import KIND_ORDER, SHAPE_ORDER
-from .context import Context, Outcome, close, empty_row_keep, future, padding_keep, probe_keep, rel
+from .context import (
+    Context,
+    Outcome,
+    close,
+    empty_row_keep,
+    future,
+    padding_keep,
+    probe_keep,
+    raised_inside_doctor,
+    rel,
+)
 from .report import Finding
 from .target import MASK_NAMES, MASK_SHAPES, Caller, MaskSpec, MaskWatch, dependency, mask_parameters, switch_parameter
 
@@ -434,8 +444,14 @@ def masked_rows(ctx: Context, masked: Caller | None) -> Outcome[None]:
     if masked is None or masked.switch is not None:
         return Outcome()
     b, length, _ = ctx.x.shape
-    with torch.no_grad():
-        o = masked(ctx.x, masked.module_mask(empty_row_keep(b, length, masked.key_only)))
+    try:
+        with torch.no_grad():
+            o = masked(ctx.x, masked.module_mask(empty_row_keep(b, length, masked.key_only)))
+    except Exception as err:
+        if raised_inside_doctor(err):
+            raise
+        return Outcome(notes={"fully masked rows": f"refused by the module (no NaN): {type(err).__name__}: "
+                                                   f"{err}"[:200]})
     if torch.isfinite(o).all():
         return Outcome()
     if masked.key_only:  # torch's own MultiheadAttention and SDPA do this: a warning, not a bug

@@ -295,5 +295,4 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         got.coverage.setdefault("padding", "not verified: no mask understood")
     findings = merge(got.findings)
     coverage = {prop: got.coverage.get(prop, "not verified: the probe did not run") for prop in COVERED}
-    return Report(passed=not any(f.severity == "error" for f in findings), inferred=got.inferred, findings=findings,
-                  not_verified=got.not_verified, coverage=coverage)
+    return Report.of(got.inferred, findings, got.not_verified, coverage)

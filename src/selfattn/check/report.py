@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from .findings import EXPLAINS, FIXES, SEVERITY, Severity
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-__all__ = ["COVERED", "Finding", "Report", "merge", "render"]
+__all__ = ["COVERED", "Finding", "Report", "Verdict", "merge", "render"]
 
 # The properties the report's coverage always names, each "verified", "not applicable: <why>" or
 # "not verified: <why>".
@@ -56,14 +56,20 @@ class Finding:
         return {"id": self.id, "severity": self.severity, **{k: v for k, v in asdict(self).items() if k != "id"}}
 
 
+Verdict = Literal["passed", "failed", "inconclusive"]
+
+
 @dataclass
 class Report:
     """What :func:`selfattn.check` found.
 
-    ``passed`` is True when no finding is an error (warnings, e.g. not-equivariant, do not fail).
-    ``not_verified`` maps each probe that raised to "not verified: <exception type>: <message>";
-    ``coverage`` says for each property of :data:`COVERED` whether it was "verified", is "not
-    applicable: <why>" or is "not verified: <why>".
+    ``verdict``: "failed" when a finding is an error (warnings, e.g. not-equivariant, do not fail); else
+    "inconclusive" when a probe could not run (it raised: the module on the doctor's input, or the doctor
+    itself), since a property nobody looked at is not certified; else "passed". ``passed`` is
+    ``verdict == "passed"``. ``not_verified`` maps each probe that raised to "not verified: <exception type>:
+    <message>" ("not verified (doctor error): ..." when the doctor's own code raised: a doctor bug);
+    ``coverage`` says for each property of :data:`COVERED` whether it was "verified", is "not applicable:
+    <why>" or is "not verified: <why>".
     """
 
     passed: bool
@@ -72,15 +78,37 @@ class Report:
     not_verified: dict[str, str] = field(default_factory=dict)
     coverage: dict[str, str] = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, inferred: dict, findings: list[Finding], not_verified: dict[str, str],
+           coverage: dict[str, str]) -> Report:
+        """The report of these results, its verdict derived from them."""
+        errors = any(f.severity == "error" for f in findings)
+        return cls(passed=not errors and not not_verified, inferred=inferred, findings=findings,
+                   not_verified=not_verified, coverage=coverage)
+
+    @property
+    def verdict(self) -> Verdict:
+        """"passed", "failed" (an error finding) or "inconclusive" (no error, but a probe could not run)."""
+        if any(f.severity == "error" for f in self.findings):
+            return "failed"
+        return "passed" if self.passed else "inconclusive"
+
+    @property
+    def doctor_errors(self) -> list[str]:
+        """The probes that could not run because the doctor's own code raised (a doctor bug)."""
+        return [p for p, why in self.not_verified.items() if why.startswith("not verified (doctor error)")]
+
     def to_dict(self) -> dict:
         """The report as plain data (the ``--json`` output).
 
         Returns:
-            {"passed", "inferred", "coverage", "findings": [{"id", "severity", "message", "evidence", "fix"},
-            ...], "not_verified"}.
+            {"passed", "verdict", "inconclusive", "inferred", "coverage", "findings": [{"id", "severity",
+            "message", "evidence", "fix"}, ...], "not_verified", "doctor_errors"}.
         """
-        return {"passed": self.passed, "inferred": self.inferred, "coverage": self.coverage,
-                "findings": [f.to_dict() for f in self.findings], "not_verified": self.not_verified}
+        return {"passed": self.passed, "verdict": self.verdict, "inconclusive": self.verdict == "inconclusive",
+                "inferred": self.inferred, "coverage": self.coverage,
+                "findings": [f.to_dict() for f in self.findings], "not_verified": self.not_verified,
+                "doctor_errors": self.doctor_errors}
 
     def to_json(self) -> str:
         """:meth:`to_dict` as indented JSON (values JSON cannot hold are written with ``str``)."""
@@ -123,8 +151,13 @@ def render(report: Report, console: Console) -> None:
     from rich.table import Table
 
     errors = sum(f.severity == "error" for f in report.findings)
-    status = f"[green]PASSED[/green]: no error ({len(report.findings)} warning(s))" if report.passed else \
-        f"[red]{errors} error(s)[/red], {len(report.findings) - errors} warning(s)"
+    if report.verdict == "passed":
+        status = f"[green]PASSED[/green]: no error ({len(report.findings)} warning(s))"
+    elif report.verdict == "inconclusive":
+        status = (f"[yellow]INCONCLUSIVE[/yellow]: no error found, but {len(report.not_verified)} probe(s) could "
+                  f"not run, so the module is not certified ({len(report.findings)} warning(s))")
+    else:
+        status = f"[red]{errors} error(s)[/red], {len(report.findings) - errors} warning(s)"
     inferred = Table(show_header=False, box=None)
     for k, v in report.inferred.items():
         inferred.add_row(f"[bold]{k}[/bold]", json.dumps(v, default=str) if isinstance(v, (dict, list)) else str(v))
