@@ -201,8 +201,8 @@ def test_float32_cache_under_autocast_is_still_accepted():
 
 
 def test_positions_other_than_slots_and_padding_are_refused_before_anything_is_written():
-    """catches: any negative position taken as padding (only -1 is), and a row writing one slot twice in an
-    update (which write wins is undefined), both accepted silently."""
+    """catches: any negative position taken as padding (only -1 is), a row writing one slot twice in an
+    update (which write wins is undefined), both accepted silently, and bool positions failing deep inside."""
     cache = KVCache(2, 8, 2, 4)
     k = torch.randn(2, 2, 3, 4)
     for positions, match in (([[0, 1, 2], [-2, 0, 1]], "-2"), ([[0, 1, 1], [0, 1, 2]], "slot 1 more than once")):
@@ -213,5 +213,7 @@ def test_positions_other_than_slots_and_padding_are_refused_before_anything_is_w
     with pytest.raises(ValueError, match="more than once"):
         mha(torch.randn(1, 2, 16), cache=KVCache.for_module(mha, batch_size=1, max_len=4),
             positions=torch.tensor([[3, 3]]))
+    with pytest.raises(ValueError, match="int tensor"):
+        cache.update(torch.ones(2, 3, dtype=torch.bool), k, k)
     cache.update(torch.tensor([[-1, 0, 1], [0, 1, 2]]), k, k)  # -1 is padding, still accepted
     assert cache.written[0, :2].all() and not cache.written[0, 2]

@@ -229,6 +229,8 @@ def failure_worker(rank: int, world: int) -> dict:
     catch("layout_mismatch", lambda: sad.attention(local, local, local, layout="zigzag" if rank == 2 else "contiguous",
                                                    timeout=5))
     catch("heads_indivisible", lambda: sad.attention(local, local, local, strategy="all_to_all", timeout=5))
+    uneven = torch.randn(2, 4 + 2 * (rank == 1), 3)
+    catch("unshard_shapes", lambda: sad.unshard(uneven, dim=1, timeout=5))
     if rank == world - 1:
         catch("dead_rank", lambda: (_ for _ in ()).throw(RuntimeError("this rank failed in user code")))
         time.sleep(4.5)  # stay alive (the group open) while the others time out
@@ -416,7 +418,8 @@ def test_zigzag_balances_causal_work(exact_run):
 
 def test_failures_are_loud_not_hangs(tmp_path):
     """catches: a missing rank hanging the others forever, mismatched shapes or layouts across ranks
-    computing garbage (or deadlocking), and lengths that do not split being silently truncated."""
+    computing garbage (or deadlocking; unshard aborting one rank and giving another a wrong shape), and lengths
+    that do not split being silently truncated."""
     world = 3
     res = _spawn("failure_worker", world, tmp_path, limit=90)
     for rank, seen in enumerate(res):
@@ -425,6 +428,7 @@ def test_failures_are_loud_not_hangs(tmp_path):
         assert seen["shape_mismatch"].startswith("ValueError") and "rank 1" in seen["shape_mismatch"]
         assert seen["layout_mismatch"].startswith("ValueError") and "layout" in seen["layout_mismatch"]
         assert "divisible by W" in seen["heads_indivisible"], seen["heads_indivisible"]
+        assert seen["unshard_shapes"].startswith("ValueError") and "(2, 6, 3)" in seen["unshard_shapes"], seen
         if rank < world - 1:
             assert seen["dead_rank"].startswith("RuntimeError") and f"rank {world - 1}" in seen["dead_rank"]
             assert float(seen["dead_rank_s"]) < 2 + 2, seen["dead_rank_s"]
@@ -531,13 +535,15 @@ def test_bad_arguments_get_the_single_process_errors(one_rank_group):
 
 
 def test_unshard_takes_dim_like_shard(one_rank_group):
-    """catches: unshard gathering only 4-D tensors along dim 2 while shard takes any dim, and a bad dim reaching the
-    collective instead of a named error."""
+    """catches: unshard gathering only 4-D tensors along dim 2 while shard takes any dim, and a bad dim (for either)
+    reaching an IndexError or the collective instead of a named error."""
     x = torch.randn(2, 6, 3)
     assert torch.equal(sad.unshard(sad.shard(x, dim=1, layout="zigzag"), dim=1, layout="zigzag"), x)
-    for bad in (3, -4, 1.0, True):
+    for bad in (3, -4, 1.0, True, None):
         with pytest.raises(ValueError, match="dim"):
             sad.unshard(x, dim=bad)
+        with pytest.raises(ValueError, match="dim"):
+            sad.shard(x, dim=bad)
     with pytest.raises(ValueError, match="two equal chunks"):
         sad.unshard(torch.randn(2, 5, 3), dim=1, layout="zigzag")
 

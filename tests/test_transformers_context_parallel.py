@@ -12,9 +12,11 @@ Shape legend: B batch, L the global length, W the world size.
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import traceback
+import weakref
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,9 @@ def _model(family: str, seed: int = 0):
         config = transformers.OPTConfig(hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                                         vocab_size=64, max_position_embeddings=128, word_embed_proj_dim=32,
                                         dropout=0.0)
+    elif family == "gpt2":  # a learned table of absolute positions (no row for -1)
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=128,
+                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     elif family == "roberta":  # positions from the token ids (padding_idx + 1 + count of non-pad tokens)
         config = transformers.RobertaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, vocab_size=64, max_position_embeddings=128,
@@ -189,7 +194,7 @@ def test_global_decisions_are_made_from_the_global_batch(tmp_path):
     """catches: whether the model reads packed documents decided from each rank's shard (documents whose boundaries
     all fall on shard boundaries: no rank sees a restart, the document mask dropped), and positions a model derives
     from the attention mask (OPT's cumsum(mask) - 1) replaced by 0 .. L-1 under left padding."""
-    _judge(_spawn("exact_worker", 2, tmp_path, families=[*FAMILIES, "opt"], cases=["aligned", "left"],
+    _judge(_spawn("exact_worker", 2, tmp_path, families=[*FAMILIES, "opt", "gpt2"], cases=["aligned", "left"],
                   combos=[["contiguous", "ring"]]))
 
 
@@ -228,6 +233,19 @@ def refused_positions_worker(rank: int, world: int) -> dict:
             out[f"dynamic-{limit}"] = None
         except ValueError as e:
             out[f"dynamic-{limit}"] = str(e)
+    # the same within the length, after an earlier longer call grew its frequencies (transformers keeps them)
+    config = _model("llama").config
+    config.max_position_embeddings = L
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    grown = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="selfattn")
+    with torch.no_grad():
+        grown(input_ids=torch.randint(2, 64, (1, 2 * L)))
+    try:
+        with context_parallel(grown) as cp:
+            cp.shard(**_batch("left"))
+        out["dynamic-grown"] = None
+    except ValueError as e:
+        out["dynamic-grown"] = str(e)
     return out
 
 
@@ -240,6 +258,7 @@ def test_positions_a_model_derives_from_its_tokens_are_refused(tmp_path):
         assert res["refused"] and "position_ids" in res["refused"] and "RobertaForCausalLM" in res["refused"], res
         assert res["grad"] < GRAD_RTOL, res
         assert res["dynamic-16"] and "'dynamic' rotary" in res["dynamic-16"] and res["dynamic-128"] is None, res
+        assert res["dynamic-grown"] and "an earlier call grew" in res["dynamic-grown"], res
 
 
 def compiled_worker(rank: int, world: int) -> dict:
@@ -495,14 +514,21 @@ def mesh_worker(rank: int, world: int) -> dict:
             wrapped(**cp.shard(**row)).loss.backward()
         grads = dict(model.named_parameters())
         out[case] = max(_rel(grads[n].grad, p.grad) for n, p in ref.named_parameters() if p.grad.abs().max() > 0)
+        if case == "ddp":  # the context's communication hook must not keep the DDP model alive
+            alive = weakref.ref(wrapped)
+            del wrapped, cp
+            gc.collect()
+            out["ddp_freed"] = alive() is None
     return out
 
 
 def test_data_parallel_times_context_parallel(tmp_path):
     """catches: gradients reduced over only one of the two dimensions of a data x context mesh, the loss
-    normalised per replica instead of over every replica's tokens, or DDP's averaging fighting the context's sum."""
+    normalised per replica instead of over every replica's tokens, DDP's averaging fighting the context's sum, or
+    the context's communication hook keeping a DDP model alive after its last use."""
     for res in _spawn("mesh_worker", 4, tmp_path):
         assert res["dp_group"] < GRAD_RTOL and res["ddp"] < GRAD_RTOL, res
+        assert res["ddp_freed"], res
 
 
 @pytest.mark.slow

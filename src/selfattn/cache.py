@@ -121,7 +121,8 @@ class KVCache(nn.Module):
         if b != kshape[0] or g != kshape[1] or d != kshape[3] or v.shape != k.shape:
             raise ValueError(f"k/v of shape {tuple(k.shape)}/{tuple(v.shape)} do not fit a cache of "
                              f"(B, G, S, D) = {tuple(kshape)}")
-        if positions.shape != (b, t) or positions.dtype.is_floating_point:
+        if positions.shape != (b, t) or positions.dtype.is_floating_point or positions.dtype == torch.bool or \
+                positions.is_complex():
             raise ValueError(f"positions must be an int tensor (B, T) = ({b}, {t}), got "
                              f"{positions.dtype} {tuple(positions.shape)}")
         if t == 0:

@@ -10,6 +10,7 @@ Shape legend: B batch, H heads, L the global length, W the world size, c tokens 
 
 from __future__ import annotations
 
+import zlib
 from typing import Literal
 
 import torch
@@ -64,6 +65,7 @@ def shard(x: Tensor, *, group: dist.ProcessGroup | None = None, layout: Layout =
     check_layout(layout)
     if not isinstance(x, Tensor):
         raise TypeError(f"shard takes a tensor, got {type(x).__name__}")
+    dim = _check_dim("shard", x, dim)
     g = group_of(group, None)
     length, parts = x.shape[dim], num_chunks(layout, g.world)
     if length % parts:
@@ -125,13 +127,39 @@ def unshard(x_local: Tensor, *, group: dist.ProcessGroup | None = None, layout: 
     check_layout(layout)
     if not isinstance(x_local, Tensor):
         raise TypeError(f"unshard takes a tensor, got {type(x_local).__name__}")
-    rank = x_local.dim()
-    if rank == 0 or isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
-        raise ValueError(f"unshard: dim must be an int in [{-x_local.dim()}, {x_local.dim()}) for a tensor of shape "
-                         f"{tuple(x_local.shape)}, got {dim!r}")
-    dim = dim % x_local.dim()
+    dim = _check_dim("unshard", x_local, dim)
     g = group_of(group, timeout)
     if layout == "zigzag" and x_local.shape[dim] % 2:
         raise ValueError(f"unshard: a zigzag shard holds two equal chunks, but it has {x_local.shape[dim]} tokens "
                          f"along dim {dim}")
+    _same_shape(g, x_local)
     return _Unshard.apply(x_local, g, layout, dim)
+
+
+def _check_dim(what: str, x: Tensor, dim: object) -> int:
+    """``dim`` as a non-negative dimension of ``x``, or ValueError naming the range."""
+    rank = x.dim()
+    if rank == 0 or isinstance(dim, bool) or not isinstance(dim, int) or not -rank <= dim < rank:
+        raise ValueError(f"{what}: dim must be an int in [{-rank}, {rank}) for a tensor of shape {tuple(x.shape)}, "
+                         f"got {dim!r}")
+    return dim % rank
+
+
+_SHAPE_FIELDS = 18  # rank, dtype, up to 16 sizes
+
+
+def _same_shape(g: Group, x: Tensor) -> None:
+    """Every rank must pass a tensor of the same shape and dtype (the gather needs it): compare them first, so that a
+    mismatch is a ValueError on every rank rather than an abort on one and a wrong shape on another."""
+    if g.world == 1:
+        return
+    fields = [x.dim(), zlib.crc32(str(x.dtype).encode()), *x.shape][:_SHAPE_FIELDS]
+    mine = torch.tensor(fields + [-1] * (_SHAPE_FIELDS - len(fields)), dtype=torch.int64,
+                        device=x.device if dist.get_backend(g.group) != "gloo" else "cpu")
+    everyone = [torch.empty_like(mine) for _ in range(g.world)]
+    work = dist.all_gather(everyone, mine, group=g.group, async_op=True)
+    g.wait([work], "unshard's shape check", list(range(g.world)))
+    if any(not torch.equal(t, everyone[0]) for t in everyone):
+        shapes = {r: tuple(int(v) for v in t[2:2 + int(t[0])]) for r, t in enumerate(everyone)}
+        raise ValueError(f"unshard: the ranks passed local tensors of different shapes or dtypes {shapes}: every rank "
+                         "must pass its shard of the same global tensor (the same shape, and dtype)")

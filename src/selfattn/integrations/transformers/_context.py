@@ -32,6 +32,7 @@ Shape legend: B batch, L the global length, W the group's size, n = L / W tokens
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,9 +114,11 @@ class ContextParallel:
                              "summed over the ranks)")
         _same_on_every_rank(self.group, input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids,
                             labels=labels, attention_mask=attention_mask)
+        # before any probe runs the model (which may reset the frequencies such embeddings keep)
+        _refuse_length_dependent_rotary(_inner(self.model), length if position_ids is None or not position_ids.numel()
+                                        else int(position_ids.max()) + 1)
         pos = position_ids.expand(b, length) if position_ids is not None else \
             self._own_positions("input_ids" if input_ids is not None else "inputs_embeds", tokens, attention_mask)
-        _refuse_length_dependent_rotary(_inner(self.model), int(pos.max()) + 1 if pos.numel() else 0)
         self._length = length
         self._padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
         # as transformers: packed documents are read from position_ids only when no attention mask is given
@@ -243,18 +246,30 @@ def _position_rule(ctx: ContextParallel, name: str, tokens: Tensor) -> str:
     sample = tokens[:1, :n].repeat(2, *([1] * (tokens.dim() - 1)))
     mask = torch.ones(2, n, dtype=torch.long, device=tokens.device)
     mask[1, :n // 2] = 0
-    candidates = {"index": torch.arange(n, device=tokens.device).expand(2, n), "counted": _counted_positions(mask)}
+    # padded probe tokens get position 0, not -1: a learned position table (GPT-2's) has no row -1, and what the
+    # padding gets changes no real token's output (its keys are masked), which is all that is compared
+    candidates = {"index": torch.arange(n, device=tokens.device).expand(2, n),
+                  "counted": _counted_positions(mask).clamp_min(0)}
     modes = [(m, m.training) for m in model.modules()]
+
+    def run(pos: Tensor | None) -> Tensor:
+        return _first_tensor(model(**{name: sample}, attention_mask=mask, use_cache=False,
+                                   **({} if pos is None else {"position_ids": pos})))
+    outs: dict[str, Tensor] = {}
     try:
         model.eval()
         with ctx._detached(), torch.no_grad():
-            outs = {key: _first_tensor(model(**{name: sample}, attention_mask=mask, use_cache=False,
-                                             **({} if pos is None else {"position_ids": pos})))
-                    for key, pos in (("own", None), *candidates.items())}
-    except Exception as e:
-        raise ValueError(f"cp.shard was given no position_ids, and could not run {type(model).__name__} on a probe "
-                         f"to learn how it derives them ({type(e).__name__}: {e}): pass position_ids (B, L), the "
-                         "global positions the model computes on the whole batch") from e
+            try:
+                outs["own"] = run(None)
+            except Exception as e:
+                raise ValueError(f"cp.shard was given no position_ids, and could not run {type(model).__name__} on a "
+                                 f"probe to learn how it derives them ({type(e).__name__}: {e}): pass position_ids "
+                                 "(B, L), the global positions the model computes on the whole batch") from e
+            for key, pos in candidates.items():
+                try:
+                    outs[key] = run(pos)
+                except Exception:  # positions this model cannot take are not its rule
+                    continue
     finally:
         for m, mode in modes:
             m.training = mode
@@ -263,9 +278,9 @@ def _position_rule(ctx: ContextParallel, name: str, tokens: Tensor) -> str:
     def apart(a: Tensor, b: Tensor) -> float:
         return float((a.double() - b.double())[real].abs().max())
 
-    spread = apart(outs["index"], outs["counted"])
+    spread = apart(outs["index"], outs["counted"]) if len(outs) == 3 else float("inf")
     for key in candidates:
-        if apart(outs["own"], outs[key]) <= 1e-3 * spread:
+        if key in outs and apart(outs["own"], outs[key]) <= 1e-3 * spread:
             model.__dict__[_POSITION_RULE] = key
             return key
     raise ValueError(f"{type(model).__name__} derives its positions itself, neither as 0 .. L-1 nor from the attention "
@@ -287,6 +302,13 @@ def _refuse_length_dependent_rotary(model: nn.Module, span: int) -> None:
             params = getattr(getattr(m, "config", None), "rope_parameters", None)
             if kind == "longrope" and isinstance(params, dict):
                 limit = params.get("original_max_position_embeddings", limit)
+            grown = [int(v) for k, v in vars(m).items() if k.endswith("max_seq_len_cached") and
+                     (isinstance(v, int) or (isinstance(v, Tensor) and v.numel() == 1))]  # a tensor once grown
+            if isinstance(limit, int) and any(v > limit for v in grown):  # an earlier, longer call grew them: the
+                raise ValueError(f"{path or type(model).__name__} uses {kind!r} rotary embeddings whose frequencies "
+                                 f"an earlier call grew past {limit} positions (to {max(grown)}); each rank would "
+                                 "reset them or not by its own positions. Use a fresh model, or rotary embeddings "
+                                 "without length-dependent scaling, under context parallelism")
             if not isinstance(limit, int) or span > limit:
                 raise ValueError(f"{path or type(model).__name__} uses {kind!r} rotary embeddings, whose frequencies "
                                  f"depend on the largest position of the call: past {limit} positions (this batch "
@@ -522,25 +544,29 @@ def _reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None,
     return [p.register_hook(arriving(i, p)) for i, p in enumerate(params)]
 
 
-_DDP_HOOKED: set[int] = set()
+_DDP_HOOKED = "_selfattn_cp_comm_hook"  # set on a DDP model once its communication hook is installed
 
 
 def _ddp_hook(model: nn.parallel.DistributedDataParallel) -> None:
     """Once per DDP model: a communication hook that averages a bucket over DDP's group, as DDP does, and,
-    inside a context, sums it over the context-parallel group."""
-    if id(model) in _DDP_HOOKED:
+    inside a context, sums it over the context-parallel group. The hook holds the model weakly: DDP keeps its hook
+    where Python's garbage collector does not look, so a strong reference would keep the model alive forever."""
+    if model.__dict__.get(_DDP_HOOKED):
         return
-    _DDP_HOOKED.add(id(model))
+    model.__dict__[_DDP_HOOKED] = True
+    owner = weakref.ref(model)
 
     # Unannotated on purpose: DDP compares a hook's annotations with its own types, and this module's
     # annotations are strings (from __future__ import annotations).
     def hook(state, bucket):
+        ddp = owner()
         buf = bucket.buffer()
-        dist.all_reduce(buf, group=model.process_group)
-        buf.div_(dist.get_world_size(model.process_group))
-        ctx = model.__dict__.get(CONTEXT_ATTR)
-        if ctx is not None:
-            dist.all_reduce(buf, group=ctx.group)
+        if ddp is not None:
+            dist.all_reduce(buf, group=ddp.process_group)
+            buf.div_(dist.get_world_size(ddp.process_group))
+            ctx = ddp.__dict__.get(CONTEXT_ATTR)
+            if ctx is not None:
+                dist.all_reduce(buf, group=ctx.group)
         fut = torch.futures.Future()
         fut.set_result(buf)
         return fut
