@@ -30,6 +30,7 @@ __all__ = ["CannotRun", "Sizes", "build", "embed_dim_of", "load_class", "load_fi
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
                "channels", "query_dim", "width", "n_state", "num_channels", "in_channels", "model_dim", "d_embed",
                "embed_size", "n_embed", "embedding_size", "hidden_channels", "inner_dim")
+_HEAD_DIM_KEYS = ("head_dim", "dim_head", "d_head", "head_size", "kv_channels", "attention_head_size")
 _HEAD_KEYS = ("num_heads", "n_heads", "heads", "n_head", "nhead", "num_attention_heads", "h")
 # attributes a built module may carry its sizes in
 _EMBED_ATTRS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim")
@@ -139,7 +140,7 @@ def _guess(name: str, sizes: Sizes) -> object:
         return sizes.heads
     if low in ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "kv_heads", "n_kv_head"):
         return max(1, sizes.heads // 2)
-    if low in ("head_dim", "dim_head", "d_head", "head_size", "kv_channels", "attention_head_size"):
+    if low in _HEAD_DIM_KEYS:
         return sizes.embed_dim // sizes.heads
     if low in ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "mlp_dim", "dim_feedforward", "ffn_hidden_size"):
         return 2 * sizes.embed_dim
@@ -242,6 +243,9 @@ def build(cls: type[Any], init: dict | None, embed_dim: int, *, heads: int = 4) 
             raise CannotRun(f"{cls.__name__}(**{init}) failed: {type(e).__name__}: {e}") from e
     required = _required(params)
     kwargs = {n: _guess(n, sizes) for n in required}
+    for n, p in params.items():  # a head dim that defaults to the width would hide a scale by the wrong one
+        if n not in kwargs and n.lower() in _HEAD_DIM_KEYS and p.default == embed_dim and embed_dim % heads == 0:
+            kwargs[n] = embed_dim // heads
     unknown = [n for n, v in kwargs.items() if v is _UNKNOWN]
     if unknown:
         raise CannotRun(f"{cls.__name__}.__init__ needs {', '.join(repr(n) for n in unknown)}, which the doctor "

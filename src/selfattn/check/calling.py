@@ -284,6 +284,11 @@ def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, 
     def runs(b: int, n: int) -> bool:
         return _runs(call, (b, n, e), gen, dtype, device) is None
 
+    batches = {s[0] for s in ok}
+    if len(batches) == 1 and next(iter(batches)) not in bad_b and all(runs(max_b, n) for n in sorted(bad_n)[:2]):
+        found.notes["batch size"] = f"runs only at batch size {max_b} (a size its cache or buffers fix; --batch " \
+                                    f"states it), at every length tried"
+        return
     if min(bad_b) > max_b and not runs(min(bad_b), n_ok):
         limit = _largest(max_b, min(bad_b), lambda b: runs(b, n_ok))
         found.notes["batch limit"] = f"runs for batch <= {limit} (fails at {limit + 1}: " \

@@ -117,9 +117,11 @@ def raised_inside_doctor(err: BaseException) -> bool:
     traceback outside torch decides (an operation of torch's that fails on what the doctor built is the doctor's)."""
     tb, deepest = err.__traceback__, None
     while tb is not None:
-        name = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if not name.startswith(_TORCH + os.sep):
-            deepest = name
+        name = tb.tb_frame.f_code.co_filename
+        if not name.startswith("<"):  # generated code (a dataclass's __eq__) belongs to the frame that called it
+            name = os.path.abspath(name)
+            if not name.startswith(_TORCH + os.sep):
+                deepest = name
         tb = tb.tb_next
     return deepest is not None and deepest.startswith(_DOCTOR + os.sep)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .positions import normalised, rotary, rotation_problem
+from .positions import normalised, rotary, rotated_from, rotation_problem, scale_origin
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
 __all__ = ["ROLE_PATTERNS", "Verdict", "examine_cores", "name_role"]
@@ -46,6 +46,7 @@ def name_role(name: str) -> str | None:
     """q, k or v when a module's name says so (``q_proj``, ``to_k``, ``attn.value``), else None."""
     last = name.rsplit(".", 1)[-1].lower()
     return next((role for role, pattern in ROLE_PATTERNS.items() if pattern.fullmatch(last)), None)
+_SCALES = frozenset({"mul", "rmul", "mul_", "imul", "div", "truediv", "div_", "itruediv"})
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
                     "where"})
 _MASKED = -1e3  # a score below this is a masked one (masks fill -inf, finfo.min, -10000, ...)
@@ -116,6 +117,46 @@ def _weights_contracted_last(op: Op, position: int, w: Tensor) -> bool:
     return position == 0  # matmul(W, V) contracts W's last dim; matmul(V, W) its second to last
 
 
+def _einsum_token_axes(op: Op, position: int, w: Tensor, p: Tensor, length: int) -> tuple[int, int] | None:
+    """For weights ``p`` that an einsum ``op`` multiplies by the values as they are (``w`` is ``p``), with the
+    tokens not on the last two axes ("ijbh,jbhd->ibhd"): (query axis, key axis) of ``p``, the key axis the one the
+    product contracts; None for any other product or layout."""
+    eq = _equation(op)
+    if eq is None or p.dim() < 3 or w.shape != p.shape or (p.shape[-2:] == (length, length) and
+                                                           _weights_contracted_last(op, position, w)):
+        return None
+    if not torch.allclose(w.double(), p.double(), atol=1e-6):
+        return None
+    (sa, sb), out = eq
+    subs, other = (sa, sb) if position == 0 else (sb, sa)
+    if len(subs) != p.dim():
+        return None
+    contracted = [c for c in subs if c in other and c not in out]
+    kept = [i for i, c in enumerate(subs) if c in out and p.shape[i] == length]
+    if len(contracted) != 1 or p.shape[subs.index(contracted[0])] != length or len(kept) != 1:
+        return None
+    return kept[0], subs.index(contracted[0])
+
+
+def _canonical_output(op: Op, position: int, axes: tuple[int, int], batch: int) -> tuple[int, ...] | None:
+    """For an einsum weights-times-values product whose weights have their query axis at ``axes[0]``: the
+    permutation of its output to (B, H, L, D), or None when the letters do not say it (the batch letter is the
+    one of the probe's batch size, the first when both are)."""
+    eq = _equation(op)
+    if eq is None:
+        return None
+    (sa, sb), out = eq
+    subs = sa if position == 0 else sb
+    query = subs[axes[0]]
+    values_only = [c for c in out if c not in subs]
+    rest = [c for c in out if c != query and c not in values_only]
+    if len(out) != 4 or len(values_only) != 1 or len(rest) != 2 or query not in out:
+        return None
+    sizes = dict(zip(out, op.outputs[0].shape, strict=True)) if op.outputs else {}
+    first, second = rest if sizes.get(rest[1]) != batch or sizes.get(rest[0]) == batch else rest[::-1]
+    return out.index(first), out.index(second), out.index(query), out.index(values_only[0])
+
+
 def _orientation(w: Tensor, p: Tensor) -> str | None:
     """"same" when ``w`` holds the softmax output ``p`` as it is, "transposed" when with its last two dims
     swapped, None when neither (weights changed after the softmax)."""
@@ -149,24 +190,137 @@ def _product_after(trace: Trace, tid: int) -> tuple[Op, int, list[str]] | None:
     return None
 
 
-def _score_chain(trace: Trace, tid: int) -> tuple[Op, list[tuple[str, float | None]]]:
-    """Walk back from the softmax input to the score product: (product, steps nearest the softmax first)."""
-    steps: list[tuple[str, float | None]] = []
+def _depends_on(trace: Trace, tid: int, inputs: frozenset[int]) -> bool:
+    """Was the tensor ``tid`` computed from one of the run's inputs (``id`` of the tensors given to the module)?"""
+    todo, seen = [tid], set[int]()
+    while todo:
+        cur = todo.pop()
+        if trace.identity(cur) in inputs:
+            return True
+        if cur in seen:
+            continue
+        seen.add(cur)
+        found = trace.maker(cur)
+        if found is not None:
+            todo.extend(found[0].in_ids)
+    return False
+
+
+def _position_product(trace: Trace, tid: int, inputs: frozenset[int]) -> str | None:
+    """When the tensor ``tid`` is (a relayout, as Transformer-XL's relative shift, of) a product one of whose
+    operands does not depend on the run's input (a table of relative-position embeddings): what it is, else None."""
+    todo, seen = [tid], set[int]()
+    while todo and len(seen) < 40:
+        cur = todo.pop(0)
+        if cur in seen:
+            continue
+        seen.add(cur)
+        found = trace.maker(cur)
+        if found is None:
+            continue
+        op = found[0]
+        if op.name in PRODUCTS:
+            pairs = _operands(op)
+            free = [i for i, _ in pairs if not _depends_on(trace, i, inputs)]
+            if len(pairs) >= 2 and len(free) == 1:
+                return f"a term of the queries with a position table ({op.name}" + \
+                    (f" {op.args[0]!r}" if op.name == "einsum" else "") + ")"
+            return None
+        if op.name in LAYOUT or op.name in ("cat", "pad", "constant_pad_nd", "gather", "index_select", "add", "mul") \
+                or op.number() is not None:
+            todo.extend(op.in_ids)
+    return None
+
+
+def _value_position_term(trace: Trace, sm: Op, pv: Op, inputs: frozenset[int]) -> str | None:
+    """A second product of the weights with a tensor that does not depend on the run's input (Shaw's relative
+    positions on the values, sum_j p_ij a_ij): what it is, else None."""
+    if not inputs:
+        return None
+    for op, read in trace.consumers(sm.out_ids[0]):
+        if op is pv or op.name not in PRODUCTS:
+            continue
+        others = [i for i, _ in _operands(op) if i != read]
+        if others and not any(_depends_on(trace, i, inputs) for i in others):
+            return "a position term on the values: the weights also multiply a position table " \
+                   f"({op.name}{f' {op.args[0]!r}' if op.name == 'einsum' else ''}; Shaw relative positions)"
+    return None
+
+
+def _relative_terms(trace: Trace, chain: _Chain, inputs: frozenset[int], shape: torch.Size,
+                    axes: tuple[int, int] | None) -> list[tuple[str, Tensor, float]]:
+    """The position products added to the scores beside the content product (Transformer-XL's BD term, Shaw's
+    q . a_ij): each named, with its value in the layout of the content product ``shape`` (moved as the weights
+    were, when ``axes``) and the factor the scores get after it is added; [] unless every added term is one."""
+    if not inputs:
+        return []
+    found = []
+    for tid, after in chain.added:
+        value = trace.value(tid)
+        name = _position_product(trace, tid, inputs) if value is not None else None
+        if name is None or value is None:
+            return []
+        value = value.double()
+        if axes is not None and value.dim() == len(shape):
+            value = value.movedim(axes, (-2, -1))
+        if value.shape != shape:
+            return []
+        found.append((name, value, after))
+    return found
+
+
+def _temperature(op: Op) -> Tensor | None:
+    """For a multiplication (division) of the scores by a tensor constant over queries and keys (a learned
+    temperature per head, as cosine attention has): the factor it applies, else None."""
+    if op.name not in _SCALES or len(op.inputs) != 2:
+        return None
+    small = min(op.inputs, key=lambda t: t.numel())
+    divides = op.name in ("div", "truediv", "div_", "itruediv")
+    if small.numel() <= 1 or small.dim() < 2 or tuple(small.shape[-2:]) != (1, 1) or \
+            (divides and small is not op.inputs[1]):
+        return None
+    return 1.0 / small.double() if divides else small.double()
+
+
+@dataclass
+class _Chain:
+    """The way from the score product to the softmax: the steps nearest the softmax first, the temperatures (a
+    factor per head) multiplied in, and the tensors added beside the followed branch (keys), each with the product
+    of the numbers the scores were multiplied by after it was added."""
+
+    steps: list[tuple[str, float | None]] = field(default_factory=list)
+    temperatures: list[Tensor] = field(default_factory=list)
+    added: list[tuple[int, float]] = field(default_factory=list)
+
+
+def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
+    """Walk back from the softmax input to the score product: (product, the chain)."""
+    chain = _Chain()
+    steps, temperatures = chain.steps, chain.temperatures
     for _ in range(60):
         found = trace.maker(tid)
         if found is None:
             raise Unrecognised("the softmax input was not made by a product of two tensors")
         op, _ = found
         if op.name in PRODUCTS:
-            return op, steps
+            return op, chain
         number = op.number()
-        if number is not None or op.name in LAYOUT or op.name in ("tanh",):
+        temperature = _temperature(op) if number is None else None
+        nxt: int | None
+        if temperature is not None:
+            steps.append(("temperature", None))
+            temperatures.append(temperature)
+            nxt = op.in_ids[max(range(2), key=lambda i: op.inputs[i].numel())]
+        elif number is not None or op.name in LAYOUT or op.name in ("tanh",):
             steps.append((op.name, number))
             nxt = op.main_input()
         elif op.name in _TERMS or op.name == "cat":  # a term added; or sink logits set beside the scores
             steps.append((op.name, None))
             pairs = list(zip(op.in_ids, op.inputs, strict=False))
             nxt = max(pairs, key=lambda it: it[1].numel())[0] if pairs else None
+            if op.name in ("add", "radd", "add_", "iadd") and len(pairs) == 2:
+                after = math.prod(x for _, x in steps if x is not None)
+                chain.added += [(i, after) for i, t in pairs if i != nxt and t.shape == pairs[0][1].shape]
         else:
             raise Unrecognised(f"the scores pass through {op.name}() between the product and the softmax")
         if nxt is None:
@@ -230,6 +384,16 @@ def _role(trace: Trace, tid: int) -> tuple[str | None, str]:
     return None, ""
 
 
+def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict) -> Verdict | None:
+    """values-changed when V reaches the product with the weights rotated (rotary positions applied to v too)
+    rather than as its projection made it, up to the head split; else None."""
+    origin = trace.origin(vid)
+    if origin.op is None or rotated_from(trace, origin.id) is None:
+        return None
+    return Verdict("values-changed", {"matches": "the values are rotated like q and k (rotary positions applied to v) "
+                                      "before the product with the weights", **evidence}, facts)
+
+
 def _roles_verdict(trace: Trace, ids: tuple[int, int, int], evidence: dict, facts: dict) -> Verdict | None:
     """A verdict when the score and value operands come from projections in the wrong roles, else None."""
     roles = [_role(trace, i) for i in ids]
@@ -270,14 +434,20 @@ def _per_dim(op: Op | None, d: int) -> bool:
 
 
 def _unit_norm(a: Tensor, b: Tensor, fa: float, fb: float) -> bool:
-    na = (a.double() / fa).norm(dim=-1) if fa else a.double().norm(dim=-1)
-    nb = (b.double() / fb).norm(dim=-1) if fb else b.double().norm(dim=-1)
-    return bool(((na - 1).abs() < 1e-3).all() and ((nb - 1).abs() < 1e-3).all())
+    """Do both score operands (divided by the factors found on their way) have unit norm along an axis of the
+    head dim's size (the contracted one: the last of q, the last or, for k transposed, the one before of k)?"""
+    def unit(t: Tensor, f: float) -> bool:
+        t = t.double() / f if f else t.double()
+        axes = [-1, -2] if t.dim() >= 2 else [-1]
+        return any(t.shape[ax] == a.shape[-1] and bool(((t.norm(dim=ax) - 1).abs() < 1e-3).all()) for ax in axes)
+    return unit(a, fa) and unit(b, fb)
 
 
-def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor) -> tuple[str | None, str]:
+def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor,
+           canon: tuple[int, ...] | None = None) -> tuple[str | None, str]:
     """Check that the tensor read after the weights-times-values product puts the heads side by side (operations
-    that keep the heads' layout, such as zeroing padded rows, are followed first)."""
+    that keep the heads' layout, such as zeroing padded rows, are followed first). ``canon``: the permutation that
+    makes the product's output (B, H, L, D) when its layout is another (an einsum's "ibhd")."""
     tid, m = op.out_ids[0], final
     for _ in range(4):
         read = next(iter(trace.consumers(tid)), None)
@@ -293,7 +463,7 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor) -> tuple[str | None
             continue
         m = value
         break
-    o = out.double()
+    o = out.double() if canon is None or out.dim() != len(canon) else out.double().permute(canon)
     cands: dict[str, Tensor] = {}
     if o.dim() == 4:
         b, h, length, d = o.shape
@@ -347,7 +517,7 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
 
 def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                   expected: Callable[[int], float | None], keep: Tensor | None = None,
-                  batch: int = 1) -> Verdict | None:
+                  batch: int = 1, inputs: frozenset[int] = frozenset()) -> Verdict | None:
     p = sm.outputs[0]
     after = _product_after(trace, sm.out_ids[0])
     if after is None:
@@ -378,6 +548,15 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         cut = slice(sinks, None) if first else slice(None, length)
         p, s = p[..., cut], s[..., cut]
         facts["sinks"] = f"{sinks} sink logit(s) per row in the softmax, with no value (attention sinks)"
+    axes = _einsum_token_axes(pv, position, w, p, length)
+    if axes is not None:  # an einsum layout with the tokens elsewhere ("ijbh": sequence first): move them last
+        if dim != axes[1]:
+            return Verdict("softmax-dim", {"matches": f"softmax over dim {dim} of the {p.dim()}-d weights, not over "
+                                           f"the keys (dim {axes[1]}, the axis the product with the values "
+                                           "contracts)", **evidence})
+        facts["layout"] = f"einsum {pv.args[0]!r}: the weights' query and key axes are dims {axes[0]} and {axes[1]}"
+        p, s, w, dim = (p.movedim(axes, (-2, -1)), s.movedim(axes, (-2, -1)), p.movedim(axes, (-2, -1)),
+                        p.dim() - 1)
     if p.dim() < 2 or p.shape[-1] != length or p.shape[-2] != length:
         return Verdict("definition-mismatch", {"matches": f"the weights are {tuple(p.shape[-2:])} over axes that are "
                                                f"not the {length} tokens (a head split that mixes tokens and heads)",
@@ -386,19 +565,22 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         return Verdict("softmax-dim", {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
                                        "the keys (the last dim)", **evidence})
     orientation = _orientation(w, p)
-    if orientation is None or not _weights_contracted_last(pv, position, w):
+    if axes is None and (orientation is None or not _weights_contracted_last(pv, position, w)):
         how = "V @ weights instead of weights @ V" if position == 1 and pv.name != "einsum" else \
             "weights transposed before V" if orientation == "transposed" else \
             "the product with the values does not contract the key axis"
         return Verdict("matmul-order", {"matches": how, **evidence})
     if orientation == "transposed":
         return Verdict("matmul-order", {"matches": "weights transposed before V", **evidence})
-    product, steps = _score_chain(trace, sm.in_ids[0])
+    product, chain = _score_chain(trace, sm.in_ids[0])
+    steps, temperatures = chain.steps, chain.temperatures
     pairs = _operands(product)
     if len(pairs) < 2:
         raise Unrecognised("the score product has one operand")
     (aid, a), (bid, b) = pairs[0], pairs[1]
     r = _contract(product, a, b)
+    if axes is not None and r.dim() == p.dim():
+        r = r.movedim(axes, (-2, -1))
     d = _contracted_size(product, a, b)
     if s.numel() != r.numel():
         raise Unrecognised("the softmax input does not have the score product's size")
@@ -409,10 +591,22 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         raw = s.double()
         s = torch.where(raw > _MASKED, cap * torch.atanh((raw / cap).clamp(-1 + 1e-12, 1 - 1e-12)), raw)
         facts["soft-capping"] = f"scores capped at {cap:.6g} by cap * tanh(scores / cap)"
+    if temperatures and "tanh" not in names:  # a learned temperature per head: the scale is learned
+        temperature = math.prod(temperatures[1:], start=temperatures[0])
+        raw = s.double()
+        s = torch.where(raw > _MASKED, raw / temperature.to(raw.device), raw)
+        facts["temperature"] = (f"the scores are multiplied by a learned temperature per head (values "
+                                f"{float(temperature.min()):.4g} to {float(temperature.max()):.4g})")
     with_terms = any(n in _TERMS for n in names) or product.name == "baddbmm"
     masked = _mask_verdict(~(torch.isfinite(s) & (s > _MASKED)), keep, evidence)
     if masked is not None:
         return masked
+    relative = _relative_terms(trace, chain, inputs, r.shape, axes)
+    if relative:  # content and position products (Transformer-XL, Shaw): one scale for both
+        facts["positions"] = "relative positions: " + "; ".join(name for name, _, _ in relative)
+        total = math.prod(x for _, x in steps if x is not None)
+        for _, term, later in relative:  # a term added after a factor the content branch has below the sum
+            r = r + term / (total / later if later else 1.0)
     c, t, seen = _fit(s, r, batch, with_terms)
     size = 1 + float(s.double().reshape(t.shape)[seen].abs().max())
     varies = (t - t[:1]).abs().masked_fill(~seen, 0).amax()
@@ -421,20 +615,23 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                            f"best multiple {c:.4g} leaves a difference of {float(varies):.3g} between batch items")
     if float(t.abs().max()) > 1e-3 * size:
         facts["position term"] = "an additive term of (head, query, key) (a relative-position bias)"
-    origin_a, origin_b = trace.origin(aid), trace.origin(bid)
+    origin_a, origin_b = scale_origin(trace, aid), scale_origin(trace, bid)
     scale = c * origin_a.factor * origin_b.factor
     unit = _unit_norm(a, b, origin_a.factor, origin_b.factor)
     fid, said = _scale_verdict(scale, d, width, expected(d), unit)
+    if fid is not None and temperatures:
+        fid, said = None, f"{said}, times a learned temperature per head: the scale is learned"
     if fid is not None and (_per_dim(origin_a.op, d) or _per_dim(origin_b.op, d)):
         fid, said = None, f"{said}, times a learned scale per head dimension (TimesFM's per_dim_scale)"
         facts["scale"] = "q (or k) is multiplied by a learned vector per head dimension: the scale is learned"
     evidence.update({"scale": said, "head dim": d, "product": product.name})
     if fid is not None:
         return Verdict(fid, {"matches": said, **evidence}, facts)
-    wrong = _roles_verdict(trace, (aid, bid, vid), evidence, facts)
+    wrong = _roles_verdict(trace, (aid, bid, vid), evidence, facts) or _values_verdict(trace, vid, evidence, facts)
     if wrong is not None:
         return wrong
-    merge_fid, merged = _merge(trace, pv, pv.outputs[0], final)
+    canon = _canonical_output(pv, position, axes, batch) if axes is not None else None
+    merge_fid, merged = _merge(trace, pv, pv.outputs[0], final, canon)
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence}, facts)
@@ -448,6 +645,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
             return Verdict("definition-mismatch", {"matches": problem, **evidence}, facts)
         if "" in problems:
             facts["positions"] = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
+    value_term = _value_position_term(trace, sm, pv, inputs)
+    if value_term is not None:
+        facts["value positions"] = value_term
     norms = (normalised(trace, aid), normalised(trace, bid))
     if all(norms):
         facts["q/k normalisation"] = f"q and k are normalised ({norms[0]}) before the scores"
@@ -478,7 +678,7 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
                                                "tokens and heads)"})
     given = op.kwargs.get("scale", op.args[6] if len(op.args) > 6 else None)
     base = 1 / math.sqrt(d) if given is None else float(given)
-    origin_q, origin_k = trace.origin(op.in_ids[0]), trace.origin(op.in_ids[1])
+    origin_q, origin_k = scale_origin(trace, op.in_ids[0]), scale_origin(trace, op.in_ids[1])
     scale = base * origin_q.factor * origin_k.factor
     fid, said = _scale_verdict(scale, d, width, expected(d), _unit_norm(q, k, origin_q.factor, origin_k.factor))
     evidence = {"scale": said, "head dim": d, "product": "scaled_dot_product_attention"}
@@ -490,7 +690,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         masked = _mask_verdict(hidden, keep, evidence)
         if masked is not None:
             return masked
-    wrong = _roles_verdict(trace, (op.in_ids[0], op.in_ids[1], op.in_ids[2]), evidence, {})
+    wrong = _roles_verdict(trace, (op.in_ids[0], op.in_ids[1], op.in_ids[2]), evidence, {}) or \
+        _values_verdict(trace, op.in_ids[2], evidence, {})
     if wrong is not None:
         return wrong
     merge_fid, merged = _merge(trace, op, op.outputs[0], final)
@@ -510,7 +711,7 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
 
 def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
                   expected: Callable[[int], float | None], keep: Tensor | None = None,
-                  batch: int = 1) -> list[Verdict]:
+                  batch: int = 1, inputs: frozenset[int] = frozenset()) -> list[Verdict]:
     """Every attention core in the record, each with its verdict.
 
     Args:
@@ -521,6 +722,8 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
         keep: (B, 1, L, L) bool, True = may attend: what the run's mask and the module's own structure leave
             visible; the scores must hide exactly the rest (None: not checked).
         batch: the run's batch size B (scores are (B, ..., L, L) or (B * H, L, L)).
+        inputs: the identities (``id``) of the tensors the run gave the module: a product one of whose operands
+            does not depend on them is a position term.
         expected: the scale the user or the module states for head dim D, or None for 1/sqrt(D).
 
     Returns:
@@ -535,7 +738,7 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
         if op.name == "scaled_dot_product_attention":
             verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep))
         elif op.name in SOFTMAX:
-            found = _softmax_core(trace, op, final, width, length, expected, keep, batch)
+            found = _softmax_core(trace, op, final, width, length, expected, keep, batch, inputs)
             if found is not None:
                 verdicts.append(found)
     if not verdicts:

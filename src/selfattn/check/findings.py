@@ -24,6 +24,8 @@ FIXES: dict[str, str] = {
     "softmax-dim": "Take the softmax over the keys: torch.softmax(scores, dim=-1).",
     "matmul-order": "Compute weights @ V (weights: (..., Lq, Lk), V: (..., Lk, D)), not V @ weights or "
                     "weights^T @ V.",
+    "values-changed": "Multiply the weights by V as the value projection made it: rotary positions (and any other "
+                      "rotation) belong on q and k only.",
     "head-merge": "Merge heads with out.transpose(1, 2).reshape(B, L, E) (transpose before view/reshape).",
     "mask-ignored": "Apply the mask to the scores before the softmax (scores.masked_fill(~visible, -inf)).",
     "mask-inverted": "Flip the mask polarity (or fix the convention you documented): keep = may attend.",
@@ -60,6 +62,9 @@ FIXES: dict[str, str] = {
     "not-equivariant": "Without positions or masks, attention must commute with permuting the tokens; "
                        "look for reshapes that mix positions (if the module adds positions, this is expected).",
     "wrong-output-shape": "Return (B, L, E) for input (B, L, E).",
+    "mutates-input": "Leave the caller's tensors as they were: use out-of-place operations on the input and the "
+                     "mask (mask = mask.unsqueeze(1).eq(0), not mask.unsqueeze_(1).eq_(0)), so that a caller who "
+                     "reuses a mask across layers or steps gets the same one each time.",
     "shape-dependent": "The module runs only for some shapes: look for .T, view() or matmuls whose sizes match "
                        "only by accident.",
 }
@@ -70,7 +75,8 @@ FINDING_IDS: tuple[str, ...] = tuple(FIXES)
 # modules (NaN for a sequence that is all padding); every other finding is an error (a bug). Only
 # errors fail the check.
 SEVERITY: dict[str, Severity] = {fid: "warning" if fid in ("not-equivariant", "nan-on-empty-sequence",
-                                                          "mask-convention") else "error" for fid in FIXES}
+                                                          "mask-convention", "mutates-input") else "error"
+                                  for fid in FIXES}
 
 # A diagnosis (key) explains these symptoms, which are then reported inside it rather than on their own.
 # In order: the most specific diagnosis first.
@@ -87,9 +93,10 @@ EXPLAINS: dict[str, frozenset[str]] = {
     "batch-mixing": frozenset({"not-equivariant", "shape-dependent", "wrong-output-shape", "causal-leak",
                                "mask-ignored"}),
     "mask-after-softmax": frozenset({"mask-ignored"}),
+    "values-changed": frozenset({"not-equivariant"}),
     "causal-leak": frozenset({"mask-ignored"}),  # a row the broken causal mask empties sees padding too
     # a module that is random in eval mode makes every comparison of two runs meaningless
-    "dropout-in-eval": frozenset(FIXES) - {"dropout-in-eval", "no-grad", "half-precision-overflow"},
+    "dropout-in-eval": frozenset(FIXES) - {"dropout-in-eval", "no-grad", "half-precision-overflow", "mutates-input"},
 }
 EXPLAINS = {fid: explained | {"definition-mismatch"} if fid != "definition-mismatch" else explained
             for fid, explained in EXPLAINS.items()}

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .trace import PRODUCTS, Trace
+from .trace import PRODUCTS, Origin, Trace
 
-__all__ = ["ROPE_BASES", "normalised", "rope", "rotary", "rotation_problem"]
+__all__ = ["ROPE_BASES", "normalised", "rope", "rotary", "rotated_from", "rotation_problem", "scale_origin"]
 
 ROPE_BASES = (10000.0, 500000.0, 1000000.0)
 
@@ -97,6 +97,52 @@ def rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:
     ratio = ratios[-1]
     return "the rotary positions are not a rotation: t * cos + f(t) * sin changes the norm of q or k row by row " \
            f"(by {float(ratio.min()):.3g} to {float(ratio.max()):.3g}; a sign lost in rotate_half?)"
+
+
+def rotated_from(trace: Trace, tid: int) -> tuple[int, float] | None:
+    """When the tensor ``tid`` is made like rotary positions (t * cos + f(t) * sin, on all or part of the head dim)
+    and is a rotation of an ancestor of its shape a few operations back (each row's norm the ancestor's times one
+    common factor): (that ancestor's key, the factor); else None."""
+    value = trace.value(tid)
+    found = trace.maker(tid)
+    if value is None or found is None:
+        return None
+    op = found[0]
+    if op.name == "cat" and op.in_ids:
+        inner = trace.maker(op.in_ids[0])  # partial rotary: the rotated part comes first
+        op = inner[0] if inner is not None else op
+    if op.name not in ("add", "sub", "add_", "sub_") or len(op.in_ids) != 2:
+        return None
+    norms = value.double().norm(dim=-1)
+    todo, seen = list(found[0].in_ids), {tid}
+    while todo and len(seen) < 40:
+        cur = todo.pop(0)
+        if cur in seen:
+            continue
+        seen.add(cur)
+        got = trace.value(cur)
+        if got is not None and got.shape == value.shape:
+            ratio = norms / got.double().norm(dim=-1).clamp_min(1e-300)
+            if float((ratio - ratio.mean()).abs().max()) <= 1e-6 * float(ratio.mean().abs()):
+                return cur, float(ratio.mean())
+        maker = trace.maker(cur)
+        todo.extend(maker[0].in_ids if maker is not None else ())
+    return None
+
+
+def scale_origin(trace: Trace, tid: int) -> Origin:
+    """:meth:`Trace.origin` that also walks back through rotary positions (a rotation keeps the scale): the
+    factor of ``q / sqrt(d)`` applied before the rotation counts, as one applied after it does."""
+    factor = 1.0
+    for _ in range(4):
+        origin = trace.origin(tid)
+        factor *= origin.factor
+        rotated = rotated_from(trace, origin.id) if origin.op is not None else None
+        if rotated is None:
+            return Origin(origin.id, factor, origin.op, origin.part, origin.parts)
+        tid, ratio = rotated
+        factor *= ratio
+    return Origin(origin.id, factor, origin.op, origin.part, origin.parts)
 
 
 _NORMS = frozenset({"rms_norm", "layer_norm", "normalize", "rsqrt", "group_norm", "l2norm"})

@@ -92,18 +92,23 @@ def batch_independence(ctx: Context, out: Tensor) -> Outcome[None]:
         return Outcome(coverage={"batch_independence": "not verified: the module runs only with batch size 1"})
     x2 = x.clone()
     x2[0] = ctx.randn(*x.shape[1:])
+    notes: dict = {}
     with torch.no_grad():
         out2 = ctx.call(x2)
         try:
-            single = ctx.call(x[1:2])
-        except Exception as err:  # the symptom itself: runs on the batch, not on one item
-            return Outcome([Finding.of("batch-mixing", "the module fails on one batch item alone but runs on the "
-                                       "batch", {"error on x[1:2]": f"{type(err).__name__}: {err}"[:200]})])
-    if close(out2[1:], out[1:], ctx.rtol) and close(single, out[1:2], ctx.rtol):
-        return Outcome()
-    return Outcome([Finding.of("batch-mixing", "changing one batch item changes the output of another",
-                               {"change in other items": rel(out2[1:], out[1:]),
-                                "item alone vs in batch": rel(single, out[1:2])})])
+            single: Tensor | None = ctx.call(x[1:2])
+        except Exception as err:  # a module that runs only at its batch size (a cache allocated for it): a limit,
+            single = None  # like a fixed length; changing one item must still leave the others alone
+            notes["batch size"] = (f"runs at batch size {x.shape[0]} but not on one item alone (a shape limit: "
+                                   f"{type(err).__name__}: {err})"[:240])
+    mixed = not close(out2[1:], out[1:], ctx.rtol)
+    alone = single is not None and not close(single, out[1:2], ctx.rtol)
+    if not mixed and not alone:
+        return Outcome(notes=notes)
+    evidence = {"change in other items": rel(out2[1:], out[1:]),
+                **({"item alone vs in batch": rel(single, out[1:2])} if single is not None else {})}
+    return Outcome([Finding.of("batch-mixing", "changing one batch item changes the output of another" if mixed else
+                               "an item alone gives another output than in the batch", evidence)], notes=notes)
 
 
 def equivariance(ctx: Context, out: Tensor, dep: Tensor, positions: str | None) -> Outcome[None]:
@@ -293,6 +298,10 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         got.run("permutation equivariance", equivariance, ctx, out, dep, positions)
     if masked is None:
         got.coverage.setdefault("padding", "not verified: no mask understood")
+    if call.mutated:  # every probe's call went through a copy of the input and a restored mask
+        got.findings.append(Finding.of("mutates-input", f"the module changes {' and '.join(sorted(call.mutated))} "
+                                       "in place (the doctor handed it copies and restored its mask)",
+                                       {"changed": sorted(call.mutated)}))
     findings = merge(got.findings)
     coverage = {prop: got.coverage.get(prop, "not verified: the probe did not run") for prop in COVERED}
     return Report.of(got.inferred, findings, got.not_verified, coverage)

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from ._seams import untraced
 from .building import (
     CannotRun,
     build,
@@ -172,11 +173,29 @@ class Caller:
     required: bool = False
     switch: str | None = None
     layout: str = "batch-first"
+    mutated: set[str] = field(default_factory=set)  # what the module changed in place (shared by every copy)
 
     def __call__(self, x: Tensor, mask: object = None) -> Tensor:
         if mask is None and self.required:
             mask = self.module_mask(torch.ones(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool))
-        t = x.transpose(0, 1) if self.layout == "sequence-first" else x
+        given = x.transpose(0, 1) if self.layout == "sequence-first" else x
+        t = given.clone()  # the module may change its input in place: the doctor's stays as it was
+        with untraced():  # the mask goes as it is (probes watch it by identity; module_mask made it a tensor of
+            kept = mask.detach().clone() if isinstance(mask, Tensor) else None  # its own) and is restored after
+        try:
+            out = self._call(t, mask)
+        finally:
+            with untraced(), torch.no_grad():
+                if kept is not None and isinstance(mask, Tensor) and _changed(mask, kept):
+                    self.mutated.add("its mask argument")
+                    # data and shape (mask.unsqueeze_(1) changes the caller's tensor too)
+                    mask.set_(kept.untyped_storage(), kept.storage_offset(), kept.size(), kept.stride())
+        with untraced():
+            if _changed(t, given):
+                self.mutated.add("its input")
+        return out
+
+    def _call(self, t: Tensor, mask: object) -> Tensor:
         if self.adapter is not None:
             out = self.adapter(self.module, t) if not self.takes_mask else self.adapter(self.module, t, mask)
         else:
@@ -228,10 +247,10 @@ class Caller:
             raise ValueError(f"a causal switch ({self.switch}) cannot express this mask")
         if self.make_mask is not None:
             m = self.make_mask((keep[:, 0] if self.key_only else keep).to(device))
-            return m
+            return _own(m)
         if self.spec is None:
             raise ValueError("this caller passes no mask")
-        return self.spec.encode(keep, dtype or param_dtype(self.module)).to(device)
+        return _own(self.spec.encode(keep, dtype or param_dtype(self.module)).to(device))
 
 
 def _mask_like(p: inspect.Parameter) -> bool:
@@ -294,6 +313,19 @@ def find_call_style(module: nn.Module, x: Tensor) -> tuple[str, str | None]:
         except Exception as e:
             errors.append(f"forward({'x' if style == 'x' else 'q, k, v'}): {type(e).__name__}: {e}")
     return "", "; ".join(errors)
+
+
+def _own(mask: object) -> object:
+    """A mask tensor with storage of its own (not a view of the keep-mask it was made from, nor expanded), so that a
+    module that writes into its mask in place changes nothing the doctor holds."""
+    return mask.clone(memory_format=torch.contiguous_format) if isinstance(mask, Tensor) else mask
+
+
+def _changed(now: Tensor, before: Tensor) -> bool:
+    """Does ``now`` differ from ``before`` in shape or values (NaN equal to NaN)?"""
+    if now.shape != before.shape:
+        return True
+    return not torch.equal(torch.nan_to_num(now.detach()), torch.nan_to_num(before.detach()))
 
 
 class MaskWatch(TorchFunctionMode):

@@ -1,10 +1,13 @@
 """A record of every torch operation a module runs, as a graph the white box can walk.
 
 :class:`Trace` is a ``TorchFunctionMode``: while the module runs it records each operation's name,
-its tensor inputs and outputs (by identity, so the graph can be walked from a tensor to the
-operation that made it) and its other arguments. The tensors that matter for the white box
-(products, softmax inputs and outputs, SDPA calls, linear maps) are copied when recorded, so that a
-later in-place change (``scores.masked_fill_``) does not rewrite them. Weight-carrying leaf modules
+its tensor inputs and outputs and its other arguments. A tensor is known by its identity *and its
+version* (torch bumps a tensor's version at every in-place change), so the graph can be walked from
+a tensor to the operation that made the value it held when it was read: after ``q /= sqrt(d)`` or an
+in-place rotary (``q[..., :d] = ...``), the product reads the new q, made by that operation, while an
+operation that ran before reads the old one. Every recorded value is a copy taken when the
+operation ran (the inputs of an in-place operation before it ran), so later in-place changes
+(``scores.masked_fill_``, ``mask.eq_(0)``) rewrite nothing recorded. Weight-carrying leaf modules
 that do not go through ``F.linear`` (transformers' ``Conv1D``) are recorded by a forward hook.
 
 Walking back from a tensor through layout operations (view, transpose, split, ...) and
@@ -19,12 +22,15 @@ import copy
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["LAYOUT", "PRODUCTS", "SOFTMAX", "Linear", "Op", "Origin", "Trace", "linears", "record"]
+from ._seams import version
+
+__all__ = ["LAYOUT", "PRODUCTS", "SOFTMAX", "Linear", "Op", "Origin", "Trace", "key", "linears", "record"]
 
 PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm", "rmatmul"})
 SOFTMAX = frozenset({"softmax", "_softmax"})
@@ -36,6 +42,37 @@ LAYOUT = frozenset({"view", "reshape", "transpose", "permute", "contiguous", "cl
                     "tensor_split", "split_with_sizes"})
 _SCALARS = frozenset({"mul", "rmul", "div", "truediv", "mul_", "div_", "imul", "itruediv"})
 _KEEP = PRODUCTS | SOFTMAX | {"scaled_dot_product_attention", "linear", "addmm", "multi_head_attention_forward"}
+
+
+_VERSION_BITS = 32
+# operations that write into their first argument (besides the torch names ending in "_")
+_IN_PLACE = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv", "ipow", "iand", "ior", "ixor",
+                       "imod", "ilshift", "irshift", "imatmul"})
+
+
+def key(t: Tensor, at: int | None = None) -> int:
+    """The identity of ``t`` at its version ``at`` (default: now) in a :class:`Trace`."""
+    return id(t) << _VERSION_BITS | (version(t) if at is None else at)
+
+
+def _raw(k: int) -> int:
+    return k >> _VERSION_BITS
+
+
+def _in_place(name: str, kwargs: dict) -> bool:
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE or "out" in kwargs
+
+
+def _with_tensors(obj: Any, values: Iterator[Tensor]) -> Any:
+    """``obj`` with its tensors (in :func:`_tensors` order) replaced by the next of ``values``."""
+    if isinstance(obj, Tensor):
+        return next(values)
+    if isinstance(obj, (list, tuple)):
+        items = [_with_tensors(o, values) for o in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        return {k: _with_tensors(v, values) for k, v in obj.items()}
+    return obj
 
 
 def _name(func: Callable) -> str:
@@ -116,38 +153,63 @@ class Trace(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[Op] = []
-        self.made_by: dict[int, tuple[int, int]] = {}  # id(tensor) -> (op index, output index), first maker wins
+        # id(tensor) -> [(version, op index, output index)] in the order made; per version the first maker wins
+        self.made_by: dict[int, list[tuple[int, int, int]]] = {}
         self._alive: list[object] = []  # keeps recorded tensors alive, so that ids are not reused
-        self.names: dict[int, str] = {}  # id(output of an nn.Linear or hooked leaf) -> its module name
+        self.names: dict[int, str] = {}  # key of the output of an nn.Linear or hooked leaf -> its module name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = _name(func)
+        read = [*_tensors(args), *_tensors(kwargs)]
+        at = [version(t) for t in read]
+        values = [t.detach().clone() for t in read] if _in_place(name, kwargs) else None  # before it writes
         out = func(*args, **kwargs)
-        self.add(_name(func), args, kwargs, out)
+        self.add(name, args, kwargs, out, read_at=at, read_values=values)
         return out
 
-    def add(self, name: str, args: tuple, kwargs: dict, out: object, module: str = "") -> None:
-        """Record one operation (also used by forward hooks)."""
-        keep = name in _KEEP or bool(module)
+    def add(self, name: str, args: tuple, kwargs: dict, out: object, module: str = "",
+            read_at: list[int] | None = None, read_values: list[Tensor] | None = None) -> None:
+        """Record one operation (also used by forward hooks): its inputs as they were read (``read_at``: their
+        versions then, ``read_values``: their values then, for an operation that changed them in place)."""
         originals = [*_tensors(args), *_tensors(kwargs)]
         made = list(_tensors(out))
+        if not made and originals and _in_place(name, kwargs) and isinstance(args[0], Tensor):
+            made = [args[0]]  # x[i] = y, x.index_copy_(...) returning None: the new value of x
         self._alive += [originals, made]
-        outputs = [t.detach().clone() if keep else t.detach() for t in made]
-        if keep:
-            args = tuple(a.detach().clone() if isinstance(a, Tensor) else a for a in args)
-            kwargs = {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in kwargs.items()}
-        op = Op(name, args, kwargs, outputs, [id(t) for t in originals], [id(t) for t in made], module)
+        at = read_at if read_at is not None else [version(t) for t in originals]
+        values = iter(read_values if read_values is not None else [t.detach().clone() for t in originals])
+        args, kwargs = _with_tensors(args, values), _with_tensors(kwargs, values)
+        outputs = [t.detach().clone() for t in made]
+        op = Op(name, args, kwargs, outputs, [key(t, v) for t, v in zip(originals, at, strict=True)],
+                [key(t) for t in made], module)
         self.ops.append(op)
+        index = len(self.ops) - 1
         for i, t in enumerate(made):
-            if module:  # a hooked module's output stands for the operations inside it
-                self.made_by[id(t)] = (len(self.ops) - 1, i)
-            else:
-                self.made_by.setdefault(id(t), (len(self.ops) - 1, i))
+            entries, v = self.made_by.setdefault(id(t), []), version(t)
+            same = [n for n, e in enumerate(entries) if e[0] == v]
+            if not same:
+                entries.append((v, index, i))
+            elif module:  # a hooked module's output stands for the operations inside it
+                entries[same[0]] = (v, index, i)
+
+    @staticmethod
+    def identity(tid: int) -> int:
+        """The ``id`` of the tensor a key (identity and version) names."""
+        return _raw(tid)
 
     def maker(self, tid: int) -> tuple[Op, int] | None:
-        """The operation that made the tensor of identity ``tid`` and its index among the outputs, or None."""
-        found = self.made_by.get(tid)
+        """The operation that made the value the tensor ``tid`` (a key: identity and version) held, and its index
+        among that operation's outputs, or None. A version bumped by an in-place change of another view of the
+        same storage is still the value its last writer made."""
+        found = self._made(tid)
         return None if found is None else (self.ops[found[0]], found[1])
+
+    def _made(self, tid: int) -> tuple[int, int] | None:
+        """(op index, output index) of the maker of ``tid``'s value, or None."""
+        v = tid & ((1 << _VERSION_BITS) - 1)
+        made = [e for e in self.made_by.get(_raw(tid), ()) if e[0] <= v]
+        return max(made, key=lambda e: e[0])[1:] if made else None
 
     def origin(self, tid: int) -> Origin:
         """Walk back from a tensor through layout operations and multiplications by numbers."""
@@ -178,17 +240,20 @@ class Trace(TorchFunctionMode):
 
     def consumers(self, tid: int) -> Iterator[tuple[Op, int]]:
         """The operations after the tensor ``tid`` was made that read it or a layout view of it (walking forward
-        through layout operations), in order, each with the identity of the view it read."""
-        ids = {tid}
-        start = self.made_by.get(tid, (-1, 0))[0] + 1
+        through layout operations), in order, each with the identity of the view it read; reads after an
+        in-place change of that tensor read another value and are not its consumers."""
+        raws = {_raw(tid)}
+        found = self._made(tid)
+        start = found[0] + 1 if found is not None else 0
         for op in self.ops[start:]:
-            read = [i for i in op.in_ids if i in ids]
-            if not read or not op.out_ids:  # shape, size, dim(): reads no values
-                continue
-            if op.name in LAYOUT:
-                ids |= set(op.out_ids)
-                continue
-            yield op, read[0]
+            read = [i for i in op.in_ids if _raw(i) in raws]
+            if read and op.out_ids:  # shape, size, dim(): reads no values
+                if op.name in LAYOUT:
+                    raws |= {_raw(o) for o in op.out_ids}
+                else:
+                    yield op, read[0]
+            if _in_place(op.name, op.kwargs):
+                raws -= {_raw(o) for o in op.out_ids}
 
     def value(self, tid: int) -> Tensor | None:
         """The recorded value of the tensor ``tid`` (an output of a recorded operation), or None."""
@@ -202,11 +267,13 @@ def record(module: nn.Module, call: Callable[[], Tensor]) -> tuple[Trace, Tensor
     handles = []
 
     def named(mod: nn.Module, inp: tuple, out: object, name: str = "") -> None:
-        trace.names[id(out)] = name
+        if isinstance(out, Tensor):
+            trace.names[key(out)] = name
 
     def leaf(mod: nn.Module, inp: tuple, out: object, name: str = "") -> None:
         trace.add("module", (inp[0],), {}, out, module=name)
-        trace.names[id(out)] = name
+        if isinstance(out, Tensor):
+            trace.names[key(out)] = name
 
     for name, m in module.named_modules():
         weight = getattr(m, "weight", None)

@@ -138,7 +138,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         cap = capture(trace, module, x)
         verdict, why = _by_projections(cap, out, heads, k4, raw, bias, stated)
         if verdict is None:
-            verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why, k4)
+            verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why, k4, frozenset({id(x)}))
             if verdict is not None and verdict[0] == "definition-mismatch":  # no formula: the same as none found
                 why, verdict = verdict[1]["matches"], None
         if verdict is None:
@@ -188,10 +188,10 @@ def _by_projections(cap: Capture | str, out: Tensor, heads: list[int], keep: Ten
 
 
 def _by_operands(trace, out: Tensor, width: int, length: int, stated: Callable[[int], float | None],
-                 before: str, keep: Tensor | None) -> tuple[tuple | None, str]:
+                 before: str, keep: Tensor | None, inputs: frozenset[int]) -> tuple[tuple | None, str]:
     """The verdict of the attention's own products (the first bug among its cores, else the definition)."""
     try:
-        verdicts = examine_cores(trace, out, width, length, stated, keep, out.shape[0])
+        verdicts = examine_cores(trace, out, width, length, stated, keep, out.shape[0], inputs)
     except Unrecognised as err:
         reason = f"{before}; from the operands: {err}" if before else str(err)
         return None, ("not followed: " if "no attention was found" in str(err) else "") + reason

@@ -1,0 +1,364 @@
+"""The doctor on designs and habits it used to misread: in-place operations on the way to the scores, modules
+that rewrite their arguments, values changed before the product, head dims that hide a scale, cosine attention,
+sequence-first einsum layouts, Transformer-XL and Shaw relative positions, and caches that fix the batch size.
+
+Shape legend: B batch, L length, E embed dim, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from selfattn.check import _seams, check
+
+
+def _rope(t: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary positions 0..L-1 (base 10000) on (..., L, D)."""
+    n, d = t.shape[-2], t.shape[-1] // 2
+    angle = torch.arange(n, dtype=t.dtype)[:, None] / 10000 ** (torch.arange(d, dtype=t.dtype) / d)
+    cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+    return t * cos + torch.cat([-t[..., d:], t[..., :d]], -1) * sin
+
+
+class _Fused(nn.Module):
+    """A fused qkv projection split into heads; the modules below differ in what they do with q, k, v."""
+
+    def __init__(self, dim: int, heads: int = 4, norm: bool = False) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.q_norm = nn.LayerNorm(dim // heads) if norm else nn.Identity()
+        self.k_norm = nn.LayerNorm(dim // heads) if norm else nn.Identity()
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        return self.q_norm(q), self.k_norm(k), v
+
+    @staticmethod
+    def merge(o: torch.Tensor) -> torch.Tensor:
+        b, h, n, d = o.shape
+        return o.transpose(1, 2).reshape(b, n, h * d)
+
+
+class NormedScaledInPlace(_Fused):
+    """Correct: q/k LayerNorm per head, then ``q.mul_(scale)`` in place (no formula over the projections fits)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim, norm=True)
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        q.mul_(q.shape[-1] ** -0.5)
+        return self.merge(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+
+
+class NormedScaledBeforeRotary(_Fused):
+    """Correct: q/k LayerNorm, q divided by sqrt(D), then rotary positions on q and k."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim, norm=True)
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        q = q / math.sqrt(q.shape[-1])
+        return self.merge(torch.softmax(_rope(q) @ _rope(k).transpose(-1, -2), -1) @ v)
+
+
+class RotaryOnValues(_Fused):
+    """Bug: the rotary positions are applied to v too."""
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        q, k, v = _rope(q), _rope(k), _rope(v)
+        return self.merge(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v)
+
+
+class RewritesItsMask(_Fused):
+    """Correct, but turns the caller's (B, L) keep-mask into a (B, 1, 1, L) hide-mask in place."""
+
+    def forward(self, x, key_padding_mask=None):
+        q, k, v = self.split(x)
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if key_padding_mask is not None:
+            hide = key_padding_mask.unsqueeze_(1).unsqueeze_(1).logical_not_()
+            s = s.masked_fill(hide, torch.finfo(s.dtype).min)
+        return self.merge(torch.softmax(s, -1) @ v)
+
+
+class HalvesItsInput(_Fused):
+    """Correct attention on half its input, halved in place (``x.mul_(0.5)``)."""
+
+    def forward(self, x):
+        x.mul_(0.5)
+        q, k, v = self.split(x)
+        return self.merge(F.scaled_dot_product_attention(q, k, v))
+
+
+class ViTStyle(nn.Module):
+    """vit-pytorch's layout: heads and dim_head with defaults, inner = heads * dim_head, scale ``dim_head ** -0.5``."""
+
+    def __init__(self, dim: int, heads: int = 8, dim_head: int = 64) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+        self.to_qkv = nn.Linear(dim, 3 * heads * dim_head, bias=False)
+        self.to_out = nn.Linear(heads * dim_head, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.reshape(b, n, self.heads, -1).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
+        o = torch.softmax(q @ k.transpose(-1, -2) * self.scale, -1) @ v
+        return self.to_out(o.transpose(1, 2).reshape(b, n, -1))
+
+
+class ViTScaledByWidth(ViTStyle):
+    """Bug (as shipped in a vision package): the scale is ``dim ** -0.5``, the model width, not the head dim."""
+
+    def __init__(self, dim: int, heads: int = 8, dim_head: int = 64) -> None:
+        super().__init__(dim, heads, dim_head)
+        self.scale = dim ** -0.5
+
+
+class CosineTemperature(_Fused):
+    """Correct design (Swin v2 style): L2-normalised q and k, a learned log-temperature per head, no 1/sqrt(D)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.log_tau = nn.Parameter(torch.full((self.heads, 1, 1), math.log(12.0)))
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        s = F.normalize(q, dim=-1) @ F.normalize(k, dim=-1).transpose(-1, -2)
+        return self.merge(torch.softmax(s * self.log_tau.clamp(max=math.log(100.0)).exp(), -1) @ v)
+
+
+class SequenceFirstEinsum(nn.Module):
+    """Correct, sequence-first (L, B, E) as Transformer-XL code writes it: scores "ibnd,jbnd->ijbn", the softmax
+    over dim 1 (the keys), values "ijbn,jbnd->ibnd"."""
+
+    def __init__(self, dim: int, heads: int = 4, softmax_dim: int = 1) -> None:
+        super().__init__()
+        self.heads, self.softmax_dim = heads, softmax_dim
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        n, b, e = x.shape
+        q, k, v = self.qkv(x).reshape(n, b, 3, self.heads, e // self.heads).unbind(2)
+        p = torch.einsum("ibnd,jbnd->ijbn", q, k).mul(q.shape[-1] ** -0.5).softmax(dim=self.softmax_dim)
+        return self.out(torch.einsum("ijbn,jbnd->ibnd", p, v).reshape(n, b, e))
+
+
+class SequenceFirstOverQueries(SequenceFirstEinsum):
+    """Bug: the same layout with the softmax over dim 0, the queries."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim, softmax_dim=0)
+
+
+class RelativeXL(nn.Module):
+    """Transformer-XL relative attention without memory, sequence-first (L, B, E): content term (q + u) . k and
+    position term (q + v) . R_(i-j) from sinusoids through r_net, aligned by the relative shift; causal."""
+
+    scaled = True
+
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.d_head = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.r_net = nn.Linear(dim, dim, bias=False)
+        self.r_w_bias = nn.Parameter(0.1 * torch.randn(heads, dim // heads))
+        self.r_r_bias = nn.Parameter(0.1 * torch.randn(heads, dim // heads))
+        self.o_net = nn.Linear(dim, dim, bias=False)
+
+    @staticmethod
+    def _rel_shift(x: torch.Tensor) -> torch.Tensor:
+        pad = torch.zeros((x.size(0), 1, *x.size()[2:]), dtype=x.dtype)
+        return torch.cat([pad, x], dim=1).view(x.size(1) + 1, x.size(0), *x.size()[2:])[1:].view_as(x)
+
+    def forward(self, w):
+        n, b, e = w.shape
+        freq = 1 / 10000 ** (torch.arange(0.0, e, 2.0, dtype=w.dtype) / e)
+        angle = torch.outer(torch.arange(n - 1, -1, -1.0, dtype=w.dtype), freq)
+        r_k = self.r_net(torch.cat([angle.sin(), angle.cos()], -1)).view(n, self.heads, self.d_head)
+        q, k, v = self.qkv(w).view(n, b, 3, self.heads, self.d_head).unbind(2)
+        ac = torch.einsum("ibnd,jbnd->ijbn", q + self.r_w_bias, k)
+        bd = self._rel_shift(torch.einsum("ibnd,jnd->ijbn", q + self.r_r_bias, r_k))
+        score = ac + bd
+        if self.scaled:
+            score = score * self.d_head ** -0.5
+        future = torch.ones(n, n, dtype=torch.bool).triu(1)[:, :, None, None]
+        prob = score.masked_fill(future, float("-inf")).softmax(dim=1)
+        return self.o_net(torch.einsum("ijbn,jbnd->ibnd", prob, v).reshape(n, b, e))
+
+
+class RelativeXLUnscaled(RelativeXL):
+    """Bug: the same without the 1/sqrt(d_head)."""
+
+    scaled = False
+
+
+class ShawRelative(_Fused):
+    """Shaw et al.: learned embeddings of clip(j - i, +-3) added to the keys (a score term) and to the values."""
+
+    over = -1
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.rel_k = nn.Embedding(7, dim // self.heads)
+        self.rel_v = nn.Embedding(7, dim // self.heads)
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        n = x.shape[1]
+        rel = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).clamp(-3, 3) + 3
+        a_k, a_v = self.rel_k(rel), self.rel_v(rel)  # (L, L, D)
+        s = (q @ k.transpose(-1, -2) + torch.einsum("bhid,ijd->bhij", q, a_k)) / math.sqrt(q.shape[-1])
+        p = s.softmax(self.over)
+        return self.merge(p @ v + torch.einsum("bhij,ijd->bhid", p, a_v))
+
+
+class ShawOverQueries(ShawRelative):
+    """Bug: the same with the softmax over the queries."""
+
+    over = -2
+
+
+class BatchFixedByCache(_Fused):
+    """gpt-fast style: keys and values written into a cache allocated for batch 3 (``index_copy_``), causal."""
+
+    future = 0
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.register_buffer("k_cache", torch.zeros(3, self.heads, 32, dim // self.heads), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(3, self.heads, 32, dim // self.heads), persistent=False)
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        n = x.shape[1]
+        at = torch.arange(n)
+        self.k_cache.index_copy_(2, at, k)
+        self.v_cache.index_copy_(2, at, v)
+        k, v = self.k_cache[:, :, :n], self.v_cache[:, :, :n]
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(self.future), float("-inf"))
+        return self.merge(torch.softmax(s, -1) @ v)
+
+
+class BatchFixedByCacheLeaking(BatchFixedByCache):
+    """Bug: the same with the causal mask shifted by one (each query sees the next key)."""
+
+    future = 1
+
+
+def test_in_place_scaling_and_scaling_before_rotary_are_read_as_scaled():
+    """catches: the trace keeping the first maker of a tensor, so ``q.mul_(scale)`` after a q/k norm was invisible
+    (false missing-scale), and a scale applied before rotary positions lost at the rotation (false missing-scale)."""
+    for cls in (NormedScaledInPlace, NormedScaledBeforeRotary):
+        report = check(cls(32))
+        assert report.verdict == "passed", (cls.__name__, [(f.id, f.message) for f in report.findings])
+        assert "1/sqrt(8)" in report.inferred["white box"]["without mask"], report.inferred["white box"]
+
+
+def test_values_changed_before_the_product_are_named():
+    """catches: rotary positions applied to v certified, as only the scale, the softmax axis and the orientation
+    of the weights were checked, not that V reaches the product as its projection made it."""
+    report = check(RotaryOnValues(32))
+    assert report.verdict == "failed" and "values-changed" in report.ids, [(f.id, f.message) for f in report.findings]
+
+
+def test_a_module_that_rewrites_its_arguments_is_a_fact_not_a_crash():
+    """catches: a module that rewrites the caller's mask in place (``mask.unsqueeze_(1)...``) corrupting the doctor's
+    own tensors (IndexError from the doctor, or a wrong mask convention and a false matmul-order), and one that
+    scales its input in place changing the probe input of every later probe."""
+    report = check(RewritesItsMask(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings] + [report.not_verified]
+    assert "mutates-input" in report.ids and report.inferred["mask"]["kind"] == "keep"
+    (mutated,) = [f for f in report.findings if f.id == "mutates-input"]
+    assert mutated.severity == "warning" and mutated.evidence["changed"] == ["its mask argument"]
+    assert report.coverage["mask"] == "verified"
+    report = check(HalvesItsInput(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings] + [report.not_verified]
+    assert [f.evidence["changed"] for f in report.findings if f.id == "mutates-input"] == [["its input"]]
+
+
+def test_a_head_dim_that_defaults_to_the_width_does_not_hide_a_scale_by_the_width():
+    """catches: ``dim ** -0.5`` instead of ``dim_head ** -0.5`` certified, because the doctor built the class with
+    its default dim_head, equal to the width it chose (64), so the two scales were the same number."""
+    bad = check(ViTScaledByWidth, embed_dim=64)
+    assert "wrong-scale" in bad.ids, [(f.id, f.message) for f in bad.findings]
+    assert "model width" in next(f.message for f in bad.findings if f.id == "wrong-scale")
+    assert check(ViTStyle, embed_dim=64).verdict == "passed"
+
+
+def test_cosine_attention_with_a_learned_temperature_is_a_design():
+    """catches: L2-normalised q and k times a learned temperature per head (no 1/sqrt(D)) read as
+    definition-mismatch (the temperature stopped the walk from the softmax to the product)."""
+    report = check(CosineTemperature(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "cosine" in report.inferred["white box"]["without mask"]
+
+
+def test_sequence_first_einsum_layouts_are_read_on_their_own_axes():
+    """catches: weights laid out (Lq, Lk, B, H) by an einsum, the softmax over dim 1, read as weights over axes
+    that are not the tokens (definition-mismatch) and their merge as head-merge; the softmax over the queries in
+    the same layout must still be softmax-dim."""
+    report = check(SequenceFirstEinsum(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert report.inferred["layout"].startswith("sequence-first")
+    bad = check(SequenceFirstOverQueries(32))
+    assert "softmax-dim" in bad.ids, [(f.id, f.message) for f in bad.findings]
+
+
+def test_a_cache_that_fixes_the_batch_size_is_a_limit_and_hides_no_other_finding():
+    """catches: a module that runs only at its cache's batch size read as batch-mixing (it fails on one item
+    alone) or shape-dependent, and that verdict swallowing the causal-leak of a shifted causal mask."""
+    report = check(BatchFixedByCache(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "batch size 3" in report.inferred["batch size"]
+    bad = check(BatchFixedByCacheLeaking(32))
+    assert "causal-leak" in bad.ids and "batch-mixing" not in bad.ids, [(f.id, f.message) for f in bad.findings]
+
+
+def test_doctor_seams_are_where_they_were():
+    """Fails loudly when the private torch behaviour the doctor's trace leans on moves (selfattn.check._seams)."""
+    t = torch.zeros(3)
+    before = _seams.version(t)
+    t.add_(1)
+    t[0] = 2.0
+    assert _seams.version(t) == before + 2
+
+    class Counting(TorchFunctionMode):
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            Counting.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting():
+        with _seams.untraced():
+            torch.ones(2).sum()
+        assert Counting.calls == 0
+        torch.ones(2).sum()
+    assert Counting.calls > 0
+
+
+def test_relative_position_designs_are_facts_and_their_bugs_still_named():
+    """catches: Transformer-XL's content and position terms (u/v biases, relative shift, sequence-first einsums)
+    and Shaw's relative positions (a score term and a value term) read as definition-mismatch, because a term that
+    depends on the queries was taken for a bias that may not vary between batch items; and the same designs with
+    a missing scale or a softmax over the queries certified."""
+    for cls in (RelativeXL, ShawRelative):
+        report = check(cls(32))
+        assert report.verdict == "passed", (cls.__name__, [(f.id, f.message) for f in report.findings])
+        assert report.inferred["design"]["positions"].startswith("relative positions"), report.inferred["design"]
+        assert report.coverage["equivariance"].startswith("not applicable")
+    assert "value positions" in check(ShawRelative(32)).inferred["design"]
+    assert "missing-scale" in check(RelativeXLUnscaled(32)).ids
+    assert "softmax-dim" in check(ShawOverQueries(32)).ids
