@@ -229,6 +229,109 @@ class ShawOverQueries(ShawRelative):
     over = -2
 
 
+def _rope_in_place(t: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary positions written into ``t`` in place, half by half (returns ``t``)."""
+    n, d = t.shape[-2], t.shape[-1] // 2
+    angle = torch.arange(n, dtype=t.dtype)[:, None] / 10000 ** (torch.arange(d, dtype=t.dtype) / d)
+    cos, sin = angle.cos(), angle.sin()
+    first, second = t[..., :d].clone(), t[..., d:].clone()
+    t[..., :d] = first * cos - second * sin
+    t[..., d:] = first * sin + second * cos
+    return t
+
+
+def _rope_complex(t: torch.Tensor) -> torch.Tensor:
+    """Interleaved rotary positions through complex numbers (Meta's Llama code): (..., L, D) -> the same."""
+    n, d = t.shape[-2], t.shape[-1]
+    freqs = torch.outer(torch.arange(n, dtype=torch.float64), 1 / 10000 ** (torch.arange(0, d, 2) / d))
+    turned = torch.view_as_complex(t.double().reshape(*t.shape[:-1], d // 2, 2)) * torch.polar(
+        torch.ones_like(freqs), freqs)
+    return torch.view_as_real(turned).flatten(-2).to(t.dtype)
+
+
+class RotaryWritten(_Fused):
+    """Correct (in place, or complex) rotary on q and k; ``on_values`` (a bug) on v too."""
+
+    rope = staticmethod(_rope_in_place)
+    on_values = False
+
+    def forward(self, x):
+        q, k, v = (t.contiguous() for t in self.split(x))
+        q, k = self.rope(q), self.rope(k)
+        if self.on_values:
+            v = self.rope(v)
+        return self.merge(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v)
+
+
+class RotaryWrittenOnValues(RotaryWritten):
+    on_values = True
+
+
+class RotaryComplex(RotaryWritten):
+    rope = staticmethod(_rope_complex)
+
+
+class RotaryComplexOnValues(RotaryComplex):
+    on_values = True
+
+
+class ScaledOnASplitView(nn.Module):
+    """Scales q in place on a view that ``split`` returned (nanoGPT's split, then ``q.mul_``): torch refuses the
+    backward of such an in-place change, so its gradients cannot be probed."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        q, k, v = (t.view(*x.shape[:2], 4, -1).transpose(1, 2) for t in self.c_attn(x).split(x.shape[-1], 2))
+        q.mul_(q.shape[-1] ** -0.5)
+        return _Fused.merge(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+
+
+class SharedQueryKey(nn.Module):
+    """Reformer style: one projection called twice for the queries and the keys."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.to_qk, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        def heads(t):
+            return t.view(*x.shape[:2], 4, -1).transpose(1, 2)
+        q, k, v = heads(self.to_qk(x)), heads(self.to_qk(x)), heads(self.to_v(x))
+        return _Fused.merge(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v)
+
+
+class ValuesEinsumTokensFirst(_Fused):
+    """Correct: sequence-first input, weights "bhqk", values product "bhqk,kbhd->qbhd", merged by a reshape."""
+
+    def forward(self, x):
+        n, b, e = x.shape
+        q, k, v = self.qkv(x).view(n, b, 3, self.heads, e // self.heads).unbind(2)
+        p = torch.einsum("qbhd,kbhd->bhqk", q, k).div(math.sqrt(e // self.heads)).softmax(-1)
+        return torch.einsum("bhqk,kbhd->qbhd", p, v).reshape(n, b, e)
+
+
+class OptionalProjections(nn.Module):
+    """Correct: projections for a cross-attention context and a gate, used only when asked."""
+
+    def __init__(self, dim: int, use_gate: bool = False) -> None:
+        super().__init__()
+        self.to_q, self.to_k, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.to_k_context, self.to_v_context = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.gate_proj, self.use_gate = nn.Linear(dim, dim), use_gate
+
+    def forward(self, x, context=None):
+        def heads(t):
+            return t.view(t.shape[0], t.shape[1], 4, -1).transpose(1, 2)
+        k_in = x if context is None else context
+        to_k, to_v = (self.to_k, self.to_v) if context is None else (self.to_k_context, self.to_v_context)
+        q, k, v = heads(self.to_q(x)), heads(to_k(k_in)), heads(to_v(k_in))
+        out = _Fused.merge(F.scaled_dot_product_attention(q, k, v))
+        return out * torch.sigmoid(self.gate_proj(x)) if self.use_gate else out
+
+
 class BatchFixedByCache(_Fused):
     """gpt-fast style: keys and values written into a cache allocated for batch 3 (``index_copy_``), causal."""
 
@@ -362,3 +465,38 @@ def test_relative_position_designs_are_facts_and_their_bugs_still_named():
     assert "value positions" in check(ShawRelative(32)).inferred["design"]
     assert "missing-scale" in check(RelativeXLUnscaled(32)).ids
     assert "softmax-dim" in check(ShawOverQueries(32)).ids
+
+
+def test_rotary_written_in_place_or_in_complex_numbers_is_read_on_q_k_and_v():
+    """catches: rotary positions applied to v missed when the rotation is written in place (``t[..., :d] = ...``)
+    or through complex numbers (``view_as_complex``), while the same on q and k only must pass."""
+    for cls in (RotaryWritten, RotaryComplex):
+        report = check(cls(32))
+        assert report.verdict == "passed", (cls.__name__, [(f.id, f.message) for f in report.findings])
+    for cls in (RotaryWrittenOnValues, RotaryComplexOnValues):
+        assert "values-changed" in check(cls(32)).ids, cls.__name__
+
+
+def test_a_module_error_under_the_doctors_modes_is_the_modules_not_a_doctor_error():
+    """catches: torch refusing the module's own in-place change of a split view in the backward, blamed on the
+    doctor (its function mode was the deepest frame), and a projection called twice making the white box raise
+    (recorded operations compared with == on their tensors)."""
+    report = check(ScaledOnASplitView(32))
+    assert report.verdict == "inconclusive" and report.doctor_errors == [], report.not_verified
+    assert report.not_verified["gradients"].startswith("not verified: RuntimeError")
+    report = check(SharedQueryKey(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings] + [report.not_verified]
+
+
+def test_a_values_product_that_writes_tokens_first_merges_correctly():
+    """catches: "bhqk,kbhd->qbhd" then a reshape (a correct merge) read as head-merge, which also hid a real
+    causal leak inside its evidence."""
+    report = check(ValuesEinsumTokensFirst(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+
+
+def test_projections_used_only_on_request_are_not_no_grad():
+    """catches: a cross-attention context's projections and a gate left unused by a self-attention call reported
+    as no-grad (only a projection named for the role whose keys or values came from elsewhere is)."""
+    report = check(OptionalProjections(32))
+    assert report.verdict == "passed", [(f.id, f.message, f.evidence) for f in report.findings]

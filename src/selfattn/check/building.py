@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import inspect
 import math
+import re
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -29,7 +30,21 @@ __all__ = ["CannotRun", "Sizes", "build", "embed_dim_of", "load_class", "load_fi
 # constructor and config parameters the doctor fills with the embed dim / the head count
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
                "channels", "query_dim", "width", "n_state", "num_channels", "in_channels", "model_dim", "d_embed",
-               "embed_size", "n_embed", "embedding_size", "hidden_channels", "inner_dim")
+               "embed_size", "n_embed", "embedding_size", "hidden_channels", "inner_dim", "hid_dim")
+# q, k, v projections by name
+ROLE_PATTERNS = {  # matched against the last part of a module's dotted name, whole
+    "q": re.compile(r"(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q|linear_q|q_linear|qlinear)"),
+    "k": re.compile(r"(k|wk|key|keys|k_proj|to_k|key_proj|k_lin|w_k|linear_k|k_linear|klinear)"),
+    "v": re.compile(r"(v|wv|value|values|v_proj|to_v|value_proj|v_lin|w_v|linear_v|v_linear|vlinear)"),
+}
+
+
+def name_role(name: str) -> str | None:
+    """q, k or v when a module's name says so (``q_proj``, ``to_k``, ``attn.value``), else None."""
+    last = name.rsplit(".", 1)[-1].lower()
+    return next((role for role, pattern in ROLE_PATTERNS.items() if pattern.fullmatch(last)), None)
+
+
 _HEAD_DIM_KEYS = ("head_dim", "dim_head", "d_head", "head_size", "kv_channels", "attention_head_size")
 _HEAD_KEYS = ("num_heads", "n_heads", "heads", "n_head", "nhead", "num_attention_heads", "h")
 # attributes a built module may carry its sizes in

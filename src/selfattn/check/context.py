@@ -117,8 +117,11 @@ def raised_inside_doctor(err: BaseException) -> bool:
     traceback outside torch decides (an operation of torch's that fails on what the doctor built is the doctor's)."""
     tb, deepest = err.__traceback__, None
     while tb is not None:
-        name = tb.tb_frame.f_code.co_filename
-        if not name.startswith("<"):  # generated code (a dataclass's __eq__) belongs to the frame that called it
+        code = tb.tb_frame.f_code
+        name = code.co_filename
+        # generated code (a dataclass's __eq__) belongs to the frame that called it; a doctor mode's
+        # __torch_function__ only passes the module's operation on (what fails there is the module's)
+        if not name.startswith("<") and code.co_name != "__torch_function__":
             name = os.path.abspath(name)
             if not name.startswith(_TORCH + os.sep):
                 deepest = name

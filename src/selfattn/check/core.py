@@ -23,29 +23,18 @@ Shape legend: B batch, H heads, L length, D head dim.
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from .building import ROLE_PATTERNS, name_role
 from .positions import normalised, rotary, rotated_from, rotation_problem, scale_origin
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
 __all__ = ["ROLE_PATTERNS", "Verdict", "examine_cores", "name_role"]
 
-ROLE_PATTERNS = {  # matched against the last part of a module's dotted name, whole
-    "q": re.compile(r"(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q|linear_q|q_linear|qlinear)"),
-    "k": re.compile(r"(k|wk|key|keys|k_proj|to_k|key_proj|k_lin|w_k|linear_k|k_linear|klinear)"),
-    "v": re.compile(r"(v|wv|value|values|v_proj|to_v|value_proj|v_lin|w_v|linear_v|v_linear|vlinear)"),
-}
-
-
-def name_role(name: str) -> str | None:
-    """q, k or v when a module's name says so (``q_proj``, ``to_k``, ``attn.value``), else None."""
-    last = name.rsplit(".", 1)[-1].lower()
-    return next((role for role, pattern in ROLE_PATTERNS.items() if pattern.fullmatch(last)), None)
 _SCALES = frozenset({"mul", "rmul", "mul_", "imul", "div", "truediv", "div_", "itruediv"})
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
                     "where"})
@@ -138,16 +127,18 @@ def _einsum_token_axes(op: Op, position: int, w: Tensor, p: Tensor, length: int)
     return kept[0], subs.index(contracted[0])
 
 
-def _canonical_output(op: Op, position: int, axes: tuple[int, int], batch: int) -> tuple[int, ...] | None:
-    """For an einsum weights-times-values product whose weights have their query axis at ``axes[0]``: the
-    permutation of its output to (B, H, L, D), or None when the letters do not say it (the batch letter is the
-    one of the probe's batch size, the first when both are)."""
+def _canonical_output(op: Op, position: int, query_axis: int, batch: int) -> tuple[int, ...] | None:
+    """For an einsum weights-times-values product whose weights have their query axis at ``query_axis``: the
+    permutation of its output to (B, H, L, D) ("bhqk,kbhd->qbhd" writes (L, B, H, D)), or None when the letters
+    do not say it (the batch letter is the one of the probe's batch size, the first when both are)."""
     eq = _equation(op)
     if eq is None:
         return None
     (sa, sb), out = eq
     subs = sa if position == 0 else sb
-    query = subs[axes[0]]
+    if not -len(subs) <= query_axis < len(subs):
+        return None
+    query = subs[query_axis]
     values_only = [c for c in out if c not in subs]
     rest = [c for c in out if c != query and c not in values_only]
     if len(out) != 4 or len(values_only) != 1 or len(rest) != 2 or query not in out:
@@ -630,7 +621,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     wrong = _roles_verdict(trace, (aid, bid, vid), evidence, facts) or _values_verdict(trace, vid, evidence, facts)
     if wrong is not None:
         return wrong
-    canon = _canonical_output(pv, position, axes, batch) if axes is not None else None
+    canon = _canonical_output(pv, position, axes[0] if axes is not None else w.dim() - 2, batch)
     merge_fid, merged = _merge(trace, pv, pv.outputs[0], final, canon)
     evidence["merge"] = merged
     if merge_fid is not None:

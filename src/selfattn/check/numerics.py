@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from .building import name_role
 from .context import Context, Outcome, empty_row_keep, padding_keep, raised_inside_doctor, rel
 from .report import Finding
 from .target import Caller
@@ -216,14 +217,22 @@ def _objective(call: Caller, x: Tensor, weights: Tensor) -> Tensor:
 
 
 def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
-    """The nn.Linear layers the call never used whose siblings (Linear layers of the same parent module) it did
-    use: a projection left out of the computation. A part of the module the call does not run at all (an adapter
-    that runs one submodule) has no used sibling and is not named."""
+    """The q, k or v projections (nn.Linear layers named for the role: ``key``, ``k_proj``, ``to_v``) the call never
+    used while it used their siblings (the Linear layers of the same parent module), none of them named for that
+    role: a key or value taken from another projection (``k = self.query(x)``). Layers named otherwise (a
+    cross-attention ``to_k_context``, a gate, an optional output projection) may be left out on purpose, and a
+    part of the module the call does not run at all (an adapter that runs one submodule) has no used sibling."""
     groups: dict[str, list[tuple[str, bool]]] = {}
     for path, mod in module.named_modules():
         if isinstance(mod, nn.Linear) and mod.weight.requires_grad:
-            groups.setdefault(path.rpartition(".")[0], []).append((path or "(the module)", id(mod.weight) in used))
-    return sorted(path for group in groups.values() if any(u for _, u in group) for path, u in group if not u)
+            groups.setdefault(path.rpartition(".")[0], []).append((path, id(mod.weight) in used))
+    idle = []
+    for group in groups.values():
+        played = [name_role(p) for p, u in group if u]
+        if not played or None in played:  # nothing used here, or a used projection of no named role (fused qkv)
+            continue
+        idle += [p for p, u in group if not u and name_role(p) is not None and name_role(p) not in played]
+    return sorted(idle)
 
 
 def gradients(ctx: Context) -> Outcome[None]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .trace import PRODUCTS, Origin, Trace
+from .trace import PRODUCTS, Op, Origin, Trace
 
 __all__ = ["ROPE_BASES", "normalised", "rope", "rotary", "rotated_from", "rotation_problem", "scale_origin"]
 
@@ -48,10 +48,10 @@ def rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
                     seen.add(i)
                     todo.append(i)
     for index, (_, t) in enumerate(near[:8]):
-        if t.dim() < 2 or t.shape[-1] % 2:
+        if t.dim() < 2 or t.shape[-1] % 2 or t.is_complex():
             continue
         for _, source in near[index + 1:]:
-            if source.shape != t.shape:
+            if source.shape != t.shape or source.is_complex():
                 continue
             for base in ROPE_BASES:
                 for interleaved in (False, True):
@@ -105,13 +105,7 @@ def rotated_from(trace: Trace, tid: int) -> tuple[int, float] | None:
     common factor): (that ancestor's key, the factor); else None."""
     value = trace.value(tid)
     found = trace.maker(tid)
-    if value is None or found is None:
-        return None
-    op = found[0]
-    if op.name == "cat" and op.in_ids:
-        inner = trace.maker(op.in_ids[0])  # partial rotary: the rotated part comes first
-        op = inner[0] if inner is not None else op
-    if op.name not in ("add", "sub", "add_", "sub_") or len(op.in_ids) != 2:
+    if value is None or found is None or value.is_complex() or not _made_like_a_rotation(trace, found[0]):
         return None
     norms = value.double().norm(dim=-1)
     todo, seen = list(found[0].in_ids), {tid}
@@ -121,13 +115,38 @@ def rotated_from(trace: Trace, tid: int) -> tuple[int, float] | None:
             continue
         seen.add(cur)
         got = trace.value(cur)
-        if got is not None and got.shape == value.shape:
+        if got is not None and got.shape == value.shape and not got.is_complex():
             ratio = norms / got.double().norm(dim=-1).clamp_min(1e-300)
             if float((ratio - ratio.mean()).abs().max()) <= 1e-6 * float(ratio.mean().abs()):
+                if torch.allclose(got.double() * float(ratio.mean()), value.double(), rtol=1e-6, atol=1e-9):
+                    return None  # the same values (a copy into a cache): not rotated
                 return cur, float(ratio.mean())
         maker = trace.maker(cur)
         todo.extend(maker[0].in_ids if maker is not None else ())
     return None
+
+
+_SUMS = frozenset({"add", "sub", "add_", "sub_", "iadd", "isub"})
+
+
+def _made_like_a_rotation(trace: Trace, op: Op) -> bool:
+    """Was ``op``'s output made the way rotary code makes it: t * cos + f(t) * sin (a sum), those halves
+    concatenated or stacked, written into t in place (``t[..., :d] = ...``), or a complex product turned real
+    (``view_as_real(view_as_complex(t) * freqs)``)?"""
+    for _ in range(3):
+        if op.name in _SUMS and len(op.in_ids) == 2:
+            return True
+        if op.name in ("cat", "stack", "setitem", "copy_") and op.in_ids:
+            inner = trace.maker(op.in_ids[-1] if op.name in ("setitem", "copy_") else op.in_ids[0])
+            if inner is None:
+                return False
+            op = inner[0]
+            continue
+        if op.name == "view_as_real" and op.in_ids:
+            inner = trace.maker(op.in_ids[0])
+            return inner is not None and inner[0].name in ("mul", "mul_", "imul") and inner[0].outputs[0].is_complex()
+        return False
+    return False
 
 
 def scale_origin(trace: Trace, tid: int) -> Origin:

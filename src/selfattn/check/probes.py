@@ -300,8 +300,8 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         got.coverage.setdefault("padding", "not verified: no mask understood")
     if call.mutated:  # every probe's call went through a copy of the input and a restored mask
         got.findings.append(Finding.of("mutates-input", f"the module changes {' and '.join(sorted(call.mutated))} "
-                                       "in place (the doctor handed it copies and restored its mask)",
-                                       {"changed": sorted(call.mutated)}))
+                                       "in place (the doctor gave every call a copy of its input and restored the "
+                                       "mask after each call)", {"changed": sorted(call.mutated)}))
     findings = merge(got.findings)
     coverage = {prop: got.coverage.get(prop, "not verified: the probe did not run") for prop in COVERED}
     return Report.of(got.inferred, findings, got.not_verified, coverage)

@@ -91,7 +91,7 @@ def _tensors(obj: object) -> Iterator[Tensor]:
             yield from _tensors(o)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: their tensors make == ambiguous
 class Op:
     """One recorded operation: its name, arguments (tensors detached; copied for the operations that matter),
     outputs, and the identities of the tensors it read and made (to walk the graph by)."""
@@ -297,7 +297,7 @@ def module_map(module: nn.Module, name: str) -> Callable[[Tensor], Tensor]:
     return lambda t: twin(t)
 
 
-@dataclass
+@dataclass(eq=False)
 class Linear:
     """A recorded linear map: its name, input (and the input's identity), output, and the map itself (float64)."""
 
