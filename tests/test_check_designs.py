@@ -70,6 +70,29 @@ class NormedScaledBeforeRotary(_Fused):
         return self.merge(torch.softmax(_rope(q) @ _rope(k).transpose(-1, -2), -1) @ v)
 
 
+class _RMSNorm(nn.Module):
+    """Llama's RMSNorm written out: x * rsqrt(mean(x^2) + eps), times a learned weight per dimension."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+class RMSNormedRotaryUnscaled(_Fused):
+    """Bug (Qwen 3 style, q/k RMSNorm then rotary): the 1/sqrt(D) is missing."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.q_norm, self.k_norm = _RMSNorm(dim // self.heads), _RMSNorm(dim // self.heads)
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        return self.merge(torch.softmax(_rope(q) @ _rope(k).transpose(-1, -2), -1) @ v)
+
+
 class RotaryOnValues(_Fused):
     """Bug: the rotary positions are applied to v too."""
 
@@ -367,6 +390,13 @@ def test_in_place_scaling_and_scaling_before_rotary_are_read_as_scaled():
         report = check(cls(32))
         assert report.verdict == "passed", (cls.__name__, [(f.id, f.message) for f in report.findings])
         assert "1/sqrt(8)" in report.inferred["white box"]["without mask"], report.inferred["white box"]
+
+
+def test_a_norms_weight_behind_a_rotation_is_not_a_learned_scale():
+    """catches: the walk back through rotary positions reaching the q/k norm's weight (a vector per head dim)
+    and taking it for a learned per-dimension scale, so a missing 1/sqrt(D) behind q/k RMSNorm and rotary
+    (Qwen 3's layout) was certified."""
+    assert "missing-scale" in check(RMSNormedRotaryUnscaled(32)).ids
 
 
 def test_values_changed_before_the_product_are_named():

@@ -612,7 +612,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     fid, said = _scale_verdict(scale, d, width, expected(d), unit)
     if fid is not None and temperatures:
         fid, said = None, f"{said}, times a learned temperature per head: the scale is learned"
-    if fid is not None and (_per_dim(origin_a.op, d) or _per_dim(origin_b.op, d)):
+    # the learned vector on the operand itself (TimesFM's per_dim_scale), not a norm's weight behind a rotation
+    if fid is not None and (_per_dim(trace.origin(aid).op, d) or _per_dim(trace.origin(bid).op, d)):
         fid, said = None, f"{said}, times a learned scale per head dimension (TimesFM's per_dim_scale)"
         facts["scale"] = "q (or k) is multiplied by a learned vector per head dimension: the scale is learned"
     evidence.update({"scale": said, "head dim": d, "product": product.name})
