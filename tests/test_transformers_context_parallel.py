@@ -205,14 +205,19 @@ def refused_positions_worker(rank: int, world: int) -> dict:
 
     from selfattn.integrations.transformers import context_parallel
 
+    def refusal(model, *batches: dict) -> str | None:
+        """cp.shard's ValueError for these batches, or None when it takes them."""
+        try:
+            with context_parallel(model) as cp:
+                for batch in batches:
+                    cp.shard(**batch)
+        except ValueError as e:
+            return str(e)
+        return None
+
     out: dict = {}
     batch = _batch("left")
-    try:
-        with context_parallel(_model("roberta")) as cp:
-            cp.shard(**batch)
-        out["refused"] = None
-    except ValueError as e:
-        out["refused"] = str(e)
+    out["refused"] = refusal(_model("roberta"), batch)
     ref, model = _model("roberta"), _model("roberta")
     ref(**batch).loss.backward()
     pos = ref.roberta.embeddings.create_position_ids_from_input_ids(batch["input_ids"], ref.config.pad_token_id)
@@ -226,13 +231,7 @@ def refused_positions_worker(rank: int, world: int) -> dict:
         config.max_position_embeddings = limit
         config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
         dynamic = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="selfattn")
-        try:
-            with context_parallel(dynamic) as cp:
-                cp.shard(**_batch("packed"))
-                cp.shard(**_batch("left"))
-            out[f"dynamic-{limit}"] = None
-        except ValueError as e:
-            out[f"dynamic-{limit}"] = str(e)
+        out[f"dynamic-{limit}"] = refusal(dynamic, _batch("packed"), _batch("left"))
     # the same within the length, after an earlier longer call grew its frequencies (transformers keeps them)
     config = _model("llama").config
     config.max_position_embeddings = L
@@ -240,12 +239,7 @@ def refused_positions_worker(rank: int, world: int) -> dict:
     grown = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="selfattn")
     with torch.no_grad():
         grown(input_ids=torch.randint(2, 64, (1, 2 * L)))
-    try:
-        with context_parallel(grown) as cp:
-            cp.shard(**_batch("left"))
-        out["dynamic-grown"] = None
-    except ValueError as e:
-        out["dynamic-grown"] = str(e)
+    out["dynamic-grown"] = refusal(grown, _batch("left"))
     return out
 
 

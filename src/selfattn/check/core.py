@@ -183,18 +183,7 @@ def _product_after(trace: Trace, tid: int) -> tuple[Op, int, list[str]] | None:
 
 def _depends_on(trace: Trace, tid: int, inputs: frozenset[int]) -> bool:
     """Was the tensor ``tid`` computed from one of the run's inputs (``id`` of the tensors given to the module)?"""
-    todo, seen = [tid], set[int]()
-    while todo:
-        cur = todo.pop()
-        if trace.identity(cur) in inputs:
-            return True
-        if cur in seen:
-            continue
-        seen.add(cur)
-        found = trace.maker(cur)
-        if found is not None:
-            todo.extend(found[0].in_ids)
-    return False
+    return any(trace.identity(t) in inputs for t in (tid, *trace.ancestors(tid)))
 
 
 def _position_product(trace: Trace, tid: int, inputs: frozenset[int]) -> str | None:

@@ -108,12 +108,7 @@ def rotated_from(trace: Trace, tid: int) -> tuple[int, float] | None:
     if value is None or found is None or value.is_complex() or not _made_like_a_rotation(trace, found[0]):
         return None
     norms = value.double().norm(dim=-1)
-    todo, seen = list(found[0].in_ids), {tid}
-    while todo and len(seen) < 40:
-        cur = todo.pop(0)
-        if cur in seen:
-            continue
-        seen.add(cur)
+    for cur in trace.ancestors(tid, limit=40):
         got = trace.value(cur)
         if got is not None and got.shape == value.shape and not got.is_complex():
             ratio = norms / got.double().norm(dim=-1).clamp_min(1e-300)
@@ -121,8 +116,6 @@ def rotated_from(trace: Trace, tid: int) -> tuple[int, float] | None:
                 if torch.allclose(got.double() * float(ratio.mean()), value.double(), rtol=1e-6, atol=1e-9):
                     return None  # the same values (a copy into a cache): not rotated
                 return cur, float(ratio.mean())
-        maker = trace.maker(cur)
-        todo.extend(maker[0].in_ids if maker is not None else ())
     return None
 
 

@@ -238,6 +238,18 @@ class Trace(TorchFunctionMode):
             tid = src
         return Origin(tid, factor, None, part, parts)
 
+    def ancestors(self, tid: int, limit: int | None = None) -> Iterator[int]:
+        """The tensors ``tid`` was computed from (keys), nearest first (breadth first), each once; at most
+        ``limit`` of them."""
+        todo, seen = [tid], {tid}
+        while todo and (limit is None or len(seen) <= limit):
+            found = self.maker(todo.pop(0))
+            for i in found[0].in_ids if found is not None else ():
+                if i not in seen:
+                    seen.add(i)
+                    todo.append(i)
+                    yield i
+
     def consumers(self, tid: int) -> Iterator[tuple[Op, int]]:
         """The operations after the tensor ``tid`` was made that read it or a layout view of it (walking forward
         through layout operations), in order, each with the identity of the view it read; reads after an
