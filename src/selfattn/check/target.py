@@ -179,9 +179,12 @@ class Caller:
         if mask is None and self.required:
             mask = self.module_mask(torch.ones(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool))
         given = x.transpose(0, 1) if self.layout == "sequence-first" else x
-        t = given.clone()  # the module may change its input in place: the doctor's stays as it was
-        with untraced():  # the mask goes as it is (probes watch it by identity; module_mask made it a tensor of
-            kept = mask.detach().clone() if isinstance(mask, Tensor) else None  # its own) and is restored after
+        # The module may change its input in place: it gets a copy (recorded by a trace, so that what the module
+        # computes still comes from x). The mask goes as it is, since probes watch it by identity (module_mask
+        # made it a tensor of its own), and is restored after the call.
+        t = given.clone()
+        with untraced():
+            kept = mask.detach().clone() if isinstance(mask, Tensor) else None
         try:
             out = self._call(t, mask)
         finally:
