@@ -6,8 +6,9 @@
 Each family is built and checked in a worker process (tests/hf_corpus.py: tiny config, the first
 self-attention module, one generic adapter, per-family options); a family that takes longer than
 ``--timeout`` seconds or kills its worker is recorded as such and the sweep goes on in a new worker.
-Verdicts: certified, the error ids found, "could not build: <why>", "not self-attention: <why>",
-"doctor raised: <exception>" (a traceback from selfattn.check itself), "timed out", "worker died".
+Verdicts: certified, the error ids found, "inconclusive: <the probes that could not run>", "could not build:
+<why>", "not self-attention: <why>", "doctor raised: <exception>" (a traceback from selfattn.check itself),
+"timed out", "worker died".
 The table goes into docs/doctor.md between the sweep markers.
 """
 
@@ -52,6 +53,10 @@ def check_family(family: str, seed: int = 0) -> dict:
                 "seconds": round(time.perf_counter() - t, 1)}
     except Exception as e:  # a traceback from the doctor itself: recorded, the sweep goes on
         return {**row, "verdict": "doctor raised", "reason": f"{type(e).__name__}: {e}"[:300],
+                "seconds": round(time.perf_counter() - t, 1)}
+    if report.verdict == "inconclusive":  # no error found, but a probe could not run: not certified
+        return {**row, "verdict": "inconclusive", "reason": "; ".join(f"{p}: {why}" for p, why in
+                                                                       report.not_verified.items())[:300],
                 "seconds": round(time.perf_counter() - t, 1)}
     errors = sorted({f.id for f in report.findings if f.severity == "error"})
     mask = report.inferred.get("mask")

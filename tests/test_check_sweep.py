@@ -85,3 +85,13 @@ def test_q_k_normalised_projections_get_no_false_gradient_alarm(family):
     report = check(built.module, call=built.call, **built.options)
     assert "wrong-gradient" not in report.ids, [(f.id, f.evidence) for f in report.findings]
     assert report.coverage["gradients"] == "verified", report.coverage
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "muse_glimmer", "wav2vec2_bert"])
+def test_scales_and_positions_read_through_rotations_are_designs(family):
+    """catches: the walk back through rotary positions counting YaRN's attention factor on cos and sin as a
+    scale (gpt-oss: wrong-scale), a scale the config states after a q/k norm (MuseGlimmer's qk_scale_factor)
+    read as wrong-scale, and Shaw-style relative-position logits (Wav2Vec2-BERT) read as definition-mismatch."""
+    built = hc.build(family)
+    report = check(built.module, call=built.call, **built.options)
+    assert report.passed, [(f.id, f.message) for f in report.findings] + [report.not_verified]

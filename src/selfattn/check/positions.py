@@ -143,8 +143,9 @@ def _made_like_a_rotation(trace: Trace, op: Op) -> bool:
 
 
 def scale_origin(trace: Trace, tid: int) -> Origin:
-    """:meth:`Trace.origin` that also walks back through rotary positions (a rotation keeps the scale): the
-    factor of ``q / sqrt(d)`` applied before the rotation counts, as one applied after it does."""
+    """:meth:`Trace.origin` that also walks back through rotary positions: the factor of ``q / sqrt(d)`` applied
+    before the rotation counts, as one applied after it does. The rotation's own common factor (YaRN's attention
+    factor on cos and sin) belongs to the positions, not to the scale, and is left out."""
     factor = 1.0
     for _ in range(4):
         origin = trace.origin(tid)
@@ -152,8 +153,7 @@ def scale_origin(trace: Trace, tid: int) -> Origin:
         rotated = rotated_from(trace, origin.id) if origin.op is not None else None
         if rotated is None:
             return Origin(origin.id, factor, origin.op, origin.part, origin.parts)
-        tid, ratio = rotated
-        factor *= ratio
+        tid = rotated[0]
     return Origin(origin.id, factor, origin.op, origin.part, origin.parts)
 
 

@@ -16,6 +16,7 @@ Shape legend: B batch, L length, E embed dim, H heads, D head dim.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import partial
 
@@ -35,13 +36,17 @@ __all__ = ["declared_scale", "white_box"]
 
 def declared_scale(module: nn.Module) -> tuple[Callable[[int], float | None], str | None]:
     """The score scale the module's config states instead of 1/sqrt(head dim), as a function of the head dim,
-    and where it was read (``query_pre_attn_scalar``, ``attention_multiplier``, ``scale_attn_weights``)."""
+    and where it was read (``query_pre_attn_scalar``, ``qk_scale_factor``, ``attention_multiplier``,
+    ``scale_attn_weights``)."""
     config = getattr(module, "config", None)
     if config is None:
         return (lambda d: None), None
     scalar = getattr(config, "query_pre_attn_scalar", None)
     if isinstance(scalar, (int, float)) and not isinstance(scalar, bool) and scalar > 0:
         return (lambda d: float(scalar) ** -0.5), f"config.query_pre_attn_scalar = {scalar}"
+    factor = getattr(config, "qk_scale_factor", None)  # q normalised, then multiplied by it (MuseGlimmer)
+    if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0:
+        return (lambda d: float(factor) / math.sqrt(d)), f"config.qk_scale_factor = {factor}"
     multiplier = getattr(config, "attention_multiplier", None)
     if isinstance(multiplier, (int, float)) and not isinstance(multiplier, bool) and multiplier > 0:
         return (lambda d: float(multiplier)), f"config.attention_multiplier = {multiplier}"
