@@ -241,13 +241,16 @@ class Trace(TorchFunctionMode):
     def ancestors(self, tid: int, limit: int | None = None) -> Iterator[int]:
         """The tensors ``tid`` was computed from (keys), nearest first (breadth first), each once; at most
         ``limit`` of them."""
-        todo, seen = [tid], {tid}
-        while todo and (limit is None or len(seen) <= limit):
+        todo, seen, count = [tid], {tid}, 0
+        while todo:
             found = self.maker(todo.pop(0))
             for i in found[0].in_ids if found is not None else ():
                 if i not in seen:
+                    if limit is not None and count >= limit:
+                        return
                     seen.add(i)
                     todo.append(i)
+                    count += 1
                     yield i
 
     def consumers(self, tid: int) -> Iterator[tuple[Op, int]]:
