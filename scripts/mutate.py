@@ -5,7 +5,7 @@
     .venv/bin/python scripts/mutate.py --only timm llama --seeds 3
     .venv/bin/python scripts/mutate.py --json out.json --docs docs/doctor.md
 
-For each module: mutants of its source (selfattn.check.mutate; for a library class, the source of
+For each module: mutants of its source (selfattn.mutation; for a library class, the source of
 its defining module, mutated in memory, with the module-level functions the class calls), the kill
 rate over non-equivalent mutants, the survivors; then the original checked with seeds 0..N-1 (the
 module built under each seed too), counting error findings it should not get. The modules: the seed
@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from selfattn.check import check  # noqa: E402
-from selfattn.check.mutate import score  # noqa: E402
-from selfattn.check.target import load_class  # noqa: E402
+from selfattn.check.subject.building import load_class  # noqa: E402
+from selfattn.mutation import score  # noqa: E402
 
 BEGIN, END = "<!-- mutate:corpus -->", "<!-- /mutate:corpus -->"
 FIXTURES = {  # file:Class -> (style, error ids expected on the original)

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from selfattn.check import Report, check
-from selfattn.check.target import load_class
+from selfattn.check.subject.building import load_class
 
 ROOT = Path(__file__).resolve().parent.parent
 E, H = 64, 4  # embed dim and heads of every module built here (real models' proportions, head dim 16)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import subprocess
@@ -16,7 +17,7 @@ from rich.console import Console
 from torch import nn
 
 import selfattn
-from selfattn.check import FINDING_IDS, CannotRun, check, render
+from selfattn.check import CannotRun, check, render
 
 
 class TorchMHAWrapper(nn.Module):
@@ -80,17 +81,6 @@ def test_each_bug_gets_exactly_its_id(cls):
     assert report.ids == {want}, [(f.id, f.message) for f in report.findings]
     (finding,) = report.findings
     assert finding.message and finding.fix and finding.evidence
-
-
-def test_every_finding_id_has_a_fix():
-    for fid in ("batch-mixing", "missing-scale", "wrong-scale", "softmax-dim", "matmul-order", "head-merge",
-                "mask-ignored", "mask-inverted", "causal-leak", "nan-on-masked-row", "half-precision-overflow",
-                "non-finite", "dropout-in-eval", "no-grad", "not-equivariant", "wrong-output-shape",
-                "mask-broadcast", "definition-mismatch", "nan-on-empty-sequence", "half-precision-mismatch",
-                "wrong-gradient", "mask-convention", "mask-error", "keys-hidden", "values-changed", "mutates-input"):
-        assert fid in FINDING_IDS
-    readme = Path(__file__).resolve().parent.parent.joinpath("README.md").read_text()
-    assert [fid for fid in FINDING_IDS if f"`{fid}`" not in readme] == []
 
 
 def test_causal_flag_requires_causality():
@@ -182,9 +172,10 @@ def test_probe_that_raises_is_not_verified_and_the_verdict_inconclusive():
 def test_a_probe_failing_inside_the_doctor_is_a_doctor_error_never_a_pass(monkeypatch):
     """catches: the white box raising inside the doctor's own code (a doctor bug) and the report still saying
     PASSED with the white box "not verified": no certificate without a look."""
-    from selfattn.check import probes
+    from selfattn.check import doctor
 
-    monkeypatch.setattr(probes, "white_box", None)  # the call itself fails in the doctor's code
+    table = tuple(dataclasses.replace(p, run=None) if p.name == "white box" else p for p in doctor.PROBES)
+    monkeypatch.setattr(doctor, "PROBES", table)  # the call itself fails in the doctor's code
     report = check(selfattn.SelfAttention(16))
     assert report.verdict == "inconclusive" and not report.passed
     assert report.doctor_errors == ["white box"]
@@ -192,6 +183,25 @@ def test_a_probe_failing_inside_the_doctor_is_a_doctor_error_never_a_pass(monkey
     assert report.coverage["white_box"].startswith("not verified (doctor error)")
     data = json.loads(report.to_json())
     assert data["inconclusive"] is True and data["doctor_errors"] == ["white box"]
+
+
+def test_a_probe_emitting_a_kind_it_does_not_declare_is_a_doctor_error(monkeypatch):
+    """catches: a probe reporting a finding kind its entry in the probe table does not declare (the table is how
+    a reader knows what each probe can say) and the report taking it as a verdict."""
+    from selfattn.check import doctor
+    from selfattn.check.findings import MISSING_SCALE, Finding
+    from selfattn.check.subject.context import Outcome
+
+    def says_missing_scale(ctx):
+        return Outcome([Finding.of(MISSING_SCALE, "made up", {})])
+
+    table = tuple(dataclasses.replace(p, run=says_missing_scale) if p.name == "eval determinism" else p
+                  for p in doctor.PROBES)
+    monkeypatch.setattr(doctor, "PROBES", table)
+    report = check(selfattn.SelfAttention(16))
+    assert report.verdict == "inconclusive" and "missing-scale" not in report.ids
+    assert report.doctor_errors == ["eval determinism"]
+    assert "does not declare" in report.not_verified["eval determinism"]
 
 
 def test_probes_do_not_depend_on_state_left_by_another():

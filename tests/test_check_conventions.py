@@ -19,8 +19,8 @@ from rich.console import Console
 from torch import nn
 
 from selfattn.check import COVERED, MaskSpec, check, parse_mask, render
-from selfattn.check.mutate import mutants
 from selfattn.cli import main
+from selfattn.mutation import mutants
 
 FILLS = {"finfo.min": None, "-10000": -1e4}
 

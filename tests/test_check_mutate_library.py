@@ -14,7 +14,7 @@ import textwrap
 import pytest
 import torch
 
-from selfattn.check.mutate import mutants, score
+from selfattn.mutation import mutants, score
 
 IDIOMS = textwrap.dedent('''
     import torch

@@ -113,13 +113,13 @@ def _check(args: argparse.Namespace) -> int:
                "allow_nonstandard": args.allow_nonstandard,
                "seed": args.seed}
     if args.mutate:
-        from .check.mutate import main as mutate_main
+        from .mutation import main as mutate_main
 
         return mutate_main(args.target, options, as_json=args.json)
     target = args.target
     try:
         if args.factory:
-            from .check.target import load_file, user_callable
+            from .check.subject.building import load_file, user_callable
 
             namespace = vars(load_file(args.target.rpartition(":")[0]))
             target = user_callable(args.factory, namespace)

@@ -8,13 +8,12 @@ recomputed under the definition and under each known bug, rotary positions and r
 biases recognised). The report gives each finding a severity and each property a coverage state.
 It depends on the public selfattn API only.
 
-Parts: :mod:`.findings` (the catalogue of finding ids), :mod:`.report` (the report and its
-rendering), :mod:`.building` (loading the file, building the module), :mod:`.target` (calling it,
-mask conventions), :mod:`.context` (what probes share), :mod:`.probes` (the order probes run in),
-:mod:`.calling` (call style, sizes, layout), :mod:`.masking` (causality, windows, the mask),
-:mod:`.numerics` (half precision, gradients), :mod:`.whitebox` with :mod:`.trace`,
-:mod:`.projections` and :mod:`.core` (the formula the attention follows), :mod:`.mutate` (the
-doctor's own mutation score).
+The layers, each importing only those before it: :mod:`.findings` (the catalogue of finding
+kinds and :class:`Finding`) → :mod:`.subject` (building the module, how it is called, its sizes,
+what probes share) → :mod:`.probes` (black box, masking, numerics) → :mod:`.whitebox` (trace,
+projections, products, positions) → :mod:`.report` (the report and its rendering) →
+:mod:`.doctor` (the declared probe table and the run). The doctor's own mutation score is apart,
+in :mod:`selfattn.mutation`.
 
 Shape legend: B batch, L length, E embed dim, H heads.
 """
@@ -26,11 +25,11 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor, nn
 
-from .building import Sizes
+from .doctor import examine
 from .findings import FINDING_IDS, FIXES, SEVERITY
-from .probes import examine
 from .report import COVERED, Finding, Report, render
-from .target import MASK_KINDS, MASK_SHAPES, CannotRun, MaskSpec, build, load_file, parse_mask, user_callable
+from .subject.building import CannotRun, Sizes, build, load_file, user_callable
+from .subject.caller import MASK_KINDS, MASK_SHAPES, MaskSpec, parse_mask
 
 __all__ = ["COVERED", "FINDING_IDS", "FIXES", "MASK_KINDS", "MASK_SHAPES", "SEVERITY", "CannotRun", "Finding",
            "MaskSpec", "Report", "check", "parse_mask", "render"]

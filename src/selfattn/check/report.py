@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from .findings import EXPLAINS, FIXES, SEVERITY, Severity
+from .findings import EXPLAINS, Finding
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -21,39 +21,6 @@ __all__ = ["COVERED", "Finding", "Report", "Verdict", "merge", "render"]
 # "not verified: <why>".
 COVERED = ("mask", "padding", "causal", "batch_independence", "equivariance", "half_precision", "gradients",
            "white_box")
-
-
-@dataclass
-class Finding:
-    """One bug: its id (see :data:`selfattn.check.FINDING_IDS`), what was seen, the evidence and the fix."""
-
-    id: str
-    message: str
-    evidence: dict
-    fix: str
-
-    @classmethod
-    def of(cls, fid: str, message: str, evidence: dict) -> Finding:
-        """A finding with the catalogue's fix for ``fid``.
-
-        Args:
-            fid: a finding id from the catalogue.
-            message: what the probe saw.
-            evidence: the numbers or examples behind it (JSON-serialisable).
-
-        Returns:
-            The finding.
-        """
-        return cls(fid, message, evidence, FIXES[fid])
-
-    @property
-    def severity(self) -> Severity:
-        """"error" (a bug) or "warning" (may be intended, e.g. a module with positions is not equivariant)."""
-        return SEVERITY[self.id]
-
-    def to_dict(self) -> dict:
-        """{"id", "severity", "message", "evidence", "fix"}."""
-        return {"id": self.id, "severity": self.severity, **{k: v for k, v in asdict(self).items() if k != "id"}}
 
 
 Verdict = Literal["passed", "failed", "inconclusive"]

@@ -20,10 +20,10 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
+from ..findings import BATCH_MIXING, SHAPE_DEPENDENT, WRONG_OUTPUT_SHAPE, Finding
 from .building import CannotRun, Sizes, num_heads_of
+from .caller import MASK_NAMES, Caller, MaskSpec, dependency, find_call_style, mask_parameters, required_mask_parameter
 from .context import Outcome, close, probe_keep, tolerance
-from .report import Finding
-from .target import MASK_NAMES, Caller, MaskSpec, dependency, find_call_style, mask_parameters, required_mask_parameter
 
 __all__ = ["KIND_ORDER", "SHAPE_ORDER", "calling"]
 
@@ -238,9 +238,9 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     found = Outcome[tuple[Caller, Tensor]](notes={"call": how[call.style],
                                                   "output": "tensor (or first tensor of a tuple or dict)", **notes})
     if coincidence:
-        found.findings.append(Finding.of("shape-dependent", coincidence, {"fails for": failed_first}))
+        found.findings.append(Finding.of(SHAPE_DEPENDENT, coincidence, {"fails for": failed_first}))
     if wrong:
-        found.findings.append(Finding.of("wrong-output-shape", "the output shape differs from the input shape "
+        found.findings.append(Finding.of(WRONG_OUTPUT_SHAPE, "the output shape differs from the input shape "
                                          "(B, L, E)", {"input -> output": {str(i): str(o) for i, o in wrong}}))
     if failed and ran:
         _limits(found, call, ran, wrong, failed, gen, dtype, device)
@@ -267,7 +267,7 @@ def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, 
     lengths = sorted({s[1] for s in ok})
     if all(len({*s}) < 3 for s in ok) and any(len({*s}) == 3 for s, _ in failed) and \
             _runs(call, (2, 2 * lengths[-1], ok[0][2]), gen, dtype, device) is not None:  # two of B, L, E coincide
-        found.findings.append(Finding.of("batch-mixing", "the module runs only when batch, length and embed sizes "
+        found.findings.append(Finding.of(BATCH_MIXING, "the module runs only when batch, length and embed sizes "
                                          "line up: it mixes the batch or sequence dimension with another", evidence))
         return
     e = ok[0][2]
@@ -299,5 +299,5 @@ def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, 
         found.notes["length limit"] = f"runs for length <= {limit} (fails at {limit + 1}: " \
                                       f"{_runs(call, (b_ok, limit + 1, e), gen, dtype, device)})"[:300]
         return
-    found.findings.append(Finding.of("shape-dependent", "the module runs for some valid shapes and fails for others, "
+    found.findings.append(Finding.of(SHAPE_DEPENDENT, "the module runs for some valid shapes and fails for others, "
                                      "with no batch or length limit that explains it", evidence))

@@ -18,10 +18,10 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .building import name_role
-from .context import Context, Outcome, empty_row_keep, padding_keep, raised_inside_doctor, rel
-from .report import Finding
-from .target import Caller
+from ..findings import HALF_PRECISION_MISMATCH, HALF_PRECISION_OVERFLOW, NO_GRAD, WRONG_GRADIENT, Finding
+from ..subject.building import name_role
+from ..subject.caller import Caller
+from ..subject.context import Context, Outcome, empty_row_keep, padding_keep, raised_inside_doctor, rel
 
 __all__ = ["HALF_ULPS", "gradients", "half_precision"]
 
@@ -58,7 +58,7 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
 
     Args:
         ctx: the probe context.
-        masked: the caller from :func:`~selfattn.check.masking.mask_convention`; when given, each
+        masked: the caller from :func:`~selfattn.check.probes.masking.mask_convention`; when given, each
             dtype is also run with a mask that leaves a query row (key-only masks: a sequence) without keys.
 
     Returns:
@@ -128,14 +128,14 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
                 base_err = err_rel
     found = Outcome[None](notes={"half precision": {**notes, **overflow}})
     if overflow:
-        finding = Finding.of("half-precision-overflow", "in half precision the module raises or gives NaN/inf where "
+        finding = Finding.of(HALF_PRECISION_OVERFLOW, "in half precision the module raises or gives NaN/inf where "
                              "float32 runs and is finite", overflow)
         if fix is not None:
             finding.fix = fix
         found.findings.append(finding)
     if mismatch:
         masked_only = all(" with " in label for label in mismatch)
-        found.findings.append(Finding.of("half-precision-mismatch", "in half precision the output differs from "
+        found.findings.append(Finding.of(HALF_PRECISION_MISMATCH, "in half precision the output differs from "
                                          "float32's by more than the dtype's rounding" +
                                          (": only with a mask, so the mask is lost in half precision" if masked_only
                                           else ""), mismatch))
@@ -252,7 +252,7 @@ def gradients(ctx: Context) -> Outcome[None]:
     with watch:
         out = call(xg)
     if not out.requires_grad:
-        return Outcome([Finding.of("no-grad", "the output carries no gradient", {})])
+        return Outcome([Finding.of(NO_GRAD, "the output carries no gradient", {})])
     weights = torch.randn(out.shape, generator=ctx.gen, dtype=torch.float64).to(out.device)
     (out.double() * weights).sum().backward()
     used = [(n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) in watch.ids]
@@ -265,13 +265,13 @@ def gradients(ctx: Context) -> Outcome[None]:
     idle = _idle_projections(m, watch.ids)
     if idle:
         m.zero_grad(set_to_none=True)
-        return Outcome([Finding.of("no-grad", "a projection is never used: its weights get no gradient while the "
+        return Outcome([Finding.of(NO_GRAD, "a projection is never used: its weights get no gradient while the "
                                    "projections beside it do (a key or value computed by another projection, e.g. "
                                    "k = self.query(x))", {"projections never used": idle})],
                        notes={"gradients": f"{len(used)} parameter tensors used by the call"})
     if missing or no_input_grad:
         m.zero_grad(set_to_none=True)
-        return Outcome([Finding.of("no-grad", "some parameters (or the input) receive no gradient",
+        return Outcome([Finding.of(NO_GRAD, "some parameters (or the input) receive no gradient",
                                    {"parameters without gradient": missing, "input gets gradient": not no_input_grad})],
                        notes={"gradients": f"{len(used)} parameter tensors used by the call"})
     linear = {f"{path}.weight" if path else "weight" for path, mod in m.named_modules() if isinstance(mod, nn.Linear)}
@@ -281,7 +281,7 @@ def gradients(ctx: Context) -> Outcome[None]:
                 if n in dead}
     if dead:
         m.zero_grad(set_to_none=True)
-        return Outcome([Finding.of("no-grad", "part of a projection never reaches the output: some of its output "
+        return Outcome([Finding.of(NO_GRAD, "part of a projection never reaches the output: some of its output "
                                    "features get no gradient (in a fused qkv projection: values computed and then "
                                    "not used, e.g. weights @ k instead of weights @ v)", dead)],
                        notes={"gradients": f"{len(used)} parameter tensors used by the call"})
@@ -299,7 +299,7 @@ def gradients(ctx: Context) -> Outcome[None]:
              if abs(a - f) > max(tol * (abs(a) + abs(f)), 10 * u) + 1e-12}
     found = Outcome[None](notes={"gradients": {**notes, "dtype": str(x0.dtype)[6:]}})
     if wrong:
-        found.findings.append(Finding.of("wrong-gradient", "autograd's gradient differs from the finite-difference "
+        found.findings.append(Finding.of(WRONG_GRADIENT, "autograd's gradient differs from the finite-difference "
                                          "derivative of the output (a hand-written backward, or an operation "
                                          "whose gradient is cut or changed)", {**wrong, "dtype": str(x0.dtype)[6:]}))
     return found

@@ -1,4 +1,4 @@
-"""The attention itself, found in a :class:`~selfattn.check.trace.Trace`: the score product, the softmax and
+"""The attention itself, found in a :class:`~selfattn.check.whitebox.trace.Trace`: the score product, the softmax and
 the weights-times-values product (or one SDPA call), checked from their own operands.
 
 Whatever came before (q/k normalisation, rotary positions, a LayerNorm, slices of one input with no
@@ -29,7 +29,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .building import ROLE_PATTERNS, name_role
+from ..findings import (
+    CAUSAL_LEAK,
+    DEFINITION_MISMATCH,
+    HEAD_MERGE,
+    MASK_IGNORED,
+    MASK_INVERTED,
+    MATMUL_ORDER,
+    MISSING_SCALE,
+    SOFTMAX_DIM,
+    VALUES_CHANGED,
+    WRONG_SCALE,
+)
+from ..subject.building import ROLE_PATTERNS, name_role
 from .positions import normalised, rotary, rotated_from, rotation_problem, scale_origin
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
@@ -370,7 +382,7 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict) -> Verd
     origin = trace.origin(vid)
     if origin.op is None or rotated_from(trace, origin.id) is None:
         return None
-    return Verdict("values-changed", {"matches": "the values are rotated like q and k (rotary positions applied to v) "
+    return Verdict(VALUES_CHANGED, {"matches": "the values are rotated like q and k (rotary positions applied to v) "
                                       "before the product with the weights", **evidence}, facts)
 
 
@@ -379,10 +391,10 @@ def _roles_verdict(trace: Trace, ids: tuple[int, int, int], evidence: dict, fact
     roles = [_role(trace, i) for i in ids]
     named = [r if how == "name" else None for r, how in roles]
     if (roles[1] == ("q", "order") and roles[0][0] == "k or v") or named[:2] == ["k", "q"]:
-        return Verdict("softmax-dim", {"matches": "the scores are K Q^T (keys and queries swapped): the softmax runs "
+        return Verdict(SOFTMAX_DIM, {"matches": "the scores are K Q^T (keys and queries swapped): the softmax runs "
                                       "over the queries", **evidence}, facts)
     if any(r not in (want, None) for r, want in zip(named, ("q", "k", "v"), strict=True)):
-        return Verdict("definition-mismatch", {"matches": f"softmax({named[0] or '?'} {named[1] or '?'}^T) "
+        return Verdict(DEFINITION_MISMATCH, {"matches": f"softmax({named[0] or '?'} {named[1] or '?'}^T) "
                                                f"{named[2] or '?'}: the projections are used in the wrong roles",
                                                **evidence}, facts)
     return None
@@ -396,12 +408,12 @@ def _scale_verdict(c: float, d: int, width: int, expected: float | None, unit_no
     if unit_norm and expected is None:
         return None, f"{said} (q and k have unit norm: cosine-similarity attention, the scale is a temperature)"
     if abs(c - 1) < 1e-3:
-        return "missing-scale", f"{said}: no 1/sqrt({d})"
+        return MISSING_SCALE, f"{said}: no 1/sqrt({d})"
     if abs(c * d - 1) < 1e-3:
-        return "wrong-scale", f"{said} = 1/{d} (1/D instead of 1/sqrt(D), D = {d})"
+        return WRONG_SCALE, f"{said} = 1/{d} (1/D instead of 1/sqrt(D), D = {d})"
     if width and abs(c * math.sqrt(width) - 1) < 1e-3:
-        return "wrong-scale", f"{said} = 1/sqrt({width}) (the model width, not the head dim {d})"
-    return "wrong-scale", f"{said}; expected {want:.6g} = " + \
+        return WRONG_SCALE, f"{said} = 1/sqrt({width}) (the model width, not the head dim {d})"
+    return WRONG_SCALE, f"{said}; expected {want:.6g} = " + \
         ("the stated scale" if expected is not None else f"1/sqrt({d}), D = {d} the head dim")
 
 
@@ -449,7 +461,7 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor,
         b, h, length, d = o.shape
         cands["correct"] = o.transpose(1, 2).reshape(b, length, h * d)
         cands["sequence-first"] = o.permute(2, 0, 1, 3).reshape(length, b, h * d)
-        cands["head-merge"] = o.reshape(b, length, h * d)
+        cands[HEAD_MERGE] = o.reshape(b, length, h * d)
     elif o.dim() == 3 and m.dim() >= 2 and m.shape[-1] % o.shape[-1] == 0:
         h = m.shape[-1] // o.shape[-1]
         if h == 1:
@@ -459,15 +471,15 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor,
             o4 = o.reshape(bh // h, h, length, d)
             cands["correct"] = o4.transpose(1, 2).reshape(bh // h, length, h * d)
             cands["sequence-first"] = o4.permute(2, 0, 1, 3).reshape(length, bh // h, h * d)
-            cands["head-merge"] = o.reshape(bh // h, length, h * d)
+            cands[HEAD_MERGE] = o.reshape(bh // h, length, h * d)
     if not cands or m.numel() != next(iter(cands.values())).numel():
         return None, "merge of the heads not checked (the next operation reads another shape)"
     flat = m.double().reshape(-1)
     tol = 1e-3 * (1 + float(flat.abs().max()))
     for label, cand in cands.items():
         if bool(((cand.reshape(-1) - flat).abs() <= tol).all()):
-            if label == "head-merge":
-                return "head-merge", "heads merged with view/reshape before the transpose back"
+            if label == HEAD_MERGE:
+                return HEAD_MERGE, "heads merged with view/reshape before the transpose back"
             return None, "heads merged side by side"
     return None, "merge of the heads not recognised (the next operation reads something else)"
 
@@ -486,11 +498,11 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
     if hidden.shape[-2:] != want.shape[-2:] or torch.equal(hidden, want.expand_as(hidden)):
         return None
     if want.any() and torch.equal(hidden, keep.expand_as(hidden)):
-        return Verdict("mask-inverted", {"matches": "the scores hide the keys the mask keeps", **evidence})
+        return Verdict(MASK_INVERTED, {"matches": "the scores hide the keys the mask keeps", **evidence})
     if want.any() and not hidden.any():
-        return Verdict("mask-ignored", {"matches": "no score is masked although the mask hides keys", **evidence})
+        return Verdict(MASK_IGNORED, {"matches": "no score is masked although the mask hides keys", **evidence})
     extra, missed = (hidden & ~want).sum().item(), (~hidden & want).sum().item()
-    return Verdict("mask-ignored" if missed else "causal-leak",
+    return Verdict(MASK_IGNORED if missed else CAUSAL_LEAK,
                    {"matches": f"the scores hide other keys than the mask: {missed} hidden (query, key) pairs left "
                                f"visible, {extra} visible ones hidden", **evidence})
 
@@ -511,14 +523,14 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     evidence: dict = {"operations": f"{len(trace.ops)} recorded"}
     facts: dict = {}
     if passed:
-        return Verdict("definition-mismatch", {"matches": f"the weights pass through {', '.join(passed)} between "
+        return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights pass through {', '.join(passed)} between "
                                                "the softmax and the product with the values", **evidence})
     other = operands[1 - position][1] if len(operands) > 1 else None
     made = pv.outputs[0] if pv.outputs else None
     if other is not None and made is not None and made.dim() >= 2 and tuple(made.shape[-2:]) == (length, length) \
             and length not in tuple(other.shape):
         # weights times a matrix with no token axis, still (L, L): the heads are mixed (talking heads, re-attention)
-        return Verdict("definition-mismatch", {"matches": "the weights are mixed across heads between the softmax "
+        return Verdict(DEFINITION_MISMATCH, {"matches": "the weights are mixed across heads between the softmax "
                                                "and the product with the values (talking heads)", **evidence})
     s = sm.args[0]
     sinks = p.shape[-1] - length if p.dim() >= 2 and p.shape[-2] == length and p.shape[-1] > length == w.shape[-1] \
@@ -531,27 +543,27 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     axes = _einsum_token_axes(pv, position, w, p, length)
     if axes is not None:  # an einsum layout with the tokens elsewhere ("ijbh": sequence first): move them last
         if dim != axes[1]:
-            return Verdict("softmax-dim", {"matches": f"softmax over dim {dim} of the {p.dim()}-d weights, not over "
+            return Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d weights, not over "
                                            f"the keys (dim {axes[1]}, the axis the product with the values "
                                            "contracts)", **evidence})
         facts["layout"] = f"einsum {pv.args[0]!r}: the weights' query and key axes are dims {axes[0]} and {axes[1]}"
         p, s, w, dim = (p.movedim(axes, (-2, -1)), s.movedim(axes, (-2, -1)), p.movedim(axes, (-2, -1)),
                         p.dim() - 1)
     if p.dim() < 2 or p.shape[-1] != length or p.shape[-2] != length:
-        return Verdict("definition-mismatch", {"matches": f"the weights are {tuple(p.shape[-2:])} over axes that are "
+        return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights are {tuple(p.shape[-2:])} over axes that are "
                                                f"not the {length} tokens (a head split that mixes tokens and heads)",
                                                **evidence})
     if dim != p.dim() - 1:
-        return Verdict("softmax-dim", {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
+        return Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
                                        "the keys (the last dim)", **evidence})
     orientation = _orientation(w, p)
     if axes is None and (orientation is None or not _weights_contracted_last(pv, position, w)):
         how = "V @ weights instead of weights @ V" if position == 1 and pv.name != "einsum" else \
             "weights transposed before V" if orientation == "transposed" else \
             "the product with the values does not contract the key axis"
-        return Verdict("matmul-order", {"matches": how, **evidence})
+        return Verdict(MATMUL_ORDER, {"matches": how, **evidence})
     if orientation == "transposed":
-        return Verdict("matmul-order", {"matches": "weights transposed before V", **evidence})
+        return Verdict(MATMUL_ORDER, {"matches": "weights transposed before V", **evidence})
     product, chain = _score_chain(trace, sm.in_ids[0])
     steps, temperatures = chain.steps, chain.temperatures
     pairs = _operands(product)
@@ -623,7 +635,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         problems = (rotation_problem(trace, aid, a), rotation_problem(trace, bid, b))
         problem = problems[0] or problems[1]
         if problem:
-            return Verdict("definition-mismatch", {"matches": problem, **evidence}, facts)
+            return Verdict(DEFINITION_MISMATCH, {"matches": problem, **evidence}, facts)
         if "" in problems:
             facts["positions"] = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
     value_term = _value_position_term(trace, sm, pv, inputs)
@@ -654,7 +666,7 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     q, k = op.inputs[0], op.inputs[1]
     d = q.shape[-1]
     if q.dim() < 2 or q.shape[-2] != length or k.shape[-2] != length:
-        return Verdict("definition-mismatch", {"matches": f"scaled_dot_product_attention runs over an axis of size "
+        return Verdict(DEFINITION_MISMATCH, {"matches": f"scaled_dot_product_attention runs over an axis of size "
                                                f"{q.shape[-2]}, not the {length} tokens (a head split that mixes "
                                                "tokens and heads)"})
     given = op.kwargs.get("scale", op.args[6] if len(op.args) > 6 else None)
@@ -683,7 +695,7 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     problems = (None, None) if turned else (rotation_problem(trace, op.in_ids[0], q),
                                             rotation_problem(trace, op.in_ids[1], k))
     if problems[0] or problems[1]:
-        return Verdict("definition-mismatch", {"matches": problems[0] or problems[1], **evidence})
+        return Verdict(DEFINITION_MISMATCH, {"matches": problems[0] or problems[1], **evidence})
     if "" in problems:
         turned = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
     return Verdict(None, {"formula": f"scaled_dot_product_attention; {said}", **evidence},

@@ -1,10 +1,11 @@
-"""Calling the user's attention module and speaking its mask convention.
+"""How one call of the user's module is made, and its mask convention spoken.
 
 A :class:`Caller` knows how the module is called (forward(x), forward(q, k, v) or the user's
 adapter; a positional or keyword mask, required or optional, or a causal switch such as
 ``is_causal``; batch-first or sequence-first input; a tensor, tuple or dict output). A
 :class:`MaskSpec` says how the module wants its mask: which shape and which kind of values.
-Building the module is :mod:`.building`'s job (re-exported here).
+Building the module is :mod:`.building`'s job; which call style, mask and sizes a module
+has is found by :mod:`.calling`.
 
 Shape legend: B batch, H heads, L length, E embed dim.
 """
@@ -20,18 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ._seams import untraced
-from .building import (
-    CannotRun,
-    build,
-    embed_dim_of,
-    load_class,
-    load_file,
-    num_heads_of,
-    param_device,
-    param_dtype,
-    user_callable,
-)
+from .._seams import untraced
+from .building import param_device, param_dtype
 
 __all__ = [
     "MASK_KINDS",
@@ -39,20 +30,13 @@ __all__ = [
     "MASK_SHAPES",
     "SWITCH_NAMES",
     "Caller",
-    "CannotRun",
     "MaskSpec",
     "MaskWatch",
-    "build",
     "dependency",
-    "embed_dim_of",
     "find_call_style",
-    "load_class",
-    "load_file",
     "mask_parameters",
-    "num_heads_of",
     "parse_mask",
     "switch_parameter",
-    "user_callable",
 ]
 
 MASK_SHAPES: dict[str, str] = {"BLL": "(B, L, L)", "B1LL": "(B, 1, L, L)", "BL": "(B, L)", "B11L": "(B, 1, 1, L)",

@@ -18,8 +18,30 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from .calling import KIND_ORDER, SHAPE_ORDER
-from .context import (
+from ..findings import (
+    CAUSAL_LEAK,
+    KEYS_HIDDEN,
+    MASK_BROADCAST,
+    MASK_CONVENTION,
+    MASK_ERROR,
+    MASK_IGNORED,
+    MASK_INVERTED,
+    NAN_ON_EMPTY_SEQUENCE,
+    NAN_ON_MASKED_ROW,
+    Finding,
+)
+from ..subject.caller import (
+    MASK_NAMES,
+    MASK_SHAPES,
+    Caller,
+    MaskSpec,
+    MaskWatch,
+    dependency,
+    mask_parameters,
+    switch_parameter,
+)
+from ..subject.calling import KIND_ORDER, SHAPE_ORDER
+from ..subject.context import (
     Context,
     Outcome,
     close,
@@ -30,8 +52,6 @@ from .context import (
     raised_inside_doctor,
     rel,
 )
-from .report import Finding
-from .target import MASK_NAMES, MASK_SHAPES, Caller, MaskSpec, MaskWatch, dependency, mask_parameters, switch_parameter
 
 __all__ = ["band", "causality", "mask_convention", "masked_rows", "padding", "twin_reads_masks_alike"]
 
@@ -74,33 +94,33 @@ def causality(ctx: Context) -> Outcome[Tensor]:
     if shape is not None:
         left, right = shape
         if right < 0:
-            found.findings.append(Finding.of("causal-leak", "the causal mask hides the diagonal: a query does not "
+            found.findings.append(Finding.of(CAUSAL_LEAK, "the causal mask hides the diagonal: a query does not "
                                              "see its own token", {"each query sees": f"keys i - {left} .. i - 1"}))
         elif left == 0 and right == 0:
-            found.findings.append(Finding.of("causal-leak", "each query sees only its own token: no attention "
+            found.findings.append(Finding.of(CAUSAL_LEAK, "each query sees only its own token: no attention "
                                              "between tokens", {"each query sees": "key i only"}))
         elif right == 0 and left < whole:
             found.notes["window"] = f"sliding window: each query sees itself and the {left} previous tokens"
         elif left == whole and 0 < right < whole:
-            found.findings.append(Finding.of("causal-leak", f"queries see the next {right} token(s) and no later "
+            found.findings.append(Finding.of(CAUSAL_LEAK, f"queries see the next {right} token(s) and no later "
                                              "one: a causal mask off by one", {"each query sees": f"keys <= i + "
                                                                                                   f"{right}"}))
         elif 0 < right and left < whole:
             found.notes["window"] = f"local window: each query sees the {left} previous and {right} next tokens"
     elif causal and (~dep & ~future(length)).any():
         pairs = (~dep & ~future(length)).nonzero().tolist()[:10]
-        found.findings.append(Finding.of("causal-leak", "the causal mask hides more than the future (the diagonal "
+        found.findings.append(Finding.of(CAUSAL_LEAK, "the causal mask hides more than the future (the diagonal "
                                          "or past keys, in no window)", {"hidden (query, key) pairs with key <= "
                                                                          "query": pairs}))
     elif not causal and seen_future.sum() < future(length).sum():
-        found.findings.append(Finding.of("causal-leak", "queries see some future keys and not others",
+        found.findings.append(Finding.of(CAUSAL_LEAK, "queries see some future keys and not others",
                                          {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
     if ctx.bidirectional and not dep.all():
         hidden = (~dep).nonzero().tolist()[:10]
-        found.findings.append(Finding.of("keys-hidden", "queries do not see every key although the module must be "
+        found.findings.append(Finding.of(KEYS_HIDDEN, "queries do not see every key although the module must be "
                                          "bidirectional", {"hidden (query, key) pairs": hidden}))
-    if ctx.causal and not causal and not any(f.id == "causal-leak" for f in found.findings):
-        found.findings.append(Finding.of("causal-leak", "queries see future keys",
+    if ctx.causal and not causal and not any(f.id == CAUSAL_LEAK for f in found.findings):
+        found.findings.append(Finding.of(CAUSAL_LEAK, "queries see future keys",
                                          {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
     return found
 
@@ -249,7 +269,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
         tried[label] = "accepted; its effect matches no convention"
         leaky = leaky or native
     if inverted is not None:
-        return Outcome([Finding.of("mask-inverted", "the module hides the tokens its mask keeps (declared or "
+        return Outcome([Finding.of(MASK_INVERTED, "the module hides the tokens its mask keeps (declared or "
                                    "additive convention, used the other way round: wrong sign or flipped polarity)",
                                    {"mask": _describe(inverted), "tried": tried})],
                        {"mask": _describe(inverted)}, None,
@@ -278,12 +298,12 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
     if switch is not None and not accepted:
         return _switch(ctx, switch, dep)
     if not accepted and tried and (ctx.spec is not None or ctx.call.make_mask is not None):
-        return Outcome([Finding.of("mask-error", "the module raises whenever it is given the mask you stated",
+        return Outcome([Finding.of(MASK_ERROR, "the module raises whenever it is given the mask you stated",
                                    tried)], {"mask": {"raises with the stated mask": tried}},
                        coverage={"mask": "verified: the module raises with its mask",
                                  "padding": "not verified: the module raises with its mask"})
     if accepted and all("changed nothing" in v or "Error" in v for v in tried.values()):
-        return Outcome([Finding.of("mask-ignored", "the module accepts a mask but its output does not depend on it",
+        return Outcome([Finding.of(MASK_IGNORED, "the module accepts a mask but its output does not depend on it",
                                    tried)],
                        {"mask": {"accepted but ignored": tried}},
                        coverage={"mask": "verified: the module ignores its mask",
@@ -307,7 +327,7 @@ def _switch(ctx: Context, name: str, dep: Tensor) -> Outcome[Caller]:
                             coverage={"mask": "verified", "padding": f"not applicable: the mask is the causal "
                                                                      f"switch {name}"})
     if not torch.equal(d, want):
-        found.findings.append(Finding.of("causal-leak", f"with {name}=True the module does not hide exactly the "
+        found.findings.append(Finding.of(CAUSAL_LEAK, f"with {name}=True the module does not hide exactly the "
                                          "future", {"hidden (query, key) pairs": (want & ~d).nonzero().tolist()[:10],
                                                     "future pairs seen": (d & ~want).nonzero().tolist()[:10]}))
     return found
@@ -324,7 +344,7 @@ def _broadcast_finding(caller: Caller, kv: Tensor, how: str = "") -> Outcome[Cal
     what = caller.spec.describe() if caller.spec else "key mask"
     hidden = (~kv).nonzero().flatten().tolist()
     message = f"the key mask ({what}) hides query rows instead of keys: it is broadcast over the query axis"
-    return Outcome([Finding.of("mask-broadcast", message + (f"; {how}" if how else ""),
+    return Outcome([Finding.of(MASK_BROADCAST, message + (f"; {how}" if how else ""),
                                {"rows changed by the mask (item 0)": hidden, "keys it should hide": hidden})],
                    {"mask": _describe(caller)}, None,
                    {"mask": "verified", "padding": "not verified: the mask is applied along the wrong axis"})
@@ -361,7 +381,7 @@ def _other_shapes(ctx: Context, found: Caller, candidates: list[Caller], plain: 
         if spec.key_only and found.spec.kind == "additive" and close(out, plain):  # a constant per query row
             return _broadcast_finding(other, keep[0, 0], "an additive mask put on the query axis adds a constant to "
                                                          "each query row, which the softmax cancels")
-        return Outcome([Finding.of("mask-ignored", f"the mask in shape {MASK_SHAPES[spec.shape]} is accepted but "
+        return Outcome([Finding.of(MASK_IGNORED, f"the mask in shape {MASK_SHAPES[spec.shape]} is accepted but "
                                    f"does not hide the keys that shape {MASK_SHAPES[found.spec.shape]} hides",
                                    {"relative difference": rel(out, ref), "mask": _describe(other)})],
                        {"mask": _describe(found)}, None, {"mask": "verified"})
@@ -396,12 +416,12 @@ def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], pl
     kind = caller.spec.kind if caller.spec else None
     if ctx.declared and kind in ("keep", "ignore") and ctx.declared != kind:
         found.findings.append(Finding.of(
-            "mask-inverted", f"you declared the '{ctx.declared}' convention, but the module treats the "
+            MASK_INVERTED, f"you declared the '{ctx.declared}' convention, but the module treats the "
             f"mask the other way ('{kind}')",
             {"row 3 sees keys (declared mask keeps 1, 2, 3)": d[3].nonzero().flatten().tolist()}))
     elif not ctx.declared and kind == "ignore" and caller.mask_arg == "attention_mask":
         found.findings.append(Finding.of(
-            "mask-convention", "the argument is called attention_mask, which in Hugging Face code means 1 = attend, "
+            MASK_CONVENTION, "the argument is called attention_mask, which in Hugging Face code means 1 = attend, "
             "but this module hides the positions where it is True (True = masked)",
             {"argument": caller.mask_arg, "module reads": "True = masked", "the name suggests": "1 = attend"}))
     return found
@@ -429,7 +449,7 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
         a, c = caller(x, mask), caller(x2, mask)
     found = Outcome[None](coverage={"padding": "verified"})
     if not close(c[0, :n], a[0, :n]):
-        found.findings.append(Finding.of("mask-ignored", "changing padded (masked) keys changes the outputs of real "
+        found.findings.append(Finding.of(MASK_IGNORED, "changing padded (masked) keys changes the outputs of real "
                                          "tokens", {"relative change": rel(c[0, :n], a[0, :n])}))
     return found
 
@@ -455,7 +475,7 @@ def masked_rows(ctx: Context, masked: Caller | None) -> Outcome[None]:
     if torch.isfinite(o).all():
         return Outcome()
     if masked.key_only:  # torch's own MultiheadAttention and SDPA do this: a warning, not a bug
-        return Outcome([Finding.of("nan-on-empty-sequence", "a sequence whose keys are all padding gives NaN or inf",
+        return Outcome([Finding.of(NAN_ON_EMPTY_SEQUENCE, "a sequence whose keys are all padding gives NaN or inf",
                                    {"non-finite outputs": int((~torch.isfinite(o)).sum()), "masked": "all of item 0"})])
-    return Outcome([Finding.of("nan-on-masked-row", "a query row whose keys are all masked gives NaN or inf",
+    return Outcome([Finding.of(NAN_ON_MASKED_ROW, "a query row whose keys are all masked gives NaN or inf",
                                {"non-finite outputs": int((~torch.isfinite(o)).sum()), "masked": "row 1"})])

@@ -5,7 +5,7 @@ that file it calls) one site at a time, with the edits attention code gets wrong
 scale, swap or drop a transpose, change the softmax dimension, flip a mask's polarity, drop a mask,
 move the mask after the softmax, swap matmul operands, swap einsum or einops axes, flip SDPA's
 ``is_causal``, drop ``.contiguous()``, drop a negation, shift a causal ``triu``/``tril`` offset.
-:mod:`selfattn.check.mutate` runs the doctor on each.
+:mod:`selfattn.mutation.score` runs the doctor on each.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeGuard, TypeVar
 
-from .building import CannotRun
+from ..check.subject.building import CannotRun
 
 __all__ = ["Mutant", "mutants"]
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ._seams import version
+from .._seams import version
 
 __all__ = ["LAYOUT", "PRODUCTS", "SOFTMAX", "Linear", "Op", "Origin", "Trace", "key", "linears", "record"]
 

@@ -16,8 +16,8 @@ from typing import Generic, TypeVar
 import torch
 from torch import Tensor, nn
 
-from .report import Finding
-from .target import Caller, MaskSpec
+from ..findings import Finding
+from .caller import Caller, MaskSpec
 
 __all__ = ["Context", "Outcome", "close", "empty_row_keep", "future", "not_verified", "padding_keep", "probe_keep",
            "raised_inside_doctor", "rel", "tolerance"]
@@ -38,7 +38,7 @@ class Context:
     it when one runs and agrees with it (else the module itself), for the probes that decide which
     token a row depends on or which formula the output follows: rounding cannot hide a small
     attention weight there. The one thing probes share is ``gen``, which draws their random inputs:
-    the draws follow the order :func:`~selfattn.check.probes.examine` runs the probes in, so a report
+    the draws follow the order :func:`~selfattn.check.doctor.examine` runs the probes in, so a report
     is reproducible from its seed.
     """
 
@@ -108,7 +108,7 @@ def not_verified(err: Exception) -> str:
     return f"not verified{where}: {f'{type(err).__name__}: {err}'[:200]}"
 
 
-_DOCTOR = os.path.dirname(os.path.abspath(__file__))
+_DOCTOR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # selfattn/check
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 

@@ -42,8 +42,9 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
+from ..check.subject.building import CannotRun, build, embed_dim_of
+from ..check.subject.caller import MASK_SHAPES, Caller, MaskSpec, find_call_style, parse_mask
 from .operators import Mutant, mutants
-from .target import MASK_SHAPES, Caller, CannotRun, MaskSpec, build, embed_dim_of, find_call_style, parse_mask
 
 __all__ = ["Mutant", "Score", "main", "mutants", "score"]
 
@@ -222,7 +223,7 @@ def score(spec: str | type, options: dict | None = None, *, seed: int = 0,
     Raises:
         CannotRun: the file, module or class cannot be loaded, or the original cannot be built.
     """
-    from . import check
+    from ..check import check
 
     options = {k: v for k, v in (options or {}).items() if v is not None and v is not False}
     options.pop("seed", None)

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .core import name_role
+from ..findings import HEAD_MERGE, MASK_AFTER_SOFTMAX, MATMUL_ORDER, MISSING_SCALE, SOFTMAX_DIM, WRONG_SCALE
 from .positions import ROPE_BASES, rope
+from .products import name_role
 from .trace import Linear, Op, Trace, linears
 
 __all__ = ["Capture", "capture", "identify", "qkv_heads"]
@@ -193,27 +194,27 @@ def _variants(qh: Tensor, kh: Tensor, vh: Tensor, keep: Tensor | None, raw: Tens
     definition = "softmax(QK^T / sqrt(D)) V" if stated is None else f"softmax({stated:.6g} QK^T) V (the stated scale)"
     out: dict[str, list[tuple[str, Callable[[], Tensor]]]] = {
         "correct": [(definition, lambda: merge(soft(good) @ vh))],
-        "missing-scale": [("softmax(QK^T) V, no 1/sqrt(D)", lambda: merge(soft(1.0) @ vh))] if differs(1.0) else [],
-        "wrong-scale": [("scaled by 1/D", lambda: merge(soft(1 / d) @ vh))] if differs(1 / d) else [],
-        "softmax-dim": [("softmax over the query dimension", lambda: merge(soft(good, -2) @ vh))],
-        "matmul-order": [("weights transposed before V", lambda: merge(soft(good).transpose(-1, -2) @ vh))],
+        MISSING_SCALE: [("softmax(QK^T) V, no 1/sqrt(D)", lambda: merge(soft(1.0) @ vh))] if differs(1.0) else [],
+        WRONG_SCALE: [("scaled by 1/D", lambda: merge(soft(1 / d) @ vh))] if differs(1 / d) else [],
+        SOFTMAX_DIM: [("softmax over the query dimension", lambda: merge(soft(good, -2) @ vh))],
+        MATMUL_ORDER: [("weights transposed before V", lambda: merge(soft(good).transpose(-1, -2) @ vh))],
     }
     if h > 1:
         if differs(1 / math.sqrt(e)):
-            out["wrong-scale"].append(("scaled by 1/sqrt(E) (embed dim, not head dim)",
+            out[WRONG_SCALE].append(("scaled by 1/sqrt(E) (embed dim, not head dim)",
                                        lambda: merge(soft(1 / math.sqrt(e)) @ vh)))
-        out["head-merge"] = [("heads merged with view/reshape without transposing back",
+        out[HEAD_MERGE] = [("heads merged with view/reshape without transposing back",
                               lambda: (soft(good) @ vh).reshape(b, length, e))]
     if h == 1:
-        out["softmax-dim"].append(("softmax over the batch dimension", lambda: merge(soft(good, 0) @ vh)))
+        out[SOFTMAX_DIM].append(("softmax over the batch dimension", lambda: merge(soft(good, 0) @ vh)))
         if length == d:
-            out["matmul-order"].append(("V @ weights instead of weights @ V", lambda: merge(vh @ soft(good))))
+            out[MATMUL_ORDER].append(("V @ weights instead of weights @ V", lambda: merge(vh @ soft(good))))
     if keep is not None:
         plain = torch.softmax(scores * good, -1)
-        out["mask-after-softmax"] = [("mask multiplied into the weights after softmax (not renormalised)",
+        out[MASK_AFTER_SOFTMAX] = [("mask multiplied into the weights after softmax (not renormalised)",
                                       lambda: merge(plain * keep @ vh))]
         if raw is not None:
-            out["mask-after-softmax"].append(("mask added to the weights after softmax",
+            out[MASK_AFTER_SOFTMAX].append(("mask added to the weights after softmax",
                                               lambda: merge((plain + raw) @ vh)))
     return out
 

@@ -7,7 +7,7 @@ module's own visibility pattern, a causal mask or a window, applied on top) is r
 1. from the projections (:mod:`.projections`): the attention recomputed from Q, K, V under the
    definition and each known bug, compared with the output projection's output and the module's;
 2. when no formula over the projections fits (q/k normalisation, norms before, no projections at
-   all), from the operands of the attention's own products (:mod:`.core`): the scores' scale
+   all), from the operands of the attention's own products (:mod:`.products`): the scores' scale
    against the head dim of the captured q, the softmax axis, the weights' orientation, the roles of
    q, k, v and the merge of the heads.
 
@@ -23,12 +23,12 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from .building import num_heads_of
-from .context import Context, Outcome, padding_keep
-from .core import Unrecognised, examine_cores
+from ..findings import DEFINITION_MISMATCH, Finding
+from ..subject.building import num_heads_of
+from ..subject.caller import Caller
+from ..subject.context import Context, Outcome, padding_keep
+from .products import Unrecognised, examine_cores
 from .projections import AFTER, Capture, capture, identify, qkv_heads
-from .report import Finding
-from .target import Caller
 from .trace import record
 
 __all__ = ["declared_scale", "white_box"]
@@ -104,9 +104,9 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
 
     Args:
         ctx: the probe context.
-        masked: the caller from :func:`~selfattn.check.masking.mask_convention`; when given, a run
+        masked: the caller from :func:`~selfattn.check.probes.masking.mask_convention`; when given, a run
             with a causal mask (key-only masks: a padding mask) is added.
-        dep: (L, L) from :func:`~selfattn.check.masking.causality`: what the module sees on its own.
+        dep: (L, L) from :func:`~selfattn.check.probes.masking.causality`: what the module sees on its own.
 
     Returns:
         Note white box (per run: matches the definition, matches a bug, or nothing matched; or why it
@@ -144,14 +144,14 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         verdict, why = _by_projections(cap, out, heads, k4, raw, bias, stated)
         if verdict is None:
             verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why, k4, frozenset({id(x)}))
-            if verdict is not None and verdict[0] == "definition-mismatch":  # no formula: the same as none found
+            if verdict is not None and verdict[0] == DEFINITION_MISMATCH:  # no formula: the same as none found
                 why, verdict = verdict[1]["matches"], None
         if verdict is None:
             results[label] = why
             if isinstance(cap, str) and why.startswith("not followed"):
                 skipped += 1
             elif not ctx.allow_nonstandard:
-                findings.append(Finding.of("definition-mismatch", f"the output ({label}) follows no formula of "
+                findings.append(Finding.of(DEFINITION_MISMATCH, f"the output ({label}) follows no formula of "
                                            f"attention: {why}", {"closest": why, "projections":
                                                                  cap.how if isinstance(cap, Capture) else cap}))
             continue

@@ -1,0 +1,124 @@
+"""The black-box probes that need no mask: determinism, finite outputs, extreme logits, batch
+independence, permutation equivariance.
+
+A probe is a plain function of a :class:`~selfattn.check.subject.context.Context` (what every probe
+may read: the module, how it is called, the probe input) and of the results of earlier probes it
+needs, passed in explicitly (the module's output, the dependency matrix from
+:func:`~selfattn.check.probes.masking.causality`, the positions the white box found). It returns an
+:class:`~selfattn.check.subject.context.Outcome` and changes nothing the other probes read. The
+table that declares and orders them is :data:`selfattn.check.doctor.PROBES`.
+
+Shape legend: B batch, L length, E embed dim.
+"""
+
+from __future__ import annotations
+
+from typing import TypeVar
+
+import torch
+from torch import Tensor
+
+from ..findings import BATCH_MIXING, DROPOUT_IN_EVAL, NON_FINITE, NOT_EQUIVARIANT, Finding
+from ..subject.context import Context, Outcome, close, rel
+
+__all__ = [
+    "batch_independence",
+    "determinism",
+    "equivariance",
+    "extreme_logits",
+    "finite_outputs",
+]
+
+T = TypeVar("T")
+
+
+def determinism(ctx: Context) -> Outcome[None]:
+    """Two eval-mode calls on the same input must agree (else: dropout-in-eval)."""
+    with torch.no_grad():
+        a, b = ctx.call(ctx.x), ctx.call(ctx.x)
+    if torch.equal(a, b):
+        return Outcome()
+    return Outcome([Finding.of(DROPOUT_IN_EVAL, "two calls in eval mode on the same input differ: something "
+                               "random (dropout) is still active", {"max difference": float((a - b).abs().max())})])
+
+
+def finite_outputs(ctx: Context) -> Outcome[None]:
+    """The output on ordinary random input must be finite (else: non-finite)."""
+    with torch.no_grad():
+        out = ctx.call(ctx.x)
+    if torch.isfinite(out).all():
+        return Outcome()
+    return Outcome([Finding.of(NON_FINITE, "the output has NaN or inf on ordinary random input",
+                               {"non-finite values": int((~torch.isfinite(out)).sum())})])
+
+
+def extreme_logits(ctx: Context, out: Tensor) -> Outcome[None]:
+    """Large logits (input x 50) must stay finite where ``out``, the output on x, is (else: non-finite)."""
+    with torch.no_grad():
+        out_big = ctx.call(ctx.x * 50)
+    if not torch.isfinite(out).all() or torch.isfinite(out_big).all():
+        return Outcome()
+    return Outcome([Finding.of(NON_FINITE, "large logits (input x 50) give NaN or inf",
+                               {"non-finite values": int((~torch.isfinite(out_big)).sum())})])
+
+
+def batch_independence(ctx: Context, out: Tensor) -> Outcome[None]:
+    """Changing one batch item, or running an item alone, must not change the others (else: batch-mixing).
+
+    Args:
+        ctx: the probe context; needs B >= 2 (otherwise nothing is checked).
+        out: (B, L, E) the module's output on ``ctx.x``.
+
+    Returns:
+        At most a batch-mixing finding.
+    """
+    x = ctx.x
+    if x.shape[0] < 2:
+        return Outcome(coverage={"batch_independence": "not verified: the module runs only with batch size 1"})
+    x2 = x.clone()
+    x2[0] = ctx.randn(*x.shape[1:])
+    notes: dict = {}
+    with torch.no_grad():
+        out2 = ctx.call(x2)
+        try:
+            single: Tensor | None = ctx.call(x[1:2])
+        except Exception as err:  # a module that runs only at its batch size (a cache allocated for it): a limit,
+            single = None  # like a fixed length; changing one item must still leave the others alone
+            notes["batch size"] = (f"runs at batch size {x.shape[0]} but not on one item alone (a shape limit: "
+                                   f"{type(err).__name__}: {err})"[:240])
+    mixed = not close(out2[1:], out[1:], ctx.rtol)
+    alone = single is not None and not close(single, out[1:2], ctx.rtol)
+    if not mixed and not alone:
+        return Outcome(notes=notes)
+    evidence = {"change in other items": rel(out2[1:], out[1:]),
+                **({"item alone vs in batch": rel(single, out[1:2])} if single is not None else {})}
+    return Outcome([Finding.of(BATCH_MIXING, "changing one batch item changes the output of another" if mixed else
+                               "an item alone gives another output than in the batch", evidence)], notes=notes)
+
+
+def equivariance(ctx: Context, out: Tensor, dep: Tensor, positions: str | None) -> Outcome[None]:
+    """Permuting the tokens must permute the output (else: not-equivariant).
+
+    Args:
+        ctx: the probe context.
+        out: (B, L, E) the module's output on ``ctx.x``.
+        dep: (L, L) from :func:`causality`; when some key is hidden (causal or local attention)
+            permutations need not commute, and nothing is checked.
+        positions: the position term the white box recognised (rotary, relative bias), or None;
+            a module with one is not expected to be equivariant.
+
+    Returns:
+        At most a not-equivariant finding; coverage "not applicable" with the reason.
+    """
+    if positions:
+        return Outcome(coverage={"equivariance": f"not applicable: the module has {positions}"})
+    if not dep.all():
+        return Outcome(coverage={"equivariance": "not applicable: some keys are hidden without a mask "
+                                                 "(causal or local attention)"})
+    perm = torch.randperm(ctx.x.shape[1], generator=ctx.gen)
+    with torch.no_grad():
+        out_p = ctx.call(ctx.x[:, perm])
+    if close(out_p, out[:, perm], ctx.rtol):
+        return Outcome()
+    return Outcome([Finding.of(NOT_EQUIVARIANT, "permuting the input tokens does not permute the output the "
+                               "same way", {"relative difference": rel(out_p, out[:, perm])})])
