@@ -9,7 +9,7 @@ Example:
 
 from . import masks, scores, testing
 from .cache import KVCache
-from .check import check
+from .check import check, check_model
 from .functional import Explanation, attention, attention_with_weights, explain, use_backend
 from .nn import MultiHeadAttention, SelfAttention
 from .rope import rope
@@ -22,6 +22,7 @@ __all__ = [
     "attention",
     "attention_with_weights",
     "check",
+    "check_model",
     "explain",
     "masks",
     "rope",

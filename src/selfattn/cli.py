@@ -21,7 +21,13 @@ def _parser() -> argparse.ArgumentParser:
                     "file (its top-level code too); it never writes to it. Exit status: 0 passed, "
                     "1 findings, 2 could not run the module, 3 inconclusive (no error found, but a probe "
                     "could not run: not certified).")
-    c.add_argument("target", help="path/to/file.py:ClassName")
+    c.add_argument("target", help="path/to/file.py:ClassName (with --model: path/to/file.py:factory)")
+    c.add_argument("--model", action="store_true",
+                   help="the target is a function of no argument returning (model, example_inputs): run the model "
+                        "once, find every attention layer by behaviour and check each with the call the model makes "
+                        "(example_inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments)")
+    c.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="with --model: check only the first N attention layers")
     c.add_argument("--init", type=json.loads, default=None, metavar="JSON",
                    help='constructor keyword arguments, e.g. \'{"embed_dim": 64}\' (default: try the usual '
                         "signatures: (embed_dim), (embed_dim, num_heads), keyword variants)")
@@ -112,6 +118,8 @@ def _check(args: argparse.Namespace) -> int:
                "causal": args.causal, "bidirectional": args.bidirectional, "scale": args.scale,
                "allow_nonstandard": args.allow_nonstandard,
                "seed": args.seed}
+    if args.model:
+        return _check_model(args, options, console)
     if args.mutate:
         from .mutation import main as mutate_main
 
@@ -136,6 +144,44 @@ def _check(args: argparse.Namespace) -> int:
         print(report.to_json())
     else:
         render(report, console)
+    return {"passed": 0, "failed": 1, "inconclusive": 3}[report.verdict]
+
+
+def _check_model(args: argparse.Namespace, options: dict, console: object) -> int:
+    from .check import CannotRun, check_model, render_model
+    from .check.subject.building import load_file
+
+    for flag in ("init", "call", "factory", "mutate"):
+        if getattr(args, flag):
+            console.print(f"[red]bad option[/red]: --{flag} does not go with --model (the model's own calls are "  # type: ignore[attr-defined]
+                          "replayed)")
+            return 2
+    path, sep, name = args.target.rpartition(":")
+    try:
+        if not sep or not path or not name:
+            raise CannotRun(f"expected path/to/file.py:factory, got {args.target!r}")
+        factory = vars(load_file(path)).get(name)
+        if not callable(factory):
+            raise CannotRun(f"{path} has no function named {name!r}")
+        try:
+            made = factory()
+        except Exception as e:
+            raise CannotRun(f"the factory failed: {type(e).__name__}: {e}") from e
+        if not (isinstance(made, tuple) and len(made) == 2):
+            raise CannotRun(f"{name}() must return (model, example_inputs), got {type(made).__name__}")
+        kept = {k: v for k, v in options.items() if k not in ("init", "embed_dim", "call")}
+        report = check_model(made[0], made[1], layers=args.layers, **kept)
+    except ValueError as e:
+        console.print(f"[red]bad option[/red]: {e}")  # type: ignore[attr-defined]
+        return 2
+    except CannotRun as e:
+        return _cannot_run(console, args.json, f"could not run the model: {e}")
+    except Exception as e:  # never a traceback
+        return _cannot_run(console, args.json, f"the doctor could not check this model: {type(e).__name__}: {e}")
+    if args.json:
+        print(report.to_json())
+    else:
+        render_model(report, console)  # type: ignore[arg-type]
     return {"passed": 0, "failed": 1, "inconclusive": 3}[report.verdict]
 
 

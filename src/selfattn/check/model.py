@@ -1,0 +1,409 @@
+"""Checking a whole model: every attention submodule found by behaviour, probed with the call the model makes.
+
+:func:`check_model` runs the model once on the user's example inputs and records, for every
+submodule, how the model called it (its positional and keyword arguments: position embeddings,
+masks, cache positions, flags). A submodule is an attention layer when, during its own forward,
+softmax weights are multiplied into another tensor (``softmax(...) @ v``, an einsum, ``bmm``) or
+an attention kernel runs (``scaled_dot_product_attention``, ``flex_attention``), and it maps the
+hidden states (B, L, E) to an output of that shape; the innermost such module is the layer, so a
+decoder block is not mistaken for its attention, and a core that only takes q, k, v is checked
+through its parent. Each layer is then checked by :func:`~selfattn.check.check` with its real
+weights and the recorded call replayed: the doctor's input in place of the hidden states, the
+doctor's mask (in the convention it finds) in place of the model's, every other tensor as the
+model gave it (cut to the doctor's batch and length, in the probe's dtype), and caches left out.
+
+Shape legend: B batch, L length, E embed dim.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+from .doctor import check
+from .report import Report, render
+from .subject.building import CannotRun
+from .subject.caller import MASK_NAMES, SWITCH_NAMES
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+__all__ = ["Layer", "ModelReport", "check_model", "find_attention", "render_model"]
+
+_SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax"})
+_KERNELS = frozenset({"scaled_dot_product_attention", "flex_attention", "_scaled_dot_product_attention_math",
+                      "multi_head_attention_forward"})  # a mode sees the call, not the operations inside
+_PRODUCTS = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "einsum", "baddbmm"})
+# what weights pass through on their way to the product (dropout, a cast, a mask put on after the softmax)
+_PASSING = frozenset({"dropout", "to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous",
+                      "masked_fill", "masked_fill_", "mul", "__mul__", "where", "nan_to_num", "clone", "view",
+                      "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand", "detach",
+                      "__getitem__"})
+
+
+@dataclass
+class Layer:
+    """An attention submodule found in the model, and the call the model made to it.
+
+    ``x``: where the hidden states went (a positional index or a keyword; several for forward(q, k, v)
+    called with one tensor); ``mask``: the forward parameter that takes the mask, or None; ``batch``,
+    ``length``: the recorded call's sizes (the hidden states are (B, L, E)).
+    """
+
+    name: str
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    x: tuple[int | str, ...]
+    mask: str | int | None
+    batch: int
+    length: int
+
+    @property
+    def extras(self) -> list[Tensor]:
+        """The tensors of the recorded call other than the hidden states and the mask."""
+        skip = {*self.x, self.mask}
+        found: list[Tensor] = []
+        for key, value in [*enumerate(self.args), *self.kwargs.items()]:
+            if key not in skip:
+                tree_map(lambda t: found.append(t) if isinstance(t, Tensor) else None, value)
+        return found
+
+    def adapter(self) -> Callable:
+        """``call(module, x[, mask])`` replaying the recorded call (with a mask argument when the layer takes one)."""
+        def replay(module: nn.Module, x: Tensor, mask: object = None) -> object:
+            fit = _fitter(x, self.batch, self.length)
+            args = [x if i in self.x else (mask if i == self.mask else tree_map(fit, a))
+                    for i, a in enumerate(self.args)]
+            kwargs = {k: x if k in self.x else (mask if k == self.mask else tree_map(fit, v))
+                      for k, v in self.kwargs.items()}
+            if isinstance(self.mask, str) and self.mask not in kwargs and mask is not None:
+                kwargs[self.mask] = mask
+            return module(*args, **kwargs)
+
+        if self.mask is None:
+            return lambda module, x: replay(module, x)
+        return replay
+
+
+def _fitter(x: Tensor, batch: int, length: int) -> Callable[[object], object]:
+    """Cut a recorded tensor to x's batch (dim 0 of size ``batch``) and length (the first later dim of size
+    ``length``), in x's floating dtype and on its device; other values pass as they are."""
+    b, n = x.shape[0], x.shape[1]
+
+    def fit(t: object) -> object:
+        if not isinstance(t, Tensor):
+            return t
+        if t.dim() and t.shape[0] == batch and b != batch:
+            if b > batch:
+                raise ValueError(f"the model called this layer with batch {batch}; it cannot be replayed at {b}")
+            t = t[:b]
+        dims = [d for d in range(1 if t.dim() > 1 else 0, t.dim()) if t.shape[d] == length]
+        if dims and n != length:
+            if n > length:
+                raise ValueError(f"the model called this layer at length {length}; it cannot be replayed at {n}")
+            t = t.narrow(dims[0], 0, n)
+        if t.is_floating_point():
+            t = t.to(dtype=x.dtype)
+        return t.to(x.device)
+
+    return fit
+
+
+class _Watch(TorchFunctionMode):
+    """Which modules' own forward multiplies softmax weights into a tensor, or runs an attention kernel."""
+
+    def __init__(self, stack: list[str]) -> None:
+        super().__init__()
+        self.stack = stack
+        self.weights: set[int] = set()
+        self.kept: list[Tensor] = []
+        self.found: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = getattr(func, "__name__", "")
+        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Tensor)]
+        if self.stack and (name in _KERNELS or (name in _PRODUCTS and any(id(t) in self.weights for t in tensors))):
+            self.found.add(self.stack[-1])
+        if isinstance(out, Tensor) and (name in _SOFTMAX or (name in _PASSING and tensors and
+                                                             id(tensors[0]) in self.weights)):
+            self.weights.add(id(out))
+            self.kept.append(out)  # alive until the run ends, so that no other tensor takes its id
+        return out
+
+
+def _detached(value: object, memo: dict[int, Tensor]) -> object:
+    """``value`` with each tensor copied (one copy per tensor: forward(x, x, x) keeps one tensor thrice)."""
+    def copy(t: object) -> object:
+        if not isinstance(t, Tensor):
+            return t
+        if id(t) not in memo:
+            memo[id(t)] = t.detach().clone()
+        return memo[id(t)]
+
+    return tree_map(copy, value)
+
+
+def _is_cache(value: object) -> bool:
+    return value is not None and "cache" in type(value).__name__.lower() and not isinstance(value, (bool, Tensor))
+
+
+def _first_tensor(out: object) -> Tensor | None:
+    if isinstance(out, Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return next((o for o in out if isinstance(o, Tensor)), None)
+    if isinstance(out, Mapping):
+        return next((o for o in out.values() if isinstance(o, Tensor)), None)
+    return None
+
+
+def _mask_parameter(module: nn.Module, kwargs: dict, taken: set) -> str | None:
+    """The forward parameter the mask goes to: one the model gave a tensor, else the first named like a mask (in
+    the signature's order, as :func:`~selfattn.check.check` tries them)."""
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters if p not in taken]
+    except (TypeError, ValueError):
+        params = []
+    names = [k for k in [*params, *kwargs] if k in MASK_NAMES or ("mask" in k.lower() and k not in SWITCH_NAMES)]
+    given = [k for k in names if isinstance(kwargs.get(k), Tensor)]
+    return (given or names or [None])[0]
+
+
+def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object) -> Layer | None:
+    """The layer for this recorded call, when it maps hidden states (B, L, E) to an output of that shape."""
+    y = _first_tensor(out)
+    if y is None or y.dim() != 3 or not y.is_floating_point():
+        return None
+    slots = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
+    hidden = next((a for _, a in slots if isinstance(a, Tensor) and a.shape == y.shape), None)
+    if hidden is None:
+        return None
+    x = tuple(k for k, a in slots if a is hidden)
+    try:
+        params = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        params = []
+    taken = {params[k] if isinstance(k, int) and k < len(params) else k for k in x}
+    mask = _mask_parameter(module, kwargs, taken)
+    if mask is not None and mask not in kwargs and mask in params and params.index(mask) < len(args):
+        mask_slot: str | int | None = params.index(mask)  # passed positionally
+    else:
+        mask_slot = mask
+    kwargs = {k: (None if _is_cache(v) else v) for k, v in kwargs.items()}
+    args = tuple(None if _is_cache(a) else a for a in args)
+    return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[0], hidden.shape[1])
+
+
+def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
+    """Run ``model`` once on ``example_inputs`` and return its attention layers, in the order they ran.
+
+    Args:
+        model: any module.
+        example_inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments.
+
+    Returns:
+        One :class:`Layer` per attention submodule (the innermost module whose own forward multiplies
+        softmax weights into a tensor or runs an attention kernel, or its nearest ancestor that maps the
+        hidden states (B, L, E) to an output of that shape).
+
+    Raises:
+        CannotRun: the model fails on the example inputs.
+    """
+    names = {m: n for n, m in model.named_modules()}
+    stack: list[str] = []
+    calls: dict[str, tuple[tuple, dict, object]] = {}
+    pending: dict[str, tuple[tuple, dict]] = {}
+    parents: dict[str, str | None] = {}
+    hooks = []
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        name = names[module]
+        parents.setdefault(name, stack[-1] if stack else None)
+        stack.append(name)
+        if name not in calls and name not in pending:
+            memo: dict[int, Tensor] = {}
+            pending[name] = (_detached(args, memo), _detached(kwargs, memo))  # type: ignore[assignment]
+
+    def after(module: nn.Module, args: tuple, kwargs: dict, out: object) -> None:
+        name = stack.pop()
+        if name in pending:
+            a, k = pending.pop(name)
+            calls[name] = (a, k, _detached(out, {}))
+
+    for m in model.modules():
+        hooks.append(m.register_forward_pre_hook(before, with_kwargs=True))
+        hooks.append(m.register_forward_hook(after, with_kwargs=True))
+    watch = _Watch(stack)
+    args, kwargs = _inputs(example_inputs)
+    was_training = model.training
+    try:
+        model.eval()
+        with watch:  # with autograd on: torch's fused inference paths (nn.TransformerEncoderLayer's) stay off
+            model(*args, **kwargs)
+    except Exception as err:
+        raise CannotRun(f"the model failed on the example inputs: {type(err).__name__}: {err}") from err
+    finally:
+        for h in hooks:
+            h.remove()
+        model.train(was_training)
+    order = list(calls)
+    layers: dict[str, Layer] = {}
+    for inner in watch.found:
+        name: str | None = inner
+        while name is not None:
+            if name in calls:
+                layer = _layer(name, model.get_submodule(name), *calls[name])
+                if layer is not None:
+                    layers.setdefault(name, layer)
+                    break
+            name = parents.get(name)
+    return sorted(layers.values(), key=lambda layer: order.index(layer.name))
+
+
+def _inputs(example_inputs: object) -> tuple[tuple, dict]:
+    if isinstance(example_inputs, Mapping):
+        return (), dict(example_inputs)
+    if isinstance(example_inputs, tuple):
+        return example_inputs, {}
+    if isinstance(example_inputs, Tensor):
+        return (example_inputs,), {}
+    raise TypeError("example_inputs must be a tensor, a tuple of positional arguments or a dict of keyword "
+                    f"arguments, got {type(example_inputs).__name__}")
+
+
+@dataclass
+class ModelReport:
+    """What :func:`check_model` found: one :class:`~selfattn.check.Report` per attention layer.
+
+    ``layers``: qualified name -> report; ``classes``: name -> the layer's class; ``could_not_run``: the
+    layers the doctor could not call (name -> why); ``verdict``: "failed" when a layer failed, else
+    "inconclusive" when a layer is inconclusive or could not run, else "passed".
+    """
+
+    layers: dict[str, Report] = field(default_factory=dict)
+    classes: dict[str, str] = field(default_factory=dict)
+    could_not_run: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def verdict(self) -> str:
+        """"passed", "failed" or "inconclusive"."""
+        verdicts = {r.verdict for r in self.layers.values()}
+        if "failed" in verdicts:
+            return "failed"
+        return "inconclusive" if "inconclusive" in verdicts or self.could_not_run else "passed"
+
+    @property
+    def passed(self) -> bool:
+        """Every attention layer was checked and passed."""
+        return self.verdict == "passed"
+
+    def summary(self) -> list[dict]:
+        """One row per layer: {"layer", "class", "verdict", "findings"}."""
+        rows = [{"layer": n, "class": self.classes[n], "verdict": r.verdict, "findings": sorted(r.ids)}
+                for n, r in self.layers.items()]
+        rows += [{"layer": n, "class": self.classes[n], "verdict": "could not run", "findings": [], "why": why}
+                 for n, why in self.could_not_run.items()]
+        return rows
+
+    def to_dict(self) -> dict:
+        """{"passed", "verdict", "summary", "layers": {name: report dict}, "could_not_run"}."""
+        return {"passed": self.passed, "verdict": self.verdict, "summary": self.summary(),
+                "layers": {n: r.to_dict() for n, r in self.layers.items()}, "could_not_run": self.could_not_run}
+
+    def to_json(self) -> str:
+        """:meth:`to_dict` as indented JSON."""
+        return json.dumps(self.to_dict(), indent=1, default=str)
+
+
+def check_model(model: nn.Module, example_inputs: object, *, layers: int | Sequence[str] | None = None,
+                **options: Any) -> ModelReport:
+    """Find every attention layer of ``model`` by behaviour and check each with the call the model makes.
+
+    Args:
+        model: the model, with its real weights (they are not changed; the probes run in eval mode).
+        example_inputs: what the model's forward takes: a tensor, a tuple of positional arguments, or a
+            dict of keyword arguments (e.g. ``{"input_ids": ids}``). Use a batch of 2 or more and a
+            length other than the batch size: the layers are probed at those sizes when their call carries
+            tensors of them (position embeddings, cache positions).
+        layers: check only the first ``layers`` attention layers, or those of these qualified names
+            (default: every one).
+        **options: :func:`~selfattn.check.check`'s options (``causal``, ``mask``, ``seed``, ...), the same for
+            every layer; ``call`` is not one (the model's own call is replayed).
+
+    Returns:
+        The :class:`ModelReport`.
+
+    Raises:
+        CannotRun: the model fails on the example inputs, or no attention layer was found.
+        ValueError: an option is not one :func:`~selfattn.check.check` takes, or is ``call``.
+
+    Example:
+        >>> report = selfattn.check_model(model, {"input_ids": torch.randint(0, 100, (2, 7))})
+        >>> report.verdict, report.summary()
+    """
+    if "call" in options:
+        raise ValueError("check_model replays the call the model makes to each layer: do not give call= (check the "
+                         "layer with selfattn.check(layer, call=...) instead)")
+    allowed = set(inspect.signature(check).parameters) - {"target", "call", "init"}
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(f"check_model does not take {', '.join(unknown)}; its options are "
+                         f"{', '.join(sorted(allowed))}")
+    found = find_attention(model, example_inputs)
+    if not found:
+        raise CannotRun("no attention layer found: no submodule multiplied softmax weights into a tensor or ran an "
+                        "attention kernel on the example inputs, while mapping hidden states (B, L, E) to that shape")
+    if isinstance(layers, int):
+        found = found[:layers]
+    elif layers is not None:
+        wanted = set(layers)
+        missing = wanted - {layer.name for layer in found}
+        if missing:
+            raise ValueError(f"no attention layer named {', '.join(sorted(missing))}; found: "
+                             f"{', '.join(layer.name for layer in found)}")
+        found = [layer for layer in found if layer.name in wanted]
+    report = ModelReport()
+    for layer in found:
+        report.classes[layer.name] = type(layer.module).__name__
+        sized = {"batch": layer.batch, "length": layer.length} if layer.extras else {}
+        try:
+            given = {k: v for k, v in options.items() if v is not None or k not in sized}
+            report.layers[layer.name] = check(layer.module, call=layer.adapter(), **{**sized, **given})
+        except CannotRun as err:
+            report.could_not_run[layer.name] = str(err)
+    return report
+
+
+def render_model(report: ModelReport, console: Console) -> None:
+    """Print the summary table, then each layer's report that did not pass.
+
+    Args:
+        report: what :func:`check_model` returned.
+        console: a ``rich.console.Console`` to print to.
+    """
+    from rich.table import Table
+
+    table = Table(title="attention layers")
+    for col in ("layer", "class", "verdict", "findings"):
+        table.add_column(col)
+    colours = {"passed": "green", "failed": "red"}
+    for row in report.summary():
+        colour = colours.get(row["verdict"], "yellow")
+        table.add_row(row["layer"], row["class"], f"[{colour}]{row['verdict']}[/{colour}]",
+                      ", ".join(row["findings"]) or row.get("why", "")[:120])
+    console.print(table)
+    for name, r in report.layers.items():
+        if r.verdict != "passed":
+            console.rule(name)
+            render(r, console)
+    console.print(f"verdict: {report.verdict} ({len(report.layers)} layer(s) checked, "
+                  f"{len(report.could_not_run)} could not run)")

@@ -1,0 +1,241 @@
+"""The doctor on whole models: every attention layer found by behaviour and checked with the call the model makes.
+
+Shape legend: B batch, L length, E embed dim, H heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import selfattn
+from selfattn.check import CannotRun, check_model
+from selfattn.check.model import find_attention
+
+
+def _rope(length: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = torch.arange(length, dtype=torch.float32)[:, None]
+    freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    ang = torch.cat([pos * freq, pos * freq], dim=-1)
+    return ang.cos()[None], ang.sin()[None]  # (1, L, D): the model computes them once for every layer
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    a, b = t.chunk(2, dim=-1)
+    return t * cos[:, None] + torch.cat([-b, a], dim=-1) * sin[:, None]
+
+
+class Attention(nn.Module):
+    """Rotary attention taking the model's position embeddings and additive mask as keywords."""
+
+    def __init__(self, e: int, h: int, scale: float | None = None) -> None:
+        super().__init__()
+        self.h, self.d = h, e // h
+        self.qkv, self.out = nn.Linear(e, 3 * e), nn.Linear(e, e)
+        self.scale = scale if scale is not None else self.d ** -0.5
+
+    def forward(self, hidden, *, position_embeddings, attention_mask=None):
+        b, n, e = hidden.shape
+        q, k, v = self.qkv(hidden).view(b, n, 3, self.h, self.d).permute(2, 0, 3, 1, 4)
+        cos, sin = position_embeddings
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        s = q @ k.transpose(-1, -2) * self.scale
+        if attention_mask is not None:
+            s = s + attention_mask
+        return self.out((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class Experts(nn.Module):
+    """A mixture of experts: a softmax router over experts (not attention: its weights never meet a matmul)."""
+
+    def __init__(self, e: int, n: int = 4) -> None:
+        super().__init__()
+        self.router, self.experts = nn.Linear(e, n), nn.ModuleList(nn.Linear(e, e) for _ in range(n))
+
+    def forward(self, x):
+        w = self.router(x).softmax(-1)
+        return sum(w[..., i : i + 1] * f(x) for i, f in enumerate(self.experts))
+
+
+class Block(nn.Module):
+    def __init__(self, e: int, h: int, scale: float | None = None) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(e), nn.LayerNorm(e)
+        self.attn, self.mlp = Attention(e, h, scale), Experts(e)
+
+    def forward(self, x, cos_sin, mask):
+        x = x + self.attn(self.norm1(x), position_embeddings=cos_sin, attention_mask=mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class Model(nn.Module):
+    """A decoder: embeddings, rotary computed once, a causal additive mask, blocks."""
+
+    def __init__(self, e: int = 32, h: int = 4, layers: int = 2, scales: dict[int, float] | None = None) -> None:
+        super().__init__()
+        self.h = h
+        self.emb = nn.Embedding(50, e)
+        self.blocks = nn.ModuleList(Block(e, h, (scales or {}).get(i)) for i in range(layers))
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        n = ids.shape[1]
+        cos_sin = _rope(n, x.shape[-1] // self.h)
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None].expand(ids.shape[0], 1, n, n)
+        for block in self.blocks:
+            x = block(x, cos_sin, mask)
+        return x
+
+
+def _ids(b: int = 2, n: int = 7) -> torch.Tensor:
+    return torch.randint(0, 50, (b, n), generator=torch.Generator().manual_seed(0))
+
+
+def test_attention_layers_are_found_by_behaviour_not_by_name():
+    """catches: the block (it contains the attention) or the mixture of experts (a softmax, but over experts and
+    never multiplied into a tensor) taken for an attention layer, or a layer missed."""
+    torch.manual_seed(0)
+    found = find_attention(Model(), _ids())
+    assert [(layer.name, type(layer.module).__name__) for layer in found] == \
+        [("blocks.0.attn", "Attention"), ("blocks.1.attn", "Attention")]
+    layer = found[0]
+    assert layer.x == ((0,)) and layer.mask == "attention_mask" and (layer.batch, layer.length) == (2, 7)
+
+
+def test_every_layer_is_checked_with_the_call_the_model_makes():
+    """catches: a whole model whose layers need the model's own inputs (rotary position embeddings passed as a
+    keyword, a mask) left uncheckable without a hand-written adapter, or a model-level mask taken as the module's
+    own causality."""
+    torch.manual_seed(0)
+    report = check_model(Model(), _ids())
+    assert report.verdict == "passed", report.to_json()
+    assert list(report.layers) == ["blocks.0.attn", "blocks.1.attn"]
+    for r in report.layers.values():
+        assert r.coverage["mask"] == "verified" and r.coverage["white_box"] == "verified"
+        assert "rotary" in r.coverage["equivariance"]
+    assert [row["verdict"] for row in report.summary()] == ["passed", "passed"]
+    assert json.loads(report.to_json())["verdict"] == "passed"
+
+
+def test_a_bug_in_one_layer_is_named_in_that_layer():
+    """catches: a bug in one layer of a model averaged away by the others, or reported on the wrong layer."""
+    torch.manual_seed(0)
+    d = 32 // 4
+    report = check_model(Model(scales={1: 1 / d}), _ids())
+    assert report.verdict == "failed"
+    assert report.layers["blocks.0.attn"].verdict == "passed"
+    assert report.layers["blocks.1.attn"].ids == {"wrong-scale"}
+    assert check_model(Model(scales={1: 1 / d}), _ids(), layers=["blocks.0.attn"]).verdict == "passed"
+    assert list(check_model(Model(), _ids(), layers=1).layers) == ["blocks.0.attn"]
+
+
+class _Core(nn.Module):
+    """An attention core that takes q, k, v (x-transformers' Attend, diffusers' processors): no projections."""
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q, k, v)
+
+
+class _Outer(nn.Module):
+    def __init__(self, e: int = 32, h: int = 4) -> None:
+        super().__init__()
+        self.h, self.to_qkv, self.to_out, self.core = h, nn.Linear(e, 3 * e, bias=False), nn.Linear(e, e), _Core()
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = self.to_qkv(x).view(b, n, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        return self.to_out(self.core(q, k, v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_core_that_takes_q_k_v_is_checked_through_its_parent():
+    """catches: a q/k/v core (no (B, L, E) input) taken as the layer, which the doctor cannot call."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), _Outer())
+    report = check_model(model, torch.randn(2, 7, 32))
+    assert list(report.layers) == ["1"] and report.classes["1"] == "_Outer"
+    assert report.verdict == "passed", report.to_json()
+
+
+def test_torch_transformer_encoder_layers_are_found_and_checked():
+    """catches: nn.MultiheadAttention called as self_attn(x, x, x, ...) not recognised (three slots, one tensor),
+    and the encoder layer's fused inference path hiding the attention from the run."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    found = find_attention(model, torch.randn(2, 7, 32))
+    assert [f.name for f in found] == ["layers.0.self_attn", "layers.1.self_attn"]
+    assert found[0].x == (0, 1, 2)
+    report = check_model(model, torch.randn(2, 7, 32), layers=1)
+    assert report.verdict == "passed", report.to_json()
+
+
+def test_transformers_models_are_checked_whole():
+    """catches: the layers of a real transformers model (rotary embeddings, position ids, cache positions and
+    a cache object in the call) not found or not callable from the recorded call."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=64, num_hidden_layers=2, vocab_size=64)
+    config._attn_implementation = "eager"
+    model = transformers.LlamaModel(config)
+    report = check_model(model, {"input_ids": torch.randint(0, 64, (2, 7))})
+    assert list(report.layers) == ["layers.0.self_attn", "layers.1.self_attn"]
+    assert report.verdict == "passed", report.to_json()
+    assert all(r.coverage["mask"] == "verified" for r in report.layers.values())
+
+
+def test_bad_input_is_a_clear_error():
+    """catches: a model without attention reported as passed, a model that fails on its inputs raising from
+    inside the doctor, and options check_model cannot honour accepted silently."""
+    with pytest.raises(CannotRun, match="no attention layer found"):
+        check_model(nn.Sequential(nn.Linear(8, 8)), torch.randn(2, 3, 8))
+    with pytest.raises(CannotRun, match="failed on the example inputs"):
+        check_model(Model(), torch.randn(2, 3))
+    with pytest.raises(ValueError, match="replays the call"):
+        check_model(Model(), _ids(), call=lambda m, x: m(x))
+    with pytest.raises(ValueError, match="does not take"):
+        check_model(Model(), _ids(), colour="red")
+    with pytest.raises(ValueError, match="no attention layer named"):
+        check_model(Model(), _ids(), layers=["blocks.7.attn"])
+    with pytest.raises(TypeError, match="example_inputs"):
+        check_model(Model(), [1, 2])
+    assert selfattn.check_model is check_model
+
+
+def test_cli_checks_a_model_from_a_factory(tmp_path):
+    """catches: `selfattn check --model` not wired, or its exit status not the verdict's."""
+    src = tmp_path / "net.py"
+    src.write_text(textwrap.dedent(f"""
+        import torch
+        from torch import nn
+
+        class Attn(nn.Module):
+            def __init__(self, e, scale):
+                super().__init__()
+                self.qkv, self.o, self.scale = nn.Linear(e, 3 * e), nn.Linear(e, e), scale
+            def forward(self, x):
+                q, k, v = self.qkv(x).chunk(3, -1)
+                return self.o(torch.softmax(q @ k.transpose(-1, -2) * self.scale, -1) @ v)
+
+        def good():
+            return nn.Sequential(nn.Linear(16, 16), Attn(16, {1 / math.sqrt(16)})), torch.randn(2, 5, 16)
+
+        def bad():
+            return nn.Sequential(nn.Linear(16, 16), Attn(16, 1.0)), torch.randn(2, 5, 16)
+        """))
+    run = [sys.executable, "-m", "selfattn.cli", "check", "--model", "--json"]
+    good = subprocess.run([*run, f"{src}:good"], capture_output=True, text=True, timeout=300)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert json.loads(good.stdout)["summary"][0]["layer"] == "1"
+    bad = subprocess.run([*run, f"{src}:bad"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 1 and "missing-scale" in json.loads(bad.stdout)["summary"][0]["findings"]
+    wrong = subprocess.run([*run, f"{src}:nothing"], capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2 and "no function named" in wrong.stdout
