@@ -18,6 +18,7 @@ Shape legend: B batch, L length, E embed dim.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -131,6 +132,7 @@ class _Collected:
     not_verified: dict[str, str] = field(default_factory=dict)
     coverage: dict[str, str] = field(default_factory=dict)
     results: dict[str, Any] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     def take(self, outcome: Outcome) -> Any:
         self.findings += outcome.findings
@@ -140,6 +142,7 @@ class _Collected:
         return outcome.value
 
     def run(self, probe: Probe, ctx: Context) -> None:
+        start = time.perf_counter()
         try:
             outcome = probe.run(ctx, *(self.results.get(n) for n in probe.needs))
             undeclared = sorted({f.id for f in outcome.findings} - probe.emits)
@@ -157,6 +160,7 @@ class _Collected:
             value = self.take(outcome)
         if probe.gives:
             self.results[probe.gives] = value
+        self.seconds[probe.name] = time.perf_counter() - start
 
 
 class _Undeclared(RuntimeError):
@@ -252,6 +256,7 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
                       **({"device": str(device)} if device.type != "cpu" else {})})
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
+        start = time.perf_counter()
         called = got.take(calling(module, sizes, gen, adapter, dtype, device))
         assert called is not None  # calling() gives the caller and its input, or raises CannotRun
         call, x = called
@@ -273,6 +278,7 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
             ctx = replace(ctx, exact=None)
             got.inferred["analysed in"] = f"{str(x.dtype)[6:]} (its float64 copy reads masks differently)"
         got.results["out"] = out
+        got.seconds["calling"] = time.perf_counter() - start
         for probe in PROBES:
             got.run(probe, ctx)
     if got.results.get("masked") is None:
@@ -283,7 +289,7 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
                                        "mask after each call)", {"changed": sorted(call.mutated)}))
     findings = merge(got.findings)
     coverage = {prop: got.coverage.get(prop, "not verified: the probe did not run") for prop in COVERED}
-    return Report.of(got.inferred, findings, got.not_verified, coverage)
+    return Report.of(got.inferred, findings, got.not_verified, coverage, got.seconds)
 
 
 def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dict | None = None, embed_dim: int = 64,

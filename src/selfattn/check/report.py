@@ -36,7 +36,7 @@ class Report:
     ``verdict == "passed"``. ``not_verified`` maps each probe that raised to "not verified: <exception type>:
     <message>" ("not verified (doctor error): ..." when the doctor's own code raised: a doctor bug);
     ``coverage`` says for each property of :data:`COVERED` whether it was "verified", is "not applicable:
-    <why>" or is "not verified: <why>".
+    <why>" or is "not verified: <why>"; ``seconds``: how long finding the call and each probe took.
     """
 
     passed: bool
@@ -44,14 +44,15 @@ class Report:
     findings: list[Finding] = field(default_factory=list)
     not_verified: dict[str, str] = field(default_factory=dict)
     coverage: dict[str, str] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def of(cls, inferred: dict, findings: list[Finding], not_verified: dict[str, str],
-           coverage: dict[str, str]) -> Report:
+           coverage: dict[str, str], seconds: dict[str, float] | None = None) -> Report:
         """The report of these results, its verdict derived from them."""
         errors = any(f.severity == "error" for f in findings)
         return cls(passed=not errors and not not_verified, inferred=inferred, findings=findings,
-                   not_verified=not_verified, coverage=coverage)
+                   not_verified=not_verified, coverage=coverage, seconds=dict(seconds or {}))
 
     @property
     def verdict(self) -> Verdict:
@@ -70,12 +71,12 @@ class Report:
 
         Returns:
             {"passed", "verdict", "inconclusive", "inferred", "coverage", "findings": [{"id", "severity",
-            "message", "evidence", "fix"}, ...], "not_verified", "doctor_errors"}.
+            "message", "evidence", "fix"}, ...], "not_verified", "doctor_errors", "seconds"}.
         """
         return {"passed": self.passed, "verdict": self.verdict, "inconclusive": self.verdict == "inconclusive",
                 "inferred": self.inferred, "coverage": self.coverage,
                 "findings": [f.to_dict() for f in self.findings], "not_verified": self.not_verified,
-                "doctor_errors": self.doctor_errors}
+                "doctor_errors": self.doctor_errors, "seconds": {k: round(v, 3) for k, v in self.seconds.items()}}
 
     def to_json(self) -> str:
         """:meth:`to_dict` as indented JSON (values JSON cannot hold are written with ``str``)."""
