@@ -66,7 +66,8 @@ def build(shape: tuple[int, int, int, int], layout: str, dtype: torch.dtype, gen
 
 @st.composite
 def mask_leaf(draw: st.DrawFn, b: int, h: int, lq: int, lk: int) -> Mask:
-    kind = draw(st.sampled_from(["causal", "window", "padding", "document", "tensor", "ignore", "mask_mod"]))
+    kind = draw(st.sampled_from(["causal", "window", "padding", "document", "tensor", "ignore", "mask_mod",
+                                 "packed"]))
     if kind == "causal":
         return masks.causal(draw(st.sampled_from(["top_left", "bottom_right"])))
     if kind == "window":
@@ -77,6 +78,12 @@ def mask_leaf(draw: st.DrawFn, b: int, h: int, lq: int, lk: int) -> Mask:
     if kind == "document" and lq <= lk:
         ids = torch.tensor(sorted(draw(st.lists(st.integers(0, 4), min_size=lk, max_size=lk))))
         return masks.document(ids if draw(st.booleans()) else ids.expand(b, lk).clone())
+    if kind == "packed":  # varlen sequences: Lq and Lk cut into as many parts, some of them empty
+        n = draw(st.integers(1, 4))
+        cu_q = draw(cu_seqlens(lq, n))
+        cu_k = cu_q if lq == lk and draw(st.booleans()) else draw(cu_seqlens(lk, n))
+        return masks.packed(cu_q, cu_k, left=draw(st.sampled_from([None, 0, 1, 5])),
+                            right=draw(st.sampled_from([None, 0, 2])))
     if kind == "mask_mod":  # an opaque function: a formula, or a lookup into a hidden tensor
         if draw(st.booleans()):
             period, phase = draw(st.integers(2, 5)), draw(st.integers(0, 4))
@@ -93,6 +100,13 @@ def mask_leaf(draw: st.DrawFn, b: int, h: int, lq: int, lk: int) -> Mask:
         return masks.from_torch_attn_mask(torch.rand(shape, generator=gen) > 0.6,
                                           num_heads=h if form == "attn_3d" else None)
     return masks.from_tensor(draw(bool_tensor(b, h, lq, lk)))
+
+
+@st.composite
+def cu_seqlens(draw: st.DrawFn, total: int, n: int) -> Tensor:
+    """Cumulative lengths (n + 1,) of n sequences of ``total`` tokens in all (some sequences empty)."""
+    cuts = sorted(draw(st.lists(st.integers(0, total), min_size=n - 1, max_size=n - 1)))
+    return torch.tensor([0, *cuts, total], dtype=draw(st.sampled_from([torch.int32, torch.int64])))
 
 
 @st.composite

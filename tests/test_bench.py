@@ -72,6 +72,20 @@ def test_padded_cases_are_keys_only_with_the_tracked_lengths(case, lengths):
         assert torch.equal(flex, want)
 
 
+def test_varlen_case_implementations_compute_the_same_attention():
+    """catches: a varlen anchor that does less (or other) work than varlen_attention: padded documents
+    cut wrongly, a document mask that is not the packing, outputs in another layout."""
+    case = worker.mask_case(worker.VARLEN, 200, "cpu")
+    assert case.cu_seqlens is not None and case.cu_seqlens[-1] == 200 and len(case.cu_seqlens) == worker.DOCS + 1
+    spec = dict(case=worker.VARLEN, L=200, H=2, D=8, device="cpu", dtype="float64", mode="fwd", impl="textbook")
+    _, (q, k, v) = worker._attention_step(spec, small=False)
+    want = worker._varlen_impl("textbook", q, k, v, case)()[0]  # (H, L, D)
+    for impl in ("selfattn", "chunked", "document", "sdpa", "sdpa-padded"):
+        out = worker._varlen_impl(impl, q, k, v, case)()
+        out = out.transpose(0, 1) if impl in ("selfattn", "chunked") else out.reshape(want.shape)
+        torch.testing.assert_close(out, want, msg=impl)
+
+
 def test_time_group_times_every_impl_in_the_same_rounds():
     """catches: implementations of one point timed in separate runs (their ratio would mix two
     runs' noise), or one failing implementation taking the others down."""

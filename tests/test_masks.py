@@ -122,6 +122,11 @@ def test_torch_convention_converters():
     (lambda: masks.from_tensor(torch.ones(3, 3)), TypeError, "bool"),
     (lambda: masks.causal() & torch.ones(3, 3, dtype=torch.bool), TypeError, "from_tensor"),
     (lambda: masks.padding([1, 2]) & masks.padding([1, 2, 3]), ValueError, "batch"),
+    (lambda: masks.packed(torch.tensor([0.0, 3.0])), TypeError, "cu_seqlens_q must be an int32 or int64"),
+    (lambda: masks.packed([0, 3], [1, 3]), ValueError, "cu_seqlens_k must start at 0"),
+    (lambda: masks.packed([0, 3, 2]), ValueError, "cu_seqlens_q must be non-decreasing"),
+    (lambda: masks.packed([0]), ValueError, "N \\+ 1 >= 2 entries"),
+    (lambda: masks.packed([0, 3], right=1.5), ValueError, "right"),
 ])
 def test_mask_constructor_errors(bad, exc, match):
     """catches: bad mask arguments accepted and failing later with an obscure error."""
@@ -201,7 +206,72 @@ def test_masks_declare_what_they_are_made_of():
               masks.document(ids), masks.from_tensor(torch.rand(1, 2, 5, 5) < 0.5), ~masks.causal(),
               masks.from_mask_mod(lambda b, h, q, kv: q >= kv, heads=2),
               (masks.document(ids) & masks.causal()) | masks.sliding_window(1),
-              masks.from_tensor(torch.rand(1, 4, 5, 5) < 0.5).heads(1, 2)):
+              masks.from_tensor(torch.rand(1, 4, 5, 5) < 0.5).heads(1, 2),
+              masks.packed([0, 2, 5], right=0), masks.packed([0, 1, 5], [0, 4, 5], left=1, right=2)):
         again = type(m).from_fields(**dict(m.fields()))
         assert type(again) is type(m)
         torch.testing.assert_close(again.dense(5, 5), m.dense(5, 5))
+
+
+# (cu_seqlens_q, cu_seqlens_k): equal lengths; queries shorter and longer than keys; empty sequences
+PACKS = {
+    "self": ([0, 4, 4, 11], None),
+    "cross": ([0, 2, 9, 9, 11], [0, 6, 8, 12, 12]),
+}
+
+
+def _packed_definition(cu_q, cu_k, left, right):
+    """Visible when both tokens belong to sequence s and, with nq, nk its lengths and r, c the row and
+    key counted from its start, -left <= c - (r + nk - nq) <= right (None: unbounded)."""
+    def seq(cu, x):
+        return next(s for s in range(len(cu) - 1) if cu[s] <= x < cu[s + 1])
+
+    def visible(b, h, i, j):
+        s = seq(cu_q, i)
+        if seq(cu_k, j) != s:
+            return False
+        d = (j - cu_k[s]) - (i - cu_q[s] + (cu_k[s + 1] - cu_k[s]) - (cu_q[s + 1] - cu_q[s]))
+        return (left is None or d >= -left) and (right is None or d <= right)
+    return visible
+
+
+@pytest.mark.parametrize("pack", list(PACKS))
+@pytest.mark.parametrize(("left", "right"), [(None, None), (None, 0), (1, 0), (2, 1), (0, None), (0, 0)])
+def test_packed_matches_its_definition(pack, left, right):
+    """catches: off-by-one in a sequence's bottom-right diagonal, a key of the neighbouring sequence seen
+    across a boundary, and empty sequences shifting the ones after them."""
+    cu_q, cu_k = PACKS[pack]
+    cu_k_ = cu_q if cu_k is None else cu_k
+    lq, lk = cu_q[-1], cu_k_[-1]
+    m = masks.packed(torch.tensor(cu_q, dtype=torch.int32), None if cu_k is None else torch.tensor(cu_k),
+                     left=left, right=right)
+    want = _loop(_packed_definition(cu_q, cu_k_, left, right), 1, 1, lq, lk)
+    assert torch.equal(m.dense(lq, lk), want)
+    assert torch.equal(m.block(3, lq, 2, lk, lq, lk), want[:, :, 3:, 2:])
+    for bq, bk in [(1, 1), (2, 3), (4, 4), (5, 2)]:
+        tiles = m.tiles(lq, lk, bq, bk)[0, 0]
+        for qi in range(tiles.shape[0]):
+            for kj in range(tiles.shape[1]):
+                block = want[0, 0, qi * bq:(qi + 1) * bq, kj * bk:(kj + 1) * bk]
+                assert tiles[qi, kj] != masks.FULL or block.all()
+                assert tiles[qi, kj] != masks.EMPTY or not block.any()
+
+
+def test_packed_self_attention_is_document_and_causal():
+    """catches: packed(cu) (right=0) not being document(ids) (& causal) when queries and keys are one axis."""
+    cu = torch.tensor([0, 3, 3, 7, 8])
+    ids = torch.tensor([0, 0, 0, 2, 2, 2, 2, 3])
+    assert torch.equal(masks.packed(cu).dense(8, 8), masks.document(ids).dense(8, 8))
+    assert torch.equal(masks.packed(cu, right=0).dense(8, 8), (masks.document(ids) & masks.causal()).dense(8, 8))
+    assert torch.equal(masks.packed(cu, left=2, right=1).dense(8, 8),
+                       (masks.document(ids) & masks.sliding_window(2, 1)).dense(8, 8))
+
+
+def test_packed_reads_its_tensors_when_used():
+    """catches: a packed mask that keeps a stale copy of cu_seqlens, or a version that does not change."""
+    cu = torch.tensor([0, 4, 8])
+    m = masks.packed(cu, right=0)
+    v0, before = m.version(), m.dense(8, 8).clone()
+    cu[1] = 2
+    assert m.version() != v0 and not torch.equal(m.dense(8, 8), before)
+    assert repr(m) == "packed(2 sequences, right=0)"

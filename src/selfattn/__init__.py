@@ -5,6 +5,8 @@ Example:
     >>> q = k = v = torch.randn(2, 8, 128, 64)                   # (B, H, L, D)
     >>> out = selfattn.attention(q, k, v, causal=True)
     >>> out = selfattn.attention(q, k, v, mask=selfattn.masks.sliding_window(32))
+    >>> cu = torch.tensor([0, 100, 128], dtype=torch.int32)      # two packed sequences
+    >>> out = selfattn.varlen_attention(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu)
 """
 
 from . import masks, scores, testing
@@ -13,6 +15,7 @@ from .check import check, check_model
 from .functional import Explanation, attention, attention_with_weights, explain, use_backend
 from .nn import MultiHeadAttention, SelfAttention
 from .rope import rope
+from .varlen import varlen_attention, varlen_explain
 
 __all__ = [
     "Explanation",
@@ -29,6 +32,8 @@ __all__ = [
     "scores",
     "testing",
     "use_backend",
+    "varlen_attention",
+    "varlen_explain",
 ]
 
 __version__ = "0.1.0"

@@ -1,7 +1,9 @@
 """``selfattn bench --suite masks``: masked attention from 1k to 64k tokens: selfattn (auto, chunked)
 vs raw SDPA (with the dense mask where a mask is needed), SDPA is_causal (over the whole batch, and
 for padded batches over each item's real tokens only), the tutorial's textbook math and compiled
-FlexAttention (CPU: forward only, as it has no CPU backward).
+FlexAttention (CPU: forward only, as it has no CPU backward). The varlen case packs documents of
+mixed lengths in one row: selfattn.varlen_attention beside attention with the document mask it
+equals and SDPA is_causal on the documents padded to the longest.
 
 Each (case, mode, L) point runs in a worker process of its own that times every implementation in
 turns (:func:`~selfattn.bench.worker.time_group`); each implementation's peak memory is then
@@ -25,13 +27,13 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from .ratios import MASK_ANCHORS, attach_ratios, format_ratio
-from .worker import MASK_CASES, case_batch
+from .worker import MASK_CASES, VARLEN, VARLEN_IMPLS, case_batch
 
 __all__ = ["IN_ALL", "NAME", "grid", "plots", "run", "tables"]
 
 NAME = "masks"
 IN_ALL = True
-MASK_IMPLS = ["selfattn", "chunked", "sdpa", "sdpa-causal", "sdpa-causal-valid", "textbook", "flex"]
+MASK_IMPLS = ["selfattn", "chunked", "sdpa", "sdpa-causal", "sdpa-causal-valid", *VARLEN_IMPLS, "textbook", "flex"]
 LENGTHS = [1024, 2048, 4096, 8192, 16384, 32768, 65536]
 QUICK_LENGTHS = [2048]
 QUICK_CASES = ["causal", "padding(3L/4,L)+causal", "sliding_window(256)", "document(8 docs)"]
@@ -70,6 +72,8 @@ def grid(args: argparse.Namespace) -> list[dict]:
                         continue  # for causal, "sdpa" is is_causal itself; dense has no causal anchor
                     if impl == "sdpa-causal-valid" and not case.startswith("padding"):
                         continue  # the padded cases' anchor: is_causal on each item's real tokens
+                    if impl in VARLEN_IMPLS and case != VARLEN:
+                        continue  # the varlen case's own anchors: the document mask, SDPA on padded documents
                     p = dict(suite="masks", case=case, mode=mode, L=length, impl=impl, H=H, D=D)
                     if impl == "flex" and mode == "fwd+bwd" and not device.startswith("cuda"):
                         p["skip"] = "FlexAttention has no CPU backward"
@@ -134,7 +138,8 @@ def _anchor_label(impl: str, case: str) -> str:
     """What an anchor implementation is, in a given masks case."""
     if impl == "sdpa":
         return {"causal": "is_causal", "dense": "SDPA"}.get(case, "SDPA dense")
-    return {"sdpa-causal": "is_causal", "sdpa-causal-valid": "is_causal real", "flex": "flex"}.get(impl, impl)
+    return {"sdpa-causal": "is_causal", "sdpa-causal-valid": "is_causal real", "flex": "flex",
+            "document": "document mask", "sdpa-padded": "SDPA padded"}.get(impl, impl)
 
 
 def tables(results: list[dict]) -> list[Table]:

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 __all__ = ["MASK_ANCHORS", "attach_ratios", "format_ratio", "ratio_stats"]
 
 # implementations the masks suite measures the others against (a ratio is given to each present)
-MASK_ANCHORS = ("sdpa", "sdpa-causal", "sdpa-causal-valid", "flex")
+MASK_ANCHORS = ("sdpa", "sdpa-causal", "sdpa-causal-valid", "document", "sdpa-padded", "flex")
 
 
 def ratio_stats(times: Sequence[float], anchor_times: Sequence[float]) -> dict[str, float | int] | None:

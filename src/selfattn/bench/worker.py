@@ -44,6 +44,7 @@ class MaskCase:
     mask: masks.Mask | None
     mask_mod: Callable | None  # the same predicate for FlexAttention
     lengths: Tensor | None = None  # padding+causal: real length of each batch item
+    cu_seqlens: Tensor | None = None  # the varlen case: where each packed document starts (N + 1,)
 
 
 def mask_case(name: str, length: int, device: str) -> MaskCase:
@@ -67,6 +68,11 @@ def mask_case(name: str, length: int, device: str) -> MaskCase:
     if name == f"document({DOCS} docs)":
         ids = torch.arange(length, device=device) * DOCS // length
         return MaskCase(1, masks.document(ids), lambda b, h, q, kv: ids[q] == ids[kv])
+    if name == VARLEN:
+        cu = varlen_cu_seqlens(length, device)
+        ids = torch.repeat_interleave(torch.arange(len(cu) - 1, device=device), cu[1:] - cu[:-1])
+        return MaskCase(1, masks.document(ids) & masks.causal(),
+                        lambda b, h, q, kv: (ids[q] == ids[kv]) & (q >= kv), cu_seqlens=cu)
     if name == "dense":
         return MaskCase(1, None, None)
     raise ValueError(f"unknown mask case {name!r}")
@@ -75,8 +81,19 @@ def mask_case(name: str, length: int, device: str) -> MaskCase:
 # the padded batches the README tracks: each item's real length as a fraction of L
 PADDED_LENGTHS = {"padding(L)+causal": (1.0,), "padding(3L/4)+causal": (0.75,),
                   "padding(3L/4,L)+causal": (0.75, 1.0)}
+# the varlen case: documents of mixed lengths packed in one row, as shares of L (the last takes the rest)
+VARLEN = f"varlen({DOCS} mixed docs)+causal"
+VARLEN_SHARES = (0.30, 0.02, 0.15, 0.05, 0.25, 0.08, 0.10)
+VARLEN_IMPLS = ("document", "sdpa-padded")  # implementations of the varlen case only
 MASK_CASES = ["causal", "padding+causal", "padding(queries)+causal", *PADDED_LENGTHS, f"sliding_window({WINDOW})",
-              f"document({DOCS} docs)", "dense"]
+              f"document({DOCS} docs)", VARLEN, "dense"]
+
+
+def varlen_cu_seqlens(length: int, device: str) -> Tensor:
+    """cu_seqlens (DOCS + 1,) int32 of the varlen case at length L."""
+    lengths = [int(f * length) for f in VARLEN_SHARES]
+    lengths.append(length - sum(lengths))
+    return F.pad(torch.tensor(lengths, device=device).cumsum(0), (1, 0)).to(torch.int32)
 
 
 def case_batch(name: str) -> int:
@@ -113,6 +130,8 @@ def _attention_step(spec: dict, small: bool) -> tuple[Callable[[], Callable[[], 
         return make_step(fn, [q, k, v], backward)
 
     def prepare() -> Callable[[], None]:
+        if case.cu_seqlens is not None:
+            return run(_varlen_impl(impl, q, k, v, case))
         if impl in ("selfattn", "chunked"):
             backend = "auto" if impl == "selfattn" else "chunked"
             return run(lambda: selfattn.attention(q, k, v, mask=case.mask, backend=backend))
@@ -142,6 +161,44 @@ def _attention_step(spec: dict, small: bool) -> tuple[Callable[[], Callable[[], 
         raise ValueError(f"unknown implementation {impl!r}")
 
     return prepare, [q, k, v]
+
+
+def _varlen_impl(impl: str, q: Tensor, k: Tensor, v: Tensor, case: MaskCase) -> Callable[[], Tensor]:
+    """The varlen case's implementations, each from the packed (1, H, L, D) inputs: selfattn's
+    varlen_attention on (L, H, D) views of them (auto, chunked), attention with the document mask it
+    equals, SDPA with that mask dense, SDPA is_causal on the documents padded to the longest (padding
+    and unpadding included), is_causal over the whole row (the unmasked cost), flex, textbook."""
+    assert case.cu_seqlens is not None and case.mask is not None and case.mask_mod is not None
+    cu = case.cu_seqlens
+    length = q.shape[2]
+    pq, pk, pv = (t[0].transpose(0, 1) for t in (q, k, v))  # (L, H, D) views
+    if impl in ("selfattn", "chunked"):
+        backend = "auto" if impl == "selfattn" else "chunked"
+        return lambda: selfattn.varlen_attention(pq, pk, pv, cu, causal=True, backend=backend)
+    if impl == "document":
+        return lambda: selfattn.attention(q, k, v, mask=case.mask)
+    if impl in ("sdpa", "textbook"):
+        dense = case.mask.dense(length, length, q.device)
+        if impl == "textbook":
+            return lambda: textbook_attention(q, k, v, dense)
+        return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
+    if impl == "sdpa-padded":
+        spans = list(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True))
+        longest = max(b - a for a, b in spans)
+
+        def padded() -> Tensor:
+            qp, kp, vp = (torch.stack([F.pad(t[0, :, a:b], (0, 0, 0, longest - (b - a))) for a, b in spans])
+                          for t in (q, k, v))  # (N, H, longest, D)
+            out = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True)
+            return torch.cat([out[i, :, :b - a] for i, (a, b) in enumerate(spans)], dim=1)  # (H, L, D)
+        return padded
+    if impl == "sdpa-causal":
+        return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if impl == "flex":
+        block_mask = flex_block_mask(case.mask_mod, 1, length, str(q.device))
+        flex = compiled_flex()
+        return lambda: flex(q, k, v, block_mask=block_mask)
+    raise ValueError(f"unknown implementation {impl!r} for {VARLEN}")
 
 
 def _warm_step(spec: dict, device: str) -> None:

@@ -48,6 +48,8 @@ from .kinds import Document as Document
 from .kinds import Padding as Padding
 from .kinds import SlidingWindow as SlidingWindow
 from .kinds import causal, document, padding, sliding_window
+from .packed import Packed as Packed
+from .packed import packed
 from .tensors import FromMaskMod as FromMaskMod
 from .tensors import FromTensor as FromTensor
 from .tensors import (
@@ -68,6 +70,7 @@ __all__ = [
     "from_tensor",
     "from_torch_attn_mask",
     "from_torch_key_padding_mask",
+    "packed",
     "padding",
     "positions",
     "query_offset",
