@@ -102,6 +102,109 @@ class RotaryOnValues(_Fused):
         return self.merge(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v)
 
 
+class _ValuesMadeOver(_Fused):
+    """Correct fused-qkv attention whose values go through ``values(v, x)`` before the product."""
+
+    def values(self, v: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return v
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        v = self.values(v, x)
+        return self.merge(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v)
+
+
+class ValuesThroughGelu(_ValuesMadeOver):
+    """Bug: an activation left on the values (copied from the MLP)."""
+
+    def values(self, v, x):
+        return F.gelu(v)
+
+
+class ValuesPlusTheInput(_ValuesMadeOver):
+    """Bug: the input added to the values (a residual put inside the attention)."""
+
+    def values(self, v, x):
+        b, n, e = x.shape
+        return v + x.reshape(b, n, self.heads, e // self.heads).transpose(1, 2)
+
+
+class ValuesNormalised(_ValuesMadeOver):
+    """Design (Gemma 3n's v_norm): an RMS norm without a weight on the values."""
+
+    def values(self, v, x):
+        return v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class ValueEmbeddings(_ValuesMadeOver):
+    """Design (value embeddings, as in speed-run GPT trainers): a learned table mixed into the values."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.ve = nn.Parameter(0.1 * torch.randn(self.heads, 1, dim // self.heads))
+        self.lambdas = nn.Parameter(torch.tensor([0.7, 0.3]))
+
+    def values(self, v, x):
+        return self.lambdas[0] * v + self.lambdas[1] * self.ve
+
+
+class ConvImageAttention(nn.Module):
+    """An image block's attention, channels first (as latent-diffusion and VQGAN autoencoders write it): a group
+    norm, 1x1 convolutions for q, k, v and the output, the values product written V^T W^T, a residual."""
+
+    def __init__(self, channels: int, scale: float | None = None, softmax_dim: int = 2, permute: bool = True) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(8, channels)
+        self.q, self.k, self.v, self.proj = (nn.Conv2d(channels, channels, 1) for _ in range(4))
+        self.scale, self.softmax_dim, self.permute = scale, softmax_dim, permute
+
+    def forward(self, x):
+        h = self.norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        b, c, height, width = q.shape
+        q = q.reshape(b, c, height * width).permute(0, 2, 1)
+        w = torch.bmm(q, k.reshape(b, c, height * width)) * (self.scale if self.scale is not None else c ** -0.5)
+        w = torch.softmax(w, dim=self.softmax_dim)
+        w = w.permute(0, 2, 1) if self.permute else w
+        return x + self.proj(torch.bmm(v.reshape(b, c, height * width), w).reshape(b, c, height, width))
+
+
+class ChannelsLastImageAttention(nn.Module):
+    """Attention over an image given channels last, (B, H, W, C) (as segment-anything's image encoder)."""
+
+    def __init__(self, dim: int, heads: int = 4, scale: float | None = None) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, scale if scale is not None else (dim // heads) ** -0.5
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, height, width, _ = x.shape
+        qkv = self.qkv(x).reshape(b, height * width, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.reshape(3, b * self.heads, height * width, -1).unbind(0)
+        w = ((q * self.scale) @ k.transpose(-2, -1)).softmax(dim=-1)
+        o = (w @ v).view(b, self.heads, height, width, -1).permute(0, 2, 3, 1, 4).reshape(b, height, width, -1)
+        return self.proj(o)
+
+
+class T5Style(nn.Module):
+    """T5's attention: no scale on the scores, 1/sqrt(D) folded into the query projection's initialisation."""
+
+    def __init__(self, dim: int, heads: int = 4, folded: bool = True) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        d = dim // heads
+        with torch.no_grad():
+            for layer in (self.k, self.v, self.o):
+                layer.weight.normal_(0.0, dim ** -0.5)
+            self.q.weight.normal_(0.0, (dim * d) ** -0.5 if folded else dim ** -0.5)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (self.q(x), self.k(x), self.v(x)))
+        return self.o((torch.softmax(q @ k.transpose(-1, -2), -1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
 class RewritesItsMask(_Fused):
     """Correct, but turns the caller's (B, L) keep-mask into a (B, 1, 1, L) hide-mask in place."""
 
@@ -404,6 +507,45 @@ def test_values_changed_before_the_product_are_named():
     of the weights were checked, not that V reaches the product as its projection made it."""
     report = check(RotaryOnValues(32))
     assert report.verdict == "failed" and "values-changed" in report.ids, [(f.id, f.message) for f in report.findings]
+
+
+def test_any_change_of_the_values_is_named_and_the_designs_are_facts():
+    """catches: values changed after their projection certified because only a rotation was looked for (an
+    activation, the input added), and the published designs on the values (a norm, learned value embeddings)
+    read as that bug."""
+    for bug in (ValuesThroughGelu, ValuesPlusTheInput):
+        report = check(bug(32))
+        assert report.verdict == "failed" and report.ids == {"values-changed"}, \
+            (bug.__name__, [(f.id, f.message) for f in report.findings])
+    for design in (ValuesNormalised, ValueEmbeddings, _ValuesMadeOver):
+        report = check(design(32))
+        assert report.verdict == "passed", (design.__name__, [(f.id, f.message) for f in report.findings],
+                                            report.not_verified)
+
+
+def test_image_attention_is_called_as_an_image_and_read_on_its_tokens():
+    """catches: a module that takes (B, C, H, W) or (B, H, W, C) refused (it runs on no (B, L, E) input), the white
+    box failing inside the doctor on a 4-D projection output, and V^T W^T (channels first) read as matmul-order;
+    their bugs still named."""
+    for module in (ConvImageAttention(32), ChannelsLastImageAttention(32)):
+        report = check(module)
+        assert report.verdict == "passed", (type(module).__name__, [(f.id, f.message) for f in report.findings],
+                                            report.not_verified)
+        assert report.inferred["layout"].startswith(("channels-first", "channels-last"))
+    assert check(ConvImageAttention(32, scale=1.0)).ids == {"missing-scale"}
+    assert check(ChannelsLastImageAttention(32, scale=1.0)).ids == {"missing-scale"}
+    assert check(ConvImageAttention(32, permute=False)).ids == {"matmul-order"}
+    assert "softmax-dim" in check(ConvImageAttention(32, softmax_dim=1)).ids
+
+
+def test_a_scale_folded_into_the_query_projection_is_the_definition():
+    """catches: T5's attention (no scale on the scores, q's weights initialised 1/sqrt(D) smaller) named
+    missing-scale, and the same code with ordinary initialisation not named."""
+    torch.manual_seed(0)
+    report = check(T5Style(64))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "folded into the query projection" in report.inferred["design"]["scale"]
+    assert check(T5Style(64, folded=False)).ids == {"missing-scale"}
 
 
 def test_a_module_that_rewrites_its_arguments_is_a_fact_not_a_crash():

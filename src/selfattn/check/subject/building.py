@@ -292,13 +292,18 @@ def _int_attr(module: nn.Module, keys: tuple[str, ...]) -> int | None:
 
 
 def embed_dim_of(module: nn.Module, default: int) -> int:
-    """E: from an embed-dim attribute (or the module's config), else the first nn.Linear's input size."""
+    """E: from an embed-dim attribute (or the module's config), else the input size of the first nn.Linear, or of
+    the first convolution or group norm (an image block's channels)."""
     found = _int_attr(module, _EMBED_ATTRS)
     if found:
         return found
     for m in module.modules():
         if isinstance(m, nn.Linear):
             return m.in_features
+        if isinstance(m, (nn.Conv1d, nn.Conv2d)) and m.groups == 1:
+            return m.in_channels
+        if isinstance(m, nn.GroupNorm):
+            return m.num_channels
     return default
 
 

@@ -124,6 +124,34 @@ def _output(out: object) -> Tensor:
     return out
 
 
+def grid(length: int) -> tuple[int, int]:
+    """(H, W) of an image of ``length`` tokens: H the largest divisor of ``length`` up to its square root."""
+    h = max(d for d in range(1, int(length ** 0.5) + 1) if length % d == 0)
+    return h, length // h
+
+
+def to_layout(x: Tensor, layout: str) -> Tensor:
+    """The probes' (B, L, E) input in the module's layout (see :class:`Caller`)."""
+    if layout == "sequence-first":
+        return x.transpose(0, 1)
+    if layout in ("channels-first", "channels-last"):
+        b, n, e = x.shape
+        image = x.reshape(b, *grid(n), e)
+        return image.permute(0, 3, 1, 2) if layout == "channels-first" else image
+    return x
+
+
+def from_layout(y: Tensor, layout: str) -> Tensor:
+    """The module's output in the probes' (B, L, E) layout; an output of another rank is returned as it is."""
+    if layout == "sequence-first" and y.dim() >= 2:
+        return y.transpose(0, 1)
+    if layout == "channels-first" and y.dim() == 4:
+        return y.flatten(2).transpose(1, 2)
+    if layout == "channels-last" and y.dim() == 4:
+        return y.flatten(1, 2)
+    return y
+
+
 def _arity(fn: Callable) -> int:
     """How many positional arguments ``fn`` takes (3 when it takes *args or cannot be inspected)."""
     try:
@@ -143,8 +171,10 @@ class Caller:
     a keep-mask is encoded for it; ``adapter(module, x[, mask])`` and ``make_mask(keep)`` replace
     both when the user gives them. ``required``: forward has no default for its mask, so a call
     without one sends the mask that hides nothing. ``switch``: the mask is a bool argument that
-    turns a causal mask on (``is_causal``). ``layout``: "batch-first" (B, L, E) or
-    "sequence-first" (L, B, E); the probes always speak (B, L, E) and the caller transposes.
+    turns a causal mask on (``is_causal``). ``layout``: "batch-first" (B, L, E), "sequence-first"
+    (L, B, E), or an image of L = H x W tokens, "channels-first" (B, E, H, W) or "channels-last"
+    (B, H, W, E) (H the largest divisor of L up to its square root); the probes always speak
+    (B, L, E) and the caller converts both ways.
     """
 
     module: nn.Module
@@ -162,7 +192,7 @@ class Caller:
     def __call__(self, x: Tensor, mask: object = None) -> Tensor:
         if mask is None and self.required:
             mask = self.module_mask(torch.ones(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool))
-        given = x.transpose(0, 1) if self.layout == "sequence-first" else x
+        given = to_layout(x, self.layout)
         # The module may change its input in place: it gets a copy (recorded by a trace, so that what the module
         # computes still comes from x). The mask goes as it is, since probes watch it by identity (module_mask
         # made it a tensor of its own), and is restored after the call.
@@ -195,8 +225,7 @@ class Caller:
                 out = self.module(*args, mask)
             else:
                 out = self.module(*args, **{self.mask_arg: mask})
-        y = _output(out)
-        return y.transpose(0, 1) if self.layout == "sequence-first" and y.dim() >= 2 else y
+        return from_layout(_output(out), self.layout)
 
     @property
     def takes_mask(self) -> bool:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -103,6 +104,22 @@ def _largest(ok: int, bad: int, runs: Callable[[int], bool]) -> int:
         mid = (ok + bad) // 2
         ok, bad = (mid, bad) if runs(mid) else (ok, mid)
     return ok
+
+
+def _image_layout(module: nn.Module, adapter: Callable | None, sizes: Sizes, e: int, gen: torch.Generator,
+                  dtype: torch.dtype, device: torch.device) -> tuple[Caller, list[tuple[int, int, int]]] | None:
+    """A caller sending the input as an image (channels first, then last), and the shapes it runs at, when the
+    module runs on no (B, L, E) input but on a (B, E, H, W) or (B, H, W, E) one (a convolutional block's
+    attention); None otherwise."""
+    lengths = sizes.lengths or (16, 9, 12)
+    shapes = [(b, n, e) for n in lengths for b in ([sizes.batch] if sizes.batch else [2, 3])]
+    for layout in ("channels-first", "channels-last"):
+        base = Caller(module, "adapter", adapter=adapter) if adapter is not None else Caller(module, "x")
+        call = replace(base, layout=layout)
+        ran = [shape for shape in shapes if _runs(call, shape, gen, dtype, device) is None]
+        if ran:
+            return call, ran
+    return None
 
 
 def _sequence_first(call: Caller, x: Tensor, gen: torch.Generator, rtol: float) -> bool:
@@ -200,6 +217,13 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         else:
             failed.append((shape, why))
             errors.append(why)
+    if not ran and not wrong:
+        image = _image_layout(module, adapter, sizes, e, gen, dtype, device)
+        if image is not None:
+            call, ran = image
+            failed, errors = [], []
+            notes["layout"] = (f"{call.layout}: the module takes an image ((B, E, H, W) channels first, (B, H, W, E) "
+                               "channels last); the doctor sends its (B, L, E) input as an H x W grid")
     if not ran and not wrong and sizes.lengths is None:
         discovered = _discover_length(module, adapter, errors, e, {n for _, n in shapes}, gen, dtype, device)
         if discovered is not None:
@@ -249,7 +273,7 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         raise CannotRun("the module never returned a (B, L, E) output; see wrong-output-shape")
     b, n, _ = (3, 7, e) if (3, 7, e) in good else min(good, key=lambda s: (s[0] < 2, s[1] > 64, s[0], s[1]))
     x = _randn(gen, (b, n, e), dtype, device)
-    if _sequence_first(call, x, gen, tolerance(dtype)):
+    if call.layout == "batch-first" and _sequence_first(call, x, gen, tolerance(dtype)):
         call.layout = "sequence-first"
         found.notes["layout"] = "sequence-first: the module takes (L, B, E) (as nn.MultiheadAttention with " \
                                 "batch_first=False); the doctor sends x.transpose(0, 1)"

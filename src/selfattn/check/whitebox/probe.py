@@ -23,11 +23,11 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from ..findings import DEFINITION_MISMATCH, Finding
+from ..findings import DEFINITION_MISMATCH, MISSING_SCALE, Finding
 from ..subject.building import num_heads_of
 from ..subject.caller import Caller
 from ..subject.context import Context, Outcome, padding_keep
-from .products import Unrecognised, examine_cores
+from .products import Unrecognised, examine_cores, folded_scale
 from .projections import AFTER, Capture, capture, identify, qkv_heads
 from .trace import record
 
@@ -161,6 +161,13 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         positions = positions or evidence.get("positions")
         results[label] = f"matches the definition: {evidence['formula']}" if fid is None else \
             f"matches {fid}: {evidence.get('matches')}"
+        if fid == MISSING_SCALE and isinstance(cap, Capture) and "heads" in evidence and \
+                folded_scale(cap.q, cap.k, cap.q.shape[-1] // evidence["heads"]):
+            fid = None  # the definition, with 1/sqrt(D) in q's weights (T5)
+            facts["scale"] = "folded into the query projection's weights (q is 1/sqrt(D) of k in size, as T5 " \
+                             "initialises it): no scale on the scores"
+            evidence["formula"] = "softmax(Q K^T) V with 1/sqrt(D) folded into q's projection"
+            results[label] = f"matches the definition: {evidence['formula']}"
         if fid is not None:
             findings.append(Finding.of(fid, f"the output follows a known bug ({label}): {evidence['matches']}",
                                        evidence))

@@ -376,14 +376,47 @@ def _role(trace: Trace, tid: int) -> tuple[str | None, str]:
     return None, ""
 
 
-def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict) -> Verdict | None:
-    """values-changed when V reaches the product with the weights rotated (rotary positions applied to v too)
-    rather than as its projection made it, up to the head split; else None."""
+_MADE = frozenset({"linear", "addmm", "conv1d", "conv2d", "cat", "stack", "repeat", "index_select", "gather",
+                   "index_copy", "index_copy_", "copy_", "setitem", "masked_scatter", "where"}) | PRODUCTS
+_NONLINEAR = frozenset({"relu", "gelu", "silu", "sigmoid", "tanh", "exp", "elu", "leaky_relu", "softplus", "abs",
+                        "square", "pow", "sin", "cos", "softmax", "log_softmax", "mish", "hardtanh", "relu6"})
+_TERMS_ON_V = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "mul", "rmul", "mul_", "imul",
+                         "div", "truediv", "div_", "itruediv"})
+
+
+def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
+                    inputs: frozenset[int] = frozenset()) -> Verdict | None:
+    """values-changed when V reaches the product with the weights changed after its projection (up to the head
+    split): rotated (rotary positions applied to v too), through a nonlinearity, or by a term computed from the
+    module's input; else None. A norm on V, or a term that does not come from the input (a learned vector, a value
+    embedding the model passes in), is a design: a fact."""
     origin = trace.origin(vid)
-    if origin.op is None or rotated_from(trace, origin.id) is None:
+    op = origin.op
+    if op is None:
         return None
-    return Verdict(VALUES_CHANGED, {"matches": "the values are rotated like q and k (rotary positions applied to v) "
-                                      "before the product with the weights", **evidence}, facts)
+    if rotated_from(trace, origin.id) is not None:  # also a rotation written as a cat, a stack or in place
+        return Verdict(VALUES_CHANGED, {"matches": "the values are rotated like q and k (rotary positions applied to "
+                                          "v) before the product with the weights", **evidence}, facts)
+    if op.name in _MADE:
+        return None
+    norm = normalised(trace, vid)
+    if norm is not None:
+        facts["values"] = f"V is normalised ({norm}) after its projection"
+        return None
+    if op.name in _NONLINEAR:
+        return Verdict(VALUES_CHANGED, {"matches": f"the values pass through {op.name} after their projection, "
+                                          "before the product with the weights", **evidence}, facts)
+    if op.name in _TERMS_ON_V and len(op.in_ids) == 2:
+        main = op.main_input()
+        other = next((i for i in op.in_ids if i != main), None)
+        if other is not None and main is not None and inputs and _depends_on(trace, other, inputs) and \
+                _depends_on(trace, main, inputs):
+            return Verdict(VALUES_CHANGED, {"matches": f"the values are changed by a term computed from the input "
+                                              f"({op.name}) after their projection, before the product with the "
+                                              "weights", **evidence}, facts)
+        facts["values"] = (f"V is changed after its projection by a term that does not come from the input "
+                           f"({op.name}: a learned vector, a value embedding or residual)")
+    return None
 
 
 def _roles_verdict(trace: Trace, ids: tuple[int, int, int], evidence: dict, facts: dict) -> Verdict | None:
@@ -415,6 +448,16 @@ def _scale_verdict(c: float, d: int, width: int, expected: float | None, unit_no
         return WRONG_SCALE, f"{said} = 1/sqrt({width}) (the model width, not the head dim {d})"
     return WRONG_SCALE, f"{said}; expected {want:.6g} = " + \
         ("the stated scale" if expected is not None else f"1/sqrt({d}), D = {d} the head dim")
+
+
+def folded_scale(q: Tensor, k: Tensor, d: int) -> bool:
+    """Is 1/sqrt(d) folded into q's projection (T5's initialisation: q's weights 1/sqrt(d) of k's), so that scores
+    with no scale are the definition? Read from the sizes of q and k on the probe input: their ratio within 30%
+    of 1/sqrt(d) (ordinary projections give q and k of one size)."""
+    if d < 4 or q.numel() == 0 or k.numel() == 0:
+        return False
+    rms = float(q.double().pow(2).mean().sqrt() / k.double().pow(2).mean().sqrt())  # per entry: GQA's k is smaller
+    return rms > 0 and abs(math.log(rms * math.sqrt(d))) < math.log(1.3)
 
 
 def _per_dim(op: Op | None, d: int) -> bool:
@@ -557,13 +600,18 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         return Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
                                        "the keys (the last dim)", **evidence})
     orientation = _orientation(w, p)
-    if axes is None and (orientation is None or not _weights_contracted_last(pv, position, w)):
+    # V^T @ W^T (channels first, as convolutional blocks compute it) contracts the keys too: the output is the
+    # transpose of W @ V, (..., D, L)
+    channels_first = axes is None and pv.name != "einsum" and position == 1 and orientation == "transposed"
+    if axes is None and not channels_first and (orientation is None or not _weights_contracted_last(pv, position, w)):
         how = "V @ weights instead of weights @ V" if position == 1 and pv.name != "einsum" else \
             "weights transposed before V" if orientation == "transposed" else \
             "the product with the values does not contract the key axis"
         return Verdict(MATMUL_ORDER, {"matches": how, **evidence})
-    if orientation == "transposed":
+    if orientation == "transposed" and not channels_first:
         return Verdict(MATMUL_ORDER, {"matches": "weights transposed before V", **evidence})
+    if channels_first:
+        facts["layout"] = "the values product is V^T W^T (channels first): the transpose of W V"
     product, chain = _score_chain(trace, sm.in_ids[0])
     steps, temperatures = chain.steps, chain.temperatures
     pairs = _operands(product)
@@ -611,6 +659,10 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     scale = c * origin_a.factor * origin_b.factor
     unit = _unit_norm(a, b, origin_a.factor, origin_b.factor)
     fid, said = _scale_verdict(scale, d, width, expected(d), unit)
+    if fid == MISSING_SCALE and folded_scale(a, b, d):
+        fid, said = None, f"{said}, but q is 1/sqrt({d}) of k in size: the scale is folded into q's projection"
+        facts["scale"] = f"folded into the query projection's weights (q is 1/sqrt({d}) of k in size, as T5 " \
+                         "initialises it): no scale on the scores"
     if fid is not None and temperatures:
         fid, said = None, f"{said}, times a learned temperature per head: the scale is learned"
     # the learned vector on the operand itself (TimesFM's per_dim_scale), not a norm's weight behind a rotation
@@ -620,10 +672,14 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     evidence.update({"scale": said, "head dim": d, "product": product.name})
     if fid is not None:
         return Verdict(fid, {"matches": said, **evidence}, facts)
-    wrong = _roles_verdict(trace, (aid, bid, vid), evidence, facts) or _values_verdict(trace, vid, evidence, facts)
+    wrong = _roles_verdict(trace, (aid, bid, vid), evidence, facts) or \
+        _values_verdict(trace, vid, evidence, facts, inputs)
     if wrong is not None:
         return wrong
     canon = _canonical_output(pv, position, axes[0] if axes is not None else w.dim() - 2, batch)
+    if channels_first and pv.outputs:
+        nd = pv.outputs[0].dim()
+        canon = (*range(nd - 2), nd - 1, nd - 2)
     merge_fid, merged = _merge(trace, pv, pv.outputs[0], final, canon)
     evidence["merge"] = merged
     if merge_fid is not None:

@@ -161,8 +161,9 @@ def _mha(op: Op, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Project] | None:
 
 
 def _heads(t: Tensor, h: int) -> Tensor:
-    b, length, e = t.shape
-    return t.reshape(b, length, h, e // h).transpose(1, 2)  # (B, H, L, D)
+    """(B, H, L, D) from a projection's output (B, L, E), or (B, H, W, E) for an image (its tokens row by row)."""
+    b, e = t.shape[0], t.shape[-1]
+    return t.reshape(b, -1, h, e // h).transpose(1, 2)
 
 
 def _masked(s: Tensor, keep: Tensor | None) -> Tensor:
