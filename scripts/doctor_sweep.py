@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 BEGIN, END = "<!-- sweep:transformers -->", "<!-- /sweep:transformers -->"
+MODEL_MARKERS = ("<!-- sweep:model -->", "<!-- /sweep:model -->")
 
 
 def check_family(family: str, seed: int = 0) -> dict:
@@ -67,7 +68,47 @@ def check_family(family: str, seed: int = 0) -> dict:
             "seconds": round(time.perf_counter() - t, 1)}
 
 
-def _worker(seed: int, memory_gib: float) -> None:
+def check_family_model(family: str, seed: int = 0) -> dict:
+    """Build one family's whole tiny model and check it with ``selfattn.check_model`` (its first attention layer,
+    called as the model calls it: no per-family adapter or option); the result as a JSON-able dict."""
+    import hf_corpus as hc
+
+    from selfattn.check import CannotRun, check_model
+
+    t = time.perf_counter()
+    row: dict = {"family": family, "class": "", "path": "", "options": "whole model"}
+    try:
+        model, inputs = hc.build_model(family, seed)
+    except hc.CannotBuild as e:
+        return {**row, "verdict": "could not build", "reason": str(e), "seconds": round(time.perf_counter() - t, 1)}
+    try:
+        found = check_model(model, inputs, layers=1, seed=seed)
+    except CannotRun as e:
+        verdict = "no attention found" if "no attention layer" in str(e) else "doctor could not run"
+        return {**row, "verdict": verdict, "reason": str(e)[:300], "seconds": round(time.perf_counter() - t, 1)}
+    except Exception as e:  # a traceback from the doctor itself: recorded, the sweep goes on
+        return {**row, "verdict": "doctor raised", "reason": f"{type(e).__name__}: {e}"[:300],
+                "seconds": round(time.perf_counter() - t, 1)}
+    if found.could_not_run:
+        name, why = next(iter(found.could_not_run.items()))
+        return {**row, "class": found.classes[name], "path": name, "verdict": "doctor could not run",
+                "reason": why[:300], "seconds": round(time.perf_counter() - t, 1)}
+    name, report = next(iter(found.layers.items()))
+    row.update({"class": found.classes[name], "path": name})
+    seconds = round(time.perf_counter() - t, 1)
+    if report.verdict == "inconclusive":
+        return {**row, "verdict": "inconclusive", "reason": "; ".join(f"{p}: {why}" for p, why in
+                                                                       report.not_verified.items())[:300],
+                "seconds": seconds}
+    mask = report.inferred.get("mask")
+    return {**row, "verdict": "certified" if report.passed else "findings",
+            "ids": sorted({f.id for f in report.findings if f.severity == "error"}),
+            "warnings": sorted({f.id for f in report.findings if f.severity == "warning"}),
+            "mask": mask.get("convention") if isinstance(mask, dict) and "convention" in mask else str(mask)[:80],
+            "messages": {f.id: f.message[:300] for f in report.findings if f.severity == "error"}, "seconds": seconds}
+
+
+def _worker(seed: int, memory_gib: float, whole: bool = False) -> None:
     import resource
     import warnings
 
@@ -77,14 +118,14 @@ def _worker(seed: int, memory_gib: float) -> None:
     for line in sys.stdin:
         family = line.strip()
         if family:
-            print(json.dumps(check_family(family, seed)), flush=True)
+            print(json.dumps((check_family_model if whole else check_family)(family, seed)), flush=True)
             gc.collect()
 
 
 class _Worker:
-    def __init__(self, seed: int, memory_gib: float) -> None:
+    def __init__(self, seed: int, memory_gib: float, whole: bool = False) -> None:
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", "--seed", str(seed), "--memory-gib",
-                                      str(memory_gib)], stdin=subprocess.PIPE,
+                                      str(memory_gib), *(["--model"] if whole else [])], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
         self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -116,7 +157,7 @@ class _Worker:
 
 
 def sweep(names: list[str], seed: int, timeout: float, memory_gib: float = 4.0, recycle: int = 20,
-          log: Path | None = None, progress: bool = True) -> list[dict]:
+          log: Path | None = None, progress: bool = True, whole: bool = False) -> list[dict]:
     """Check each family in a worker process; a hang or a dead worker costs one family, not the sweep.
 
     A worker is replaced after ``recycle`` families (each family imports its modeling code and builds
@@ -134,7 +175,7 @@ def sweep(names: list[str], seed: int, timeout: float, memory_gib: float = 4.0, 
         if worker is not None and served >= recycle:
             worker.stop()
             worker, served = None, 0
-        worker = worker or _Worker(seed, memory_gib)
+        worker = worker or _Worker(seed, memory_gib, whole)
         served += 1
         t = time.perf_counter()
         row = worker.ask(family, timeout)
@@ -172,10 +213,11 @@ def totals(rows: list[dict]) -> dict[str, int]:
     return out
 
 
-def markdown(rows: list[dict], meta: dict) -> str:
+def markdown(rows: list[dict], meta: dict, whole: bool = False) -> str:
     """The sweep table, with a header line saying how it was made and the totals."""
     counts = totals(rows)
-    lines = [f"_Written by `scripts/doctor_sweep.py` (transformers {meta['transformers']}, torch {meta['torch']}, "
+    how = "`scripts/doctor_sweep.py --model`" if whole else "`scripts/doctor_sweep.py`"
+    lines = [f"_Written by {how} (transformers {meta['transformers']}, torch {meta['torch']}, "
              f"{meta['date']}, seed {meta['seed']}): {len(rows)} families; "
              + ", ".join(f"{v}: {n}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1])) + "._", "",
              "| family | class | verdict | options needed |", "| --- | --- | --- | --- |"]
@@ -187,13 +229,13 @@ def markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join(lines)
 
 
-def write_docs(path: Path, table: str) -> None:
-    """Put ``table`` between the sweep markers of ``path`` (appended with the markers if they are missing)."""
+def write_docs(path: Path, table: str, begin: str = BEGIN, end: str = END) -> None:
+    """Put ``table`` between the markers of ``path`` (appended with the markers if they are missing)."""
     text = path.read_text() if path.exists() else ""
-    block = f"{BEGIN}\n\n{table}\n\n{END}"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
+    block = f"{begin}\n\n{table}\n\n{end}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
     path.write_text(text)
@@ -210,17 +252,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, help="write the rows here")
     p.add_argument("--docs", type=Path, help="write the table into this markdown file (default with a full sweep: "
                                              "docs/doctor.md)")
+    p.add_argument("--model", action="store_true",
+                   help="check each family's whole model with selfattn.check_model (no adapter, no per-family "
+                        "options); its table goes between the whole-model markers")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        _worker(args.seed, args.memory_gib)
+        _worker(args.seed, args.memory_gib, args.model)
         return 0
     import hf_corpus as hc
     import torch
     import transformers
 
     names = args.families or hc.families()
-    rows = sweep(names, args.seed, args.timeout, args.memory_gib, args.recycle, args.log)
+    rows = sweep(names, args.seed, args.timeout, args.memory_gib, args.recycle, args.log, whole=args.model)
     meta = {"transformers": transformers.__version__, "torch": torch.__version__, "date": date.today().isoformat(),
             "seed": args.seed, "python": platform.python_version()}
     counts = totals(rows)
@@ -229,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     docs = args.docs or (ROOT / "docs" / "doctor.md" if not args.families else None)
     if docs is not None:
-        write_docs(docs, markdown(rows, meta))
+        write_docs(docs, markdown(rows, meta, whole=args.model), *(MODEL_MARKERS if args.model else (BEGIN, END)))
     return 0
 
 

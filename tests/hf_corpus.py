@@ -298,6 +298,17 @@ FAMILY_OPTIONS: dict[str, dict] = {
 }
 
 
+def _tiny_class(family: str, overrides: dict | None = None) -> tuple[object, type]:
+    """The family's tiny config (eager attention) and model class; CannotBuild when the model would not be tiny."""
+    config = tiny_config(family, overrides)
+    model_cls = _model_class(family, config)
+    config._attn_implementation = "eager"
+    count = _parameter_count(model_cls, config)
+    if count is not None and count > MAX_PARAMETERS:
+        raise CannotBuild(f"the tiny config still gives {count / 1e6:.0f}M parameters (a part kept its full size)")
+    return config, model_cls
+
+
 def build(family: str, seed: int = 0) -> Built:
     """The family's self-attention from a tiny random config (seeded), with its adapter and options.
 
@@ -306,13 +317,7 @@ def build(family: str, seed: int = 0) -> Built:
     """
     extra = FAMILY_OPTIONS.get(family, {})
     try:
-        config = tiny_config(family, extra.get("config"))
-        model_cls = _model_class(family, config)
-        config._attn_implementation = "eager"
-        count = _parameter_count(model_cls, config)
-        if count is not None and count > MAX_PARAMETERS:
-            raise CannotBuild(f"the tiny config still gives {count / 1e6:.0f}M parameters (a part kept its full "
-                              "size)")
+        config, model_cls = _tiny_class(family, extra.get("config"))
         torch.manual_seed(seed)
         with _recording_arguments(importlib.import_module(model_cls.__module__)) as arguments:
             model = model_cls(config).eval()
@@ -362,3 +367,40 @@ def _recording_arguments(module) -> Iterator[dict[int, tuple[tuple, dict]]]:
     finally:
         for cls, init in originals.items():
             cls.__init__ = init
+
+
+def build_model(family: str, seed: int = 0) -> tuple[nn.Module, dict]:
+    """The family's whole model from the same tiny random config (seeded, eager attention), with example inputs
+    its forward takes: token ids (2, 7) (and decoder token ids for an encoder-decoder), or pixel values for a
+    vision model. No per-family table: what ``selfattn.check_model`` needs is what the model gives its layers.
+
+    Raises:
+        CannotBuild: with the reason (config, model, inputs the forward needs that are not tokens or pixels).
+    """
+    try:
+        config, model_cls = _tiny_class(family)
+        torch.manual_seed(seed)
+        model = model_cls(config).eval()
+    except CannotBuild:
+        raise
+    except Exception as e:
+        raise CannotBuild(f"{type(e).__name__}: {e}"[:300]) from e
+    params = inspect.signature(model.forward).parameters
+    gen = torch.Generator().manual_seed(seed)
+    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
+    inputs: dict = {}
+    if "input_ids" in params:
+        top = min(vocab, 1000) if isinstance(vocab, int) else 100  # a config without a vocabulary (bytes, code points)
+        inputs["input_ids"] = torch.randint(0, top, (2, 7), generator=gen)
+        if "decoder_input_ids" in params:
+            inputs["decoder_input_ids"] = torch.randint(0, top, (2, 5), generator=gen)
+    elif "pixel_values" in params:
+        # a patch model takes its own image size; a convolutional backbone (DETR's, stride 32) gets 128 pixels,
+        # so that its attention still sees 16 tokens
+        size = getattr(config, "image_size", None) if getattr(config, "patch_size", None) else None
+        size = (size[0] if isinstance(size, (list, tuple)) else size) or 128
+        channels = getattr(config, "num_channels", 3)
+        inputs["pixel_values"] = torch.randn(2, channels, size, size, generator=gen)
+    else:
+        raise CannotBuild(f"{model_cls.__name__}.forward takes neither input_ids nor pixel_values")
+    return model, inputs

@@ -205,6 +205,23 @@ class T5Style(nn.Module):
         return self.o((torch.softmax(q @ k.transpose(-1, -2), -1) @ v).transpose(1, 2).reshape(b, n, e))
 
 
+class CausalUnlessMasked(_Fused):
+    """nanoGPT / litgpt style: no mask means causal (``is_causal=mask is None``), a mask given replaces it."""
+
+    invert = False
+
+    def forward(self, x, mask=None):
+        q, k, v = self.split(x)
+        mask = ~mask if self.invert and mask is not None else mask
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None))
+
+
+class CausalUnlessMaskedInverted(CausalUnlessMasked):
+    """Bug: the mask given is read True = hidden."""
+
+    invert = True
+
+
 class RewritesItsMask(_Fused):
     """Correct, but turns the caller's (B, L) keep-mask into a (B, 1, 1, L) hide-mask in place."""
 
@@ -546,6 +563,18 @@ def test_a_scale_folded_into_the_query_projection_is_the_definition():
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
     assert "folded into the query projection" in report.inferred["design"]["scale"]
     assert check(T5Style(64, folded=False)).ids == {"missing-scale"}
+
+
+def test_a_mask_that_replaces_the_modules_own_causal_pattern_is_understood():
+    """catches: a module whose mask=None means causal (SDPA's is_causal=mask is None, transformers' sdpa path)
+    refused every mask ("a mask that hides nothing does not give the unmasked output"), so its mask and padding
+    went unverified or were named mask-error; and its inverted mask certified."""
+    for kw in ({}, {"mask": "keep (B,1,L,L)"}):
+        report = check(CausalUnlessMasked(32), **kw)
+        assert report.verdict == "passed", (kw, [(f.id, f.message) for f in report.findings], report.coverage)
+        assert report.coverage["mask"] == "verified" and report.coverage["padding"] == "verified"
+        assert "replaces it" in report.inferred["mask"]["own pattern"]
+    assert check(CausalUnlessMaskedInverted(32), mask="keep (B,1,L,L)").verdict == "failed"
 
 
 def test_a_module_that_rewrites_its_arguments_is_a_fact_not_a_crash():

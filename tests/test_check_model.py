@@ -192,6 +192,38 @@ def test_transformers_models_are_checked_whole():
     assert all(r.coverage["mask"] == "verified" for r in report.layers.values())
 
 
+class _Cross(nn.Module):
+    """Cross-attention over a memory the model passes in: queries from x, keys and values from the memory."""
+
+    def __init__(self, e: int = 32) -> None:
+        super().__init__()
+        self.q, self.kv, self.o = nn.Linear(e, e), nn.Linear(e, 2 * e), nn.Linear(e, e)
+
+    def forward(self, x, memory):
+        k, v = self.kv(memory).chunk(2, -1)
+        return self.o(torch.softmax(self.q(x) @ k.transpose(-1, -2) / math.sqrt(x.shape[-1]), -1) @ v)
+
+
+class _Decoder(nn.Module):
+    def __init__(self, e: int = 32) -> None:
+        super().__init__()
+        self.self_attn, self.cross = _Outer(e), _Cross(e)
+
+    def forward(self, x, memory):
+        return self.cross(self.self_attn(x), memory)
+
+
+def test_cross_attention_is_told_apart_and_not_checked_as_self_attention():
+    """catches: a cross-attention layer (its output rows mix another sequence's tokens, not its own) probed as
+    self-attention, where every query "sees only its own token" and is named causal-leak."""
+    torch.manual_seed(0)
+    report = check_model(_Decoder(), (torch.randn(2, 7, 32), torch.randn(2, 5, 32)))
+    assert list(report.layers) == ["self_attn"] and "cross" in report.not_self_attention
+    assert report.verdict == "passed", report.to_json()
+    assert {row["layer"]: row["verdict"] for row in report.summary()} == {"self_attn": "passed",
+                                                                          "cross": "not checked"}
+
+
 def test_bad_input_is_a_clear_error():
     """catches: a model without attention reported as passed, a model that fails on its inputs raising from
     inside the doctor, and options check_model cannot honour accepted silently."""

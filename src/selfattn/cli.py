@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--init", type=json.loads, default=None, metavar="JSON",
                    help='constructor keyword arguments, e.g. \'{"embed_dim": 64}\' (default: try the usual '
                         "signatures: (embed_dim), (embed_dim, num_heads), keyword variants)")
-    c.add_argument("--embed-dim", type=int, default=64, help="embed dim E used when building the class (default 64)")
+    c.add_argument("--embed-dim", type=int, default=None,
+                   help="embed dim E: used when building the class (default 64); for a factory's module, its own")
     c.add_argument("--batch", type=int, default=None, metavar="B",
                    help="the batch size to probe with, for a module that runs only up to some batch (default: several)")
     c.add_argument("--length", type=int, nargs="+", default=None, metavar="L",

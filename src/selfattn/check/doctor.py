@@ -62,7 +62,16 @@ from .probes.blackbox import batch_independence, determinism, equivariance, extr
 from .probes.masking import causality, mask_convention, masked_rows, padding, twin_reads_masks_alike
 from .probes.numerics import gradients, half_precision
 from .report import COVERED, Report, merge
-from .subject.building import CannotRun, Sizes, build, embed_dim_of, load_file, param_device, param_dtype, user_callable
+from .subject.building import (
+    CannotRun,
+    Sizes,
+    build,
+    embed_dims_of,
+    load_file,
+    param_device,
+    param_dtype,
+    user_callable,
+)
 from .subject.caller import Caller, MaskSpec, parse_mask
 from .subject.calling import calling
 from .subject.context import Context, Outcome, close, not_verified, tolerance
@@ -249,15 +258,25 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
 
     gen = torch.Generator().manual_seed(seed)
     dtype, device = param_dtype(module), param_device(module)
-    sizes = sizes or Sizes()
-    e = embed_dim_of(module, sizes.embed_dim)
-    sizes = Sizes(e, sizes.heads, sizes.batch, sizes.lengths)
-    got = _Collected({**inferred, "embed_dim": e, **({"dtype": str(dtype)[6:]} if dtype != torch.float32 else {}),
+    sizes = sizes or Sizes(0)
+    # E: the one the user gave, else the module's (an attribute, its first layer); when the module runs at none of
+    # the shapes tried with it, the input sizes of its other layers are tried in turn (OpenFold declares a pair
+    # projection first)
+    dims = [sizes.embed_dim] if sizes.embed_dim else embed_dims_of(module)
+    got = _Collected({**inferred, **({"dtype": str(dtype)[6:]} if dtype != torch.float32 else {}),
                       **({"device": str(device)} if device.type != "cpu" else {})})
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         start = time.perf_counter()
-        called = got.take(calling(module, sizes, gen, adapter, dtype, device))
+        for i, e in enumerate(dims):
+            try:
+                found = calling(module, Sizes(e, sizes.heads, sizes.batch, sizes.lengths), gen, adapter, dtype, device)
+                break
+            except CannotRun:
+                if i == len(dims) - 1:
+                    raise
+        got.inferred["embed_dim"] = e
+        called = got.take(found)
         assert called is not None  # calling() gives the caller and its input, or raises CannotRun
         call, x = called
         call.make_mask = make_mask
@@ -292,7 +311,8 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
     return Report.of(got.inferred, findings, got.not_verified, coverage, got.seconds)
 
 
-def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dict | None = None, embed_dim: int = 64,
+def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dict | None = None,
+          embed_dim: int | None = None,
           batch: int | None = None, length: int | Sequence[int] | None = None, mask_convention: str | None = None,
           mask: str | MaskSpec | None = None, no_mask: bool = False, call: Callable | str | None = None,
           make_mask: Callable[[Tensor], Tensor] | None = None, causal: bool = False, bidirectional: bool = False,
@@ -306,7 +326,8 @@ def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dic
         init: constructor keyword arguments for a class (for a ``cls(config, ...)`` constructor:
             the config's fields); default: the constructor's arguments guessed by name (an embed
             dim, a head count, dropouts) or a config class next to it built the same way.
-        embed_dim: E used to build a class when ``init`` is not given (a module instance tells its own).
+        embed_dim: E, the input's last dim: used to build a class when ``init`` is not given (default 64), and
+            to probe an instance (default: the module's own, from an attribute or its layers).
         batch: the batch size to probe with (a module allocated for a maximum batch); default: several.
         length: the sequence length, or lengths, to probe with (a module that runs at one length, such
             as window attention over 49 tokens); default: several short ones.
@@ -348,7 +369,8 @@ def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dic
     if mask_convention not in (None, "keep", "ignore"):
         raise ValueError(f"mask_convention must be 'keep', 'ignore' or None, got {mask_convention!r}")
     lengths = (length,) if isinstance(length, int) else tuple(length) if length is not None else None
-    for name, value in (("embed_dim", (embed_dim,)), ("batch", (batch,) if batch is not None else ()),
+    for name, value in (("embed_dim", (embed_dim,) if embed_dim is not None else ()),
+                        ("batch", (batch,) if batch is not None else ()),
                         ("length", lengths or ())):
         if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in value):
             raise ValueError(f"{name} must be a positive integer (or a list of them for length), got {value}")
@@ -368,7 +390,7 @@ def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dic
     with torch.random.fork_rng():
         torch.manual_seed(seed)  # the module's weights follow the seed too
         if isinstance(target, type):
-            target, built = build(target, init, embed_dim)
+            target, built = build(target, init, embed_dim or 64)
         elif not isinstance(target, nn.Module) and callable(target):
             try:
                 target, built = target(), "your factory"
@@ -384,7 +406,7 @@ def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dic
         target.eval()  # not chained: some modules' train() returns None (timm's LeViT)
         return examine(target, inferred, declared=mask_convention, causal=causal, seed=seed, spec=spec,
                        adapter=adapter, make_mask=make_mask, allow_nonstandard=allow_nonstandard,
-                       sizes=Sizes(embed_dim, 4, batch, lengths), no_mask=no_mask, scale=scale,
+                       sizes=Sizes(embed_dim or 0, 4, batch, lengths), no_mask=no_mask, scale=scale,
                        bidirectional=bidirectional)
     finally:
         target.train(was_training)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
@@ -269,6 +270,25 @@ def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
     return sorted(layers.values(), key=lambda layer: order.index(layer.name))
 
 
+def _not_self_attention(layer: Layer) -> str | None:
+    """Why the layer is not self-attention (its output rows do not depend on the other tokens of its input: a
+    cross-attention over a sequence the model passes in), or None."""
+    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    if hidden.shape[1] < 2:
+        return None
+    call = layer.adapter()
+    changed = hidden.clone()
+    changed[:, 0] = changed[:, 0] + 1.0
+    try:
+        with torch.no_grad():
+            a, b = _first_tensor(call(layer.module, hidden)), _first_tensor(call(layer.module, changed))
+    except Exception:  # the doctor's own run will say what fails
+        return None
+    if a is None or b is None or not torch.equal(a[:, 1:], b[:, 1:]):
+        return None
+    return "cross-attention: its output rows do not depend on the other tokens of its input"
+
+
 def _inputs(example_inputs: object) -> tuple[tuple, dict]:
     if isinstance(example_inputs, Mapping):
         return (), dict(example_inputs)
@@ -285,13 +305,16 @@ class ModelReport:
     """What :func:`check_model` found: one :class:`~selfattn.check.Report` per attention layer.
 
     ``layers``: qualified name -> report; ``classes``: name -> the layer's class; ``could_not_run``: the
-    layers the doctor could not call (name -> why); ``verdict``: "failed" when a layer failed, else
+    layers the doctor could not call (name -> why); ``not_self_attention``: attention layers whose output does not
+    mix the tokens of their own input (cross-attention over another sequence), not checked; ``verdict``:
+    "failed" when a layer failed, else
     "inconclusive" when a layer is inconclusive or could not run, else "passed".
     """
 
     layers: dict[str, Report] = field(default_factory=dict)
     classes: dict[str, str] = field(default_factory=dict)
     could_not_run: dict[str, str] = field(default_factory=dict)
+    not_self_attention: dict[str, str] = field(default_factory=dict)
 
     @property
     def verdict(self) -> str:
@@ -312,12 +335,15 @@ class ModelReport:
                 for n, r in self.layers.items()]
         rows += [{"layer": n, "class": self.classes[n], "verdict": "could not run", "findings": [], "why": why}
                  for n, why in self.could_not_run.items()]
+        rows += [{"layer": n, "class": self.classes[n], "verdict": "not checked", "findings": [], "why": why}
+                 for n, why in self.not_self_attention.items()]
         return rows
 
     def to_dict(self) -> dict:
-        """{"passed", "verdict", "summary", "layers": {name: report dict}, "could_not_run"}."""
+        """{"passed", "verdict", "summary", "layers": {name: report dict}, "could_not_run", "not_self_attention"}."""
         return {"passed": self.passed, "verdict": self.verdict, "summary": self.summary(),
-                "layers": {n: r.to_dict() for n, r in self.layers.items()}, "could_not_run": self.could_not_run}
+                "layers": {n: r.to_dict() for n, r in self.layers.items()}, "could_not_run": self.could_not_run,
+                "not_self_attention": self.not_self_attention}
 
     def to_json(self) -> str:
         """:meth:`to_dict` as indented JSON."""
@@ -362,8 +388,9 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
     if not found:
         raise CannotRun("no attention layer found: no submodule multiplied softmax weights into a tensor or ran an "
                         "attention kernel on the example inputs, while mapping hidden states (B, L, E) to that shape")
+    crossing = {layer.name: why for layer in found if (why := _not_self_attention(layer)) is not None}
     if isinstance(layers, int):
-        found = found[:layers]
+        found = [layer for layer in found if layer.name not in crossing][:layers]
     elif layers is not None:
         wanted = set(layers)
         missing = wanted - {layer.name for layer in found}
@@ -374,12 +401,21 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
     report = ModelReport()
     for layer in found:
         report.classes[layer.name] = type(layer.module).__name__
-        sized = {"batch": layer.batch, "length": layer.length} if layer.extras else {}
-        try:
-            given = {k: v for k, v in options.items() if v is not None or k not in sized}
-            report.layers[layer.name] = check(layer.module, call=layer.adapter(), **{**sized, **given})
-        except CannotRun as err:
-            report.could_not_run[layer.name] = str(err)
+        if layer.name in crossing:
+            report.not_self_attention[layer.name] = crossing[layer.name]
+            continue
+        # a call that carries tensors of the recorded sizes is replayed at them: (B, L), or (L, B) for a layer
+        # the model calls sequence first (XLNet's)
+        tries = [{"batch": layer.batch, "length": layer.length}, {"batch": layer.length, "length": layer.batch}] \
+            if layer.extras else [{}]
+        for sized in tries:
+            try:
+                given = {k: v for k, v in options.items() if v is not None or k not in sized}
+                report.layers[layer.name] = check(layer.module, call=layer.adapter(), **{**sized, **given})
+                report.could_not_run.pop(layer.name, None)
+                break
+            except CannotRun as err:
+                report.could_not_run.setdefault(layer.name, str(err))
     return report
 
 

@@ -13,6 +13,7 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -75,6 +76,24 @@ def band(dep: Tensor) -> tuple[int, int] | None:
     return -visible[0], visible[-1]
 
 
+def _local_design(dep: Tensor) -> str | None:
+    """The published pattern a dependency matrix that sees some future keys follows, or None: symmetric with the
+    diagonal seen (blocks, windows of an image, shifted windows: each pair of tokens sees each other or neither), or
+    a prefix LM (the first p tokens see each other, the others are causal)."""
+    length = dep.shape[0]
+    eye = torch.eye(length, dtype=torch.bool, device=dep.device)
+    if bool(dep.diagonal().all()) and torch.equal(dep, dep.T):
+        return "local pattern: each query sees a symmetric set of keys, itself among them (blocks or windows; " \
+               "bidirectional within each)"
+    causal = ~future(length).to(dep.device) | eye
+    for prefix in range(2, length):
+        block = torch.zeros_like(dep)
+        block[:prefix, :prefix] = True
+        if torch.equal(dep, causal | block):
+            return f"prefix LM: the first {prefix} tokens see each other, every later token is causal"
+    return None
+
+
 def causality(ctx: Context) -> Outcome[Tensor]:
     """Which tokens each output row depends on; a causal module must hide exactly the future.
 
@@ -113,8 +132,12 @@ def causality(ctx: Context) -> Outcome[Tensor]:
                                          "or past keys, in no window)", {"hidden (query, key) pairs with key <= "
                                                                          "query": pairs}))
     elif not causal and seen_future.sum() < future(length).sum():
-        found.findings.append(Finding.of(CAUSAL_LEAK, "queries see some future keys and not others",
-                                         {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
+        design = _local_design(dep)
+        if design is not None:
+            found.notes["window"] = design
+        else:
+            found.findings.append(Finding.of(CAUSAL_LEAK, "queries see some future keys and not others",
+                                             {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
     if ctx.bidirectional and not dep.all():
         hidden = (~dep).nonzero().tolist()[:10]
         found.findings.append(Finding.of(KEYS_HIDDEN, "queries do not see every key although the module must be "
@@ -159,8 +182,22 @@ def twin_reads_masks_alike(ctx: Context) -> bool:
     return True
 
 
+def _replaces_its_own(caller: Caller, x: Tensor, plain: Tensor, dep: Tensor) -> bool:
+    """Does a mask replace the pattern the module applies without one (``is_causal=mask is None``): a mask that
+    hides nothing changes the output, and one that hides what the module hides on its own does not?"""
+    everything = torch.ones(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool)
+    with torch.no_grad():
+        if close(caller(x, caller.module_mask(everything)), plain):
+            return False
+        based = replace(caller, base=dep)
+        return close(based(x, based.module_mask(everything)), plain)
+
+
 def _describe(caller: Caller) -> dict:
     note = {"convention": caller.spec.describe() if caller.spec else "your make_mask(keep)"}
+    if caller.base is not None:
+        note["own pattern"] = ("without a mask the module applies its own pattern (causal, or a window), and a mask "
+                               "replaces it: the doctor's masks keep that pattern")
     if caller.spec is not None:  # the old fields, kept for users who read them
         note["shape"] = caller.spec.describe().rpartition("shape ")[2]
         note["kind"] = caller.spec.kind
@@ -225,6 +262,10 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
         label = _label(caller)
         keep = probe_keep(b, length, caller.key_only)
         try:
+            if caller.spec is not None and not caller.key_only and not bool(dep.all()) and \
+                    _replaces_its_own(caller, x, plain, dep):
+                native = replace(native, base=dep)
+                caller = ctx.exact_of(native)
             mask = caller.module_mask(keep)
             watch = MaskWatch(mask, caller.module)
             with torch.no_grad(), watch:

@@ -222,16 +222,19 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
     role: a key or value taken from another projection (``k = self.query(x)``). Layers named otherwise (a
     cross-attention ``to_k_context``, a gate, an optional output projection) may be left out on purpose, and a
     part of the module the call does not run at all (an adapter that runs one submodule) has no used sibling."""
-    groups: dict[str, list[tuple[str, bool]]] = {}
+    groups: dict[str, list[tuple[str, bool, nn.Linear]]] = {}
     for path, mod in module.named_modules():
         if isinstance(mod, nn.Linear) and mod.weight.requires_grad:
-            groups.setdefault(path.rpartition(".")[0], []).append((path, id(mod.weight) in used))
+            groups.setdefault(path.rpartition(".")[0], []).append((path, id(mod.weight) in used, mod))
     idle = []
     for group in groups.values():
-        played = [name_role(p) for p, u in group if u]
-        if not played or None in played:  # nothing used here, or a used projection of no named role (fused qkv)
+        played = [name_role(p) for p, u, _ in group if u]
+        # a used projection of no named role may be a fused q/k/v one (wider out than in); an output projection
+        # (E -> E) or a gate is not
+        fused = any(name_role(p) is None and m.out_features >= 2 * m.in_features for p, u, m in group if u)
+        if not played or fused or all(r is None for r in played):
             continue
-        idle += [p for p, u in group if not u and name_role(p) is not None and name_role(p) not in played]
+        idle += [p for p, u, _ in group if not u and name_role(p) is not None and name_role(p) not in played]
     return sorted(idle)
 
 

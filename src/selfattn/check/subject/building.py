@@ -127,7 +127,7 @@ class Sizes:
     sizes is told with ``--batch`` / ``--length``.
     """
 
-    embed_dim: int = 64
+    embed_dim: int = 64  # 0: the module's own (see embed_dims_of)
     heads: int = 4
     batch: int | None = None
     lengths: tuple[int, ...] | None = None
@@ -305,6 +305,18 @@ def embed_dim_of(module: nn.Module, default: int) -> int:
         if isinstance(m, nn.GroupNorm):
             return m.num_channels
     return default
+
+
+def embed_dims_of(module: nn.Module) -> list[int]:
+    """The candidates for E, most likely first: :func:`embed_dim_of`, then the input sizes of the module's other
+    layers (Linear, convolution, norm), each once."""
+    dims = [embed_dim_of(module, 64)]
+    for m in module.modules():
+        size = m.in_features if isinstance(m, nn.Linear) else m.in_channels if isinstance(m, (nn.Conv1d, nn.Conv2d)) \
+            else m.normalized_shape[-1] if isinstance(m, nn.LayerNorm) and m.normalized_shape else None
+        if isinstance(size, int) and size > 0 and size not in dims:
+            dims.append(size)
+    return dims
 
 
 def num_heads_of(module: nn.Module) -> int | None:

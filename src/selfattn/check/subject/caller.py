@@ -171,10 +171,11 @@ class Caller:
     a keep-mask is encoded for it; ``adapter(module, x[, mask])`` and ``make_mask(keep)`` replace
     both when the user gives them. ``required``: forward has no default for its mask, so a call
     without one sends the mask that hides nothing. ``switch``: the mask is a bool argument that
-    turns a causal mask on (``is_causal``). ``layout``: "batch-first" (B, L, E), "sequence-first"
-    (L, B, E), or an image of L = H x W tokens, "channels-first" (B, E, H, W) or "channels-last"
-    (B, H, W, E) (H the largest divisor of L up to its square root); the probes always speak
-    (B, L, E) and the caller converts both ways.
+    turns a causal mask on (``is_causal``). ``base``: the (L, L) pattern the module applies when it
+    gets no mask and that a mask replaces (``is_causal=mask is None``), kept in every mask sent.
+    ``layout``: "batch-first" (B, L, E), "sequence-first" (L, B, E), or an image of L = H x W
+    tokens, "channels-first" (B, E, H, W) or "channels-last" (B, H, W, E) (H the largest divisor of
+    L up to its square root); the probes always speak (B, L, E) and the caller converts both ways.
     """
 
     module: nn.Module
@@ -187,6 +188,7 @@ class Caller:
     required: bool = False
     switch: str | None = None
     layout: str = "batch-first"
+    base: Tensor | None = None  # (L, L): the pattern the module applies without a mask, which a mask replaces
     mutated: set[str] = field(default_factory=set)  # what the module changed in place (shared by every copy)
 
     def __call__(self, x: Tensor, mask: object = None) -> Tensor:
@@ -253,6 +255,8 @@ class Caller:
         A causal switch can only say "causal" (True) or "nothing hidden" (False); other masks raise ValueError.
         """
         device = param_device(self.module)
+        if self.base is not None and not self.key_only and self.switch is None and keep.shape[-2:] == self.base.shape:
+            keep = keep & self.base.to(keep.device)  # a module whose mask replaces its own (causal) pattern
         if self.switch is not None:
             length = keep.shape[-1]
             causal = torch.ones(length, length, dtype=torch.bool).tril()

@@ -163,6 +163,20 @@ def _discover_length(module: nn.Module, adapter: Callable | None, errors: list[s
     return None
 
 
+def _discover_batch(module: nn.Module, adapter: Callable | None, errors: list[str], e: int, lengths: tuple[int, ...],
+                    gen: torch.Generator, dtype: torch.dtype, device: torch.device) -> tuple[Caller, int] | None:
+    """A batch size the module runs at (a cache allocated for exactly N rows, as gpt-fast's), among the numbers its
+    error messages name and the sizes it carries."""
+    named = {int(n) for n in re.findall(r"\d+", " ".join(errors))} | _sizes_in(module)
+    for b in sorted(n for n in named if 2 <= n <= 64 and n != e)[:12]:
+        shape = (b, lengths[0], e)
+        x = _randn(gen, shape, dtype, device)
+        call = Caller(module, "adapter", adapter=adapter) if adapter is not None else _caller_for(module, x)[0]
+        if call is not None and _runs(call, shape, gen, dtype, device) is None:
+            return call, b
+    return None
+
+
 def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Callable | None = None,
             dtype: torch.dtype = torch.float32,
             device: torch.device | None = None) -> Outcome[tuple[Caller, Tensor]]:
@@ -243,6 +257,21 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
             failed_first = [str(shape) for shape, _ in failed]
             ran, wrong, failed = [], [], []
             for b, _ in shapes:
+                why = _runs(call, (b, n, e), gen, dtype, device)
+                if why is None:
+                    ran.append((b, n, e))
+                elif why.startswith("output "):
+                    wrong.append(((b, n, e), why[7:]))
+                else:
+                    failed.append(((b, n, e), why))
+    if (call is None or (not ran and not wrong)) and sizes.batch is None:
+        found_batch = _discover_batch(module, adapter, errors, e, sizes.lengths or (7, 5, 6), gen, dtype, device)
+        if found_batch is not None:
+            call, b = found_batch
+            notes["batch size"] = f"runs only at batch size {b} among those tried (a size its errors or tensors " \
+                                  "name, as a cache allocated for it; --batch states it)"
+            ran, wrong, failed = [], [], []
+            for n in sizes.lengths or (7, 5, 6):
                 why = _runs(call, (b, n, e), gen, dtype, device)
                 if why is None:
                     ran.append((b, n, e))

@@ -61,9 +61,18 @@ def _raw(caller: Caller, mask: object, keep: Tensor) -> Tensor | None:
     if m is None or caller.spec is None:
         return None
     m = m.double().cpu()
-    shaped = {"LL": lambda: m[None, None], "BLL": lambda: m[:, None], "B1LL": lambda: m,
-              "BL": lambda: m[:, None, None, :], "B11L": lambda: m}[caller.spec.shape]()
-    return shaped.expand(keep.shape[0], 1, *keep.shape[-2:])
+    b, length = keep.shape[0], keep.shape[-1]
+    if caller.make_mask is None:  # the doctor encoded it: its shape is the spec's
+        m = {"LL": lambda: m[None, None], "BLL": lambda: m[:, None], "B1LL": lambda: m,
+             "BL": lambda: m[:, None, None, :], "B11L": lambda: m}[caller.spec.shape]()
+    elif m.dim() == 2:  # the user's make_mask: read by rank ((L, L) or (B, L)); (B, 1, L) and (B, L, L) alike
+        m = m[None, None] if m.shape[0] == length and b != length else m[:, None, None, :]
+    elif m.dim() == 3:
+        m = m[:, None]
+    try:
+        return m.reshape(m.shape[0], -1, *m.shape[-2:])[:, :1].expand(b, 1, length, length) if m.dim() == 4 else None
+    except RuntimeError:  # a shape the formulas cannot use: they go without the mask's values
+        return None
 
 
 def _informative_input(module: nn.Module, call: Callable[[Tensor], Tensor], x: Tensor, heads: list[int]) -> Tensor:
@@ -143,7 +152,8 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         cap = capture(trace, module, x)
         verdict, why = _by_projections(cap, out, heads, k4, raw, bias, stated)
         if verdict is None:
-            verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why, k4, frozenset({id(x)}))
+            verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why, k4, frozenset({id(x)}),
+                                        local=not bool(dep.all()))
             if verdict is not None and verdict[0] == DEFINITION_MISMATCH:  # no formula: the same as none found
                 why, verdict = verdict[1]["matches"], None
         if verdict is None:
@@ -200,10 +210,11 @@ def _by_projections(cap: Capture | str, out: Tensor, heads: list[int], keep: Ten
 
 
 def _by_operands(trace, out: Tensor, width: int, length: int, stated: Callable[[int], float | None],
-                 before: str, keep: Tensor | None, inputs: frozenset[int]) -> tuple[tuple | None, str]:
+                 before: str, keep: Tensor | None, inputs: frozenset[int],
+                 local: bool = False) -> tuple[tuple | None, str]:
     """The verdict of the attention's own products (the first bug among its cores, else the definition)."""
     try:
-        verdicts = examine_cores(trace, out, width, length, stated, keep, out.shape[0], inputs)
+        verdicts = examine_cores(trace, out, width, length, stated, keep, out.shape[0], inputs, local)
     except Unrecognised as err:
         reason = f"{before}; from the operands: {err}" if before else str(err)
         return None, ("not followed: " if "no attention was found" in str(err) else "") + reason

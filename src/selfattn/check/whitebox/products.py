@@ -33,6 +33,7 @@ from ..findings import (
     CAUSAL_LEAK,
     DEFINITION_MISMATCH,
     HEAD_MERGE,
+    MASK_AFTER_SOFTMAX,
     MASK_IGNORED,
     MASK_INVERTED,
     MATMUL_ORDER,
@@ -172,6 +173,22 @@ def _orientation(w: Tensor, p: Tensor) -> str | None:
     if w.shape[-2:] == pt.shape[-2:] and bool(((w.double().reshape(pt.shape) - pt.double()).abs() <= tol).all()):
         return "transposed"
     return None
+
+
+_ZEROING = frozenset({"masked_fill", "masked_fill_", "where", "mul", "mul_", "nan_to_num"})
+
+
+def _zeroed_as(w: Tensor, p: Tensor) -> Tensor:
+    """The softmax output ``p`` with the rows (or, for weights given transposed, the columns) that ``w`` zeroed set
+    to 0, so that weights zeroed on rows with no visible key still read as the softmax's."""
+    if w.numel() != p.numel():
+        return p
+    for pp, dim in ((p, -1), (p.transpose(-1, -2), -1)):
+        if w.shape[-2:] == pp.shape[-2:]:
+            dead = w.reshape(pp.shape).abs().sum(dim, keepdim=True) == 0
+            out = pp.masked_fill(dead, 0)
+            return out if pp is p else out.transpose(-1, -2)
+    return p
 
 
 def _product_after(trace: Trace, tid: int) -> tuple[Op, int, list[str]] | None:
@@ -419,6 +436,26 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
     return None
 
 
+def _softmax_over_keys(trace: Trace, sm: Op, dim: int) -> bool:
+    """Does the softmax's ``dim`` come from the key operand of an einsum score product (the operand a projection's
+    name says is k, else the second one, as in q k^T)?"""
+    try:
+        product, _ = _score_chain(trace, sm.in_ids[0])
+    except Unrecognised:
+        return False
+    eq = _equation(product)
+    if eq is None or len(eq[0]) != 2 or len(eq[1]) != sm.args[0].dim():
+        return False
+    (sa, sb), out = eq
+    letter = out[dim]
+    side = 0 if letter in sa and letter not in sb else 1 if letter in sb and letter not in sa else None
+    if side is None:
+        return False
+    named = [r if how == "name" else None for r, how in (_role(trace, i) for i in product.in_ids[:2])]
+    keys = named.index("k") if "k" in named else 1
+    return side == keys
+
+
 def _roles_verdict(trace: Trace, ids: tuple[int, int, int], evidence: dict, facts: dict) -> Verdict | None:
     """A verdict when the score and value operands come from projections in the wrong roles, else None."""
     roles = [_role(trace, i) for i in ids]
@@ -552,7 +589,7 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
 
 def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                   expected: Callable[[int], float | None], keep: Tensor | None = None,
-                  batch: int = 1, inputs: frozenset[int] = frozenset()) -> Verdict | None:
+                  batch: int = 1, inputs: frozenset[int] = frozenset(), local: bool = False) -> Verdict | None:
     p = sm.outputs[0]
     after = _product_after(trace, sm.out_ids[0])
     if after is None:
@@ -565,7 +602,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     dim = _dim(sm)
     evidence: dict = {"operations": f"{len(trace.ops)} recorded"}
     facts: dict = {}
-    if passed:
+    if passed and not set(passed) <= _ZEROING:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights pass through {', '.join(passed)} between "
                                                "the softmax and the product with the values", **evidence})
     other = operands[1 - position][1] if len(operands) > 1 else None
@@ -585,6 +622,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         facts["sinks"] = f"{sinks} sink logit(s) per row in the softmax, with no value (attention sinks)"
     axes = _einsum_token_axes(pv, position, w, p, length)
     if axes is not None:  # an einsum layout with the tokens elsewhere ("ijbh": sequence first): move them last
+        if dim == axes[0] and _softmax_over_keys(trace, sm, dim):  # the product contracts the queries instead
+            return Verdict(MATMUL_ORDER, {"matches": f"the product with the values contracts the queries (dim "
+                                            f"{axes[1]} of the weights) while the softmax runs over the keys (dim "
+                                            f"{dim}, from the key operand of the scores): weights transposed before "
+                                            "V", **evidence})
         if dim != axes[1]:
             return Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d weights, not over "
                                            f"the keys (dim {axes[1]}, the axis the product with the values "
@@ -592,13 +634,25 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         facts["layout"] = f"einsum {pv.args[0]!r}: the weights' query and key axes are dims {axes[0]} and {axes[1]}"
         p, s, w, dim = (p.movedim(axes, (-2, -1)), s.movedim(axes, (-2, -1)), p.movedim(axes, (-2, -1)),
                         p.dim() - 1)
-    if p.dim() < 2 or p.shape[-1] != length or p.shape[-2] != length:
+    window = local and p.dim() >= 2 and p.shape[-1] == p.shape[-2] and 1 < p.shape[-1] < length and \
+        length % p.shape[-1] == 0
+    if window:  # attention within windows (Swin's on an image): the weights' axes are a window's tokens
+        facts["windows"] = f"attention within windows of {p.shape[-1]} tokens (the module sees a local pattern)"
+        keep = None  # the run's (L, L) pattern is the windows'; each window's scores are read on their own
+    elif p.dim() < 2 or p.shape[-1] != length or p.shape[-2] != length:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights are {tuple(p.shape[-2:])} over axes that are "
                                                f"not the {length} tokens (a head split that mixes tokens and heads)",
                                                **evidence})
     if dim != p.dim() - 1:
         return Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
                                        "the keys (the last dim)", **evidence})
+    if passed:  # weights zeroed where the mask hides (ESPnet's softmax(...).masked_fill(hidden, 0)): rows with no
+        p = _zeroed_as(w, p)  # visible key become 0; elsewhere a no-op when the scores were masked before the softmax
+        if _orientation(w, p) is None:
+            return Verdict(MASK_AFTER_SOFTMAX, {"matches": f"the weights are masked after the softmax "
+                                                  f"({', '.join(passed)}): the visible keys' weights no longer sum "
+                                                  "to 1", **evidence})
+        facts["masked weights"] = f"the weights of hidden keys are zeroed after the softmax ({', '.join(passed)})"
     orientation = _orientation(w, p)
     # V^T @ W^T (channels first, as convolutional blocks compute it) contracts the keys too: the output is the
     # transpose of W @ V, (..., D, L)
@@ -640,6 +694,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     with_terms = any(n in _TERMS for n in names) or product.name == "baddbmm"
     masked = _mask_verdict(~(torch.isfinite(s) & (s > _MASKED)), keep, evidence)
     if masked is not None:
+        if not window:  # heads merged wrongly make rows depend on other tokens: the pattern the mask is read
+            canon = _canonical_output(pv, position, axes[0] if axes is not None else w.dim() - 2, batch)  # against
+            merge_fid, merged = _merge(trace, pv, pv.outputs[0], final, canon)
+            if merge_fid is not None:
+                return Verdict(merge_fid, {"matches": merged, **evidence}, facts)
         return masked
     relative = _relative_terms(trace, chain, inputs, r.shape, axes)
     if relative:  # content and position products (Transformer-XL, Shaw): one scale for both
@@ -680,7 +739,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if channels_first and pv.outputs:
         nd = pv.outputs[0].dim()
         canon = (*range(nd - 2), nd - 1, nd - 2)
-    merge_fid, merged = _merge(trace, pv, pv.outputs[0], final, canon)
+    merge_fid, merged = (None, "not checked: the windows are put back by the module's own layout") if window else \
+        _merge(trace, pv, pv.outputs[0], final, canon)
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence}, facts)
@@ -738,7 +798,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         hidden = hidden.expand(*torch.broadcast_shapes(hidden.shape, (keep.shape[0], q.shape[-3], length, length)))
         masked = _mask_verdict(hidden, keep, evidence)
         if masked is not None:
-            return masked
+            merge_fid, merged = _merge(trace, op, op.outputs[0], final)  # a wrong merge distorts the pattern
+            return Verdict(merge_fid, {"matches": merged, **evidence}) if merge_fid is not None else masked
     wrong = _roles_verdict(trace, (op.in_ids[0], op.in_ids[1], op.in_ids[2]), evidence, {}) or \
         _values_verdict(trace, op.in_ids[2], evidence, {})
     if wrong is not None:
@@ -760,7 +821,7 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
 
 def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
                   expected: Callable[[int], float | None], keep: Tensor | None = None,
-                  batch: int = 1, inputs: frozenset[int] = frozenset()) -> list[Verdict]:
+                  batch: int = 1, inputs: frozenset[int] = frozenset(), local: bool = False) -> list[Verdict]:
     """Every attention core in the record, each with its verdict.
 
     Args:
@@ -774,6 +835,8 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
         inputs: the identities (``id``) of the tensors the run gave the module: a product one of whose operands
             does not depend on them is a position term.
         expected: the scale the user or the module states for head dim D, or None for 1/sqrt(D).
+        local: the module on its own hides some keys (a window): weights over fewer tokens than L, a divisor of
+            L, are read as attention within windows.
 
     Returns:
         One :class:`Verdict` per core, in the order they ran.
@@ -787,7 +850,7 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
         if op.name == "scaled_dot_product_attention":
             verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep))
         elif op.name in SOFTMAX:
-            found = _softmax_core(trace, op, final, width, length, expected, keep, batch, inputs)
+            found = _softmax_core(trace, op, final, width, length, expected, keep, batch, inputs, local)
             if found is not None:
                 verdicts.append(found)
     if not verdicts:
