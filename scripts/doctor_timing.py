@@ -7,7 +7,7 @@ Each module is checked once in this process (after one warm-up check, so that im
 calls are not charged to the first module) with torch limited to ``--threads`` threads (2 by default,
 as on CI). Prints the median and the maximum per module, the slowest modules, the probes that take
 the most time in total, and any module whose verdict is not "passed" (a false alarm, or a corpus
-module that needs a fix).
+module that needs a fix; the findings a corpus entry knows to be true of it count as passed).
 """
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         try:
             report = dc.check_entry(dc.CORPUS[name], seed=args.seed)
-            verdict, probes = report.verdict, report.seconds
+            errors = {f.id for f in report.findings if f.severity == "error"}
+            # a corpus module's known findings are true of it (timm's eager path gives NaN on empty rows)
+            verdict = "passed" if report.verdict == "failed" and errors <= dc.CORPUS[name].known else report.verdict
+            probes = report.seconds
         except Exception as e:  # recorded: the timing of the others goes on
             verdict, probes = f"raised {type(e).__name__}: {e}"[:200], {}
         rows.append({"module": name, "seconds": round(time.perf_counter() - t, 3), "verdict": verdict,
