@@ -137,7 +137,7 @@ def test_decode_anchor_computes_what_the_module_computes():
     """catches: a decode anchor that does less (or other) work than the module it is compared
     with: a wrong slot, a missed projection, keys it should see left out."""
     import selfattn
-    from selfattn.bench.decode import decode_steps
+    from selfattn.bench.decode import decode_steps, paged_copies
 
     torch.manual_seed(0)
     b, e, h, cached = 3, 32, 4, 10
@@ -146,8 +146,12 @@ def test_decode_anchor_computes_what_the_module_computes():
     with torch.no_grad():
         for m, c in zip(mods, caches, strict=True):
             m(torch.randn(b, cached, e), cache=c, positions=torch.arange(cached).expand(b, -1))
-        steps = decode_steps(mods, caches, torch.randn(b, 1, e), cached)
+        paged = {"paged-3": paged_copies(caches, cached, 3)}
+        steps = decode_steps(mods, caches, torch.randn(b, 1, e), cached, paged)
         torch.testing.assert_close(steps["selfattn"](), steps["sdpa"]())
+        for _ in range(2):  # the paged step leaves its caches as it found them
+            torch.testing.assert_close(steps["paged-3"](), steps["selfattn"]())
+        assert [c.length(s) for c in paged["paged-3"] for s in c.sequences] == [cached] * 2 * b
 
 
 def test_bench_decode_reports_both_batches_with_spread(tmp_path):

@@ -14,6 +14,8 @@ from .cache import KVCache
 from .check import check, check_model
 from .functional import Explanation, attention, attention_with_weights, explain, use_backend
 from .nn import MultiHeadAttention, SelfAttention
+from .paged import paged_attention
+from .paged_cache import PagedKVCache
 from .rope import rope
 from .varlen import varlen_attention, varlen_explain
 
@@ -21,6 +23,7 @@ __all__ = [
     "Explanation",
     "KVCache",
     "MultiHeadAttention",
+    "PagedKVCache",
     "SelfAttention",
     "attention",
     "attention_with_weights",
@@ -28,6 +31,7 @@ __all__ = [
     "check_model",
     "explain",
     "masks",
+    "paged_attention",
     "rope",
     "scores",
     "testing",

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-__all__ = ["KVCache"]
+__all__ = ["KVCache", "check_fits"]
 
 _HOW = "KVCache.for_module(module, batch_size=..., max_len=...) builds the cache a module needs"
 
@@ -81,14 +81,7 @@ class KVCache(nn.Module):
         """Raise unless keys and values of ``dtype`` on ``device`` (from ``what``) can be stored here as
         they are: another device is an error, and so is another dtype unless autocast is on for that
         device (the attention then casts everything to the autocast dtype anyway)."""
-        kbuf = self.k
-        if device != kbuf.device:
-            raise ValueError(f"this KVCache is on {kbuf.device} but {what} is on {device}; {_HOW} "
-                             f"(or pass device={str(device)!r} to KVCache)")
-        if dtype != kbuf.dtype and not (torch.amp.is_autocast_available(device.type)
-                                        and torch.is_autocast_enabled(device.type)):
-            raise TypeError(f"this KVCache holds {kbuf.dtype} keys and values but {what} is {dtype}; {_HOW} "
-                            f"(or pass dtype={dtype} to KVCache)")
+        check_fits(self.k, dtype, device, what, cache="KVCache", how=_HOW)
 
     def reset(self) -> None:
         """Forget every cached token (the buffers are kept)."""
@@ -165,6 +158,19 @@ class KVCache(nn.Module):
         visible = (written[:, None, :used] | (j < fill.full)) & (j <= positions[:, :, None])  # (B, T, S')
         visible &= (positions >= 0)[:, :, None]
         return k_all, v_all, visible[:, None]
+
+
+def check_fits(buffer: Tensor, dtype: torch.dtype, device: torch.device, what: str, *, cache: str, how: str) -> None:
+    """Raise unless keys and values of ``dtype`` on ``device`` (from ``what``) can be stored in ``buffer`` of the
+    cache class ``cache`` as they are: another device is a ValueError, another dtype a TypeError unless autocast
+    is on for that device. ``how`` says how to build the right cache."""
+    if device != buffer.device:
+        raise ValueError(f"this {cache} is on {buffer.device} but {what} is on {device}; {how} "
+                         f"(or pass device={str(device)!r} to {cache})")
+    if dtype != buffer.dtype and not (torch.amp.is_autocast_available(device.type)
+                                      and torch.is_autocast_enabled(device.type)):
+        raise TypeError(f"this {cache} holds {buffer.dtype} keys and values but {what} is {dtype}; {how} "
+                        f"(or pass dtype={dtype} to {cache})")
 
 
 def _check_positions(rows: list[list[int]]) -> None:

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from .cache import KVCache
 from .functional import Causal, attention, attention_with_weights
 from .masks import Mask
+from .paged_cache import PagedKVCache, SeqIds
 from .rope import rope as apply_rope
 
 __all__ = ["MultiHeadAttention", "SelfAttention"]
@@ -93,6 +94,7 @@ class MultiHeadAttention(nn.Module):
         >>> mha = MultiHeadAttention(512, 8, num_kv_heads=2)
         >>> y = mha(torch.randn(2, 100, 512), causal=True)            # (2, 100, 512)
         >>> y = mha(x, context=memory)                                # cross-attention
+        >>> y = mha(x, cache=paged, seq_ids=[a, b])                   # decoding with a PagedKVCache
     """
 
     def __init__(self, embed_dim: int, num_heads: int, *, num_kv_heads: int | None = None,
@@ -126,18 +128,33 @@ class MultiHeadAttention(nn.Module):
                 v.view(b, lk, g, d).transpose(1, 2))
 
     def forward(self, x: Tensor, mask: Mask | Tensor | None = None, *, context: Tensor | None = None,
-                causal: Causal = False, need_weights: bool = False, cache: KVCache | None = None,
-                positions: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                causal: Causal = False, need_weights: bool = False, cache: KVCache | PagedKVCache | None = None,
+                positions: Tensor | None = None, seq_ids: SeqIds | None = None,
+                cu_seqlens: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
         """x: (B, L, E); context: (B, S, E) for cross-attention (default: x itself).
 
         mask: bool (L, S), (B, L, S), (B, H, L, S) or a Mask; True = may attend.
         cache: a KVCache; the new tokens' keys and values are written at ``positions`` and each
             query sees the cached tokens of its own sequence at positions <= its own.
+            Or a PagedKVCache: the new tokens are appended to the sequences ``seq_ids`` and each
+            query sees its sequence's tokens up to its own; positions come from the cache.
         positions: int (B, L) or (L,), each token's position in its sequence (RoPE and the
             cache; -1 marks padding: not cached, attention output 0). Default: 0..L-1.
+        seq_ids: with a PagedKVCache, the sequence of each row of x (x (B, L, E): L new tokens each),
+            or of each packed range of ``cu_seqlens``.
+        cu_seqlens: with a PagedKVCache, int32 (N + 1,): x is (1, T, E), the new tokens of the N
+            sequences packed (a mixed step: prefill chunks and single decode tokens in one call).
         Returns (B, L, E), and with ``need_weights`` also per-head weights (B, H, L, S).
         """
         x = _check_input("x", x, self.embed_dim)
+        if isinstance(cache, PagedKVCache):
+            if mask is not None or causal is not False or context is not None or need_weights:
+                raise ValueError("with a PagedKVCache each query sees its sequence's tokens up to its own; don't pass "
+                                 "mask, causal, context or need_weights (it returns no weights)")
+            return self._forward_paged(x, cache, positions, seq_ids, cu_seqlens)
+        if seq_ids is not None or cu_seqlens is not None:
+            raise ValueError("seq_ids and cu_seqlens address the sequences of a PagedKVCache; pass cache=PagedKVCache"
+                             "(...), or use positions with a KVCache")
         if context is not None:
             context = _check_input("context", context, self.embed_dim)
         if cache is not None:  # checked before any work, so a wrong call leaves the cache as it was
@@ -176,6 +193,46 @@ class MultiHeadAttention(nn.Module):
             out = attention(q, k, v, mask=mask, causal=causal, dropout_p=dropout_p)
         out = self.proj(out.transpose(1, 2).reshape(b, lq, self.embed_dim))  # (B, L, E)
         return (out, w) if need_weights else out
+
+    def _forward_paged(self, x: Tensor, cache: PagedKVCache, positions: Tensor | None, seq_ids: SeqIds | None,
+                       cu_seqlens: Tensor | None) -> Tensor:
+        """A step with a PagedKVCache: project the new tokens packed as (T, E), rotate them at the positions
+        the cache gives, append their keys and values, attend over each sequence's pages."""
+        if positions is not None:
+            raise ValueError("a PagedKVCache appends each sequence's new tokens after its cached ones, so their "
+                             "positions come from the cache (cache.positions(seq_ids, cu_seqlens)); don't pass "
+                             "positions")
+        if seq_ids is None:
+            raise ValueError("a PagedKVCache needs seq_ids: the cache's sequence id of each row of x (from "
+                             "cache.allocate()), or of each packed range of cu_seqlens")
+        weight = self.qkv.weight
+        cache.check_fits(weight.dtype, weight.device, f"this {type(self).__name__}'s projection")
+        ids = cache.check_ids(seq_ids)
+        b, lq, e = x.shape
+        if cu_seqlens is None:
+            if len(ids) != b:
+                raise ValueError(f"seq_ids names {len(ids)} sequences but x has B = {b} rows; give one id per row "
+                                 "of x (its L tokens go to that sequence), or pack x as (1, T, E) with cu_seqlens")
+            cu = torch.arange(b + 1, dtype=torch.int32, device=x.device) * lq
+        elif b != 1:
+            raise ValueError(f"with cu_seqlens, x must be (1, T, E), the new tokens of every sequence packed along "
+                             f"dim 1, got shape {tuple(x.shape)}")
+        else:
+            cu = cu_seqlens
+        pos = cache.positions(ids, cu)  # (T,): checks cu against ids
+        t = b * lq
+        if pos.numel() != t:
+            raise ValueError(f"cu_seqlens ends at {pos.numel()} tokens but x holds T = {t} (dim 1); its last entry "
+                             "must be the number of packed tokens")
+        h, g, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv(x.reshape(t, e)).view(t, h + 2 * g, d).split((h, g, g), dim=1)  # (T, H|G, D)
+        if self.rope_base is not None:
+            q = apply_rope(q.transpose(0, 1)[None], pos, base=self.rope_base)[0].transpose(0, 1)
+            k = apply_rope(k.transpose(0, 1)[None], pos, base=self.rope_base)[0].transpose(0, 1)
+        cache.append(ids, k, v, cu)
+        dropout_p = self.dropout if self.training else 0.0
+        out = cache.attention(q, ids, cu, causal=True, dropout_p=dropout_p)  # (T, H, D)
+        return self.proj(out.reshape(t, e)).view(b, lq, e)
 
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:

@@ -5,7 +5,8 @@ Suites:
   tutorial's MultiHeadAttention, forward and forward+backward.
 - overhead: ``attention(backend="auto")`` vs calling ``scaled_dot_product_attention`` directly.
 - decode: one KV-cache decode step of a 12-layer, 768-wide model from a 2k-token cache, B = 1
-  and B = 8, vs projecting the new token and calling SDPA on the cached tensors.
+  and B = 8, vs projecting the new token and calling SDPA on the cached tensors; and the same step
+  with a PagedKVCache (pages of 16 and 128 tokens) vs the contiguous KVCache.
 - masks: masked attention from 1k to 64k tokens: selfattn (auto, chunked) vs raw SDPA (with the
   dense mask where a mask is needed), SDPA is_causal (over the whole batch, and for padded
   batches over each item's real tokens only), the tutorial's textbook math and compiled

@@ -1,0 +1,285 @@
+"""``paged_attention()``: attention of packed queries over keys and values stored in pages.
+
+A pool holds keys (P, S, Hkv, D) and values (P, S, Hkv, Dv): P pages of S tokens each, the paged
+layout of flash-attn (``flash_attn_with_kvcache(..., block_table=)``) and vLLM. A page is one
+contiguous (S, Hkv, D) block, so a sequence's pages taken in order are its packed keys. Sequence s
+owns the pages ``block_table[s, :ceil(seqused_k[s] / S)]``: its token t lies in page
+``block_table[s, t // S]`` at slot ``t % S``. Pages may be shared between sequences (a forked
+prefix); entries past a sequence's last page are never read (any value, -1 by convention).
+
+The call gathers each sequence's keys and values into packed (Tk, Hkv, D) tensors and makes one
+:func:`selfattn.varlen_attention` call with ``cu_seqlens_k`` from ``seqused_k``. So every backend runs
+it, with varlen's causal masks and windows (aligned bottom-right per sequence), softcap and sinks,
+and autograd reaches q and the pools through the gather. The gather copies the keys and values
+that the call reads, once per call.
+
+One case takes another layout: when every sequence has the same small number of queries (at most
+``PADDED_MAX_QUERIES``: a decode step, a few speculative tokens), the keys are gathered padded to
+the longest sequence, (N, Hkv, Lmax, D), and one :func:`selfattn.attention` call runs over the batch
+of N with a (N, 1, nq, Lmax) visibility mask (None when every query sees every key). Varlen's batch
+of one would score every query against all N sequences' keys and mask most of them (N^2 x L work
+for a decode step in SDPA's dense-mask kernel); the padded batch scores each against its own
+(N x Lmax). Both layouts mean the same mask, and tests/test_paged.py holds both to the oracle.
+
+Shape legend: N sequences, P pages, S page size (tokens per page), W block-table width (the most
+pages one sequence may hold), Tq packed query tokens, Tk = sum(seqused_k) gathered keys, Hq/Hkv
+heads, D/Dv head dims.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Literal, overload
+
+import torch
+from torch import Tensor
+
+from . import functional as _functional
+from ._call import FLOAT_DTYPES
+from .masks.packed import check_cu_seqlens
+from .varlen import Causal, Window, _check_causal, _check_lengths, _check_qkv, _check_window, _softcap, varlen_attention
+
+__all__ = ["PADDED_MAX_QUERIES", "attend", "check_block_table", "gather", "paged_attention"]
+
+PADDED_MAX_QUERIES = 16  # up to this many queries per sequence, all sequences alike: the padded batch
+
+_INT_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_pool(name: str, pool: object, layout: str) -> Tensor:
+    if not isinstance(pool, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(pool).__name__}")
+    if pool.dim() != 4 or 0 in pool.shape:
+        raise ValueError(f"{name} must be 4-D {layout} (pages, tokens per page, heads, head dim), none of them 0, "
+                         f"got shape {tuple(pool.shape)}; a (Tk, Hkv, D) tensor of packed keys goes to "
+                         "selfattn.varlen_attention instead")
+    if pool.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be a floating tensor (float16, bfloat16, float32, float64), got {pool.dtype}")
+    return pool
+
+
+def _check_pools(q: object, k_pages: object, v_pages: object) -> tuple[Tensor, Tensor]:
+    if not isinstance(q, Tensor):
+        raise TypeError(f"q must be a torch.Tensor (Tq, Hq, D), got {type(q).__name__}")
+    kp = _check_pool("k_pages", k_pages, "(P, S, Hkv, D)")
+    vp = _check_pool("v_pages", v_pages, "(P, S, Hkv, Dv)")
+    if kp.shape[:3] != vp.shape[:3]:
+        raise ValueError(f"k_pages and v_pages must have the same pages, page size and heads (P, S, Hkv), got "
+                         f"{tuple(kp.shape[:3])} and {tuple(vp.shape[:3])}")
+    if kp.dtype != q.dtype or vp.dtype != q.dtype:
+        raise TypeError(f"q, k_pages and v_pages must share a dtype, got q {q.dtype}, k_pages {kp.dtype}, v_pages "
+                        f"{vp.dtype}; cast q with .to(k_pages.dtype) (the pools are large: cast them once, if at all)")
+    if kp.device != q.device or vp.device != q.device:
+        raise ValueError(f"q, k_pages and v_pages must be on one device, got q {q.device}, k_pages {kp.device}, "
+                         f"v_pages {vp.device}")
+    return kp, vp
+
+
+def _int_tensor(name: str, t: object, dims: str) -> Tensor:
+    if not isinstance(t, Tensor) or t.dtype not in _INT_DTYPES:
+        got = t.dtype if isinstance(t, Tensor) else type(t).__name__
+        raise TypeError(f"{name} must be an int32 or int64 tensor {dims}, got {got}; build it with "
+                        "torch.tensor(..., dtype=torch.int32)")
+    return t
+
+
+def check_block_table(block_table: object, seqused_k: object, *, num_pages: int,
+                      page_size: int) -> tuple[Tensor, Tensor]:
+    """Check a block table (N, W) and the sequences' lengths (N,) against a pool of ``num_pages`` pages of
+    ``page_size`` tokens; return both as int64 tensors. Every page a sequence uses, the first
+    ``ceil(seqused_k[s] / page_size)`` entries of its row, must be a page of the pool; the entries
+    after them are not read. The checks of the values are skipped while compiling (they read data)."""
+    block_table = _int_tensor("block_table", block_table, "2-D (N, W)")
+    seqused_k = _int_tensor("seqused_k", seqused_k, "1-D (N,)")
+    if block_table.dim() != 2 or block_table.shape[0] == 0:
+        raise ValueError(f"block_table must be 2-D (N, W) with N >= 1: row s lists the pages of sequence s in "
+                         f"order, got shape {tuple(block_table.shape)}")
+    if seqused_k.shape != (block_table.shape[0],):
+        raise ValueError(f"seqused_k must be (N,) = ({block_table.shape[0]},), one length per row of block_table, "
+                         f"got shape {tuple(seqused_k.shape)}")
+    table = block_table.long()
+    lengths = seqused_k.to(device=table.device, dtype=torch.int64)
+    if torch.compiler.is_compiling():
+        return table, lengths
+    width = table.shape[1]
+    used = (lengths + page_size - 1) // page_size  # pages each sequence reads
+    in_use = torch.arange(width, device=table.device) < used[:, None]
+    outside = in_use & ((table < 0) | (table >= num_pages))
+    negative, too_long, bad_page = torch.stack([(lengths < 0).any(), (used > width).any(), outside.any()]).tolist()
+    if negative:
+        s = int((lengths < 0).nonzero()[0, 0])
+        raise ValueError(f"seqused_k[{s}] is {int(lengths[s])}: a sequence's length is >= 0")
+    if too_long:
+        s = int((used > width).nonzero()[0, 0])
+        raise ValueError(f"sequence {s} uses seqused_k[{s}] = {int(lengths[s])} tokens, which need {int(used[s])} "
+                         f"pages of {page_size}, but block_table has only W = {width} columns; widen block_table "
+                         f"to at least {int(used.max())} columns or shorten seqused_k")
+    if bad_page:
+        s, c = (int(i) for i in outside.nonzero()[0])
+        raise ValueError(f"block_table[{s}, {c}] = {int(table[s, c])} is not a page of the pool: page indices run "
+                         f"from 0 to {num_pages - 1} (k_pages.shape[0] = {num_pages}); sequence {s} reads its first "
+                         f"{int(used[s])} entries")
+    return table, lengths
+
+
+def gather(k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqused_k: Tensor,
+           total: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The keys and values of N sequences packed from their pages: (k (Tk, Hkv, D), v (Tk, Hkv, Dv),
+    cu_seqlens_k (N + 1,) int32). It trusts its input (:func:`check_block_table` checks it);
+    ``total`` is Tk when the caller knows it (no device sync)."""
+    device, s = k_pages.device, k_pages.shape[1]
+    lengths = seqused_k.to(device=device, dtype=torch.int64)
+    cu = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
+    tk = int(cu[-1]) if total is None else total
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths, output_size=tk)  # (Tk,)
+    t = torch.arange(tk, device=device) - cu[seq]  # each key's position in its sequence
+    page, slot = block_table.to(device=device, dtype=torch.int64)[seq, t // s], t % s
+    return _rows(k_pages, page, slot), _rows(v_pages, page, slot), cu.to(torch.int32)
+
+
+def _rows(pages: Tensor, page: Tensor, slot: Tensor) -> Tensor:
+    """``pages[page, slot]`` (Tk, H, D). A contiguous pool is read as (P * S, H * D) rows with one
+    index_select (several times faster on the CPU than indexing two dims, or than index_select of
+    3-D rows); any other layout through that indexing."""
+    p, s, h, d = pages.shape
+    if pages.is_contiguous():
+        return pages.view(p * s, h * d).index_select(0, page * s + slot).view(-1, h, d)
+    return pages[page, slot]
+
+
+@overload
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqused_k: Tensor,
+                    cu_seqlens_q: Tensor | None = ..., *, max_seqlen_q: int | None = ..., causal: Causal = ...,
+                    window: Window = ..., scale: float | None = ..., dropout_p: float = ...,
+                    softcap: float | None = ..., sinks: Tensor | None = ..., return_lse: Literal[False] = ...,
+                    backend: str = ...) -> Tensor: ...
+@overload
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqused_k: Tensor,
+                    cu_seqlens_q: Tensor | None = ..., *, max_seqlen_q: int | None = ..., causal: Causal = ...,
+                    window: Window = ..., scale: float | None = ..., dropout_p: float = ...,
+                    softcap: float | None = ..., sinks: Tensor | None = ..., return_lse: Literal[True],
+                    backend: str = ...) -> tuple[Tensor, Tensor]: ...
+@overload
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqused_k: Tensor,
+                    cu_seqlens_q: Tensor | None = ..., *, max_seqlen_q: int | None = ..., causal: Causal = ...,
+                    window: Window = ..., scale: float | None = ..., dropout_p: float = ...,
+                    softcap: float | None = ..., sinks: Tensor | None = ..., return_lse: bool,
+                    backend: str = ...) -> Tensor | tuple[Tensor, Tensor]: ...
+def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqused_k: Tensor,
+                    cu_seqlens_q: Tensor | None = None, *, max_seqlen_q: int | None = None, causal: Causal = False,
+                    window: Window = None, scale: float | None = None, dropout_p: float = 0.0,
+                    softcap: float | None = None, sinks: Tensor | None = None, return_lse: bool = False,
+                    backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
+    """Attention of N sequences' packed queries over their keys and values in a paged pool.
+
+    Sequence s has the queries ``cu_seqlens_q[s]:cu_seqlens_q[s + 1]`` of q and the ``seqused_k[s]``
+    keys stored in its pages. Its queries are its last tokens: causal masks and windows are aligned
+    to its bottom-right corner, as in :func:`selfattn.varlen_attention`, so a chunk of a prefill sees
+    the keys before it. Drawn for 2 queries over 5 keys in pages of 2 (``block_table[s] = [4, 0, 7]``)::
+
+        page:    4   4   0   0   7
+        causal:  1   1   1   1   0
+                 1   1   1   1   1
+
+    Args:
+        q: (Tq, Hq, D), Hq a multiple of Hkv.
+        k_pages: (P, S, Hkv, D). v_pages: (P, S, Hkv, Dv). The dtype and device of q.
+        block_table: int32/int64 (N, W): row s lists the pages of sequence s in order; only its first
+            ``ceil(seqused_k[s] / S)`` entries are read.
+        seqused_k: int32/int64 (N,): how many tokens of its pages each sequence uses.
+        cu_seqlens_q: int32/int64 (N + 1,): 0, then the running total of the sequences' query counts,
+            ending at Tq; None: one query per sequence (a decode step, Tq = N).
+        max_seqlen_q, causal, window, scale, dropout_p, softcap, sinks, return_lse, backend: as in
+            :func:`selfattn.varlen_attention` (``causal=True``: bottom-right within each sequence).
+
+    Returns:
+        out (Tq, Hq, Dv) in q's dtype, or (out, lse (Hq, Tq) float32). A query that sees no key gives 0.
+
+    Example:
+        >>> k_pages = v_pages = torch.randn(64, 16, 2, 64)             # 64 pages of 16 tokens
+        >>> table = torch.tensor([[3, 9, -1], [5, -1, -1]], dtype=torch.int32)
+        >>> used = torch.tensor([20, 7], dtype=torch.int32)             # 20 tokens in pages 3, 9; 7 in page 5
+        >>> out = selfattn.paged_attention(torch.randn(2, 8, 64), k_pages, v_pages, table, used)   # (2, 8, 64)
+    """
+    kp, vp = _check_pools(q, k_pages, v_pages)
+    table, lengths = check_block_table(block_table, seqused_k, num_pages=kp.shape[0], page_size=kp.shape[1])
+    n = table.shape[0]
+    if cu_seqlens_q is None:
+        counts = [1] * n
+        if q.dim() >= 1 and q.shape[0] != n:
+            raise ValueError(f"without cu_seqlens_q each of the N = {n} sequences has one query, but q holds "
+                             f"{q.shape[0]} (dim 0); pass cu_seqlens_q for several queries per sequence")
+    else:
+        cu = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q").tolist()
+        if len(cu) != n + 1:
+            raise ValueError(f"cu_seqlens_q describes {len(cu) - 1} sequences but block_table has N = {n} rows; "
+                             "give one entry per sequence plus the leading 0")
+        counts = [b - a for a, b in itertools.pairwise(cu)]
+    return attend(q, kp, vp, table, lengths.tolist(), counts, max_seqlen_q=max_seqlen_q, causal=causal,
+                  window=window, scale=scale, dropout_p=dropout_p, softcap=softcap, sinks=sinks,
+                  return_lse=return_lse, backend=backend)
+
+
+def attend(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: list[int], counts: list[int],
+           *, max_seqlen_q: int | None = None, causal: Causal = False, window: Window = None,
+           scale: float | None = None, dropout_p: float = 0.0, softcap: float | None = None,
+           sinks: Tensor | None = None, return_lse: bool = False,
+           backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`paged_attention` once its block table is checked: sequence s has ``lengths[s]`` keys and
+    ``counts[s]`` queries. The padded batch when every count is the same and at most
+    ``PADDED_MAX_QUERIES``, else the packed gather and varlen. The gathered keys and values are cast to
+    q's dtype (the caller allows another dtype only under autocast)."""
+    nq = counts[0]
+    if len(set(counts)) == 1 and 0 < nq <= PADDED_MAX_QUERIES and max(lengths) > 0:
+        return _padded(q, k_pages, v_pages, block_table, lengths, nq, max_seqlen_q=max_seqlen_q, causal=causal,
+                       window=window, scale=scale, dropout_p=dropout_p, softcap=softcap, sinks=sinks,
+                       return_lse=return_lse, backend=backend)
+    cu_q = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=k_pages.device)
+    k, v, cu_k = gather(k_pages, v_pages, block_table, torch.tensor(lengths), total=sum(lengths))
+    if isinstance(q, Tensor) and k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    return varlen_attention(q, k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q, causal=causal, window=window,
+                            scale=scale, dropout_p=dropout_p, softcap=softcap, sinks=sinks,
+                            return_lse=return_lse, backend=backend)
+
+
+def _padded(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: list[int], nq: int, *,
+            max_seqlen_q: int | None, causal: Causal, window: Window, scale: float | None, dropout_p: float,
+            softcap: float | None, sinks: Tensor | None, return_lse: bool,
+            backend: str) -> Tensor | tuple[Tensor, Tensor]:
+    """N sequences of ``nq`` queries each as one attention() call over (N, Hkv, Lmax, D) keys padded to the
+    longest sequence, with the packed mask's visibility as a (N, 1, nq, Lmax) bool tensor."""
+    n, (_, s, hkv, d), dv = len(lengths), k_pages.shape, v_pages.shape[3]
+    probes = [pool[0, :0].to(q.dtype) if isinstance(q, Tensor) else pool[0, :0] for pool in (k_pages, v_pages)]
+    q = _check_qkv(q, *probes)[0]  # varlen's errors for q against the pools' heads, head dims, dtype, device
+    _check_lengths("cu_seqlens_q", torch.tensor([0, n * nq]), q.shape[0], "q", max_seqlen_q)
+    left, right = _check_window(window)
+    if _check_causal(causal):
+        right = 0
+    device, lmax = k_pages.device, max(lengths)
+    used = torch.tensor(lengths, device=device)[:, None]  # (N, 1)
+    j = torch.arange(lmax, device=device)  # (Lmax,)
+    held = torch.minimum(j, (used - 1).clamp(min=0))  # (N, Lmax): past its end a sequence reads its last key
+    page = block_table.to(device=device, dtype=torch.int64).gather(1, held // s).clamp(min=0)
+    k = _rows(k_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, d).transpose(1, 2)
+    v = _rows(v_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, dv).transpose(1, 2)
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    diag = torch.arange(nq, device=device) + used - nq  # (N, nq): the key on each query's diagonal
+    hi = used if right is None else torch.minimum(diag + right + 1, used)
+    visible = j < hi[..., None]  # (N, nq, Lmax)
+    if left is not None:
+        visible &= j >= (diag - left)[..., None]
+    mask = None if bool(visible.all()) else visible.unsqueeze(1)  # (N, 1, nq, Lmax)
+    qb = q.view(n, nq, *q.shape[1:]).transpose(1, 2)  # (N, Hq, nq, D)
+    mod, lse3 = _softcap(softcap), None
+    if return_lse:  # asked for only when wanted: an lse narrows the backends that can run the call
+        out4, lse3 = _functional.attention(qb, k, v, mask=mask, scale=scale, dropout_p=dropout_p, score_mod=mod,
+                                           sinks=sinks, return_lse=True, backend=backend)
+    else:
+        out4 = _functional.attention(qb, k, v, mask=mask, scale=scale, dropout_p=dropout_p, score_mod=mod,
+                                     sinks=sinks, backend=backend)
+    out = out4.transpose(1, 2).reshape(n * nq, out4.shape[1], out4.shape[3])  # (Tq, Hq, Dv)
+    if lse3 is None:
+        return out
+    return out, lse3.permute(1, 0, 2).reshape(lse3.shape[1], n * nq)  # (Hq, Tq)
