@@ -32,6 +32,13 @@ BEGIN, END = "<!-- sweep:transformers -->", "<!-- /sweep:transformers -->"
 MODEL_MARKERS = ("<!-- sweep:model -->", "<!-- /sweep:model -->")
 
 
+def _unseen(report: object) -> dict[str, str]:
+    """What kept a report from a pass: the probes that raised and the properties not verified."""
+    from selfattn.check.report import unseen
+
+    return {**report.not_verified, **{p: report.coverage[p] for p in unseen(report.coverage)}}  # type: ignore[attr-defined]
+
+
 def check_family(family: str, seed: int = 0) -> dict:
     """Build and check one family (in this process); the result as a JSON-able dict."""
     import hf_corpus as hc
@@ -57,7 +64,7 @@ def check_family(family: str, seed: int = 0) -> dict:
                 "seconds": round(time.perf_counter() - t, 1)}
     if report.verdict == "inconclusive":  # no error found, but a probe could not run: not certified
         return {**row, "verdict": "inconclusive", "reason": "; ".join(f"{p}: {why}" for p, why in
-                                                                       report.not_verified.items())[:300],
+                                                                       _unseen(report).items())[:300],
                 "seconds": round(time.perf_counter() - t, 1)}
     errors = sorted({f.id for f in report.findings if f.severity == "error"})
     mask = report.inferred.get("mask")
@@ -98,7 +105,7 @@ def check_family_model(family: str, seed: int = 0) -> dict:
     seconds = round(time.perf_counter() - t, 1)
     if report.verdict == "inconclusive":
         return {**row, "verdict": "inconclusive", "reason": "; ".join(f"{p}: {why}" for p, why in
-                                                                       report.not_verified.items())[:300],
+                                                                       _unseen(report).items())[:300],
                 "seconds": seconds}
     mask = report.inferred.get("mask")
     return {**row, "verdict": "certified" if report.passed else "findings",

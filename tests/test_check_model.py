@@ -271,3 +271,41 @@ def test_cli_checks_a_model_from_a_factory(tmp_path):
     assert bad.returncode == 1 and "missing-scale" in json.loads(bad.stdout)["summary"][0]["findings"]
     wrong = subprocess.run([*run, f"{src}:nothing"], capture_output=True, text=True, timeout=300)
     assert wrong.returncode == 2 and "no function named" in wrong.stdout
+
+
+def test_torch_decoder_with_its_causal_flag_and_cross_attention_in_training_mode():
+    """catches: the model's is_causal=True replayed beside the doctor's mask (torch then drops the mask, or refuses
+    a None one: doctor errors and mask-ignored), the (L, L) attn_mask chosen over key_padding_mask (a layer read
+    otherwise than alone), and cross-attention probed as self-attention because dropout made two runs differ."""
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(32, 4, 64, dropout=0.1, batch_first=True)
+    model = nn.TransformerDecoder(layer, 1)  # left in training mode, as built
+    tgt, memory = torch.randn(2, 6, 32), torch.randn(2, 5, 32)
+    causal = nn.Transformer.generate_square_subsequent_mask(6)
+    report = check_model(model, {"tgt": tgt, "memory": memory, "tgt_mask": causal, "tgt_is_causal": True})
+    assert report.verdict == "passed", report.to_json()
+    assert list(report.layers) == ["layers.0.self_attn"] and "layers.0.multihead_attn" in report.not_self_attention
+    assert report.layers["layers.0.self_attn"].doctor_errors == []
+    assert model.training
+
+
+class _PassesItsMask(nn.Module):
+    """timm's ViT attention: the mask given goes to SDPA as it is; three heads."""
+
+    def __init__(self, e: int = 48, h: int = 3) -> None:
+        super().__init__()
+        self.num_heads, self.qkv, self.proj = h, nn.Linear(e, 3 * e), nn.Linear(e, e)
+
+    def forward(self, x, attn_mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        return self.proj(F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_mask_passed_to_sdpa_is_not_read_per_item_when_the_batch_equals_the_heads():
+    """catches: a (B, L, L) mask that SDPA broadcasts onto the heads taken as per item when the probe batch equals
+    the head count (3), so that the padding probe then saw real tokens change: a false mask-ignored."""
+    torch.manual_seed(0)
+    report = selfattn.check(_PassesItsMask())
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert report.coverage["mask"] == "verified" and report.coverage["padding"] == "verified"

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .check import Report, check
+from .check.report import unseen
 from .masks import Mask
 
 __all__ = [
@@ -381,7 +382,8 @@ def check_against_reference(fn: Callable[..., Tensor], q: Tensor, k: Tensor, v: 
 
 def assert_attention_correct(module: nn.Module | type | str, **kwargs: object) -> Report:
     """Fail (AssertionError) with every finding of :func:`selfattn.check` if there is any, and when the verdict
-    is inconclusive (a probe could not run, so the module is not certified), with the probes that did not run.
+    is inconclusive (a probe could not run or a property was not verified, so the module is not certified), with
+    the probes that did not run and the properties not verified.
 
     Example:
         >>> def test_my_attention():
@@ -393,6 +395,9 @@ def assert_attention_correct(module: nn.Module | type | str, **kwargs: object) -
         raise AssertionError("attention module has findings:\n" + "\n".join(lines))
     if report.verdict == "inconclusive":
         lines = [f"- {probe}: {why}" for probe, why in report.not_verified.items()]
-        raise AssertionError("the doctor's verdict is inconclusive: no error found, but these probes could not run, "
-                             "so the module is not certified:\n" + "\n".join(lines))
+        lines += [f"- {prop}: {report.coverage[prop]}" for prop in unseen(report.coverage)
+                  if report.coverage[prop] not in report.not_verified.values()]
+        raise AssertionError("the doctor's verdict is inconclusive: no error found, but these probes could not run "
+                             "or these properties were not verified, so the module is not certified:\n" +
+                             "\n".join(lines))
     return report

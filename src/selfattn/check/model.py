@@ -85,6 +85,8 @@ class Layer:
                     for i, a in enumerate(self.args)]
             kwargs = {k: x if k in self.x else (mask if k == self.mask else tree_map(fit, v))
                       for k, v in self.kwargs.items()}
+            if self.mask is not None:  # the doctor's mask carries the whole pattern: a causal switch the model set
+                kwargs.update({k: False for k, v in kwargs.items() if k in SWITCH_NAMES and v is True})  # goes off
             if isinstance(self.mask, str) and self.mask not in kwargs and mask is not None:
                 kwargs[self.mask] = mask
             return module(*args, **kwargs)
@@ -95,22 +97,23 @@ class Layer:
 
 
 def _fitter(x: Tensor, batch: int, length: int) -> Callable[[object], object]:
-    """Cut a recorded tensor to x's batch (dim 0 of size ``batch``) and length (the first later dim of size
-    ``length``), in x's floating dtype and on its device; other values pass as they are."""
+    """Cut a recorded tensor to x's batch (dim 0 of size ``batch``) and length (every other dim of size ``length``),
+    in x's floating dtype and on its device; other values pass as they are."""
     b, n = x.shape[0], x.shape[1]
 
     def fit(t: object) -> object:
         if not isinstance(t, Tensor):
             return t
-        if t.dim() and t.shape[0] == batch and b != batch:
+        batch_dim = t.dim() > 1 and t.shape[0] == batch and batch != length
+        if batch_dim and b != batch:
             if b > batch:
                 raise ValueError(f"the model called this layer with batch {batch}; it cannot be replayed at {b}")
             t = t[:b]
-        dims = [d for d in range(1 if t.dim() > 1 else 0, t.dim()) if t.shape[d] == length]
-        if dims and n != length:
-            if n > length:
-                raise ValueError(f"the model called this layer at length {length}; it cannot be replayed at {n}")
-            t = t.narrow(dims[0], 0, n)
+        for d in range(1 if batch_dim else 0, t.dim()):  # every token axis: an (L, L) mask has two
+            if t.shape[d] == length and n != length:
+                if n > length:
+                    raise ValueError(f"the model called this layer at length {length}; it cannot be replayed at {n}")
+                t = t.narrow(d, 0, n)
         if t.is_floating_point():
             t = t.to(dtype=x.dtype)
         return t.to(x.device)
@@ -168,15 +171,15 @@ def _first_tensor(out: object) -> Tensor | None:
 
 
 def _mask_parameter(module: nn.Module, kwargs: dict, taken: set) -> str | None:
-    """The forward parameter the mask goes to: one the model gave a tensor, else the first named like a mask (in
-    the signature's order, as :func:`~selfattn.check.check` tries them)."""
+    """The forward parameter the mask goes to: the first named like a mask in the signature's order (the one
+    :func:`~selfattn.check.check` tries first, so that a layer is read the same way alone and in its model),
+    else a recorded keyword named like one."""
     try:
         params = [p for p in inspect.signature(module.forward).parameters if p not in taken]
     except (TypeError, ValueError):
         params = []
     names = [k for k in [*params, *kwargs] if k in MASK_NAMES or ("mask" in k.lower() and k not in SWITCH_NAMES)]
-    given = [k for k in names if isinstance(kwargs.get(k), Tensor)]
-    return (given or names or [None])[0]
+    return (names or [None])[0]
 
 
 def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object) -> Layer | None:
@@ -277,16 +280,24 @@ def _not_self_attention(layer: Layer) -> str | None:
     if hidden.shape[1] < 2:
         return None
     call = layer.adapter()
-    changed = hidden.clone()
-    changed[:, 0] = changed[:, 0] + 1.0
+    was_training = layer.module.training
     try:
+        layer.module.eval()  # dropout on would make every run differ
         with torch.no_grad():
-            a, b = _first_tensor(call(layer.module, hidden)), _first_tensor(call(layer.module, changed))
+            a = _first_tensor(call(layer.module, hidden))
+            for dim in (1, 0):  # the tokens on dim 1 (batch first) or dim 0 (sequence first, as torch's default)
+                changed = hidden.clone()
+                changed.select(dim, 0).add_(1.0)
+                b = _first_tensor(call(layer.module, changed))
+                if a is None or b is None or a.shape != b.shape or \
+                        not torch.equal(a.narrow(dim, 1, a.shape[dim] - 1), b.narrow(dim, 1, b.shape[dim] - 1)):
+                    return None
     except Exception:  # the doctor's own run will say what fails
         return None
-    if a is None or b is None or not torch.equal(a[:, 1:], b[:, 1:]):
-        return None
-    return "cross-attention: its output rows do not depend on the other tokens of its input"
+    finally:
+        layer.module.train(was_training)
+    return ("its output rows do not depend on the other tokens of its input: a cross-attention over another "
+            "sequence, or a mixture of per-token parts (a router)")
 
 
 def _inputs(example_inputs: object) -> tuple[tuple, dict]:
@@ -308,7 +319,7 @@ class ModelReport:
     layers the doctor could not call (name -> why); ``not_self_attention``: attention layers whose output does not
     mix the tokens of their own input (cross-attention over another sequence), not checked; ``verdict``:
     "failed" when a layer failed, else
-    "inconclusive" when a layer is inconclusive or could not run, else "passed".
+    "inconclusive" when a layer is inconclusive or could not run, or none was checked, else "passed".
     """
 
     layers: dict[str, Report] = field(default_factory=dict)
@@ -322,7 +333,7 @@ class ModelReport:
         verdicts = {r.verdict for r in self.layers.values()}
         if "failed" in verdicts:
             return "failed"
-        return "inconclusive" if "inconclusive" in verdicts or self.could_not_run else "passed"
+        return "inconclusive" if "inconclusive" in verdicts or self.could_not_run or not self.layers else "passed"
 
     @property
     def passed(self) -> bool:

@@ -26,13 +26,22 @@ COVERED = ("mask", "padding", "causal", "batch_independence", "equivariance", "h
 Verdict = Literal["passed", "failed", "inconclusive"]
 
 
+def unseen(coverage: dict[str, str]) -> list[str]:
+    """The properties of ``coverage`` the doctor did not verify, but those the user chose not to
+    (``--allow-nonstandard``)."""
+    return [prop for prop, state in coverage.items()
+            if state.startswith("not verified") and "--allow-nonstandard" not in state]
+
+
 @dataclass
 class Report:
     """What :func:`selfattn.check` found.
 
     ``verdict``: "failed" when a finding is an error (warnings, e.g. not-equivariant, do not fail); else
     "inconclusive" when a probe could not run (it raised: the module on the doctor's input, or the doctor
-    itself), since a property nobody looked at is not certified; else "passed". ``passed`` is
+    itself) or a property the module has was not verified (a mask argument no convention fits, a white box
+    that cannot follow the module), since a property nobody looked at is not certified; else "passed".
+    What the user chose not to verify (``--allow-nonstandard``) does not count. ``passed`` is
     ``verdict == "passed"``. ``not_verified`` maps each probe that raised to "not verified: <exception type>:
     <message>" ("not verified (doctor error): ..." when the doctor's own code raised: a doctor bug);
     ``coverage`` says for each property of :data:`COVERED` whether it was "verified", is "not applicable:
@@ -51,12 +60,13 @@ class Report:
            coverage: dict[str, str], seconds: dict[str, float] | None = None) -> Report:
         """The report of these results, its verdict derived from them."""
         errors = any(f.severity == "error" for f in findings)
-        return cls(passed=not errors and not not_verified, inferred=inferred, findings=findings,
-                   not_verified=not_verified, coverage=coverage, seconds=dict(seconds or {}))
+        return cls(passed=not errors and not not_verified and not unseen(coverage), inferred=inferred,
+                   findings=findings, not_verified=not_verified, coverage=coverage, seconds=dict(seconds or {}))
 
     @property
     def verdict(self) -> Verdict:
-        """"passed", "failed" (an error finding) or "inconclusive" (no error, but a probe could not run)."""
+        """"passed", "failed" (an error finding) or "inconclusive" (no error, but a probe could not run or a
+        property was not verified)."""
         if any(f.severity == "error" for f in self.findings):
             return "failed"
         return "passed" if self.passed else "inconclusive"
@@ -123,7 +133,8 @@ def render(report: Report, console: Console) -> None:
         status = f"[green]PASSED[/green]: no error ({len(report.findings)} warning(s))"
     elif report.verdict == "inconclusive":
         status = (f"[yellow]INCONCLUSIVE[/yellow]: no error found, but {len(report.not_verified)} probe(s) could "
-                  f"not run, so the module is not certified ({len(report.findings)} warning(s))")
+                  f"not run and {len(unseen(report.coverage))} propert(y/ies) were not verified, so the module is "
+                  f"not certified ({len(report.findings)} warning(s))")
     else:
         status = f"[red]{errors} error(s)[/red], {len(report.findings) - errors} warning(s)"
     inferred = Table(show_header=False, box=None)

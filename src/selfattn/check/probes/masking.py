@@ -31,6 +31,7 @@ from ..findings import (
     NAN_ON_MASKED_ROW,
     Finding,
 )
+from ..subject.building import num_heads_of
 from ..subject.caller import (
     MASK_NAMES,
     MASK_SHAPES,
@@ -158,7 +159,10 @@ def _candidates(ctx: Context) -> list[Caller]:
         spec = ctx.spec or MaskSpec(ctx.declared or "keep", "BLL")
         return [ctx.call.with_mask(spec, arg) for arg in args]
     kinds = [ctx.declared] if ctx.declared else list(KIND_ORDER)
-    return [ctx.call.with_mask(MaskSpec(kind, shape), arg) for arg in args for shape in SHAPE_ORDER for kind in kinds]
+    shapes: tuple[str, ...] = SHAPE_ORDER
+    if num_heads_of(ctx.module) == ctx.x.shape[0]:  # a (B, L, L) mask broadcast onto B heads (SDPA aligns it to
+        shapes = ("B1LL", *(s for s in SHAPE_ORDER if s != "B1LL"))  # the heads) would read as per-item
+    return [ctx.call.with_mask(MaskSpec(kind, shape), arg) for arg in args for shape in shapes for kind in kinds]
 
 
 def twin_reads_masks_alike(ctx: Context) -> bool:
@@ -338,6 +342,9 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
         return _no_mask(f"forward's argument '{arg}' is not named like a mask and changes nothing")
     if switch is not None and not accepted:
         return _switch(ctx, switch, dep)
+    if not accepted and not named and tried:  # every try raised, on an argument not named like a mask (a context)
+        arg = next(iter({c.mask_arg or "positional" for c in candidates}))
+        return _no_mask(f"forward's argument '{arg}' is not named like a mask and takes none of the masks tried")
     if not accepted and tried and (ctx.spec is not None or ctx.call.make_mask is not None):
         return Outcome([Finding.of(MASK_ERROR, "the module raises whenever it is given the mask you stated",
                                    tried)], {"mask": {"raises with the stated mask": tried}},

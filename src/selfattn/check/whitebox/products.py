@@ -395,6 +395,8 @@ def _role(trace: Trace, tid: int) -> tuple[str | None, str]:
 
 _MADE = frozenset({"linear", "addmm", "conv1d", "conv2d", "cat", "stack", "repeat", "index_select", "gather",
                    "index_copy", "index_copy_", "copy_", "setitem", "masked_scatter", "where"}) | PRODUCTS
+_WRITES = frozenset({"index_copy", "index_copy_", "index_put", "index_put_", "copy_", "setitem", "scatter",
+                     "scatter_", "masked_scatter"})
 _NONLINEAR = frozenset({"relu", "gelu", "silu", "sigmoid", "tanh", "exp", "elu", "leaky_relu", "softplus", "abs",
                         "square", "pow", "sin", "cos", "softmax", "log_softmax", "mish", "hardtanh", "relu6"})
 _TERMS_ON_V = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "mul", "rmul", "mul_", "imul",
@@ -414,6 +416,12 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
     if rotated_from(trace, origin.id) is not None:  # also a rotation written as a cat, a stack or in place
         return Verdict(VALUES_CHANGED, {"matches": "the values are rotated like q and k (rotary positions applied to "
                                           "v) before the product with the weights", **evidence}, facts)
+    if op.name in _WRITES:  # a cache the values are written into: what was written is what V is
+        for written in op.in_ids[1:]:
+            if rotated_from(trace, trace.origin(written).id) is not None:
+                return Verdict(VALUES_CHANGED, {"matches": "the values are rotated like q and k (rotary positions "
+                                                  "applied to v) before they are written to the cache",
+                                                  **evidence}, facts)
     if op.name in _MADE:
         return None
     norm = normalised(trace, vid)
@@ -781,10 +789,12 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
                expected: Callable[[int], float | None], keep: Tensor | None = None) -> Verdict:
     q, k = op.inputs[0], op.inputs[1]
     d = q.shape[-1]
-    if q.dim() < 2 or q.shape[-2] != length or k.shape[-2] != length:
+    if q.dim() < 2 or q.shape[-2] != length or k.shape[-2] < length:
+        size = q.shape[-2] if q.dim() >= 2 and q.shape[-2] != length else k.shape[-2]
         return Verdict(DEFINITION_MISMATCH, {"matches": f"scaled_dot_product_attention runs over an axis of size "
-                                               f"{q.shape[-2]}, not the {length} tokens (a head split that mixes "
-                                               "tokens and heads)"})
+                                               f"{size}, not the {length} tokens (a head split that mixes tokens "
+                                               "and heads)"})
+    cached = k.shape[-2] != length  # keys and values from a cache of more positions (gpt-fast's, allocated ahead)
     given = op.kwargs.get("scale", op.args[6] if len(op.args) > 6 else None)
     base = 1 / math.sqrt(d) if given is None else float(given)
     origin_q, origin_k = scale_origin(trace, op.in_ids[0]), scale_origin(trace, op.in_ids[1])
@@ -793,7 +803,7 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     evidence = {"scale": said, "head dim": d, "product": "scaled_dot_product_attention"}
     if fid is not None:
         return Verdict(fid, {"matches": said, **evidence})
-    if keep is not None:
+    if keep is not None and not cached:
         hidden = _sdpa_hidden(op, length)
         hidden = hidden.expand(*torch.broadcast_shapes(hidden.shape, (keep.shape[0], q.shape[-3], length, length)))
         masked = _mask_verdict(hidden, keep, evidence)
@@ -815,8 +825,10 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         return Verdict(DEFINITION_MISMATCH, {"matches": problems[0] or problems[1], **evidence})
     if "" in problems:
         turned = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
-    return Verdict(None, {"formula": f"scaled_dot_product_attention; {said}", **evidence},
-                   {"positions": turned} if turned else {})
+    facts = {"positions": turned} if turned else {}
+    if cached:
+        facts["cache"] = f"keys and values from a cache of {k.shape[-2]} positions for the {length} queries"
+    return Verdict(None, {"formula": f"scaled_dot_product_attention; {said}", **evidence}, facts)
 
 
 def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
