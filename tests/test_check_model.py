@@ -309,3 +309,14 @@ def test_a_mask_passed_to_sdpa_is_not_read_per_item_when_the_batch_equals_the_he
     report = selfattn.check(_PassesItsMask())
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
     assert report.coverage["mask"] == "verified" and report.coverage["padding"] == "verified"
+
+
+def test_an_attention_over_an_image_map_is_found_and_checked():
+    """catches: a layer that maps an image (B, H, W, E) to one (ViTDet's, segment-anything's) not taken as an
+    attention layer, so that a model of them reported no attention at all."""
+    from test_check_designs import ChannelsLastImageAttention
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), ChannelsLastImageAttention(32))
+    report = check_model(model, torch.randn(2, 4, 4, 32))
+    assert list(report.layers) == ["1"] and report.verdict == "passed", report.to_json()

@@ -5,9 +5,9 @@ submodule, how the model called it (its positional and keyword arguments: positi
 masks, cache positions, flags). A submodule is an attention layer when, during its own forward,
 softmax weights are multiplied into another tensor (``softmax(...) @ v``, an einsum, ``bmm``) or
 an attention kernel runs (``scaled_dot_product_attention``, ``flex_attention``), and it maps the
-hidden states (B, L, E) to an output of that shape; the innermost such module is the layer, so a
-decoder block is not mistaken for its attention, and a core that only takes q, k, v is checked
-through its parent. Each layer is then checked by :func:`~selfattn.check.check` with its real
+hidden states (B, L, E), or an image (B, H, W, E), to an output of that shape; the innermost such
+module is the layer, so a decoder block is not mistaken for its attention, and a core that only
+takes q, k, v is checked through its parent. Each layer is then checked by :func:`~selfattn.check.check` with its real
 weights and the recorded call replayed: the doctor's input in place of the hidden states, the
 doctor's mask (in the convention it finds) in place of the model's, every other tensor as the
 model gave it (cut to the doctor's batch and length, in the probe's dtype), and caches left out.
@@ -185,7 +185,7 @@ def _mask_parameter(module: nn.Module, kwargs: dict, taken: set) -> str | None:
 def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object) -> Layer | None:
     """The layer for this recorded call, when it maps hidden states (B, L, E) to an output of that shape."""
     y = _first_tensor(out)
-    if y is None or y.dim() != 3 or not y.is_floating_point():
+    if y is None or y.dim() not in (3, 4) or not y.is_floating_point():  # (B, L, E), or an image (B, H, W, E)
         return None
     slots = [(i, a) for i, a in enumerate(args)] + list(kwargs.items())
     hidden = next((a for _, a in slots if isinstance(a, Tensor) and a.shape == y.shape), None)
