@@ -74,7 +74,7 @@ def batch_independence(ctx: Context, out: Tensor) -> Outcome[None]:
     """
     x = ctx.x
     if x.shape[0] < 2:
-        return Outcome(coverage={"batch_independence": "not verified: the module runs only with batch size 1"})
+        return Outcome(coverage={"batch_independence": "not applicable: the module runs only with batch size 1"})
     x2 = x.clone()
     x2[0] = ctx.randn(*x.shape[1:])
     notes: dict = {}
