@@ -143,3 +143,12 @@ def test_library_class_from_site_packages():
     result = score(entry.target, entry.options, make=entry.make)
     assert result.non_equivalent > 0 and result.killed > 0, result
     assert open(path).read() == before
+
+
+def test_a_class_is_built_at_the_default_width_without_options():
+    """catches: the mutation score building a class with embed_dim=None (check's default, which now means "the
+    module's own"), so that every tutorial class was "not run"."""
+    import seed_models as sm
+
+    result = score(sm.TutorialSelfAttention)
+    assert result.non_equivalent > 0 and result.killed == result.non_equivalent, result
