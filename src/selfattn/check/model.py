@@ -192,6 +192,8 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object)
     if hidden is None:
         return None
     x = tuple(k for k, a in slots if a is hidden)
+    if y.dim() == 4 and any(isinstance(a, Tensor) and a.shape == y.shape and a is not hidden for _, a in slots):
+        return None  # q, k and v of one shape, (B, H, L, D): an attention core, checked through its parent
     try:
         params = list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
