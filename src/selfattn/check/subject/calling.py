@@ -92,6 +92,21 @@ def _runs(call: Caller, shape: tuple[int, int, int], gen: torch.Generator, dtype
     return None if tuple(out.shape) == shape else f"output {tuple(out.shape)}"
 
 
+def _sort_runs(call: Caller, shapes: list[tuple[int, int, int]], gen: torch.Generator, dtype: torch.dtype,
+               device: torch.device) -> tuple[list, list, list]:
+    """The shapes the module runs at, those it returns another shape for (with it), and those it fails at (why)."""
+    ran, wrong, failed = [], [], []
+    for shape in shapes:
+        why = _runs(call, shape, gen, dtype, device)
+        if why is None:
+            ran.append(shape)
+        elif why.startswith("output "):
+            wrong.append((shape, why[7:]))
+        else:
+            failed.append((shape, why))
+    return ran, wrong, failed
+
+
 def runs_at(call: Caller, b: int, n: int, e: int, gen: torch.Generator, dtype: torch.dtype,
             device: torch.device) -> bool:
     """Does the module return (B, L, E) for this shape?"""
@@ -255,30 +270,15 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
                               "equal to one of those states it with --length"
             shapes = [(b, n) for b in ([sizes.batch] if sizes.batch else [3, 2, 1])]
             failed_first = [str(shape) for shape, _ in failed]
-            ran, wrong, failed = [], [], []
-            for b, _ in shapes:
-                why = _runs(call, (b, n, e), gen, dtype, device)
-                if why is None:
-                    ran.append((b, n, e))
-                elif why.startswith("output "):
-                    wrong.append(((b, n, e), why[7:]))
-                else:
-                    failed.append(((b, n, e), why))
+            ran, wrong, failed = _sort_runs(call, [(b, n, e) for b, _ in shapes], gen, dtype, device)
     if (call is None or (not ran and not wrong)) and sizes.batch is None:
         found_batch = _discover_batch(module, adapter, errors, e, sizes.lengths or (7, 5, 6), gen, dtype, device)
         if found_batch is not None:
             call, b = found_batch
             notes["batch size"] = f"runs only at batch size {b} among those tried (a size its errors or tensors " \
                                   "name, as a cache allocated for it; --batch states it)"
-            ran, wrong, failed = [], [], []
-            for n in sizes.lengths or (7, 5, 6):
-                why = _runs(call, (b, n, e), gen, dtype, device)
-                if why is None:
-                    ran.append((b, n, e))
-                elif why.startswith("output "):
-                    wrong.append(((b, n, e), why[7:]))
-                else:
-                    failed.append(((b, n, e), why))
+            ran, wrong, failed = _sort_runs(call, [(b, n, e) for n in sizes.lengths or (7, 5, 6)], gen, dtype,
+                                            device)
     if call is None or (not ran and not wrong):
         last = errors[-1] if errors else (failed[-1][1] if failed else "no shape tried")
         raise CannotRun(f"the module failed on every input shape tried ({', '.join(str(s) for s, _ in failed)}): "
