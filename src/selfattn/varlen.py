@@ -27,7 +27,7 @@ from ._call import FLOAT_DTYPES
 from ._checks import check_backend
 from .backends import REGISTRY
 from .masks import Mask
-from .masks.packed import check_cu_seqlens
+from .masks.packed import check_cu_seqlens_pair
 
 __all__ = ["varlen_attention", "varlen_explain"]
 
@@ -153,12 +153,7 @@ def _build(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: 
                         "build it with torch.tensor(..., dtype=torch.int32)")
     if cu_seqlens_k is not None and not isinstance(cu_seqlens_k, Tensor):
         raise TypeError(f"cu_seqlens_k must be None or an int32 tensor (N + 1,), got {type(cu_seqlens_k).__name__}")
-    cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
-    cu_k = cu_q if cu_seqlens_k is None else check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
-    if cu_k.numel() != cu_q.numel():
-        raise ValueError(f"cu_seqlens_q describes {cu_q.numel() - 1} sequences and cu_seqlens_k "
-                         f"{cu_k.numel() - 1}; give both one entry per sequence plus the leading 0 "
-                         "(an empty sequence repeats the previous total)")
+    cu_q, cu_k = check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k)
     _check_lengths("cu_seqlens_q", cu_q, q.shape[0], "q", max_seqlen_q)
     _check_lengths("cu_seqlens_k", cu_k, k.shape[0], "k", max_seqlen_k)
     left, right = _check_window(window)

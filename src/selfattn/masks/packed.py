@@ -67,6 +67,17 @@ def check_cu_seqlens(cu: object, name: str) -> Tensor:
     return t
 
 
+def check_cu_seqlens_pair(cu_seqlens_q: object, cu_seqlens_k: object = None) -> tuple[Tensor, Tensor]:
+    """Both checked with :func:`check_cu_seqlens` (k defaults to q), describing the same number of sequences."""
+    cq = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
+    ck = cq if cu_seqlens_k is None else check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
+    if ck.numel() != cq.numel():
+        raise ValueError(f"cu_seqlens_q describes {cq.numel() - 1} sequences and cu_seqlens_k "
+                         f"{ck.numel() - 1}; give both one entry per sequence plus the leading 0 "
+                         "(an empty sequence repeats the previous total)")
+    return cq, ck
+
+
 def _check_band(name: str, value: object) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
         raise ValueError(f"packed {name} must be None (unbounded) or an int >= 0, got {value!r}")
@@ -80,13 +91,7 @@ class Packed(Mask):
 
     def __init__(self, cu_seqlens_q: Tensor | Sequence[int], cu_seqlens_k: Tensor | Sequence[int] | None = None,
                  left: int | None = None, right: int | None = None) -> None:
-        cq = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q")
-        ck = cq if cu_seqlens_k is None else check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
-        if ck.numel() != cq.numel():
-            raise ValueError(f"cu_seqlens_q describes {cq.numel() - 1} sequences and cu_seqlens_k "
-                             f"{ck.numel() - 1}; give both one entry per sequence plus the leading 0 "
-                             "(an empty sequence repeats the previous total)")
-        self.cu_seqlens_q, self.cu_seqlens_k = cq, ck
+        self.cu_seqlens_q, self.cu_seqlens_k = check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k)
         self.left, self.right = _check_band("left", left), _check_band("right", right)
 
     def check(self, batch, heads, lq, lk):
