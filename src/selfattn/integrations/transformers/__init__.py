@@ -70,6 +70,7 @@ def register(name: str = "selfattn") -> str:
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, mask_function)
     _upstream.guard_model_checks(name, _families.check_model_class)
+    _upstream.allow_continuous_batching(name)
     return name
 
 

@@ -14,6 +14,7 @@ from torch import Tensor
 from ... import functional as _functional
 from ... import masks as _masks
 from ... import scores as _scores
+from ... import varlen as _varlen
 from ._carrier import MaskTensor
 
 __all__ = ["attention_forward"]
@@ -62,7 +63,8 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                       scaling: float | None = None, is_causal: bool | None = None,
                       sliding_window: int | None = None, softcap: float | None = None,
                       s_aux: Tensor | None = None, position_bias: Tensor | None = None,
-                      output_attentions: bool = False, **_: Any) -> tuple[Tensor, Tensor | None]:
+                      output_attentions: bool = False, cu_seq_lens_q: Tensor | None = None,
+                      cu_seq_lens_k: Tensor | None = None, **_: Any) -> tuple[Tensor, Tensor | None]:
     """transformers' attention interface: ``selfattn.attention`` for one attention module.
 
     Args:
@@ -79,6 +81,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         s_aux: attention sinks, one logit per query head (gpt-oss).
         position_bias: an additive score bias (T5-style).
         output_attentions: also return the weights (B, Hq, Lq, Lk), via the reference backend.
+        cu_seq_lens_q, cu_seq_lens_k: with no mask and a batch of one, the row packs sequences
+            (continuous batching, flash-style packed training): the call is
+            :func:`selfattn.varlen_attention` on them (see :func:`_packed_forward`).
 
     Returns:
         (out (B, Lq, Hq, D) contiguous, weights or None).
@@ -90,6 +95,13 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
                              "are not available: the scores of a row are spread over the ranks")
         return cp.attend(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap,
                          s_aux), None
+    if attention_mask is None and cu_seq_lens_q is not None and cu_seq_lens_k is not None:
+        if output_attentions or position_bias is not None:
+            raise ValueError("packed sequences (cu_seq_lens_q / cu_seq_lens_k) run through varlen_attention, "
+                             "which returns no attention weights (output_attentions) and takes no position bias")
+        causal_default = getattr(module, "is_causal", True) if is_causal is None else is_causal
+        return _packed_forward(query, key, value, cu_seq_lens_q, cu_seq_lens_k, bool(causal_default),
+                               sliding_window, dropout, scaling, softcap, s_aux), None
     lq, lk = query.shape[2], key.shape[2]
     mask: _masks.Mask | Tensor | None = None
     bias = position_bias
@@ -122,3 +134,31 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
         out, weights = _functional.attention(query, key, value, **kwargs), None
     return out.transpose(1, 2).contiguous(), weights
 
+
+
+def _packed_forward(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tensor, causal: bool,
+                    sliding_window: int | None, dropout: float, scaling: float | None, softcap: float | None,
+                    sinks: Tensor | None) -> Tensor:
+    """One row of packed sequences, as transformers' flash integration runs it: sequence s is query tokens
+    ``cu_q[s]:cu_q[s + 1]`` and key tokens ``cu_k[s]:cu_k[s + 1]``, causal (and the window) aligned to
+    its own bottom-right corner. Tokens past the last entry are padding (continuous batching pads a step
+    to a fixed size): they form one more sequence, whose rows are dropped by the caller.
+
+    query (1, Hq, Tq, D), key/value (1, Hkv, Tk, D) -> (1, Tq, Hq, D) contiguous.
+    """
+    if query.shape[0] != 1:
+        raise ValueError(f"cu_seq_lens_q / cu_seq_lens_k pack sequences into one row, but the batch is "
+                         f"{query.shape[0]}: pass a batch of one, or an attention mask instead")
+    if not (isinstance(cu_q, Tensor) and isinstance(cu_k, Tensor)):
+        raise TypeError(f"cu_seq_lens_q and cu_seq_lens_k must be tensors here, got {type(cu_q).__name__} and "
+                        f"{type(cu_k).__name__} (continuous batching's cache selects the layer type's lengths)")
+    tq, tk = query.shape[2], key.shape[2]
+    cu_q = torch.cat([cu_q.reshape(-1), cu_q.new_full((1,), tq)])
+    cu_k = torch.cat([cu_k.reshape(-1).to(cu_q.dtype), cu_q.new_full((1,), tk)])
+    window = None
+    if sliding_window is not None:
+        window = (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
+    out = _varlen.varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                                   cu_q, cu_k, causal=causal, window=window, scale=scaling, dropout_p=float(dropout),
+                                   softcap=softcap, sinks=sinks)
+    return out.unsqueeze(0).contiguous()

@@ -11,8 +11,8 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["at_end_of_backward", "can_set_attn_implementation", "getitem_as_index", "guard_model_checks",
-           "packed_sequences_always_found"]
+__all__ = ["allow_continuous_batching", "at_end_of_backward", "can_set_attn_implementation", "getitem_as_index",
+           "guard_model_checks", "packed_sequences_always_found"]
 
 
 def getitem_as_index() -> contextlib.AbstractContextManager:
@@ -123,3 +123,38 @@ def guard_model_checks(name: str, refuse: Callable[[type, str], None]) -> None:
     PreTrainedModel.get_correct_attn_implementation = get_correct_attn_implementation  # type: ignore[method-assign]
     PreTrainedModel.set_attn_implementation = set_attn_implementation  # type: ignore[method-assign]
 
+
+
+_BATCHING: set[str] = set()
+
+
+def allow_continuous_batching(name: str) -> None:
+    """Let transformers' continuous batching (``generate_batch``, ``init_continuous_batching``) run a model
+    whose attention implementation is ``name``, as it is: no switch to another implementation.
+
+    The implementation must then do what transformers expects of a mask-free (flash-like) one: continuous
+    batching packs every request of a step into one row, passes no attention mask for implementations
+    other than ``paged|eager`` and ``sdpa`` (and ``create_causal_mask`` returns None for its paged cache),
+    and gives each attention call ``cu_seq_lens_q`` / ``cu_seq_lens_k`` and ``is_causal=True``, each
+    request's causal pattern aligned to its own bottom-right corner.
+
+    transformers 5.24: ``ContinuousBatchingManager.switch_to_cb_friendly_attn(model, auto_switch_to_flash)``,
+    called when a manager is made and again when a cached one is reused, raises ``ValueError`` for any
+    implementation but ``paged|eager``, ``sdpa`` and flash ones, and may switch sdpa/eager models to flash.
+    The wrapper returns early for the names registered here; every other name goes to the original.
+    """
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
+
+    _BATCHING.add(name)
+    if getattr(ContinuousBatchingManager.switch_to_cb_friendly_attn, "_selfattn_names", None) is not None:
+        return
+    original = ContinuousBatchingManager.switch_to_cb_friendly_attn
+
+    @functools.wraps(original)
+    def switch_to_cb_friendly_attn(self: Any, model: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(model.config, "_attn_implementation", None) in _BATCHING:
+            return None
+        return original(self, model, *args, **kwargs)
+
+    switch_to_cb_friendly_attn._selfattn_names = _BATCHING  # type: ignore[attr-defined]
+    ContinuousBatchingManager.switch_to_cb_friendly_attn = switch_to_cb_friendly_attn  # type: ignore[method-assign]
