@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 import selfattn
-from selfattn import KVCache, MultiHeadAttention
+from selfattn import KVCache, MultiHeadAttention, PagedKVCache
 
 
 class Block(nn.Module):
@@ -33,10 +33,13 @@ class Block(nn.Module):
         self.attn = MultiHeadAttention(e, heads, num_kv_heads=kv_heads, dropout=dropout, rope=True)
         self.mlp = nn.Sequential(nn.Linear(e, 4 * e), nn.GELU(), nn.Linear(4 * e, e))
 
-    def forward(self, x: Tensor, cache: KVCache | None, positions: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, cache: KVCache | PagedKVCache | None, positions: Tensor | None,
+                seq_ids: list[int] | None = None, cu_seqlens: Tensor | None = None) -> Tensor:
         h = self.ln1(x)
         if cache is None:
             x = x + self.attn(h, causal=True)
+        elif isinstance(cache, PagedKVCache):  # a packed step of many sequences (examples/serve.py)
+            x = x + self.attn(h, cache=cache, seq_ids=seq_ids, cu_seqlens=cu_seqlens)
         else:
             x = x + self.attn(h, cache=cache, positions=positions)
         return x + self.mlp(self.ln2(x))
@@ -52,11 +55,14 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(e, vocab, bias=False)
         self.heads, self.kv_heads, self.e = heads, kv_heads, e
 
-    def forward(self, idx: Tensor, caches: list[KVCache] | None = None,
-                positions: Tensor | None = None) -> Tensor:
+    def forward(self, idx: Tensor, caches: list[KVCache] | list[PagedKVCache] | None = None,
+                positions: Tensor | None = None, seq_ids: list[int] | None = None,
+                cu_seqlens: Tensor | None = None) -> Tensor:
+        """Logits (B, T, V). With KVCaches: ``positions`` (B, T). With PagedKVCaches (one per block):
+        idx (1, T) packs new tokens of the sequences ``seq_ids`` as ``cu_seqlens`` says."""
         x = self.embed(idx)  # (B, T, E)
         for i, block in enumerate(self.blocks):
-            x = block(x, None if caches is None else caches[i], positions)
+            x = block(x, None if caches is None else caches[i], positions, seq_ids, cu_seqlens)
         return self.head(self.ln(x))  # (B, T, V)
 
     def new_caches(self, batch: int, max_len: int) -> list[KVCache]:

@@ -141,6 +141,30 @@ def test_tiny_gpt_quick_trains_and_cached_generation_matches():
     assert summary["cached_equals_uncached"]
 
 
+def test_serve_example_batches_requests_and_each_equals_generating_it_alone():
+    """catches: continuous batching over a PagedKVCache (prefill chunks and decode tokens of requests
+    arriving at different steps, packed in one call; pages freed and reused) giving a request other
+    tokens than generating it alone."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "serve.py"
+    spec = importlib.util.spec_from_file_location("serve_example", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+        # a pool of 24 pages holds at most 2-3 requests: admission waits for pages to be freed
+        summary = mod.main(["--requests", "10", "--step-tokens", "48", "--pages", "24", "--page-size", "8"])
+    finally:
+        sys.modules.pop(spec.name)
+        sys.path.remove(str(path.parent))
+    assert summary["equal_to_alone"]
+    assert summary["peak_running"] > 1 and summary["peak_pages"] <= 24
+    assert summary["packed_tokens"] > summary["steps"]  # steps packed more than one token
+
 def test_batch_decoding_in_step_with_rollback_and_divergence_equals_full_forward():
     """catches: the fast path of a batch that writes one run of slots (no per-slot marks while it
     extends the prefix every sequence fills) losing track of what is written once the batch
