@@ -282,3 +282,66 @@ def test_dropout_pattern_does_not_depend_on_the_tiles():
             outs.append(selfattn.attention(q, k, v, mask=masks.sliding_window(60), dropout_p=0.4, backend="chunked"))
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-12)
     torch.testing.assert_close(outs[2], outs[0], rtol=0, atol=1e-12)
+
+
+
+def _count_tile_maps(monkeypatch) -> list[tuple]:
+    """Every tile map a mask builds, by (lq, lk, block_q, block_k)."""
+    made: list[tuple] = []
+    original = masks.Mask.tiles
+
+    def tiles(self, lq, lk, block_q, block_k, device=None):
+        made.append((lq, lk, block_q, block_k))
+        return original(self, lq, lk, block_q, block_k, device)
+
+    monkeypatch.setattr(masks.Mask, "tiles", tiles)
+    return made
+
+
+def _oracle(q, k, v, mask):
+    """out and (q, k, v) gradients of out.square().sum() in float64."""
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = selfattn.testing.reference_attention(q64, k64, v64, mask=mask)
+    out.square().sum().backward()
+    return out, (q64.grad, k64.grad, v64.grad)
+
+
+def test_a_call_plans_once_and_the_next_layer_reuses_the_plan(monkeypatch):
+    """catches: dispatch's cost model, the query block choice and the schedule each building the mask's
+    tile map (and copying it to the host); a model's layers that pass one mask object re-planning each
+    call; a plan kept past an in-place change of the mask's tensors."""
+    made = _count_tile_maps(monkeypatch)
+    torch.manual_seed(0)
+    lengths = [700, 300, 900, 148]
+    ids = torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+    mask = masks.document(ids) & masks.causal()
+    q, k, v = (torch.randn(1, 2, 2048, 16) for _ in range(3))
+    out = selfattn.attention(q, k, v, mask=mask)
+    assert len(made) == 1  # the cost model's tile map is the plan's
+    assert selfattn.explain(q, k, v, mask=mask).backend == "chunked" and len(made) == 1
+    again = selfattn.attention(q, k, v, mask=mask)  # the next layer, the same mask object
+    assert len(made) == 1 and torch.equal(out, again)
+    torch.testing.assert_close(out.double(), _oracle(q, k, v, mask)[0], rtol=1e-4, atol=1e-5)
+    ids[:1000] = 0  # the mask's tensor changed in place: a new plan, the new documents
+    changed = selfattn.attention(q, k, v, mask=mask)
+    assert len(made) == 2
+    torch.testing.assert_close(changed.double(), _oracle(q, k, v, mask)[0], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(changed, out)
+
+
+def test_a_kept_plan_serves_forward_and_backward_of_later_calls(monkeypatch):
+    """catches: a plan reused across calls (its runs kept for the backward and the next call) that
+    gives a later call another output or gradient than the oracle's."""
+    made = _count_tile_maps(monkeypatch)
+    torch.manual_seed(0)
+    mask = masks.sliding_window(100, 0)
+    for _ in range(2):
+        q, k, v = (torch.randn(1, 2, 1024, 16, requires_grad=True) for _ in range(3))
+        with chunked.options(block_k=64):
+            out = selfattn.attention(q, k, v, mask=mask, backend="chunked")
+        out.square().sum().backward()
+        want, grads = _oracle(q, k, v, mask)
+        torch.testing.assert_close(out.double(), want, rtol=1e-4, atol=1e-5)
+        for got, ref in zip((q.grad, k.grad, v.grad), grads, strict=True):
+            torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
+    assert len(made) == 1

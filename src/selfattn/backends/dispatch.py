@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .._call import AttentionCall
-from ..masks import EMPTY
 from . import REGISTRY
 from .chunked import ChunkedBackend
 from .chunked import compiled as _compiled
@@ -53,14 +52,14 @@ def _dense_mask_elements(call: AttentionCall) -> int:
     return bm * hm * call.lq * call.lk
 
 
-def _empty_tile_fraction(call: AttentionCall, block: int) -> float:
-    """Share of (block x block) tiles that the mask leaves empty."""
+def _empty_tile_fraction(call: AttentionCall, chunked: ChunkedBackend) -> float:
+    """Share of the tiles chunked would skip: read from the layout it would run the call with (made
+    once, and then found made by chunked itself)."""
     if call.mask is None:
         return 0.0
     if torch.compiler.is_compiling():  # no data-dependent decision in a graph: the mask's structure only
-        return _compiled.static_empty_fraction(call.mask, call.lq, call.lk, block)
-    tiles = call.mask.tiles(call.lq, call.lk, block, block, call.device)
-    return float((tiles == EMPTY).float().mean())
+        return _compiled.static_empty_fraction(call.mask, call.lq, call.lk, chunked.block_k())
+    return chunked.layout(call).empty_fraction
 
 
 def preferences(call: AttentionCall) -> list[tuple[str, str]]:
@@ -83,7 +82,7 @@ def preferences(call: AttentionCall) -> list[tuple[str, str]]:
             order.append(("chunked", f"a dense mask would have {shown} elements "
                                      f"(> {DENSE_MASK_MEMORY_LIMIT:,}); chunked needs O(L * block) memory"))
         elif (elements > DENSE_MASK_LIMIT
-              and (skipped := _empty_tile_fraction(call, chunked.block_k())) >= SKIP_FRACTION):
+              and (skipped := _empty_tile_fraction(call, chunked)) >= SKIP_FRACTION):
             order.append(("chunked", f"{skipped:.0%} of the tiles are empty and a dense mask would have "
                                      f"{shown} elements (> {DENSE_MASK_LIMIT:,}); chunked skips them "
                                      "in O(L * block) memory"))

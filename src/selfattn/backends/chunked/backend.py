@@ -16,7 +16,7 @@ from . import compiled, loops
 from .dropout import draw_seed
 from .kernels import Problem, fused_available
 from .options import current_options
-from .plan import Plan
+from .plan import Layout, Plan, layout
 
 __all__ = ["BACKEND", "ChunkedBackend", "fused_obstacles"]
 
@@ -52,9 +52,20 @@ class ChunkedBackend(Backend):
         """The key tile size in force: the unit at which this backend skips work."""
         return current_options().block_k
 
+    def _fused(self, call: AttentionCall) -> bool:
+        opts = current_options()
+        return opts.kernel == "fused" or (opts.kernel == "auto" and not fused_obstacles(call))
+
+    def layout(self, call: AttentionCall) -> Layout:
+        """The layout this backend would run ``call`` with (schedule, share of empty tiles), made once
+        per mask object, lengths and tile options (:func:`.plan.layout`): what dispatch's cost model
+        reads, and what :meth:`run` then finds made."""
+        return layout(call.mask, call.lq, call.lk, fused=self._fused(call), device=call.device,
+                      opts=current_options())
+
     def run(self, call: AttentionCall) -> tuple[Tensor, Tensor, None]:
         opts = current_options()
-        fused = opts.kernel == "fused" or (opts.kernel == "auto" and not fused_obstacles(call))
+        fused = self._fused(call)
         if torch.compiler.is_compiling():  # one custom op, its schedule made inside from the real mask
             return compiled.chunked_attention(call, opts, fused)
         problem = Problem.of(call.q, call.k, scale=call.scale, mask=call.mask, score_mod=call.score_mod,

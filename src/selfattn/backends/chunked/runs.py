@@ -268,7 +268,19 @@ def runs(plan: Plan, bias: Tensor | None, device: torch.device) -> list[Run]:
     """The fused kernel's calls for a plan: the spans of each batch group that share a shape and a
     visibility pattern, in chains of equal steps (bands coalesced first, see _COALESCE_KEYS), or
     the whole call at once where :func:`_whole_runs` can. Spans with a bias (or an
-    additive modifier's) run alone: each has its own."""
+    additive modifier's) run alone: each has its own. Without a bias they are kept in the plan's
+    layout (per batch size and device), for the backward and for later calls with the same mask."""
+    shared = bias is None and not plan.problem.additive_mod and plan.layout is not None
+    key = (plan.problem.batch, device)
+    if shared and (kept := plan.layout.runs.get(key)) is not None:  # type: ignore[union-attr]
+        return kept
+    made = _runs(plan, bias, device)
+    if shared:
+        plan.layout.runs[key] = made  # type: ignore[union-attr]
+    return made
+
+
+def _runs(plan: Plan, bias: Tensor | None, device: torch.device) -> list[Run]:
     steps = list(plan.steps())
     if bias is not None or plan.problem.additive_mod:
         return [Run(step.items, step.rows.start, span.k0, 0, 0, 1, len(step.rows), span.k1 - span.k0, "biased",
