@@ -437,3 +437,30 @@ def test_compiles_without_graph_break_and_new_lengths_do_not_recompile(backend, 
         assert all(torch.equal(g, w) for g, w in zip(grads, torch.autograd.grad(want.sum(), (q, k, v)), strict=True))
     assert counter.frame_count == 1
 
+
+
+def test_the_same_cu_seqlens_reuse_one_checked_mask_and_its_plan(monkeypatch):
+    """catches: every layer of a packed step re-checking cu_seqlens (a copy to the host) and re-planning;
+    a mask kept past an in-place change of the cu_seqlens it was made from."""
+    made = []
+    original = masks.Mask.tiles
+    monkeypatch.setattr(masks.Mask, "tiles", lambda self, *a, **kw: made.append(a) or original(self, *a, **kw))
+    checked = []
+    from selfattn import varlen as varlen_module
+    original_check = varlen_module.check_cu_seqlens_pair
+    monkeypatch.setattr(varlen_module, "check_cu_seqlens_pair", lambda *a: checked.append(a) or original_check(*a))
+    gen = torch.Generator().manual_seed(0)
+    lengths = [600, 1, 0, 900, 547]
+    cu = _cu(lengths)
+    q, k, v = (_tokens(sum(lengths), 2, 16, torch.float32, gen) for _ in range(3))
+    first = selfattn.varlen_attention(q, k, v, cu, causal=True, backend="chunked")
+    for _ in range(2):  # the next layers
+        assert torch.equal(selfattn.varlen_attention(q, k, v, cu, causal=True, backend="chunked"), first)
+    assert len(checked) == 1 and len(made) == 1
+    torch.testing.assert_close(first.double(), oracle(q, k, v, lengths, lengths, causal=True)[0],
+                               rtol=1e-4, atol=1e-5)
+    cu[1:] = _cu([1000, 1047, 0, 1, 0])[1:]  # changed in place: checked and planned again
+    moved = selfattn.varlen_attention(q, k, v, cu, causal=True, backend="chunked")
+    assert len(checked) == 2 and len(made) == 2
+    torch.testing.assert_close(moved.double(), oracle(q, k, v, [1000, 1047, 0, 1, 0], [1000, 1047, 0, 1, 0],
+                                                      causal=True)[0], rtol=1e-4, atol=1e-5)

@@ -14,6 +14,7 @@ Shape legend: N sequences, Tq/Tk packed query/key tokens, Hq query heads, Hkv ke
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -129,6 +130,47 @@ def _mask(cu_q: Tensor, cu_k: Tensor, left: int | None, right: int | None) -> Ma
     return _masks.packed(cu_q, cu_k, left=left, right=right)
 
 
+MISSING: Any = object()
+
+
+class KeptByTensors:
+    """Values made from a few tensors in the last few calls, found again by the tensors' identity and
+    in-place version (and a key of plain values). Nothing is kept under torch.compile or for
+    inference-mode tensors (which cannot say their version): :meth:`find` then misses."""
+
+    def __init__(self, kept: int = 4) -> None:
+        self._kept = kept
+        self._entries: list[tuple[tuple[Any, ...], tuple[weakref.ref, ...], Any]] = []
+
+    @staticmethod
+    def _key(tensors: tuple[Tensor, ...], key: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if torch.compiler.is_compiling() or any(t.is_inference() for t in tensors):
+            return None
+        return (*((id(t), t._version) for t in tensors), *key)
+
+    def find(self, tensors: tuple[Tensor, ...], key: tuple[Any, ...]) -> Any:
+        """The value kept for these tensors, unchanged since, and this key; else :data:`MISSING`."""
+        full = self._key(tensors, key)
+        if full is not None:
+            for k, refs, value in self._entries:
+                if k == full and all(r() is t for r, t in zip(refs, tensors, strict=True)):
+                    return value
+        return MISSING
+
+    def keep(self, tensors: tuple[Tensor, ...], key: tuple[Any, ...], value: Any) -> Any:
+        """Keep ``value`` for these tensors and this key (dropping the oldest entry); returns it."""
+        full = self._key(tensors, key)
+        if full is not None:
+            self._entries = [(full, tuple(weakref.ref(t) for t in tensors), value), *self._entries[:self._kept - 1]]
+        return value
+
+
+# The checked packed masks of the last few calls: the layers of a model, or the forward and backward of
+# a step, that pass the same cu_seqlens tensors reuse one mask, so its lengths are checked once and the
+# chunked backend's plan, kept on the mask, is made once.
+_MASKS = KeptByTensors()
+
+
 @dataclass(frozen=True)
 class _Call:
     """A validated varlen call: the (1, H, T, D) views and the keyword arguments of selfattn.attention."""
@@ -153,13 +195,18 @@ def _build(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: 
                         "build it with torch.tensor(..., dtype=torch.int32)")
     if cu_seqlens_k is not None and not isinstance(cu_seqlens_k, Tensor):
         raise TypeError(f"cu_seqlens_k must be None or an int32 tensor (N + 1,), got {type(cu_seqlens_k).__name__}")
-    cu_q, cu_k = check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k)
-    _check_lengths("cu_seqlens_q", cu_q, q.shape[0], "q", max_seqlen_q)
-    _check_lengths("cu_seqlens_k", cu_k, k.shape[0], "k", max_seqlen_k)
     left, right = _check_window(window)
     if _check_causal(causal):
         right = 0  # causal & a window: keys up to the diagonal (flash-attn's right bound is 0 then too)
-    kwargs: dict[str, Any] = dict(mask=_mask(cu_q, cu_k, left, right), scale=scale, dropout_p=dropout_p,
+    given = (cu_seqlens_q,) if cu_seqlens_k is None else (cu_seqlens_q, cu_seqlens_k)
+    key = (cu_seqlens_k is None, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, left, right)
+    mask = _MASKS.find(given, key)
+    if mask is MISSING:
+        cu_q, cu_k = check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k)
+        _check_lengths("cu_seqlens_q", cu_q, q.shape[0], "q", max_seqlen_q)
+        _check_lengths("cu_seqlens_k", cu_k, k.shape[0], "k", max_seqlen_k)
+        mask = _MASKS.keep(given, key, _mask(cu_q, cu_k, left, right))
+    kwargs: dict[str, Any] = dict(mask=mask, scale=scale, dropout_p=dropout_p,
                                   score_mod=_softcap(softcap), sinks=sinks, return_lse=return_lse, backend=backend)
     return _Call(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
                  kwargs)

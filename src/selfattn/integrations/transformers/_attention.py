@@ -136,6 +136,9 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
 
 
 
+_PADDED = _varlen.KeptByTensors()  # a step's cu_seq_lens with the padding's entry, for each layer of the step
+
+
 def _packed_forward(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tensor, causal: bool,
                     sliding_window: int | None, dropout: float, scaling: float | None, softcap: float | None,
                     sinks: Tensor | None) -> Tensor:
@@ -153,8 +156,12 @@ def _packed_forward(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_
         raise TypeError(f"cu_seq_lens_q and cu_seq_lens_k must be tensors here, got {type(cu_q).__name__} and "
                         f"{type(cu_k).__name__} (continuous batching's cache selects the layer type's lengths)")
     tq, tk = query.shape[2], key.shape[2]
-    cu_q = torch.cat([cu_q.reshape(-1), cu_q.new_full((1,), tq)])
-    cu_k = torch.cat([cu_k.reshape(-1).to(cu_q.dtype), cu_q.new_full((1,), tk)])
+    given = (cu_q, cu_k)
+    padded = _PADDED.find(given, (tq, tk))
+    if padded is _varlen.MISSING:  # made once per step: every layer gets the same tensors
+        padded = _PADDED.keep(given, (tq, tk), (torch.cat([cu_q.reshape(-1), cu_q.new_full((1,), tq)]),
+                                                torch.cat([cu_k.reshape(-1).to(cu_q.dtype), cu_q.new_full((1,), tk)])))
+    cu_q, cu_k = padded
     window = None
     if sliding_window is not None:
         window = (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
