@@ -457,3 +457,49 @@ def test_block_table_and_seqused_k_are_flash_attn_shaped():
                                cache.attention(q, [a, b]), rtol=0, atol=0)
     kt, vt = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (cache.k, cache.v))  # pages, slots not mergeable
     assert torch.equal(gather(kt, vt, table, used)[0], k)
+
+
+def _read_in_place(monkeypatch) -> list[int]:
+    """How many times the padded batch gathered keys or values (instead of reading them in place)."""
+    from selfattn import paged as paged_module
+    gathered: list[int] = []
+    original = paged_module._rows
+    monkeypatch.setattr(paged_module, "_rows", lambda *a: gathered.append(1) or original(*a))
+    return gathered
+
+
+@pytest.mark.parametrize("layout", ["one sequence", "prefilled together", "interleaved", "reused pages", "forked"])
+def test_sequences_in_consecutive_pages_are_read_in_place_and_the_rest_gathered(layout, monkeypatch):
+    """catches: a decode step that copies a KVCache-like layout out of its pages (the copy costs as much
+    as the attention), or that reads in place a layout it cannot (interleaved pages, pages reused out of
+    order, shared pages): every layout must give each sequence's own attention."""
+    torch.manual_seed(0)
+    size, g, d, hq = 4, 2, 8, 4
+    cache = PagedKVCache(32, size, g, d)
+    n = 1 if layout == "one sequence" else 3
+    ids = [cache.allocate() for _ in range(n)]
+    held = 10
+    if layout == "interleaved":  # one token at a time, every sequence in turn: pages alternate
+        for _ in range(held):
+            cache.append(ids, torch.randn(n, g, d), torch.randn(n, g, d))
+    else:
+        if layout == "reused pages":  # two finished sequences, freed in turn: their pages come back out of order
+            gone = [cache.allocate(), cache.allocate()]
+            cu = torch.tensor([0, 2 * size, 4 * size], dtype=torch.int32)
+            cache.append(gone, torch.randn(4 * size, g, d), torch.randn(4 * size, g, d), cu)
+            for s in gone:
+                cache.free(s)
+        cu = torch.arange(n + 1, dtype=torch.int32) * held
+        cache.append(ids, torch.randn(n * held, g, d), torch.randn(n * held, g, d), cu)
+    if layout == "forked":  # the copy shares the parent's pages: two sequences, the same first page
+        ids = [ids[0], cache.fork(ids[0])]
+    expect_in_place = layout in ("one sequence", "prefilled together")
+    gathered = _read_in_place(monkeypatch)
+    q = torch.randn(len(ids), hq, d)
+    out = cache.attention(q, ids)
+    assert (not gathered) == expect_in_place
+    for row, s in enumerate(ids):
+        k, v, _ = cache.gather([s])
+        want = testing.reference_attention(q[row][None, :, None].double(), k.transpose(0, 1)[None].double(),
+                                           v.transpose(0, 1)[None].double())
+        torch.testing.assert_close(out[row].double(), want[0, :, 0], rtol=1e-5, atol=1e-6)

@@ -223,15 +223,18 @@ def paged_attention(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Te
 def attend(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: list[int], counts: list[int],
            *, max_seqlen_q: int | None = None, causal: Causal = False, window: Window = None,
            scale: float | None = None, dropout_p: float = 0.0, softcap: float | None = None,
-           sinks: Tensor | None = None, return_lse: bool = False,
-           backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
+           sinks: Tensor | None = None, return_lse: bool = False, backend: str = "auto",
+           first_pages: list[int] | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`paged_attention` once its block table is checked: sequence s has ``lengths[s]`` keys and
     ``counts[s]`` queries. The padded batch when every count is the same and at most
     ``PADDED_MAX_QUERIES``, else the packed gather and varlen. The gathered keys and values are cast to
-    q's dtype (the caller allows another dtype only under autocast)."""
+    q's dtype (the caller allows another dtype only under autocast). ``first_pages``: when the caller
+    knows that each sequence's pages are consecutive, the first of each (the padded batch may then read
+    them in place, see :func:`_in_place`)."""
     nq = counts[0]
     if len(set(counts)) == 1 and 0 < nq <= PADDED_MAX_QUERIES and max(lengths) > 0:
-        return _padded(q, k_pages, v_pages, block_table, lengths, nq, max_seqlen_q=max_seqlen_q, causal=causal,
+        return _padded(q, k_pages, v_pages, block_table, lengths, nq, first_pages, max_seqlen_q=max_seqlen_q,
+                       causal=causal,
                        window=window, scale=scale, dropout_p=dropout_p, softcap=softcap, sinks=sinks,
                        return_lse=return_lse, backend=backend)
     cu_q = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=k_pages.device)
@@ -243,12 +246,28 @@ def attend(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, len
                             return_lse=return_lse, backend=backend)
 
 
-def _padded(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: list[int], nq: int, *,
-            max_seqlen_q: int | None, causal: Causal, window: Window, scale: float | None, dropout_p: float,
-            softcap: float | None, sinks: Tensor | None, return_lse: bool,
+def _in_place(pages: Tensor, first_pages: list[int] | None, lengths: list[int]) -> Tensor | None:
+    """The keys (or values) of N sequences as a (N, L, H, D) view of a contiguous pool, with no copy, when
+    every sequence holds L tokens in consecutive pages and the sequences start at evenly spaced pages
+    (one sequence; or sequences prefilled together): the layout a KVCache has. Else None."""
+    if first_pages is None or len(set(lengths)) != 1 or not pages.is_contiguous():
+        return None
+    _, s, h, d = pages.shape
+    steps = {b - a for a, b in itertools.pairwise(first_pages)}
+    if len(steps) > 1 or (steps and steps.pop() < -(-lengths[0] // s)):
+        return None  # unevenly spaced, or sequences that overlap in such a view
+    step = first_pages[1] - first_pages[0] if len(first_pages) > 1 else 0
+    n, length = len(first_pages), lengths[0]
+    return pages.as_strided((n, length, h, d), (step * s * h * d, h * d, d, 1), first_pages[0] * s * h * d)
+
+
+def _padded(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: list[int], nq: int,
+            first_pages: list[int] | None, *, max_seqlen_q: int | None, causal: Causal, window: Window,
+            scale: float | None, dropout_p: float, softcap: float | None, sinks: Tensor | None, return_lse: bool,
             backend: str) -> Tensor | tuple[Tensor, Tensor]:
     """N sequences of ``nq`` queries each as one attention() call over (N, Hkv, Lmax, D) keys padded to the
-    longest sequence, with the packed mask's visibility as a (N, 1, nq, Lmax) bool tensor."""
+    longest sequence, with the packed mask's visibility as a (N, 1, nq, Lmax) bool tensor; the keys read in
+    place where :func:`_in_place` can, else gathered."""
     n, (_, s, hkv, d), dv = len(lengths), k_pages.shape, v_pages.shape[3]
     probes = [pool[0, :0].to(q.dtype) if isinstance(q, Tensor) else pool[0, :0] for pool in (k_pages, v_pages)]
     q = _check_qkv(q, *probes)[0]  # varlen's errors for q against the pools' heads, head dims, dtype, device
@@ -260,9 +279,12 @@ def _padded(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, le
     used = torch.tensor(lengths, device=device)[:, None]  # (N, 1)
     j = torch.arange(lmax, device=device)  # (Lmax,)
     held = torch.minimum(j, (used - 1).clamp(min=0))  # (N, Lmax): past its end a sequence reads its last key
-    page = block_table.to(device=device, dtype=torch.int64).gather(1, held // s).clamp(min=0)
-    k = _rows(k_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, d).transpose(1, 2)
-    v = _rows(v_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, dv).transpose(1, 2)
+    k, v = _in_place(k_pages, first_pages, lengths), _in_place(v_pages, first_pages, lengths)
+    if k is None or v is None:
+        page = block_table.to(device=device, dtype=torch.int64).gather(1, held // s).clamp(min=0)
+        k = _rows(k_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, d)
+        v = _rows(v_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, dv)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     diag = torch.arange(nq, device=device) + used - nq  # (N, nq): the key on each query's diagonal

@@ -431,4 +431,15 @@ class PagedKVCache(nn.Module):
             self.check_fits(q.dtype, q.device, "q")
         lengths = [self._book.lengths[s] for s in ids]
         return attend(q, self.k, self.v, self._table(ids), lengths, counts, causal=causal, window=window, scale=scale,
-                      dropout_p=dropout_p, softcap=softcap, sinks=sinks, return_lse=return_lse, backend=backend)
+                      dropout_p=dropout_p, softcap=softcap, sinks=sinks, return_lse=return_lse, backend=backend,
+                      first_pages=self._first_pages(ids, lengths))
+
+    def _first_pages(self, ids: list[int], lengths: list[int]) -> list[int] | None:
+        """The first page of each sequence when all hold the same number of tokens in consecutive pages
+        (what lets the padded batch read them in place, :func:`selfattn.paged._in_place`); else None."""
+        if len(set(lengths)) != 1:
+            return None
+        rows = [self._book.pages[s] for s in ids]
+        if all(r and all(b == a + 1 for a, b in itertools.pairwise(r)) for r in rows):
+            return [r[0] for r in rows]
+        return None
