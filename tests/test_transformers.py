@@ -490,8 +490,9 @@ def test_tensor_offsets_are_read_when_the_mask_is_made(rule):
 
 
 def test_small_carried_mask_is_made_dense_once_and_follows_its_tensors():
-    """A decode step's mask is made dense once for all layers of a forward, and made again when a
-    tensor it reads changed in place (catches: a stale shared dense mask)."""
+    """A decode step's mask is made dense once for all layers of a forward (dropped when it hides
+    nothing), and made again when a tensor it reads changed in place (catches: a stale shared dense
+    mask)."""
     from selfattn.integrations.transformers._attention import attention_forward
     keys = torch.ones(2, 12, dtype=torch.bool)
     carried = sa_hf.mask_function(2, 1, 12, torch.tensor(9), 0, transformers.masking_utils.causal_mask_function,
@@ -499,11 +500,12 @@ def test_small_carried_mask_is_made_dense_once_and_follows_its_tensors():
     module = torch.nn.Module()
     q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
     first, _ = attention_forward(module, q, k, v, carried)
-    dense = carried._dense[1]
+    made = carried._dense
+    assert made[1] is None  # every key visible: the layers make the plain call, with no mask
     again, _ = attention_forward(module, q, k, v, carried)
-    assert carried._dense[1] is dense and torch.equal(first, again)
+    assert carried._dense is made and torch.equal(first, again)
     keys[1, :5] = False  # the padding tensor the mask reads, changed in place
     after, _ = attention_forward(module, q, k, v, carried)
-    assert carried._dense[1] is not dense and torch.equal(carried._dense[1], carried.mask.dense(1, 12))
+    assert carried._dense is not made and torch.equal(carried._dense[1], carried.mask.dense(1, 12))
     assert not carried._dense[1][1, ..., :5].any() and torch.equal(after[0], first[0])
     assert not torch.equal(after[1], first[1])

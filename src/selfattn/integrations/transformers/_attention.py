@@ -29,9 +29,10 @@ by every layer of the forward (a decode step's (B, 1, 1, Lk)): below this no til
 skipping and the sdpa backend would build the same tensor in each layer."""
 
 
-def _shared_dense(carrier: MaskTensor, lq: int, lk: int, device: torch.device) -> _masks.Mask | Tensor:
+def _shared_dense(carrier: MaskTensor, lq: int, lk: int, device: torch.device) -> _masks.Mask | Tensor | None:
     """The carried mask, or, when it is small, its dense form made once per carrier (every layer of
-    a forward gets the same carrier) and kept while the tensors it reads are unchanged."""
+    a forward gets the same carrier) and kept while the tensors it reads are unchanged; None when
+    that dense form hides nothing (a decode step without padding), so the call is a plain one."""
     mask = carrier.mask
     if torch.compiler.is_compiling() or carrier.shape[0] * lq * lk > DENSE_LIMIT:
         return mask
@@ -41,7 +42,8 @@ def _shared_dense(carrier: MaskTensor, lq: int, lk: int, device: torch.device) -
     key = (lq, lk, device, version)
     cached = getattr(carrier, "_dense", None)
     if cached is None or cached[0] != key:
-        cached = (key, mask.dense(lq, lk, device))
+        dense = mask.dense(lq, lk, device)
+        cached = (key, None if bool(dense.all()) else dense)
         carrier._dense = cached  # type: ignore[attr-defined]
     return cached[1]
 
