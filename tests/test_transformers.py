@@ -501,7 +501,6 @@ def test_small_carried_mask_is_made_dense_once_and_follows_its_tensors():
     q, k, v = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 12, 8), torch.randn(2, 2, 12, 8)
     first, _ = attention_forward(module, q, k, v, carried)
     made = carried._dense
-    assert made[1] is None  # every key visible: the layers make the plain call, with no mask
     again, _ = attention_forward(module, q, k, v, carried)
     assert carried._dense is made and torch.equal(first, again)
     keys[1, :5] = False  # the padding tensor the mask reads, changed in place
@@ -509,3 +508,9 @@ def test_small_carried_mask_is_made_dense_once_and_follows_its_tensors():
     assert carried._dense is not made and torch.equal(carried._dense[1], carried.mask.dense(1, 12))
     assert not carried._dense[1][1, ..., :5].any() and torch.equal(after[0], first[0])
     assert not torch.equal(after[1], first[1])
+    # the last query of the cache sees every key: nothing hidden, so the layers make the plain call
+    last = sa_hf.mask_function(2, 1, 12, torch.tensor(11), 0, transformers.masking_utils.causal_mask_function,
+                               torch.ones(2, 12, dtype=torch.bool))
+    out, _ = attention_forward(module, q, k, v, last)
+    assert last._dense[1] is None
+    torch.testing.assert_close(out, selfattn.attention(q, k, v).transpose(1, 2))
