@@ -64,6 +64,53 @@ def correctness(device: str, quick: bool) -> bool:
     return ok
 
 
+def varlen_correctness(device: str) -> bool:
+    """varlen_attention in every backend (on CUDA, auto and sdpa take torch's varlen flash kernel): the forward
+    against the float64 oracle of each sequence alone, max abs error under 2e-2 (bf16) / 4e-3 (fp16)."""
+    print("== 1b. varlen_attention vs float64 per sequence (forward) ==")
+    ok = True
+    lq, lk = [300, 0, 17, 129, 64], [300, 5, 40, 129, 0]  # self, cross with more keys, empty sides
+    cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(sum(lq), 8, 64, device=device, generator=g)
+    k, v = (torch.randn(sum(lk), 2, 64, device=device, generator=g) for _ in range(2))
+    for dtype in (torch.bfloat16, torch.float16):
+        for causal, window in ((True, None), (False, (31, 8)), (True, (63, 0))):
+            ref_out = []
+            a = c = 0
+            for nq, nk in zip(lq, lk, strict=True):
+                if nq and nk:
+                    i = torch.arange(nq, device=device)[:, None] + nk - nq
+                    j = torch.arange(nk, device=device)[None, :]
+                    keep = torch.ones(nq, nk, dtype=torch.bool, device=device)
+                    if causal:
+                        keep &= j <= i
+                    if window is not None:
+                        keep &= (j >= i - window[0]) & (j <= i + window[1])
+                    qs, ks, vs = (t.transpose(0, 1)[None] for t in (q[a:a + nq], k[c:c + nk], v[c:c + nk]))
+                    ref_out.append(testing.reference_attention(qs, ks, vs, mask=keep)[0].transpose(0, 1))
+                elif nq:
+                    ref_out.append(torch.zeros(nq, 8, 64, device=device, dtype=torch.float64))
+                a, c = a + nq, c + nk
+            ref = torch.cat(ref_out)
+            for backend in [*REGISTRY, "auto"]:
+                try:
+                    explain = selfattn.varlen_explain(q.to(dtype), k.to(dtype), v.to(dtype), cu_q, cu_k,
+                                                      causal=causal, window=window, backend=backend)
+                    out = selfattn.varlen_attention(q.to(dtype), k.to(dtype), v.to(dtype), cu_q, cu_k, causal=causal,
+                                                    window=window, backend=backend)
+                except ValueError as e:
+                    print(f"  {str(dtype)[6:]:8s} causal={causal!s:5s} window={window!s:8s} {backend:9s} not run: {e}")
+                    continue
+                err = float((out.double() - ref).abs().max())
+                good = err < (2e-2 if dtype == torch.bfloat16 else 4e-3)
+                ok &= good
+                print(f"  {str(dtype)[6:]:8s} causal={causal!s:5s} window={window!s:8s} {backend:9s} "
+                      f"({explain.backend}) max err {err:.2e} {'ok' if good else 'FAIL'}")
+    return ok
+
+
 def matmul_rate(device: str, quick: bool) -> float:
     n = 1024 if quick else 8192
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -155,6 +202,7 @@ def main() -> int:
     print(f"torch {torch.__version__}, device {args.device}"
           + (f" ({torch.cuda.get_device_name()})" if args.device.startswith("cuda") else ""))
     ok = correctness(args.device, args.quick)
+    ok &= varlen_correctness(args.device)
     speed(args.device, args.quick)
     print("\ncorrectness:", "all backends within the rule" if ok else "FAILURES above")
     return 0 if ok else 1

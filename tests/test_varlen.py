@@ -20,6 +20,7 @@ from strategies import cu_seqlens
 
 import selfattn
 from selfattn import masks, testing
+from selfattn import varlen as varlen_module
 from selfattn.backends import chunked
 
 BACKENDS = ["reference", "chunked", "sdpa", "auto"]
@@ -446,7 +447,6 @@ def test_the_same_cu_seqlens_reuse_one_checked_mask_and_its_plan(monkeypatch):
     original = masks.Mask.tiles
     monkeypatch.setattr(masks.Mask, "tiles", lambda self, *a, **kw: made.append(a) or original(self, *a, **kw))
     checked = []
-    from selfattn import varlen as varlen_module
     original_check = varlen_module.check_cu_seqlens_pair
     monkeypatch.setattr(varlen_module, "check_cu_seqlens_pair", lambda *a: checked.append(a) or original_check(*a))
     gen = torch.Generator().manual_seed(0)
@@ -464,3 +464,53 @@ def test_the_same_cu_seqlens_reuse_one_checked_mask_and_its_plan(monkeypatch):
     assert len(checked) == 2 and len(made) == 2
     torch.testing.assert_close(moved.double(), oracle(q, k, v, [1000, 1047, 0, 1, 0], [1000, 1047, 0, 1, 0],
                                                       causal=True)[0], rtol=1e-4, atol=1e-5)
+
+
+def _flash_like_kernel(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
+                       return_aux=None):
+    """A CPU stand-in with torch.nn.attention.varlen.varlen_attn's signature and flash-attn's conventions
+    (window (left, right) around each sequence's bottom-right diagonal; lse (Tq, Hq)), written from those
+    conventions: per sequence, dense math. Rows that see no key are left NaN, which a real kernel may do."""
+    assert q.dtype == k.dtype and cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32 and enable_gqa
+    assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+    out = torch.full(q.shape[:2] + v.shape[2:], float("nan"), dtype=q.dtype)
+    lse = torch.full(q.shape[:2], float("nan"))
+    rep = q.shape[1] // k.shape[1]
+    for s in range(cu_q.numel() - 1):
+        a, b, c, e = int(cu_q[s]), int(cu_q[s + 1]), int(cu_k[s]), int(cu_k[s + 1])
+        if b == a:
+            continue
+        scores = torch.einsum("ihd,jhd->hij", q[a:b].double(), k[c:e].repeat_interleave(rep, 1).double()) * scale
+        diag = torch.arange(b - a)[:, None] + (e - c) - (b - a)
+        j = torch.arange(e - c)[None, :]
+        left, right = window_size
+        keep = ((j >= diag - left) if left >= 0 else True) & ((j <= diag + right) if right >= 0 else True)
+        scores = scores.masked_fill(~torch.as_tensor(keep), float("-inf"))
+        out[a:b] = torch.einsum("hij,jhd->ihd", scores.softmax(-1), v[c:e].repeat_interleave(rep, 1).double()).to(
+            q.dtype)
+        lse[a:b] = scores.logsumexp(-1).T.float()
+    return (out, lse) if return_aux is not None else out
+
+
+@pytest.mark.parametrize("window", [None, (3, 0), (2, 1)])
+def test_the_cuda_varlen_kernel_route_maps_the_call_as_the_kernel_reads_it(window):
+    """catches: the CUDA route to torch's varlen flash kernel passing its window, scale, GQA, cu_seqlens or
+    max_seqlen wrongly, mislaying the lse's (Tq, Hq) layout, or leaving rows that see no key as the kernel
+    left them: run on the CPU through a stand-in with the kernel's signature and conventions."""
+    from selfattn import functional
+    from selfattn.backends import sdpa
+
+    gen = torch.Generator().manual_seed(0)
+    lq, lk = [5, 0, 3, 2], [9, 4, 3, 0]  # fewer queries than keys; keys with no query; queries with no key
+    q, k, v = _tokens(sum(lq), 4, 8, torch.float32, gen), _tokens(sum(lk), 2, 8, torch.float32, gen), \
+        _tokens(sum(lk), 2, 8, torch.float32, gen)
+    built = varlen_module._build(q, k, v, _cu(lq), _cu(lk), None, None, window is None, window, 0.3, 0.0, None,
+                                 None, True, "auto")
+    call = functional._validate(built.q, built.k, built.v, built.kwargs["mask"], None, False, 0.3, 0.0, True, None)
+    assert sdpa.varlen_kernel_obstacles(call) == ["torch's varlen kernel runs on CUDA, not cpu",
+                                                  "torch.float32 (the flash kernel takes float16 and bfloat16)"]
+    out, lse = sdpa.run_varlen(call, _flash_like_kernel)
+    want, want_lse = oracle(q, k, v, lq, lk, causal=window is None, window=window, scale=0.3)
+    torch.testing.assert_close(out[0].transpose(0, 1).double(), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse[0].double(), want_lse, rtol=1e-5, atol=1e-6)
+    assert not out.isnan().any()

@@ -7,30 +7,93 @@ the output or the gradients. With ``return_lse`` on the CPU it calls the fused C
 SDPA itself dispatches to, which returns the logsumexp (its inputs get a unit-stride last dim:
 that op reads them as if they had one).
 
-Shape legend: B batch, Hq query heads, Hkv kv heads, Lq/Lk lengths, Dv value head dim.
+On CUDA a packed mask (``masks.packed``, what ``varlen_attention`` passes) over a batch of one goes
+to torch's own varlen flash kernel, ``torch.nn.attention.varlen.varlen_attn``, with no dense mask,
+where that kernel takes the call (:func:`varlen_kernel_obstacles`); the rest of the call is mapped
+by :func:`run_varlen`, which the tests run on the CPU with a stand-in for the kernel.
+
+Shape legend: B batch, Hq query heads, Hkv kv heads, Lq/Lk lengths, Dv value head dim, Tq/Tk packed
+tokens.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .._call import AttentionCall, compute_dtype
-from ..masks import Causal, positions
+from ..masks import Causal, Packed, positions
 from ..scores import score_mod_bias
 from ._common import additive_mask, unit_stride
 from .base import Backend, bias_rounds_in_kernel
 
-__all__ = ["DENSE_BIAS_LIMIT", "SdpaBackend"]
+__all__ = ["DENSE_BIAS_LIMIT", "SdpaBackend", "run_varlen", "varlen_kernel_obstacles"]
 
 DENSE_BIAS_LIMIT = 1 << 26  # elements of a dense bias built from an additive score modifier (256 MiB fp32)
 
 
 def _cpu_lse_op():
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _torch_varlen() -> Callable[..., Any] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # torch before 2.10
+        return None
+    return varlen_attn
+
+
+def varlen_kernel_obstacles(call: AttentionCall) -> list[str] | None:
+    """Why torch's varlen flash kernel cannot run this call: None when the call has no packed mask
+    (the question does not arise), [] when it can."""
+    if type(call.mask) is not Packed:
+        return None
+    out = []
+    if call.device.type != "cuda":
+        out.append(f"torch's varlen kernel runs on CUDA, not {call.device.type}")
+    if _torch_varlen() is None:
+        out.append("this torch has no torch.nn.attention.varlen")
+    if call.batch != 1:
+        out.append(f"a packed mask over a batch of {call.batch} (the kernel packs one row)")
+    if call.dtype not in (torch.float16, torch.bfloat16):
+        out.append(f"{call.dtype} (the flash kernel takes float16 and bfloat16)")
+    if call.head_dim != call.v_head_dim or call.head_dim % 8 or call.head_dim > 256:
+        out.append(f"D={call.head_dim}, Dv={call.v_head_dim} (the flash kernel needs D == Dv, a multiple of 8, "
+                   "<= 256)")
+    for what, present in (("a bias", call.bias is not None), ("a score modifier", call.score_mod is not None),
+                          ("dropout", call.dropout_p > 0), ("sinks", call.sinks is not None)):
+        if present:
+            out.append(f"{what} (the varlen kernel has none)")
+    return out
+
+
+def run_varlen(call: AttentionCall, kernel: Callable[..., Any]) -> tuple[Tensor, Tensor | None]:
+    """A packed call through a kernel with torch's ``varlen_attn`` signature: (out (1, Hq, Tq, Dv), lse
+    (1, Hq, Tq) float32 or None). Rows that see no key give 0 and lse -inf, whatever the kernel leaves
+    there."""
+    mask = call.mask
+    assert isinstance(mask, Packed)
+    cu_q, cu_k = mask.cu_seqlens_q.to(call.device, torch.int32), mask.cu_seqlens_k.to(call.device, torch.int32)
+    max_q, max_k = mask.longest()
+    window = (-1 if mask.left is None else mask.left, -1 if mask.right is None else mask.right)
+    q, k, v = (t[0].transpose(0, 1) for t in (call.q, call.k, call.v))  # (T, H, D): varlen's own layout again
+    kwargs: dict[str, Any] = dict(scale=call.scale, window_size=window, enable_gqa=call.hq != call.hkv)
+    if call.return_lse:
+        from torch.nn.attention.varlen import AuxRequest
+        kwargs["return_aux"] = AuxRequest(lse=True)
+    result = kernel(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+    out, lse = result if call.return_lse else (result, None)
+    lo, hi = mask.bounds(torch.arange(call.lq, device=call.device), call.device)
+    dead = (lo >= hi)[:, None, None]  # (Tq, 1, 1)
+    out = out.masked_fill(dead, 0.0).transpose(0, 1)[None]
+    if lse is not None:
+        lse = lse.float().detach().masked_fill(dead[:, :, 0], float("-inf")).transpose(0, 1)[None]
+    return out, lse
 
 
 class SdpaBackend(Backend):
@@ -48,7 +111,7 @@ class SdpaBackend(Backend):
     def needs_dense_mask(self, call: AttentionCall) -> bool:
         """True when this call costs SDPA an (Lq, Lk) mask or bias tensor."""
         plain = call.mask is None and call.bias is None and call.score_mod is None
-        return not (plain or self.fused_causal(call))
+        return not (plain or self.fused_causal(call) or varlen_kernel_obstacles(call) == [])
 
     def not_supported_reasons(self, call: AttentionCall) -> list[str]:
         reasons = super().not_supported_reasons(call)
@@ -58,7 +121,7 @@ class SdpaBackend(Backend):
                            f"(> {DENSE_BIAS_LIMIT:,}); chunked applies it tile by tile")
         if rounding := bias_rounds_in_kernel(call):
             reasons.append(f"SDPA adds its mask in q's dtype, which would round it: {rounding}")
-        if call.return_lse:
+        if call.return_lse and varlen_kernel_obstacles(call) != []:
             if call.device.type != "cpu" or _cpu_lse_op() is None:
                 reasons.append(f"return_lse on {call.device.type} (torch has no SDPA op that returns lse "
                                "with any mask there)")
@@ -74,6 +137,10 @@ class SdpaBackend(Backend):
         return reasons
 
     def run(self, call: AttentionCall) -> tuple[Tensor, Tensor | None, None]:
+        if varlen_kernel_obstacles(call) == []:
+            kernel = _torch_varlen()
+            assert kernel is not None
+            return (*run_varlen(call, kernel), None)
         q, k, v = call.q, call.k, call.v
         if call.mask is None and call.bias is None and call.score_mod is None:
             is_causal, attn_mask, dead = False, None, None  # an unmasked layer, a decode step: nothing to build
