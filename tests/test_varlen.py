@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from strategies import cu_seqlens
 
 import selfattn
-from selfattn import masks, testing
+from selfattn import functional, masks, testing
 from selfattn import varlen as varlen_module
 from selfattn.backends import chunked
 
@@ -179,14 +179,39 @@ def test_sdpa_declines_what_it_cannot_run_and_the_rest_runs():
         ("head-dims", "sdpa")}  # its CPU op that returns lse needs Dv == D
 
 
-def test_auto_runs_many_sequences_in_chunked_and_matches_the_oracle():
-    """catches: dispatch not seeing that the packed mask empties most tiles (a dense (T, T) SDPA mask for a
-    long pack), and the chunked path at default tile sizes."""
+def test_auto_runs_a_pack_without_a_dense_mask_and_matches_the_oracle(monkeypatch):
+    """catches: dispatch giving a long pack a dense (T, T) SDPA mask: on the CPU causal or full sequences
+    run one fused SDPA call each, windowed ones chunked's tiles (at default tile sizes); and a route
+    that differs from the oracle per sequence, forward or backward."""
+    monkeypatch.setattr(masks.Packed, "dense", lambda *a, **k: pytest.fail("a dense packed mask was built"))
     lengths = [300, 17, 250, 0, 129, 411, 64]
     q = k = v = torch.randn(sum(lengths), 2, 16)
-    explanation = selfattn.varlen_explain(q, k, v, _cu(lengths), causal=True)
-    assert explanation.backend == "chunked", explanation
-    check(lengths, backend="auto", causal=True, hq=2, hkv=2, grads=True)
+    for causal, window, backend in ((True, None, "sdpa"), (False, None, "sdpa"), (True, (40, 0), "chunked")):
+        explanation = selfattn.varlen_explain(q, k, v, _cu(lengths), causal=causal, window=window)
+        assert explanation.backend == backend, explanation
+        check(lengths, backend="auto", causal=causal, window=window, hq=2, hkv=2, grads=True)
+
+
+def test_one_fused_call_per_sequence_takes_only_what_it_computes_exactly():
+    """catches: the CPU's per-sequence route taking a call it would get wrong (a causal sequence with
+    fewer queries than keys: SDPA's is_causal is top-left), or one of too many sequences."""
+    from selfattn.backends import sdpa
+
+    def reasons(lq, lk, **kw):
+        q, k = torch.randn(sum(lq), 2, 8), torch.randn(sum(lk), 2, 8)
+        built = varlen_module._build(q, k, k, _cu(lq), _cu(lk), None, None, kw.get("causal", True),
+                                     kw.get("window"), None, 0.0, None, None, False, "auto")
+        call = functional._validate(built.q, built.k, built.v, built.kwargs["mask"], None, False, None, 0.0, False,
+                                    None)
+        return sdpa.varlen_kernel_obstacles(call)
+
+    assert reasons([3, 4], [3, 4]) == [] and reasons([3, 4], [5, 4], causal=False) == []
+    assert reasons([3, 0], [3, 2]) == []  # keys with no query: no row to get wrong
+    assert "is_causal is top-left" in reasons([3, 4], [5, 4])[0]
+    assert "a window" in reasons([3, 4], [3, 4], window=(2, 0))[0]
+    many = [1] * (sdpa.CPU_SEQUENCES_MAX + 1)
+    assert "sequences" in reasons(many, many)[0]
+    check([3, 4], [5, 4], backend="auto", causal=True, grads=True)  # then chunked runs it
 
 
 def _doc_ids(lengths: list[int]) -> torch.Tensor:
@@ -497,7 +522,6 @@ def test_the_cuda_varlen_kernel_route_maps_the_call_as_the_kernel_reads_it(windo
     """catches: the CUDA route to torch's varlen flash kernel passing its window, scale, GQA, cu_seqlens or
     max_seqlen wrongly, mislaying the lse's (Tq, Hq) layout, or leaving rows that see no key as the kernel
     left them: run on the CPU through a stand-in with the kernel's signature and conventions."""
-    from selfattn import functional
     from selfattn.backends import sdpa
 
     gen = torch.Generator().manual_seed(0)
@@ -507,8 +531,6 @@ def test_the_cuda_varlen_kernel_route_maps_the_call_as_the_kernel_reads_it(windo
     built = varlen_module._build(q, k, v, _cu(lq), _cu(lk), None, None, window is None, window, 0.3, 0.0, None,
                                  None, True, "auto")
     call = functional._validate(built.q, built.k, built.v, built.kwargs["mask"], None, False, 0.3, 0.0, True, None)
-    assert sdpa.varlen_kernel_obstacles(call) == ["torch's varlen kernel runs on CUDA, not cpu",
-                                                  "torch.float32 (the flash kernel takes float16 and bfloat16)"]
     out, lse = sdpa.run_varlen(call, _flash_like_kernel)
     want, want_lse = oracle(q, k, v, lq, lk, causal=window is None, window=window, scale=0.3)
     torch.testing.assert_close(out[0].transpose(0, 1).double(), want, rtol=1e-5, atol=1e-6)

@@ -335,7 +335,7 @@ def varlen_explain(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
 
     Example:
         >>> print(selfattn.varlen_explain(q, k, v, cu, causal=True))
-        auto picks: chunked (75% of the tiles are empty and ...)
+        auto picks: sdpa (SDPA runs this call in a fused kernel without a dense mask)
     """
     call = _build(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale,
                   dropout_p, softcap, sinks, return_lse, backend)

@@ -104,15 +104,21 @@ class Packed(Mask):
                 raise ValueError(f"{name} ends at {total} tokens but {what} has {length}; its last entry must be "
                                  f"the number of packed {what} tokens")
 
+    def lengths(self) -> tuple[list[int], list[int]]:
+        """(query lengths, key lengths) of the sequences, on the host: read once from the tensors (a copy
+        to the host) and kept while they are unchanged."""
+        version = self.version()
+        kept = self.__dict__.get("_lengths")
+        if kept is None or version is None or kept[0] != version:
+            q, k = ((cu[1:] - cu[:-1]).tolist() for cu in (self.cu_seqlens_q, self.cu_seqlens_k))
+            kept = self.__dict__["_lengths"] = (version, (q, k))
+        return kept[1]
+
     def longest(self) -> tuple[int, int]:
         """(the longest query sequence, the longest key sequence): what flash-attn's varlen kernels take as
-        max_seqlen; read once from the tensors (a copy to the host) and kept while they are unchanged."""
-        version = self.version()
-        kept = self.__dict__.get("_longest")
-        if kept is None or version is None or kept[0] != version:
-            q, k = (int((cu[1:] - cu[:-1]).max()) for cu in (self.cu_seqlens_q, self.cu_seqlens_k))
-            kept = self.__dict__["_longest"] = (version, (q, k))
-        return kept[1]
+        max_seqlen."""
+        q, k = self.lengths()
+        return max(q), max(k)
 
     def bounds(self, rows: Tensor, device: Device = None) -> tuple[Tensor, Tensor]:
         """(lo, hi): query row r sees keys ``lo[r] <= j < hi[r]`` (int64, the shape of ``rows``);
