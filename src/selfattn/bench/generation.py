@@ -9,6 +9,11 @@ is per generated token (the whole ``generate`` call, prefill included, over :dat
 first call (compilation, for the compiled points) is reported apart, and whether the two produced
 the same tokens. Rows are of suite ``models-generate``.
 
+The ``continuous`` point serves :data:`CB_REQUESTS` requests with prompts of 32 to :data:`PROMPT` tokens
+through transformers' continuous batching (``generate_batch``, its paged cache, steps of at most
+:data:`CB_STEP_TOKENS` tokens); its time per token is the whole call over :data:`NEW_TOKENS` as for the
+others, so its inverse times B is the tokens/s of the batch.
+
 Shape legend: B batch.
 """
 
@@ -31,8 +36,9 @@ __all__ = ["GENERATE_IMPLS", "GENERATE_POINTS", "NEW_TOKENS", "PROMPT", "generat
 PROMPT, NEW_TOKENS = 256, 48
 GENERATE_IMPLS = ("selfattn", "sdpa")
 # (cache, mode, B): eager generation with each cache, and generate()'s compiled forward (static cache)
+CB_REQUESTS, CB_STEP_TOKENS = 16, 256
 GENERATE_POINTS = [(cache, "eager", b) for cache in ("dynamic", "static") for b in (1, 8)] + [
-    ("static", "compiled", b) for b in (1, 8)]
+    ("static", "compiled", b) for b in (1, 8)] + [("paged", "continuous", CB_REQUESTS)]
 
 
 def generate_call(impl: str, batch: int, cache: str, mode: str, seed: int = 0):
@@ -48,6 +54,8 @@ def generate_call(impl: str, batch: int, cache: str, mode: str, seed: int = 0):
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl).eval()
     model.generation_config.eos_token_id = None  # always NEW_TOKENS tokens
     g = torch.Generator().manual_seed(seed + 1)
+    if mode == "continuous":
+        return _continuous_call(model, batch, g), model
     ids = torch.randint(0, VOCAB, (batch, PROMPT), generator=g)
     kwargs: dict[str, Any] = dict(attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
                                   pad_token_id=0)
@@ -65,6 +73,27 @@ def generate_call(impl: str, batch: int, cache: str, mode: str, seed: int = 0):
         with torch.inference_mode():
             return model.generate(ids, **kwargs)
     return call, model
+
+
+def _continuous_call(model: Any, requests: int, g: torch.Generator) -> Any:
+    """``call()`` serves ``requests`` prompts of 32 to PROMPT tokens through ``generate_batch`` and returns
+    their tokens (requests, NEW_TOKENS)."""
+    import transformers
+
+    prompts = [torch.randint(0, VOCAB, (int(n),), generator=g).tolist()
+               for n in torch.randint(32, PROMPT + 1, (requests,), generator=g)]
+    config = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1,
+                                           pad_token_id=0)
+    pages = requests * -(-(PROMPT + NEW_TOKENS) // 32)
+    batching = transformers.ContinuousBatchingConfig(num_blocks=pages + 8, page_size=32,
+                                                     max_batch_tokens=CB_STEP_TOKENS)
+
+    def call() -> torch.Tensor:
+        with torch.inference_mode():
+            out = model.generate_batch(inputs=prompts, generation_config=config,
+                                       continuous_batching_config=batching)
+        return torch.tensor([list(out[f"req_{i}"].generated_tokens) for i in range(requests)])
+    return call
 
 
 def run_generate_point(cache: str, mode: str, batch: int, repeats: int) -> list[dict]:
