@@ -23,6 +23,7 @@ def test_demo_runs_and_writes_the_heatmap(tmp_path, capsys):
     assert str(png) in out.replace("\n", "")
 
 
+@pytest.mark.slow  # multi-process or bench workers: run with -m slow
 def test_bench_masks_smoke(tmp_path):
     """catches: a bench that reports numbers it did not measure (every point must carry its
     own time, from one worker that times its implementations interleaved, and its own peak

@@ -285,6 +285,7 @@ def test_the_model_compiles_inside_the_block(tmp_path):
             assert e["loss"] <= LOSS_RTOL and e["grad"] <= GRAD_RTOL, (case, e)
 
 
+@pytest.mark.slow  # multi-process or bench workers: run with -m slow
 def test_several_optimizer_steps_give_the_same_weights(tmp_path):
     """catches: gradients reduced more than once per backward, or a reduction left over from a previous step."""
     _judge(_spawn("exact_worker", 2, tmp_path, families=["llama"], cases=["packed"], combos=[["zigzag", "ring"]],
@@ -516,6 +517,7 @@ def mesh_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # multi-process or bench workers: run with -m slow
 def test_data_parallel_times_context_parallel(tmp_path):
     """catches: gradients reduced over only one of the two dimensions of a data x context mesh, the loss
     normalised per replica instead of over every replica's tokens, DDP's averaging fighting the context's sum, or
