@@ -28,7 +28,7 @@ from ..subject.building import num_heads_of
 from ..subject.caller import Caller
 from ..subject.context import Context, Outcome, padding_keep
 from .products import Unrecognised, examine_cores, folded_scale
-from .projections import AFTER, Capture, capture, identify, qkv_heads
+from .projections import AFTER, Capture, NoFormula, capture, identify, qkv_heads
 from .trace import record
 
 __all__ = ["declared_scale", "white_box"]
@@ -203,7 +203,7 @@ def _by_projections(cap: Capture | str, out: Tensor, heads: list[int], keep: Ten
         return None, cap
     try:
         fid, evidence = identify(cap, out, heads, keep, raw, bias, stated=stated)
-    except LookupError as err:
+    except NoFormula as err:
         return None, str(err)
     evidence["projections"] = cap.how
     return (fid, evidence, {}), ""

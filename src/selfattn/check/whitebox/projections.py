@@ -25,7 +25,12 @@ from .positions import ROPE_BASES, rope
 from .products import name_role
 from .trace import Linear, Op, Trace, linears
 
-__all__ = ["Capture", "capture", "identify", "qkv_heads"]
+
+class NoFormula(LookupError):
+    """No formula over the projections reproduces the module's output (a doctor bug, an IndexError or a KeyError,
+    is not this: it is reported as the doctor's error, never read as "no formula")."""
+
+__all__ = ["Capture", "NoFormula", "capture", "identify", "qkv_heads"]
 
 Project = Callable[[Tensor], Tensor]  # (..., E_in) float64 -> (..., E_out) float64
 
@@ -322,7 +327,7 @@ def identify(cap: Capture, module_out: Tensor, heads: list[int], keep: Tensor | 
         relative-position bias were found; "_bias", the (H, L, L) bias, for the caller only).
 
     Raises:
-        LookupError: no formula reproduces the output; the message names the closest one.
+        NoFormula: no formula reproduces the output; the message names the closest one.
     """
     targets = _targets(cap, module_out)
     best: tuple[float, str, str, int, str | None, str] | None = None
@@ -350,7 +355,7 @@ def identify(cap: Capture, module_out: Tensor, heads: list[int], keep: Tensor | 
     bias = _relative_bias(cap, targets, heads, keep, known_bias, rtol, stated)
     if bias is not None:
         return None, bias
-    raise LookupError("no known formula reproduces the output" +
+    raise NoFormula("no known formula reproduces the output" +
                       ("" if best is None or best[0] == math.inf else
                        f" (closest: {best[2]}, relative error {best[0]:.2g})"))
 
