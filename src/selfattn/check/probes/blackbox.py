@@ -33,13 +33,16 @@ T = TypeVar("T")
 
 
 def determinism(ctx: Context) -> Outcome[None]:
-    """Two eval-mode calls on the same input must agree (else: dropout-in-eval)."""
+    """Two eval-mode calls on the same input must agree (else: dropout-in-eval). A NaN in the same place in both
+    agrees (a row with no visible key is the finite-output probes' finding, not randomness)."""
     with torch.no_grad():
         a, b = ctx.call(ctx.x), ctx.call(ctx.x)
-    if torch.equal(a, b):
+    if torch.equal(a, b) or (a.shape == b.shape and a.is_floating_point() and torch.equal(a.isnan(), b.isnan())
+                             and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))):
         return Outcome()
+    differ = (a - b).abs().nan_to_num(float("inf")) if a.shape == b.shape else torch.tensor(float("inf"))
     return Outcome([Finding.of(DROPOUT_IN_EVAL, "two calls in eval mode on the same input differ: something "
-                               "random (dropout) is still active", {"max difference": float((a - b).abs().max())})])
+                               "random (dropout) is still active", {"max difference": float(differ.max())})])
 
 
 def finite_outputs(ctx: Context) -> Outcome[None]:
@@ -60,6 +63,14 @@ def extreme_logits(ctx: Context, out: Tensor) -> Outcome[None]:
         return Outcome()
     return Outcome([Finding.of(NON_FINITE, "large logits (input x 50) give NaN or inf",
                                {"non-finite values": int((~torch.isfinite(out_big)).sum())})])
+
+
+def _close_or_both_nan(a: Tensor, b: Tensor, rtol: float) -> bool:
+    """:func:`close`, where a NaN in the same place in both agrees: an item's row with no visible key is NaN
+    whatever the other items are (the finite-output probes report it), which is no mixing of items."""
+    if a.shape != b.shape or not torch.equal(a.isnan(), b.isnan()):
+        return False
+    return close(a.nan_to_num(0.0), b.nan_to_num(0.0), rtol)
 
 
 def batch_independence(ctx: Context, out: Tensor) -> Outcome[None]:
@@ -86,8 +97,8 @@ def batch_independence(ctx: Context, out: Tensor) -> Outcome[None]:
             single = None  # like a fixed length; changing one item must still leave the others alone
             notes["batch size"] = (f"runs at batch size {x.shape[0]} but not on one item alone (a shape limit: "
                                    f"{type(err).__name__}: {err})"[:240])
-    mixed = not close(out2[1:], out[1:], ctx.rtol)
-    alone = single is not None and not close(single, out[1:2], ctx.rtol)
+    mixed = not _close_or_both_nan(out2[1:], out[1:], ctx.rtol)
+    alone = single is not None and not _close_or_both_nan(single, out[1:2], ctx.rtol)
     if not mixed and not alone:
         return Outcome(notes=notes)
     evidence = {"change in other items": rel(out2[1:], out[1:]),

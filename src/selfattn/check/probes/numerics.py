@@ -212,6 +212,17 @@ def _dead_rows(grads: Mapping[str, Tensor | None], linear: set[str]) -> dict[str
     return out
 
 
+# autograd's refusals of in-place operations (in the forward: on a view of a multi-output function such as split
+# or unbind, on a leaf; in the backward: on a tensor saved for it): the module runs, but only under no_grad or
+# inference_mode (inference code such as nanoGPT forks with q.mul_(scale) on a split view)
+_IN_PLACE_REFUSALS = ("is being modified inplace", "is being used in an in-place operation",
+                      "has been modified by an inplace operation")
+
+
+def _autograd_refuses_in_place(err: RuntimeError) -> bool:
+    return any(s in str(err) for s in _IN_PLACE_REFUSALS)
+
+
 def _objective(call: Caller, x: Tensor, weights: Tensor) -> Tensor:
     return (call(x).double() * weights).sum()
 
@@ -252,12 +263,20 @@ def gradients(ctx: Context) -> Outcome[None]:
     m.zero_grad(set_to_none=True)
     xg = x0.clone().requires_grad_()
     watch = _UsedParameters()
-    with watch:
-        out = call(xg)
-    if not out.requires_grad:
-        return Outcome([Finding.of(NO_GRAD, "the output carries no gradient", {})])
-    weights = torch.randn(out.shape, generator=ctx.gen, dtype=torch.float64).to(out.device)
-    (out.double() * weights).sum().backward()
+    try:
+        with watch:
+            out = call(xg)
+        if not out.requires_grad:
+            return Outcome([Finding.of(NO_GRAD, "the output carries no gradient", {})])
+        weights = torch.randn(out.shape, generator=ctx.gen, dtype=torch.float64).to(out.device)
+        (out.double() * weights).sum().backward()
+    except RuntimeError as err:
+        if not _autograd_refuses_in_place(err):
+            raise
+        m.zero_grad(set_to_none=True)
+        why = f"autograd refuses an in-place operation of the module ({str(err)[:160]})"
+        return Outcome(notes={"inference only": why},
+                       coverage={"gradients": f"not applicable: the module runs only without autograd: {why}"})
     used = [(n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) in watch.ids]
     missing = [n for n, p in used if p.grad is None or not p.grad.any()]
     no_input_grad = xg.grad is None or not xg.grad.any()

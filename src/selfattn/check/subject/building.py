@@ -39,10 +39,27 @@ ROLE_PATTERNS = {  # matched against the last part of a module's dotted name, wh
 }
 
 
+# the words of a name that says "a projection" around a role word: OpenNMT's linear_keys, Megatron's query_layer,
+# proj_q, w_qs (jadore801120's Transformer), q_dense
+_ROLE_WORDS = {"q": ("q", "qs", "query", "queries"), "k": ("k", "ks", "key", "keys"),
+               "v": ("v", "vs", "value", "values")}
+_PROJECTION_WORDS = frozenset({"linear", "lin", "proj", "projection", "to", "w", "layer", "dense", "fc", "map",
+                               "net", "in", "input", "self", "attn", "attention", "head", "heads"})
+
+
 def name_role(name: str) -> str | None:
-    """q, k or v when a module's name says so (``q_proj``, ``to_k``, ``attn.value``), else None."""
+    """q, k or v when a module's name says so (``q_proj``, ``to_k``, ``attn.value``, ``linear_keys``), else None:
+    the whole last part of the name is a known spelling, or its words are one role word and words for a
+    projection (``q_norm``, ``to_kv``, ``k_cache`` say no role)."""
     last = name.rsplit(".", 1)[-1].lower()
-    return next((role for role, pattern in ROLE_PATTERNS.items() if pattern.fullmatch(last)), None)
+    role = next((role for role, pattern in ROLE_PATTERNS.items() if pattern.fullmatch(last)), None)
+    if role is not None:
+        return role
+    words = [w for w in re.split(r"[_\d]+", last) if w]
+    found = [r for w in words for r, spellings in _ROLE_WORDS.items() if w in spellings]
+    if len(found) == 1 and all(w in _PROJECTION_WORDS or w in _ROLE_WORDS[found[0]] for w in words):
+        return found[0]
+    return None
 
 
 _HEAD_DIM_KEYS = ("head_dim", "dim_head", "d_head", "head_size", "kv_channels", "attention_head_size")

@@ -398,17 +398,22 @@ class MaskWatch(TorchFunctionMode):
 def dependency(fn: Callable[[Tensor], Tensor], x: Tensor, item: int = 0, rtol: float = 1e-5) -> Tensor:
     """(L, L) bool: does output row i of batch item ``item`` change when input token j changes?
 
-    A change counts when it exceeds ``rtol`` times (1 + the largest output): pick it above the
-    dtype's rounding (the probes run this on a float64 copy of the module when it has one).
+    A change counts when it exceeds ``rtol`` times (1 + the largest finite output): pick it above the
+    dtype's rounding (the probes run this on a float64 copy of the module when it has one). A NaN that stays
+    NaN is no change (a row with no visible key, as a causal mask that hides the diagonal makes the first one);
+    a value that turns NaN or changes from NaN is one.
     """
     with torch.no_grad():
         base = fn(x)[item]
         length = x.shape[1]
         dep = torch.zeros(length, length, dtype=torch.bool)
         g = torch.Generator().manual_seed(1234)
+        size = 1 + float(base.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max()) if base.numel() else 1.0
         for j in range(length):
             x2 = x.clone()
             x2[:, j] = torch.randn(x.shape[0], x.shape[2], generator=g, dtype=x.dtype).to(x.device)
-            diff = (fn(x2)[item] - base).abs().amax(-1)  # (L,)
-            dep[:, j] = (diff > rtol * (1 + base.abs().max())).cpu()
+            new = fn(x2)[item]
+            same = (new == base) | (new.isnan() & base.isnan())
+            diff = (new - base).abs().masked_fill(same, 0).nan_to_num(float("inf")).amax(-1)  # (L,)
+            dep[:, j] = (diff > rtol * size).cpu()
     return dep

@@ -9,9 +9,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .trace import PRODUCTS, Op, Origin, Trace
+from .trace import LAYOUT, PRODUCTS, Op, Origin, Trace
 
-__all__ = ["ROPE_BASES", "normalised", "rope", "rotary", "rotated_from", "rotation_problem", "scale_origin"]
+__all__ = ["ROPE_BASES", "normalised", "rope", "rotary", "rotated_from", "rotation_problem", "scale_origin",
+           "unit_before_gains"]
 
 ROPE_BASES = (10000.0, 500000.0, 1000000.0)
 
@@ -176,3 +177,50 @@ def normalised(trace: Trace, tid: int) -> str | None:
             return None  # the projection itself: no norm after it
         todo.extend(found[0].in_ids)
     return None
+
+
+_GAINS = frozenset({"mul", "rmul", "mul_", "div", "truediv", "div_", "itruediv"})
+
+
+def _fixed_factor(trace: Trace, op: Op, tid: int) -> int | None:
+    """For a multiplication (division) of the tensor ``tid`` by a number or by a small tensor made from no input
+    of the run (a learned gain: a parameter, or one operation on parameters such as ``gamma + 1``): ``tid``'s
+    operand index, else None."""
+    if op.name not in _GAINS or len(op.in_ids) not in (1, 2) or tid not in op.in_ids:
+        return None
+    if op.number() is not None or len(op.in_ids) == 1:
+        return op.in_ids.index(tid)
+    at = op.in_ids.index(tid)
+    other_id, other, this = op.in_ids[1 - at], op.inputs[1 - at], op.inputs[at]
+    if (op.name in ("div", "truediv", "div_", "itruediv") and at != 0) or other.numel() * 4 > this.numel():
+        return None
+    made = trace.maker(other_id)
+    if made is not None and any(trace.maker(i) is not None for i in made[0].in_ids):
+        return None
+    return at
+
+
+def unit_before_gains(trace: Trace, tid: int, d: int) -> bool:
+    """Was the score operand ``tid`` of unit norm along its head dim (size ``d``, the last axis) before a few
+    multiplications by numbers and learned gains (NaViT's ``F.normalize(x) * sqrt(d) * gamma``, x-transformers'
+    l2-normalised q/k times a learned scale)? Then what multiplies the scores is a temperature of that design."""
+    for _ in range(8):
+        found = trace.maker(tid)
+        if found is None:
+            return False
+        op = found[0]
+        value = op.outputs[found[1]] if found[1] < len(op.outputs) else None
+        if value is not None and value.dim() >= 1 and value.shape[-1] == d and value.is_floating_point() and \
+                value.numel() and bool(((value.double().norm(dim=-1) - 1).abs() < 1e-3).all()):
+            return True
+        src = op.main_input()
+        if op.name in LAYOUT and src is not None:
+            tid = src
+            continue
+        if not op.in_ids:
+            return False
+        big = op.in_ids[max(range(len(op.in_ids)), key=lambda i: op.inputs[i].numel())]
+        if _fixed_factor(trace, op, big) is None:
+            return False
+        tid = big
+    return False

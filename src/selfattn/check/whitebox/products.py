@@ -43,7 +43,7 @@ from ..findings import (
     WRONG_SCALE,
 )
 from ..subject.building import ROLE_PATTERNS, name_role
-from .positions import normalised, rotary, rotated_from, rotation_problem, scale_origin
+from .positions import normalised, rotary, rotated_from, rotation_problem, scale_origin, unit_before_gains
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
 __all__ = ["ROLE_PATTERNS", "Verdict", "examine_cores", "name_role"]
@@ -166,11 +166,15 @@ def _orientation(w: Tensor, p: Tensor) -> str | None:
     swapped, None when neither (weights changed after the softmax)."""
     if w.numel() != p.numel():
         return None
-    tol = 1e-3 * (1 + float(p.abs().max()))
-    if w.shape[-2:] == p.shape[-2:] and bool(((w.double().reshape(p.shape) - p.double()).abs() <= tol).all()):
+    tol = 1e-3 * (1 + float(p.abs().nan_to_num(0.0).max()))
+
+    def holds(a: Tensor, b: Tensor) -> bool:  # a NaN where the softmax gave one (a row with no visible key) holds
+        a, b = a.double().reshape(b.shape), b.double()
+        return bool((((a - b).abs() <= tol) | (a.isnan() & b.isnan())).all())
+    if w.shape[-2:] == p.shape[-2:] and holds(w, p):
         return "same"
     pt = p.transpose(-1, -2)
-    if w.shape[-2:] == pt.shape[-2:] and bool(((w.double().reshape(pt.shape) - pt.double()).abs() <= tol).all()):
+    if w.shape[-2:] == pt.shape[-2:] and holds(w, pt):
         return "transposed"
     return None
 
@@ -215,11 +219,15 @@ def _depends_on(trace: Trace, tid: int, inputs: frozenset[int]) -> bool:
     return any(trace.identity(t) in inputs for t in (tid, *trace.ancestors(tid)))
 
 
-def _position_product(trace: Trace, tid: int, inputs: frozenset[int]) -> str | None:
-    """When the tensor ``tid`` is (a relayout, as Transformer-XL's relative shift, of) a product one of whose
-    operands does not depend on the run's input (a table of relative-position embeddings): what it is, else None."""
-    todo, seen = [tid], set[int]()
-    while todo and len(seen) < 40:
+_ADDS = frozenset({"add", "radd", "add_", "iadd", "sub", "rsub", "sub_", "isub"})
+
+
+def _position_products(trace: Trace, tid: int, inputs: frozenset[int]) -> list[str] | None:
+    """When the tensor ``tid`` is (relayouts, as Transformer-XL's relative shift or DeBERTa's gather, and sums, as
+    DeBERTa's c2p + p2c written ``score += ...``, of) products one of whose operands does not depend on the run's
+    input (a table of relative-position embeddings): what each is; None when some branch is something else."""
+    todo, seen, found_names = [tid], set[int](), list[str]()
+    while todo and len(seen) < 60:
         cur = todo.pop(0)
         if cur in seen:
             continue
@@ -231,14 +239,20 @@ def _position_product(trace: Trace, tid: int, inputs: frozenset[int]) -> str | N
         if op.name in PRODUCTS:
             pairs = _operands(op)
             free = [i for i, _ in pairs if not _depends_on(trace, i, inputs)]
-            if len(pairs) >= 2 and len(free) == 1:
-                return f"a term of the queries with a position table ({op.name}" + \
-                    (f" {op.args[0]!r}" if op.name == "einsum" else "") + ")"
-            return None
-        if op.name in LAYOUT or op.name in ("cat", "pad", "constant_pad_nd", "gather", "index_select", "add", "mul") \
-                or op.number() is not None:
+            if len(pairs) < 2 or len(free) != 1:
+                return None
+            found_names.append(f"a term of the queries with a position table ({op.name}" +
+                               (f" {op.args[0]!r}" if op.name == "einsum" else "") + ")")
+        elif op.name in LAYOUT or op.name in _ADDS or op.name in ("cat", "pad", "constant_pad_nd", "gather",
+                                                                  "index_select", "mul") or op.number() is not None:
             todo.extend(op.in_ids)
-    return None
+    return found_names or None
+
+
+def _position_product(trace: Trace, tid: int, inputs: frozenset[int]) -> str | None:
+    """:func:`_position_products`, said in one line."""
+    names = _position_products(trace, tid, inputs)
+    return None if names is None else "; ".join(dict.fromkeys(names))
 
 
 def _value_position_term(trace: Trace, sm: Op, pv: Op, inputs: frozenset[int]) -> str | None:
@@ -247,7 +261,7 @@ def _value_position_term(trace: Trace, sm: Op, pv: Op, inputs: frozenset[int]) -
     if not inputs:
         return None
     for op, read in trace.consumers(sm.out_ids[0]):
-        if op is pv or op.name not in PRODUCTS:
+        if op is pv or op.name not in PRODUCTS or _head_mix(op) is not None:  # a head mix is talking heads
             continue
         others = [i for i, _ in _operands(op) if i != read]
         if others and not any(_depends_on(trace, i, inputs) for i in others):
@@ -300,6 +314,33 @@ class _Chain:
     steps: list[tuple[str, float | None]] = field(default_factory=list)
     temperatures: list[Tensor] = field(default_factory=list)
     added: list[tuple[int, float]] = field(default_factory=list)
+    mixed: list[str] = field(default_factory=list)  # the operations that mix the heads' scores (talking heads)
+
+
+def _head_mix(op: Op) -> int | None:
+    """For an operation that mixes the heads of (..., L, L) scores or weights by a learned square matrix and
+    nothing else (talking heads, Shazeer et al. 2020: a 1x1 conv2d over the head channels, an nn.Linear over a
+    head axis put last, an einsum "bhij,hk->bkij"): the identity of the scores it mixes, else None."""
+    if not op.inputs or not op.outputs or op.outputs[0].dim() < 4:
+        return None
+    out = op.outputs[0]
+    if op.name in ("linear", "conv2d"):
+        x, w = op.inputs[0], op.inputs[1] if len(op.inputs) > 1 else None
+        if w is None or x.numel() != out.numel():
+            return None
+        if op.name == "linear" and w.dim() == 2 and w.shape[0] == w.shape[1] == x.shape[-1] and x.dim() >= 4:
+            return op.in_ids[0]
+        if op.name == "conv2d" and w.dim() == 4 and tuple(w.shape[2:]) == (1, 1) and w.shape[0] == w.shape[1] and \
+                x.dim() == 4 and x.shape[1] == w.shape[0]:
+            return op.in_ids[0]
+        return None
+    if op.name in ("einsum", "matmul") and len(op.inputs) == 2:
+        small = min(range(2), key=lambda i: op.inputs[i].numel())
+        mat, big = op.inputs[small], op.inputs[1 - small]
+        if mat.dim() == 2 and mat.shape[0] == mat.shape[1] and mat.shape[0] in big.shape and \
+                big.numel() == out.numel() and big.dim() >= 4 and out.shape[-1] == big.shape[-1]:
+            return op.in_ids[1 - small]
+    return None
 
 
 def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
@@ -311,8 +352,20 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
         if found is None:
             raise Unrecognised("the softmax input was not made by a product of two tensors")
         op, _ = found
+        mixed = _head_mix(op)
+        if mixed is not None:
+            steps.append(("talking heads", None))
+            chain.mixed.append(op.name)
+            tid = mixed
+            continue
         if op.name in PRODUCTS:
             return op, chain
+        residual = _residual_head_mix(trace, op)
+        if residual is not None:  # x-transformers: sim = sim + talking_heads(sim)
+            steps.append(("talking heads", None))
+            chain.mixed.append(f"{op.name} of the scores and a head mix of them")
+            tid = residual
+            continue
         number = op.number()
         temperature = _temperature(op) if number is None else None
         nxt: int | None
@@ -336,6 +389,93 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
             raise Unrecognised(f"the scores pass through {op.name}() with no tensor input")
         tid = nxt
     raise Unrecognised("the chain from the product to the softmax is too long to follow")
+
+
+def _after_head_mix(trace: Trace, sm: Op) -> tuple[Op, int, list[str], list[str]] | None:
+    """When the softmax's weights are mixed across heads before the product with the values (talking heads): that
+    product, the identity it reads, the non-layout operations passed after the mix, and the mixing operations;
+    else None."""
+    tid, mixes = sm.out_ids[0], []
+    for _ in range(4):
+        step = next(iter(trace.consumers(tid)), None)
+        if step is None or _head_mix(step[0]) != step[1] or not step[0].out_ids:
+            break
+        mixes.append(step[0].name)
+        tid = step[0].out_ids[0]
+    after = _product_after(trace, tid) if mixes else None
+    return None if after is None else (*after, mixes)
+
+
+def _mixed_as(w: Tensor, p: Tensor) -> Tensor | None:
+    """The softmax output ``p`` (B, H, L, L) mixed across heads as the weights ``w`` are (an affine map of the head
+    axis, fitted; also with the last two dims of ``p`` swapped, so that weights transposed after the mix still read
+    as transposed), when one reproduces ``w``; else None."""
+    if p.dim() != 4 or w.numel() != p.numel():
+        return None
+    y = w.double().reshape(p.shape).movedim(1, -1).reshape(-1, p.shape[1])
+    for cand in (p, p.transpose(-1, -2)):
+        x = cand.double().movedim(1, -1).reshape(-1, p.shape[1])
+        x = torch.cat([x, torch.ones_like(x[:, :1])], -1)
+        if not bool(torch.isfinite(x).all() and torch.isfinite(y).all()):
+            return None
+        fitted = x @ torch.linalg.lstsq(x, y).solution
+        if bool(((fitted - y).abs() <= 1e-6 * (1 + float(y.abs().max()))).all()):
+            mixed = fitted.reshape(*cand.movedim(1, -1).shape).movedim(-1, 1)
+            return mixed if cand is p else mixed.transpose(-1, -2)
+    return None
+
+
+_JOINS = frozenset({"cat", "concat", "concatenate", "pad", "constant_pad_nd"})
+
+
+def _memory_side(trace: Trace, vid: int, extra: int, inputs: frozenset[int]) -> str | None:
+    """Where the values ``vid`` have ``extra`` entries along their token axis that depend on no input of the run
+    (x-transformers' ``num_mem_kv``, a null key/value, ``add_zero_kv``'s zero pad): "first" or "last", else None."""
+    if not inputs:
+        return None
+    tid = vid
+    for _ in range(12):
+        found = trace.maker(tid)
+        if found is None:
+            return None
+        op = found[0]
+        if op.name in _JOINS:
+            break
+        src = op.main_input()
+        if op.name not in LAYOUT or src is None:
+            return None
+        tid = src
+    else:
+        return None
+    if op.name in ("pad", "constant_pad_nd"):  # zeros padded on the token axis (the second to last of (.., L, D))
+        widths = op.args[1] if len(op.args) > 1 else op.kwargs.get("pad")
+        if not isinstance(widths, (list, tuple)) or len(widths) < 4 or any(widths[:2]):
+            return None
+        before, after = widths[2], widths[3]
+        return "first" if (before, after) == (extra, 0) else "last" if (before, after) == (0, extra) else None
+    parts = list(zip(op.in_ids, op.inputs, strict=False))
+    fixed = [not _depends_on(trace, i, inputs) for i, _ in parts]
+    if len(parts) < 2 or all(fixed) or not any(fixed):
+        return None
+    dim = op.args[1] if len(op.args) > 1 and isinstance(op.args[1], int) else op.kwargs.get("dim", 0)
+    size = sum(t.shape[dim] for (_, t), f in zip(parts, fixed, strict=True) if f)
+    if size != extra:
+        return None
+    if fixed[0] and not fixed[-1]:
+        return "first"
+    return "last" if fixed[-1] and not fixed[0] else None
+
+
+def _residual_head_mix(trace: Trace, op: Op) -> int | None:
+    """For ``x + mix(x)`` (a head mix added to the scores it mixes): the identity of x, else None."""
+    if op.name not in ("add", "radd", "add_", "iadd") or len(op.in_ids) != 2:
+        return None
+    for i, j in ((0, 1), (1, 0)):
+        found = trace.maker(op.in_ids[j])
+        mixed = _head_mix(found[0]) if found is not None else None
+        if mixed is not None and trace.origin(mixed).id == trace.origin(op.in_ids[i]).id:
+            return op.in_ids[i]
+    return None
 
 
 def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool) -> tuple[float, Tensor, Tensor]:
@@ -478,13 +618,27 @@ def _roles_verdict(trace: Trace, ids: tuple[int, int, int], evidence: dict, fact
     return None
 
 
+def _disentangled_scale(trace: Trace, chain: _Chain, inputs: frozenset[int], scale: float, d: int, width: int,
+                        said: str, facts: dict) -> tuple[str | None, str, dict]:
+    """DeBERTa's scale: the content product and n relative-position products (c2p, p2c) added to it, each scaled by
+    1/sqrt((1 + n) D) so that their sum keeps the variance of one (He et al. 2021, ``scale_factor``). A design when
+    the scale is that with n the number of position products found, and it is not 1/sqrt(width) as well."""
+    n = sum(len(_position_products(trace, tid, inputs) or ()) for tid, _ in chain.added)
+    if n and abs(scale * math.sqrt((1 + n) * d) - 1) < 1e-3 and (1 + n) * d != width:
+        facts = {**facts, "scale": f"1/sqrt({1 + n} x {d}): the content product and {n} relative-position "
+                                   f"product(s) share it (DeBERTa's scale_factor {1 + n})"}
+        return None, f"{said} = 1/sqrt({1 + n} x {d}) (DeBERTa's disentangled attention: {n} position terms)", facts
+    return WRONG_SCALE, said, facts
+
+
 def _scale_verdict(c: float, d: int, width: int, expected: float | None, unit_norm: bool) -> tuple[str | None, str]:
     want = expected if expected is not None else 1 / math.sqrt(d)
     said = f"scores scaled by {c:.6g}"
     if abs(c / want - 1) < 1e-3:
         return None, f"{said} = {'the stated scale' if expected is not None else f'1/sqrt({d})'}"
     if unit_norm and expected is None:
-        return None, f"{said} (q and k have unit norm: cosine-similarity attention, the scale is a temperature)"
+        return None, f"{said} (q and k have unit norm, or had before learned gains: cosine-similarity attention, " \
+            "the scale is a temperature)"
     if abs(c - 1) < 1e-3:
         return MISSING_SCALE, f"{said}: no 1/sqrt({d})"
     if abs(c * d - 1) < 1e-3:
@@ -610,6 +764,20 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     dim = _dim(sm)
     evidence: dict = {"operations": f"{len(trace.ops)} recorded"}
     facts: dict = {}
+    talking = _after_head_mix(trace, sm)
+    if talking is not None:  # the weights mixed across heads by a learned matrix: read them as mixed
+        pv, read, passed, mixes = talking
+        operands = _operands(pv)
+        position = next((i for i, (tid, _) in enumerate(operands) if tid == read), 0)
+        w = operands[position][1]
+        vid = operands[1 - position][0] if len(operands) > 1 else operands[0][0]
+        mixed_p = _mixed_as(w, p)
+        if mixed_p is None:
+            return Verdict(DEFINITION_MISMATCH, {"matches": "the weights are mixed across heads after the softmax "
+                                                   f"({', '.join(mixes)}) by no affine map of the heads", **evidence})
+        p = mixed_p
+        facts["talking heads"] = f"the weights are mixed across heads after the softmax ({', '.join(mixes)}; " \
+                                 "talking heads)"
     if passed and not set(passed) <= _ZEROING:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights pass through {', '.join(passed)} between "
                                                "the softmax and the product with the values", **evidence})
@@ -628,6 +796,15 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         cut = slice(sinks, None) if first else slice(None, length)
         p, s = p[..., cut], s[..., cut]
         facts["sinks"] = f"{sinks} sink logit(s) per row in the softmax, with no value (attention sinks)"
+    memory: slice | None = None
+    extra = p.shape[-1] - length if p.dim() >= 2 and p.shape[-2] == length and w.shape[-1] == p.shape[-1] else 0
+    if extra > 0 and dim == p.dim() - 1:  # keys and values that are no token's: learned memory, a null key
+        side = _memory_side(trace, vid, extra, inputs)
+        if side is not None:
+            memory = slice(extra, None) if side == "first" else slice(None, length)
+            p, s, w = p[..., memory], s[..., memory], w[..., memory]
+            facts["memory"] = f"{extra} key/value pair(s) that depend on no token, put {side} beside the tokens' " \
+                              "(learned memory key/values, a null or zero key/value)"
     axes = _einsum_token_axes(pv, position, w, p, length)
     if axes is not None:  # an einsum layout with the tokens elsewhere ("ijbh": sequence first): move them last
         if dim == axes[0] and _softmax_over_keys(trace, sm, dim):  # the product contracts the queries instead
@@ -684,6 +861,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if axes is not None and r.dim() == p.dim():
         r = r.movedim(axes, (-2, -1))
     d = _contracted_size(product, a, b)
+    if memory is not None and r.dim() >= 2 and r.shape[-1] == length + extra:  # the keys' product has them too
+        r = r[..., memory]
     if s.numel() != r.numel():
         raise Unrecognised("the softmax input does not have the score product's size")
     names = [n for n, _ in steps]
@@ -714,22 +893,31 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         total = math.prod(x for _, x in steps if x is not None)
         for _, term, later in relative:  # a term added after a factor the content branch has below the sum
             r = r + term / (total / later if later else 1.0)
-    c, t, seen = _fit(s, r, batch, with_terms)
-    size = 1 + float(s.double().reshape(t.shape)[seen].abs().max())
-    varies = (t - t[:1]).abs().masked_fill(~seen, 0).amax()
-    if float(varies) > 1e-3 * size:
-        raise Unrecognised(f"the scores are not one multiple of the product plus a term of (head, query, key): "
-                           f"best multiple {c:.4g} leaves a difference of {float(varies):.3g} between batch items")
-    if float(t.abs().max()) > 1e-3 * size:
-        facts["position term"] = "an additive term of (head, query, key) (a relative-position bias)"
+    if chain.mixed:  # talking heads: the scores are a learned mix of the heads' products; the numbers on the way
+        c = math.prod(x for _, x in steps if x is not None)  # are the scale (the mix, learned, is not one)
+        facts["talking heads (scores)"] = f"the scores are mixed across heads before the softmax " \
+                                          f"({', '.join(chain.mixed)}; talking heads)"
+    else:
+        c, t, seen = _fit(s, r, batch, with_terms)
+        size = 1 + float(s.double().reshape(t.shape)[seen].abs().max())
+        varies = (t - t[:1]).abs().masked_fill(~seen, 0).amax()
+        if float(varies) > 1e-3 * size:
+            raise Unrecognised(f"the scores are not one multiple of the product plus a term of (head, query, key): "
+                               f"best multiple {c:.4g} leaves a difference of {float(varies):.3g} between batch "
+                               "items")
+        if float(t.abs().max()) > 1e-3 * size:
+            facts["position term"] = "an additive term of (head, query, key) (a relative-position bias)"
     origin_a, origin_b = scale_origin(trace, aid), scale_origin(trace, bid)
     scale = c * origin_a.factor * origin_b.factor
-    unit = _unit_norm(a, b, origin_a.factor, origin_b.factor)
+    unit = _unit_norm(a, b, origin_a.factor, origin_b.factor) or \
+        (unit_before_gains(trace, aid, d) and unit_before_gains(trace, bid, d))
     fid, said = _scale_verdict(scale, d, width, expected(d), unit)
     if fid == MISSING_SCALE and folded_scale(a, b, d):
         fid, said = None, f"{said}, but q is 1/sqrt({d}) of k in size: the scale is folded into q's projection"
         facts["scale"] = f"folded into the query projection's weights (q is 1/sqrt({d}) of k in size, as T5 " \
                          "initialises it): no scale on the scores"
+    if fid == WRONG_SCALE and relative and expected(d) is None:
+        fid, said, facts = _disentangled_scale(trace, chain, inputs, scale, d, width, said, facts)
     if fid is not None and temperatures:
         fid, said = None, f"{said}, times a learned temperature per head: the scale is learned"
     # the learned vector on the operand itself (TimesFM's per_dim_scale), not a norm's weight behind a rotation
@@ -799,7 +987,9 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     base = 1 / math.sqrt(d) if given is None else float(given)
     origin_q, origin_k = scale_origin(trace, op.in_ids[0]), scale_origin(trace, op.in_ids[1])
     scale = base * origin_q.factor * origin_k.factor
-    fid, said = _scale_verdict(scale, d, width, expected(d), _unit_norm(q, k, origin_q.factor, origin_k.factor))
+    unit = _unit_norm(q, k, origin_q.factor, origin_k.factor) or \
+        (unit_before_gains(trace, op.in_ids[0], d) and unit_before_gains(trace, op.in_ids[1], d))
+    fid, said = _scale_verdict(scale, d, width, expected(d), unit)
     evidence = {"scale": said, "head dim": d, "product": "scaled_dot_product_attention"}
     if fid is not None:
         return Verdict(fid, {"matches": said, **evidence})
