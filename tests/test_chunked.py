@@ -345,3 +345,19 @@ def test_a_kept_plan_serves_forward_and_backward_of_later_calls(monkeypatch):
         for got, ref in zip((q.grad, k.grad, v.grad), grads, strict=True):
             torch.testing.assert_close(got.double(), ref, rtol=1e-4, atol=1e-4)
     assert len(made) == 1
+
+
+def test_a_kept_plan_sees_mask_tensors_written_through_numpy():
+    """catches: a plan kept on the mask object and trusted by torch's version counter alone, which a write
+    through NumPy does not move: the next call would skip the new documents' tiles as the old ones'."""
+    import numpy
+
+    torch.manual_seed(0)
+    buf = numpy.repeat(numpy.arange(4), 256)
+    mask = masks.document(torch.from_numpy(buf)) & masks.causal()
+    q, k, v = (torch.randn(1, 2, 1024, 16) for _ in range(3))
+    with chunked.options(block_k=64):
+        selfattn.attention(q, k, v, mask=mask, backend="chunked")
+        buf[:] = numpy.repeat(numpy.arange(2), 512)
+        out = selfattn.attention(q, k, v, mask=mask, backend="chunked")
+    torch.testing.assert_close(out.double(), _oracle(q, k, v, mask)[0], rtol=1e-4, atol=1e-5)

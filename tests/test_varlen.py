@@ -10,6 +10,7 @@ Shape legend: N sequences, Tq/Tk packed tokens, Hq/Hkv heads, D/Dv head dims.
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 import torch._dynamo
@@ -536,3 +537,21 @@ def test_the_cuda_varlen_kernel_route_maps_the_call_as_the_kernel_reads_it(windo
     torch.testing.assert_close(out[0].transpose(0, 1).double(), want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse[0].double(), want_lse, rtol=1e-5, atol=1e-6)
     assert not out.isnan().any()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "chunked", "auto"])
+def test_cu_seqlens_written_through_numpy_are_read_again(backend):
+    """catches: the kept mask (and its plan) trusted by torch's version counter alone, which a write through
+    NumPy (a data loader refilling the buffer a torch.from_numpy tensor wraps) or .data does not move."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (_tokens(12, 2, 8, torch.float32, gen) for _ in range(3))
+    buf = numpy.array([0, 5, 12], dtype=numpy.int32)
+    cu = torch.from_numpy(buf)
+    first = selfattn.varlen_attention(q, k, v, cu, causal=True, backend=backend)
+    torch.testing.assert_close(first.double(), oracle(q, k, v, [5, 7], [5, 7], causal=True)[0], rtol=1e-5, atol=1e-6)
+    buf[:] = [0, 9, 12]
+    moved = selfattn.varlen_attention(q, k, v, cu, causal=True, backend=backend)
+    torch.testing.assert_close(moved.double(), oracle(q, k, v, [9, 3], [9, 3], causal=True)[0], rtol=1e-5, atol=1e-6)
+    cu.data[1] = 4
+    again = selfattn.varlen_attention(q, k, v, cu, causal=True, backend=backend)
+    torch.testing.assert_close(again.double(), oracle(q, k, v, [4, 8], [4, 8], causal=True)[0], rtol=1e-5, atol=1e-6)

@@ -14,7 +14,6 @@ Shape legend: N sequences, Tq/Tk packed query/key tokens, Hq query heads, Hkv ke
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Literal, overload
 
@@ -26,6 +25,7 @@ from . import masks as _masks
 from . import scores as _scores
 from ._call import FLOAT_DTYPES
 from ._checks import check_backend
+from ._kept import MISSING, KeptByTensors
 from .backends import REGISTRY
 from .masks import Mask
 from .masks.packed import check_cu_seqlens_pair
@@ -128,41 +128,6 @@ def _mask(cu_q: Tensor, cu_k: Tensor, left: int | None, right: int | None) -> Ma
         if right == 0:
             return _masks.causal("bottom_right")
     return _masks.packed(cu_q, cu_k, left=left, right=right)
-
-
-MISSING: Any = object()
-
-
-class KeptByTensors:
-    """Values made from a few tensors in the last few calls, found again by the tensors' identity and
-    in-place version (and a key of plain values). Nothing is kept under torch.compile or for
-    inference-mode tensors (which cannot say their version): :meth:`find` then misses."""
-
-    def __init__(self, kept: int = 4) -> None:
-        self._kept = kept
-        self._entries: list[tuple[tuple[Any, ...], tuple[weakref.ref, ...], Any]] = []
-
-    @staticmethod
-    def _key(tensors: tuple[Tensor, ...], key: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        if torch.compiler.is_compiling() or any(t.is_inference() for t in tensors):
-            return None
-        return (*((id(t), t._version) for t in tensors), *key)
-
-    def find(self, tensors: tuple[Tensor, ...], key: tuple[Any, ...]) -> Any:
-        """The value kept for these tensors, unchanged since, and this key; else :data:`MISSING`."""
-        full = self._key(tensors, key)
-        if full is not None:
-            for k, refs, value in self._entries:
-                if k == full and all(r() is t for r, t in zip(refs, tensors, strict=True)):
-                    return value
-        return MISSING
-
-    def keep(self, tensors: tuple[Tensor, ...], key: tuple[Any, ...], value: Any) -> Any:
-        """Keep ``value`` for these tensors and this key (dropping the oldest entry); returns it."""
-        full = self._key(tensors, key)
-        if full is not None:
-            self._entries = [(full, tuple(weakref.ref(t) for t in tensors), value), *self._entries[:self._kept - 1]]
-        return value
 
 
 # The checked packed masks of the last few calls: the layers of a model, or the forward and backward of

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .._kept import Snapshot
 from .base import Device, Mask, query_offset, tile_edges
 
 __all__ = ["Packed", "check_cu_seqlens", "packed"]
@@ -106,12 +107,14 @@ class Packed(Mask):
 
     def lengths(self) -> tuple[list[int], list[int]]:
         """(query lengths, key lengths) of the sequences, on the host: read once from the tensors (a copy
-        to the host) and kept while they are unchanged."""
-        version = self.version()
+        to the host) and kept while they hold what they held (:class:`~selfattn._kept.Snapshot`)."""
+        tensors = (self.cu_seqlens_q, self.cu_seqlens_k)
         kept = self.__dict__.get("_lengths")
-        if kept is None or version is None or kept[0] != version:
-            q, k = ((cu[1:] - cu[:-1]).tolist() for cu in (self.cu_seqlens_q, self.cu_seqlens_k))
-            kept = self.__dict__["_lengths"] = (version, (q, k))
+        if kept is None or not kept[0].unchanged(tensors):
+            q, k = ((cu[1:] - cu[:-1]).tolist() for cu in tensors)
+            if not Snapshot.possible(tensors):
+                return q, k
+            kept = self.__dict__["_lengths"] = (Snapshot(tensors), (q, k))
         return kept[1]
 
     def longest(self) -> tuple[int, int]:

@@ -9,7 +9,8 @@ backward alike.
 Plan once, run many: the part of a plan that depends only on the mask, the lengths and the tile sizes
 (its :class:`Layout`: schedule, query block, share of empty tiles, the fused kernel's runs) is made once
 and kept on the mask object, keyed on the lengths, tile options and device, and trusted only while
-the mask's tensors are at the ``version()`` they had. Dispatch's cost model reads the same layout
+the mask's tensors hold what they held (:class:`~selfattn._kept.Snapshot`: their versions, and the
+values of those on the CPU, which NumPy may have written). Dispatch's cost model reads the same layout
 (:func:`layout`), so a call builds its tile maps once, and the layers and steps that pass the same mask
 object build none (as FlexAttention's BlockMask or FlashInfer's ``plan()`` / ``run()``).
 
@@ -25,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ..._kept import Snapshot
 from ...masks import EMPTY, FULL, PARTIAL, Mask
 from .kernels import Block, Problem
 from .options import ChunkedOptions, current_options
@@ -173,7 +175,7 @@ class Layout:
 
 _LAYOUTS_ATTR = "_selfattn_layouts"
 _LAYOUTS_KEPT = 8  # layouts kept per mask object (lengths x tile options x devices), oldest dropped first
-_NO_MASK: dict[tuple[Any, ...], tuple[tuple[int, ...], Layout]] = {}  # the layouts of unmasked calls
+_NO_MASK: dict[tuple[Any, ...], Layout] = {}  # the layouts of unmasked calls
 
 
 def _make_layout(mask: Mask | None, lq: int, lk: int, fused: bool, device: torch.device,
@@ -192,27 +194,24 @@ def _make_layout(mask: Mask | None, lq: int, lk: int, fused: bool, device: torch
 def layout(mask: Mask | None, lq: int, lk: int, *, fused: bool, device: torch.device,
            opts: ChunkedOptions) -> Layout:
     """The layout of a call, made once per (mask object, lengths, tile options, device) and reused while
-    the mask's tensors are unchanged (``mask.version()``); made afresh when a tensor cannot say its
-    version (inference mode) and under ``torch.compile`` (whose op makes its plan inside)."""
-    if torch.compiler.is_compiling():
+    the mask's tensors hold what they held (their versions, and the values of those on the CPU: a
+    :class:`~selfattn._kept.Snapshot`); made afresh when a tensor cannot say its version (inference
+    mode) and under ``torch.compile`` (whose op makes its plan inside)."""
+    tensors = () if mask is None else mask.tensors()
+    if not Snapshot.possible(tensors):
         return _make_layout(mask, lq, lk, fused, device, opts)
-    version = () if mask is None else mask.version()
-    if version is None:
-        return _make_layout(mask, lq, lk, fused, device, opts)
-    store: dict[tuple[Any, ...], tuple[tuple[int, ...], Layout]]
+    store: dict[tuple[Any, ...], Layout]
     if mask is None:
         store = _NO_MASK
     else:
-        store = mask.__dict__.get(_LAYOUTS_ATTR)  # type: ignore[assignment]
-        if store is None:
-            store = mask.__dict__[_LAYOUTS_ATTR] = {}
+        kept = mask.__dict__.get(_LAYOUTS_ATTR)
+        if kept is None or not kept[0].unchanged(tensors):
+            kept = mask.__dict__[_LAYOUTS_ATTR] = (Snapshot(tensors), {})
+        store = kept[1]
     key = (lq, lk, fused, device, opts)
-    hit = store.get(key)
-    if hit is not None and hit[0] == version:
-        return hit[1]
-    made = _make_layout(mask, lq, lk, fused, device, opts)
-    store.pop(key, None)
-    store[key] = (version, made)
+    if (hit := store.get(key)) is not None:
+        return hit
+    made = store[key] = _make_layout(mask, lq, lk, fused, device, opts)
     while len(store) > _LAYOUTS_KEPT:
         store.pop(next(iter(store)))
     return made

@@ -15,6 +15,7 @@ from ... import functional as _functional
 from ... import masks as _masks
 from ... import scores as _scores
 from ... import varlen as _varlen
+from ..._kept import MISSING, KeptByTensors
 from ._carrier import MaskTensor
 
 __all__ = ["attention_forward"]
@@ -138,7 +139,7 @@ def attention_forward(module: torch.nn.Module, query: Tensor, key: Tensor, value
 
 
 
-_PADDED = _varlen.KeptByTensors()  # a step's cu_seq_lens with the padding's entry, for each layer of the step
+_PADDED = KeptByTensors()  # a step's cu_seq_lens with the padding's entry, for each layer of the step
 
 
 def _packed_forward(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_k: Tensor, causal: bool,
@@ -160,7 +161,7 @@ def _packed_forward(query: Tensor, key: Tensor, value: Tensor, cu_q: Tensor, cu_
     tq, tk = query.shape[2], key.shape[2]
     given = (cu_q, cu_k)
     padded = _PADDED.find(given, (tq, tk))
-    if padded is _varlen.MISSING:  # made once per step: every layer gets the same tensors
+    if padded is MISSING:  # made once per step: every layer gets the same tensors
         padded = _PADDED.keep(given, (tq, tk), (torch.cat([cu_q.reshape(-1), cu_q.new_full((1,), tq)]),
                                                 torch.cat([cu_k.reshape(-1).to(cu_q.dtype), cu_q.new_full((1,), tk)])))
     cu_q, cu_k = padded
