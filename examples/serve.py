@@ -118,8 +118,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     args = p.parse_args(argv)
-    if args.step_tokens < 1 or args.pages * args.page_size < 96 + 40:
-        p.error("--step-tokens must be >= 1 and the pool must hold one request (96 + 40 tokens)")
+    for flag in ("requests", "step_tokens", "page_size", "pages"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.pages * args.page_size < 96 + 40:
+        p.error(f"--pages x --page-size = {args.pages * args.page_size} tokens: the pool must hold one request "
+                "(up to 96 + 40 tokens)")
     torch.manual_seed(args.seed)
     vocab = 64
     model = TinyGPT(vocab).eval()
