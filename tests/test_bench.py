@@ -323,3 +323,22 @@ def test_distributed_model_points_and_their_tables():
     text = markdown.blocks(results)["distributed-model"]
     assert "| model | 1024 | 4 | 0.2 s | 0.25x | 25 MiB | 0.25x | 0.30x |" in text
     assert "| 1024 | 4 | 4096 | 25 MiB | 0.25x |" in text
+
+
+def test_decode_grid_takes_batches_contexts_and_skips_what_cannot_fit():
+    """catches: a decode point whose caches cannot fit in memory allocated anyway (the machine swaps or
+    dies) instead of reported as skipped, with its reason."""
+    import argparse
+
+    from rich.progress import Progress
+
+    from selfattn.bench import decode
+
+    args = argparse.Namespace(device="cpu", dtype="float32", quick=False, repeats=1, page_sizes=[16],
+                              lengths=[10**7], batches=[64])
+    points = decode.grid(args)
+    assert points == [dict(B=64, L=10**7)]
+    with Progress() as progress:
+        rows = decode.run(points, args, progress, progress.add_task("decode", total=1))
+    assert {r["impl"] for r in rows} == {"selfattn", "sdpa", "paged-16"}
+    assert all(r["status"] == "skipped" and "GiB of caches" in r["note"] for r in rows)

@@ -80,7 +80,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--cases", nargs="+",
                    help="mask cases to run (default: all); for the models suite, train and/or generate; for the "
                         "distributed suite, its mask cases and/or model, model-budget")
-    b.add_argument("--lengths", nargs="+", type=int, help="sequence lengths for the masks suite")
+    b.add_argument("--lengths", nargs="+", type=int,
+                   help="sequence lengths for the masks suite; cached tokens for the decode suite")
+    b.add_argument("--batches", nargs="+", type=int, help="batch sizes for the decode suite (default: 1 8)")
+    b.add_argument("--page-sizes", nargs="+", type=int, help="PagedKVCache page sizes for the decode suite "
+                   "(default: 16 128)")
     b.add_argument("--modes", nargs="+", choices=["fwd", "fwd+bwd"], help="default: both (--quick: fwd+bwd)")
     b.add_argument("--impls", nargs="+", help="implementations for the masks suite (default: all)")
     b.add_argument("--repeats", type=int, default=None,

@@ -8,6 +8,7 @@ Shape legend: B batch, E embed dim.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 
 import torch
@@ -27,7 +28,15 @@ PAGE_SIZES = [16, 128]
 
 
 def grid(args: argparse.Namespace) -> list[dict]:
-    return [dict(B=b) for b in DECODE_BATCHES]
+    """(B, cached tokens) points: ``--batches`` and ``--lengths`` (default B = 1, 8 from 2048 tokens, 256
+    with ``--quick``)."""
+    contexts = getattr(args, "lengths", None) or [None]
+    return [dict(B=b, L=length) for b in (getattr(args, "batches", None) or DECODE_BATCHES) for length in contexts]
+
+
+def _cache_bytes(layers: int, b: int, cached: int, e: int, itemsize: int, copies: int) -> int:
+    """K and V of every layer for ``copies`` caches (the KVCache and each paged copy)."""
+    return copies * layers * 2 * b * (cached + 64) * e * itemsize
 
 
 def run(todo: list[dict], args: argparse.Namespace, progress: Progress, task: TaskID) -> list[dict]:
@@ -37,11 +46,21 @@ def run(todo: list[dict], args: argparse.Namespace, progress: Progress, task: Ta
     the same tokens, interleaved."""
     import selfattn
 
+
     device, dtype = args.device, getattr(torch, args.dtype)
-    layers, e, h, cached = (2, 128, 4, 256) if args.quick else (12, 768, 12, 2048)
+    layers, e, h, default_cached = (2, 128, 4, 256) if args.quick else (12, 768, 12, 2048)
+    page_sizes = getattr(args, "page_sizes", None) or PAGE_SIZES
+    limit = 0.6 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     out = []
     for p in todo:
-        b = p["B"]
+        b, cached = p["B"], p["L"] or default_cached
+        need = _cache_bytes(layers, b, cached, e, torch.empty(0, dtype=dtype).element_size(), 1 + len(page_sizes))
+        if device == "cpu" and need > limit:
+            out += [dict(suite="decode", case=f"{layers}x{e}, cache {cached}", B=b, impl=name, mode="decode step",
+                         L=cached, status="skipped", note=f"needs ~{need / 2**30:.0f} GiB of caches")
+                    for name in ("selfattn", "sdpa", *(f"paged-{size}" for size in page_sizes))]
+            progress.advance(task)
+            continue
         progress.update(task, description=f"decode: {layers} layers, E={e}, cache {cached}, B={b}")
         torch.manual_seed(0)
         mods = [selfattn.MultiHeadAttention(e, h).to(device=device, dtype=dtype).eval() for _ in range(layers)]
@@ -50,14 +69,14 @@ def run(todo: list[dict], args: argparse.Namespace, progress: Progress, task: Ta
             prompt = torch.randn(b, cached, e, device=device, dtype=dtype)
             for m, c in zip(mods, caches, strict=True):
                 m(prompt, cache=c, positions=torch.arange(cached, device=device).expand(b, -1))
-        paged = {f"paged-{size}": paged_copies(caches, cached, size) for size in PAGE_SIZES}
+        paged = {f"paged-{size}": paged_copies(caches, cached, size) for size in page_sizes}
         steps = decode_steps(mods, caches, torch.randn(b, 1, e, device=device, dtype=dtype), cached, paged)
         with torch.no_grad():
             timings = time_interleaved(steps, args.repeats or (20 if args.quick else 50), device, warmup=3)
         out += [dict(suite="decode", case=f"{layers}x{e}, cache {cached}", B=b, impl=name, mode="decode step",
                      L=cached, status="ok", **measured(t)) for name, t in timings.items()]
         progress.advance(task)
-    attach_ratios(out, "decode", ("case", "B"), ["sdpa", "selfattn"])
+    attach_ratios([r for r in out if r["status"] == "ok"], "decode", ("case", "B"), ["sdpa", "selfattn"])
     return out
 
 
