@@ -314,10 +314,10 @@ class _TalkingHeads(nn.Module):
 
 def test_talking_heads_are_a_design_not_a_matmul_order_bug():
     """catches: the head-mixing product after the softmax read as the product with the values (matmul-order on
-    correct code, even with --allow-nonstandard)."""
+    correct code), or as a departure from the definition: talking heads (Shazeer et al. 2020) is a design."""
     report = check(_TalkingHeads(32))
-    assert report.ids == {"definition-mismatch"}, [(f.id, f.message) for f in report.findings]
-    assert check(_TalkingHeads(32), allow_nonstandard=True).passed
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+    assert "talking heads" in report.inferred["design"]
 
 
 _INCONCLUSIVE_FILE = '''
