@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers import make_qkv
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import selfattn
@@ -371,6 +373,38 @@ def test_padded_and_packed_layouts_give_the_same_attention_lse_sinks_and_softcap
     torch.testing.assert_close(lse, ref_lse)
 
 
+@pytest.mark.parametrize("nq", [1, 3])
+@pytest.mark.parametrize("backend", ["auto", "reference", "sdpa", "chunked"])
+def test_runs_read_in_place_and_merged_equal_the_packed_call(nq, backend, monkeypatch):
+    """catches: the merge of runs read in place getting a mask, window, softcap, sink or lse wrong: a sink
+    counted once per run, a window's left bound taken from the run instead of the sequence, the lse of
+    one run returned, a part gathered from the wrong pages. Three sequences of 22 keys: a run of three
+    pages each (evenly spaced), one page each (evenly spaced), two pages anywhere (gathered)."""
+    from selfattn import paged as paged_module
+    merged = []
+    merge = paged_module._merge
+    monkeypatch.setattr(paged_module, "_merge", lambda *a: merged.append(1) or merge(*a))
+    gen = torch.Generator().manual_seed(0)
+    kp, vp = (torch.randn(40, 4, 2, 8, generator=gen) for _ in range(2))
+    table = torch.tensor([[3 * s, 3 * s + 1, 3 * s + 2, 20 + s, p, r] for s, (p, r) in
+                          enumerate([(31, 12), (25, 38), (10, 33)])])
+    used = torch.tensor([22, 22, 22])
+    q = torch.randn(3 * nq, 4, 8, generator=gen)
+    cu_q = torch.arange(4) * nq
+    for kw in (dict(causal=True), dict(causal=True, window=(5, 0), softcap=2.0, return_lse=True,
+                                       sinks=torch.randn(4, generator=gen)), dict(window=(3, 1), return_lse=True)):
+        if backend == "sdpa":
+            kw.pop("softcap", None)  # not additive: sdpa declines it
+        out = selfattn.paged_attention(q, kp, vp, table, used, cu_q, backend=backend, **kw)
+        k, v, cu_k = gather(kp, vp, table, used)
+        kw64 = {n: (a.double() if isinstance(a, Tensor) else a) for n, a in kw.items()}
+        want = selfattn.varlen_attention(q.double(), k.double(), v.double(), cu_q, cu_k, backend="reference", **kw64)
+        for got, ref in zip(out if kw.get("return_lse") else [out], want if kw.get("return_lse") else [want],
+                            strict=True):
+            torch.testing.assert_close(got.double(), ref.double(), rtol=1e-5, atol=1e-5)
+    assert len(merged) == 3
+
+
 def test_paged_attention_refuses_bad_block_tables_and_pools():
     """catches: a page index past the pool or negative read as some other page (or an index error deep inside),
     lengths over the block table's capacity, pools of another dtype, device or shape than q."""
@@ -459,28 +493,43 @@ def test_block_table_and_seqused_k_are_flash_attn_shaped():
     assert torch.equal(gather(kt, vt, table, used)[0], k)
 
 
-def _read_in_place(monkeypatch) -> list[int]:
-    """How many times the padded batch gathered keys or values (instead of reading them in place)."""
+def _reads(monkeypatch) -> dict[str, int]:
+    """How many times the padded batch gathered keys or values (instead of reading them in place), and how
+    many times it merged attentions over parts of the keys."""
     from selfattn import paged as paged_module
-    gathered: list[int] = []
-    original = paged_module._rows
-    monkeypatch.setattr(paged_module, "_rows", lambda *a: gathered.append(1) or original(*a))
-    return gathered
+    seen = {"gathered": 0, "merged": 0}
+    rows, merge = paged_module._rows, paged_module._merge
+
+    def count(what: str, fn):
+        def counted(*a):
+            seen[what] += 1
+            return fn(*a)
+        return counted
+
+    monkeypatch.setattr(paged_module, "_rows", count("gathered", rows))
+    monkeypatch.setattr(paged_module, "_merge", count("merged", merge))
+    return seen
 
 
-@pytest.mark.parametrize("layout", ["one sequence", "prefilled together", "interleaved", "reused pages", "forked"])
-def test_sequences_in_consecutive_pages_are_read_in_place_and_the_rest_gathered(layout, monkeypatch):
-    """catches: a decode step that copies a KVCache-like layout out of its pages (the copy costs as much
-    as the attention), or that reads in place a layout it cannot (interleaved pages, pages reused out of
-    order, shared pages): every layout must give each sequence's own attention."""
+# layout -> (gathers, merges): one strided view; runs of pages read in place and merged; pages out of order
+_LAYOUTS = {"one sequence": (False, False), "prefilled together": (False, False), "forked": (False, False),
+            "decoded after a prefill": (False, True), "interleaved": (False, True), "reused pages": (True, False),
+            "long interleaved": (True, True), "different lengths": (True, False)}
+
+
+@pytest.mark.parametrize("layout", list(_LAYOUTS))
+def test_runs_of_consecutive_pages_are_read_in_place_and_the_rest_gathered(layout, monkeypatch):
+    """catches: a decode step that copies out of its pages what it can read in place (the copy costs as
+    much as the attention), that reads in place a layout it cannot (pages reused out of order, sequences
+    of different lengths), or that merges the runs of pages wrongly (interleaved decode steps, more runs
+    than RUNS_MAX): every layout must give each sequence's own attention."""
     torch.manual_seed(0)
     size, g, d, hq = 4, 2, 8, 4
-    cache = PagedKVCache(32, size, g, d)
+    cache = PagedKVCache(48, size, g, d)
     n = 1 if layout == "one sequence" else 3
     ids = [cache.allocate() for _ in range(n)]
-    held = 10
-    if layout == "interleaved":  # one token at a time, every sequence in turn: pages alternate
-        for _ in range(held):
+    if layout in ("interleaved", "long interleaved"):  # one token at a time, every sequence in turn: pages alternate
+        for _ in range(10 if layout == "interleaved" else size * selfattn.paged.RUNS_MAX + 1):
             cache.append(ids, torch.randn(n, g, d), torch.randn(n, g, d))
     else:
         if layout == "reused pages":  # two finished sequences, freed in turn: their pages come back out of order
@@ -489,17 +538,79 @@ def test_sequences_in_consecutive_pages_are_read_in_place_and_the_rest_gathered(
             cache.append(gone, torch.randn(4 * size, g, d), torch.randn(4 * size, g, d), cu)
             for s in gone:
                 cache.free(s)
-        cu = torch.arange(n + 1, dtype=torch.int32) * held
-        cache.append(ids, torch.randn(n * held, g, d), torch.randn(n * held, g, d), cu)
+        held = [10, 7, 9] if layout == "different lengths" else [2 * size] * n
+        cu = torch.tensor([0, *torch.tensor(held).cumsum(0).tolist()], dtype=torch.int32)
+        cache.append(ids, torch.randn(sum(held), g, d), torch.randn(sum(held), g, d), cu)
+        if layout == "decoded after a prefill":  # each new token starts a page: the pages interleave
+            cache.append(ids, torch.randn(n, g, d), torch.randn(n, g, d))
     if layout == "forked":  # the copy shares the parent's pages: two sequences, the same first page
         ids = [ids[0], cache.fork(ids[0])]
-    expect_in_place = layout in ("one sequence", "prefilled together")
-    gathered = _read_in_place(monkeypatch)
+    seen = _reads(monkeypatch)
     q = torch.randn(len(ids), hq, d)
     out = cache.attention(q, ids)
-    assert (not gathered) == expect_in_place
+    assert (seen["gathered"] > 0, seen["merged"] > 0) == _LAYOUTS[layout]
     for row, s in enumerate(ids):
         k, v, _ = cache.gather([s])
         want = testing.reference_attention(q[row][None, :, None].double(), k.transpose(0, 1)[None].double(),
                                            v.transpose(0, 1)[None].double())
         torch.testing.assert_close(out[row].double(), want[0, :, 0], rtol=1e-5, atol=1e-6)
+
+
+# ---- properties ----
+
+@settings(max_examples=80, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_random_cache_histories_match_each_sequence_alone(data):
+    """catches: any history of appends (prefills, decode steps in lockstep or not), forks and frees after
+    which a step's attention differs from each sequence's own against the float64 oracle: pages read in
+    place from the wrong offset, runs cut or merged wrongly, a sink or window counted per run, a freed
+    page's old tokens read, a forked sequence seeing its sibling's new tokens."""
+    size, g, d = data.draw(st.integers(1, 5)), data.draw(st.integers(1, 2)), data.draw(st.sampled_from([4, 8]))
+    hq = g * data.draw(st.integers(1, 2))
+    cache = PagedKVCache(64, size, g, d)
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 1000)))
+    live: list[int] = []
+    for _ in range(data.draw(st.integers(1, 8))):
+        action = data.draw(st.sampled_from(["new", "new", "step", "together", "together", "fork", "free"]))
+        if action == "new" or not live:
+            live.append(cache.allocate())
+        elif action == "fork":
+            live.append(cache.fork(data.draw(st.sampled_from(live))))
+        elif action == "free" and len(live) > 1:
+            gone = data.draw(st.sampled_from(live))
+            cache.free(gone)
+            live.remove(gone)
+        if action == "together":  # every sequence the same tokens: a batch prefilled or decoded in lockstep
+            ids, counts = list(live), [data.draw(st.integers(1, 2 * size + 1))] * len(live)
+        else:
+            ids = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
+            counts = data.draw(st.lists(st.integers(0, 2 * size + 1), min_size=len(ids), max_size=len(ids)))
+        if sum(counts) + sum(cache.length(s) for s in live) > 64 * size // 2 or sum(counts) == 0:
+            continue
+        cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+        cache.append(ids, torch.randn(sum(counts), g, d, generator=gen), torch.randn(sum(counts), g, d, generator=gen),
+                     cu)
+    ids = [s for s in live if cache.length(s) > 0]
+    if not ids:
+        return
+    if data.draw(st.booleans()):  # the largest group of one length: the decode layout, read in place where it can
+        groups: dict[int, list[int]] = {}
+        for s in ids:
+            groups.setdefault(cache.length(s), []).append(s)
+        ids = max(groups.values(), key=len)
+    nq = data.draw(st.integers(1, min(3, *(cache.length(s) for s in ids))))
+    window = data.draw(st.sampled_from([None, (2, 0), (4, -1)]))
+    softcap = data.draw(st.sampled_from([None, 3.0]))
+    sinks = torch.randn(hq, generator=gen) if data.draw(st.booleans()) else None
+    q = torch.randn(len(ids) * nq, hq, d, generator=gen)
+    out, lse = cache.attention(q, ids, torch.arange(len(ids) + 1) * nq, window=window, softcap=softcap, sinks=sinks,
+                               return_lse=True)
+    for row, s in enumerate(ids):
+        k, v, cu_k = cache.gather([s])
+        rows = slice(row * nq, (row + 1) * nq)
+        want, want_lse = selfattn.varlen_attention(
+            q[rows].double(), k.double(), v.double(), torch.tensor([0, nq]), cu_k, causal=True, window=window,
+            softcap=softcap, sinks=None if sinks is None else sinks.double(), return_lse=True, backend="reference")
+        torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[:, rows].double(), want_lse.double(), rtol=1e-5, atol=1e-5)

@@ -213,20 +213,22 @@ class MultiHeadAttention(nn.Module):
             if len(ids) != b:
                 raise ValueError(f"seq_ids names {len(ids)} sequences but x has B = {b} rows; give one id per row "
                                  "of x (its L tokens go to that sequence), or pack x as (1, T, E) with cu_seqlens")
-            cu = torch.arange(b + 1, dtype=torch.int32, device=x.device) * lq
+            # a decode step (one token a row) needs no cu_seqlens: the cache's calls then take one token each
+            cu = None if lq == 1 else torch.arange(b + 1, dtype=torch.int32, device=x.device) * lq
         elif b != 1:
             raise ValueError(f"with cu_seqlens, x must be (1, T, E), the new tokens of every sequence packed along "
                              f"dim 1, got shape {tuple(x.shape)}")
         else:
             cu = cu_seqlens
-        pos = cache.positions(ids, cu)  # (T,): checks cu against ids
         t = b * lq
-        if pos.numel() != t:
+        pos = cache.positions(ids, cu) if self.rope_base is not None or cu is not None else None  # checks cu
+        if pos is not None and pos.numel() != t:
             raise ValueError(f"cu_seqlens ends at {pos.numel()} tokens but x holds T = {t} (dim 1); its last entry "
                              "must be the number of packed tokens")
         h, g, d = self.num_heads, self.num_kv_heads, self.head_dim
         q, k, v = self.qkv(x.reshape(t, e)).view(t, h + 2 * g, d).split((h, g, g), dim=1)  # (T, H|G, D)
         if self.rope_base is not None:
+            assert pos is not None
             q = apply_rope(q.transpose(0, 1)[None], pos, base=self.rope_base)[0].transpose(0, 1)
             k = apply_rope(k.transpose(0, 1)[None], pos, base=self.rope_base)[0].transpose(0, 1)
         cache.append(ids, k, v, cu)

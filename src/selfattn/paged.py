@@ -14,12 +14,22 @@ and autograd reaches q and the pools through the gather. The gather copies the k
 that the call reads, once per call.
 
 One case takes another layout: when every sequence has the same small number of queries (at most
-``PADDED_MAX_QUERIES``: a decode step, a few speculative tokens), the keys are gathered padded to
-the longest sequence, (N, Hkv, Lmax, D), and one :func:`selfattn.attention` call runs over the batch
-of N with a (N, 1, nq, Lmax) visibility mask (None when every query sees every key). Varlen's batch
-of one would score every query against all N sequences' keys and mask most of them (N^2 x L work
-for a decode step in SDPA's dense-mask kernel); the padded batch scores each against its own
-(N x Lmax). Both layouts mean the same mask, and tests/test_paged.py holds both to the oracle.
+``PADDED_MAX_QUERIES``: a decode step, a few speculative tokens), one :func:`selfattn.attention` call
+runs over the batch of N, keys (N, Hkv, L, D), with a (N, 1, nq, L) visibility mask (None when every
+query sees every key). Varlen's batch of one would score every query against all N sequences' keys and
+mask most of them (N^2 x L work for a decode step in SDPA's dense-mask kernel); the batch scores each
+against its own (N x L). Sequences of one length are read in place where their pages allow: the keys
+are cut into runs where some sequence's next page does not follow its last (:func:`_runs`), and a run
+whose first pages are evenly spaced is one strided view of the pool (:func:`_view`). One run is one
+call (one sequence; a batch prefilled together); several are one call each, merged through their lse
+(a batch decoded after its prefill: each step's new pages interleave). At most ``RUNS_MAX`` calls: the
+keys of the shorter runs, and of runs not evenly spaced, are gathered into one more part. Sequences of
+different lengths are gathered padded to the longest. Every layout means the same mask, and
+tests/test_paged.py holds each to the oracle.
+
+A pool stored heads first, (Hkv, P, S, D) with ``k_pages`` its (P, S, Hkv, D) view (as
+:class:`selfattn.PagedKVCache` keeps it), gives SDPA each head's keys of a run as contiguous rows;
+flash-attn's contiguous (P, S, Hkv, D) pool works too, and SDPA reads its keys strided by Hkv x D.
 
 Shape legend: N sequences, P pages, S page size (tokens per page), W block-table width (the most
 pages one sequence may hold), Tq packed query tokens, Tk = sum(seqused_k) gathered keys, Hq/Hkv
@@ -39,7 +49,7 @@ from ._call import FLOAT_DTYPES
 from .masks.packed import check_cu_seqlens
 from .varlen import Causal, Window, _check_causal, _check_lengths, _check_qkv, _check_window, _softcap, varlen_attention
 
-__all__ = ["PADDED_MAX_QUERIES", "attend", "check_block_table", "gather", "paged_attention"]
+__all__ = ["PADDED_MAX_QUERIES", "RUNS_MAX", "attend", "check_block_table", "gather", "paged_attention"]
 
 PADDED_MAX_QUERIES = 16  # up to this many queries per sequence, all sequences alike: the padded batch
 
@@ -138,12 +148,16 @@ def gather(k_pages: Tensor, v_pages: Tensor, block_table: Tensor, seqused_k: Ten
 
 
 def _rows(pages: Tensor, page: Tensor, slot: Tensor) -> Tensor:
-    """``pages[page, slot]`` (Tk, H, D). A contiguous pool is read as (P * S, H * D) rows with one
-    index_select (several times faster on the CPU than indexing two dims, or than index_select of
-    3-D rows); any other layout through that indexing."""
+    """``pages[page, slot]`` (Tk, H, D). A pool stored contiguously, tokens first (P, S, H, D) or heads first
+    (H, P, S, D), is read as rows with one index_select (several times faster on the CPU than indexing two
+    dims, or than index_select of 3-D rows); the heads-first result keeps each head's rows contiguous. Any
+    other layout goes through that indexing."""
     p, s, h, d = pages.shape
     if pages.is_contiguous():
         return pages.view(p * s, h * d).index_select(0, page * s + slot).view(-1, h, d)
+    heads = pages.permute(2, 0, 1, 3)
+    if heads.is_contiguous():
+        return heads.view(h, p * s, d).index_select(1, page * s + slot).permute(1, 0, 2)
     return pages[page, slot]
 
 
@@ -224,19 +238,18 @@ def attend(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, len
            *, max_seqlen_q: int | None = None, causal: Causal = False, window: Window = None,
            scale: float | None = None, dropout_p: float = 0.0, softcap: float | None = None,
            sinks: Tensor | None = None, return_lse: bool = False, backend: str = "auto",
-           first_pages: list[int] | None = None) -> Tensor | tuple[Tensor, Tensor]:
+           rows: list[list[int]] | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """:func:`paged_attention` once its block table is checked: sequence s has ``lengths[s]`` keys and
     ``counts[s]`` queries. The padded batch when every count is the same and at most
     ``PADDED_MAX_QUERIES``, else the packed gather and varlen. The gathered keys and values are cast to
-    q's dtype (the caller allows another dtype only under autocast). ``first_pages``: when the caller
-    knows that each sequence's pages are consecutive, the first of each (the padded batch may then read
-    them in place, see :func:`_in_place`)."""
+    q's dtype (the caller allows another dtype only under autocast). ``rows``: the sequences' pages on
+    the host, when the caller keeps them (the padded batch reads runs of consecutive pages in place, see
+    :func:`_runs`); None: read from ``block_table`` when needed."""
     nq = counts[0]
     if len(set(counts)) == 1 and 0 < nq <= PADDED_MAX_QUERIES and max(lengths) > 0:
-        return _padded(q, k_pages, v_pages, block_table, lengths, nq, first_pages, max_seqlen_q=max_seqlen_q,
-                       causal=causal,
-                       window=window, scale=scale, dropout_p=dropout_p, softcap=softcap, sinks=sinks,
-                       return_lse=return_lse, backend=backend)
+        return _padded(q, k_pages, v_pages, block_table, lengths, nq, rows, max_seqlen_q=max_seqlen_q,
+                       causal=causal, window=window, scale=scale, dropout_p=dropout_p, softcap=softcap,
+                       sinks=sinks, return_lse=return_lse, backend=backend)
     cu_q = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=k_pages.device)
     k, v, cu_k = gather(k_pages, v_pages, block_table, torch.tensor(lengths), total=sum(lengths))
     if isinstance(q, Tensor) and k.dtype != q.dtype:
@@ -246,62 +259,168 @@ def attend(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, len
                             return_lse=return_lse, backend=backend)
 
 
-def _in_place(pages: Tensor, first_pages: list[int] | None, lengths: list[int]) -> Tensor | None:
-    """The keys (or values) of N sequences as a (N, L, H, D) view of a contiguous pool, with no copy, when
-    every sequence holds L tokens in consecutive pages and the sequences start at evenly spaced pages
-    (one sequence; or sequences prefilled together): the layout a KVCache has. Else None."""
-    if first_pages is None or len(set(lengths)) != 1 or not pages.is_contiguous():
-        return None
+RUNS_MAX = 4  # a decode step reads at most this many runs of pages in place; the rest is gathered
+
+
+class _Part:
+    """Keys and values (N, H, L, D) of one part of every sequence, and those keys' positions: (L,), or
+    (lo, hi) for the range lo..hi - 1."""
+
+    __slots__ = ("k", "positions", "v")
+
+    def __init__(self, k: Tensor, v: Tensor, positions: Tensor | tuple[int, int]) -> None:
+        self.k, self.v, self.positions = k, v, positions
+
+    def position_tensor(self, device: torch.device) -> Tensor:
+        if isinstance(self.positions, tuple):
+            return torch.arange(*self.positions, device=device)
+        return self.positions
+
+
+def _runs(rows: list[list[int]], length: int, size: int) -> list[tuple[int, int, list[int]]]:
+    """The keys [0, length) of N sequences of one length, cut where some sequence's next page does not
+    follow its last one in the pool: (first key, end key, each sequence's page at the first key), so that
+    every sequence holds each run in consecutive pages. Drawn for pages of 2, after a prefill of 4 tokens
+    each and one decode step (the new pages interleave)::
+
+        sequence 0:  pages 0 1 | 4        runs: keys 0-3 (first pages 0, 2), key 4 (first pages 4, 5)
+        sequence 1:  pages 2 3 | 5
+    """
+    width = -(-length // size)
+    cuts = {0, width}
+    for r in rows:
+        cuts.update(w for w in range(1, width) if r[w] != r[w - 1] + 1)
+    edges = sorted(cuts)
+    return [(a * size, min(b * size, length), [r[a] for r in rows]) for a, b in itertools.pairwise(edges)]
+
+
+def _view(pages: Tensor, first: list[int], lo: int, hi: int) -> Tensor | None:
+    """Keys lo..hi of N sequences as a (N, H, hi - lo, D) view of the pool, with no copy, when each holds them
+    in consecutive pages from page ``first[n]`` (key lo at its slot ``lo % S``), the first pages are evenly
+    spaced and the pool's pages lie end to end in memory. Else None."""
     _, s, h, d = pages.shape
-    steps = {b - a for a, b in itertools.pairwise(first_pages)}
-    if len(steps) > 1 or (steps and steps.pop() < -(-lengths[0] // s)):
-        return None  # unevenly spaced, or sequences that overlap in such a view
-    step = first_pages[1] - first_pages[0] if len(first_pages) > 1 else 0
-    n, length = len(first_pages), lengths[0]
-    return pages.as_strided((n, length, h, d), (step * s * h * d, h * d, d, 1), first_pages[0] * s * h * d)
+    sp, ss, sh, sd = pages.stride()
+    steps = {b - a for a, b in itertools.pairwise(first)}
+    step = steps.pop() if len(steps) == 1 else 0
+    if steps or step < 0 or sp != s * ss:
+        return None
+    offset = pages.storage_offset() + first[0] * sp + (lo % s) * ss
+    return pages.as_strided((len(first), h, hi - lo, d), (step * sp, sh, ss, sd), offset)
+
+
+def _parts(k_pages: Tensor, v_pages: Tensor, block_table: Tensor, rows: list[list[int]] | None, length: int,
+           one_call: bool) -> list[_Part] | None:
+    """N sequences of one length as parts to attend to separately: the runs of :func:`_runs` that
+    :func:`_view` reads in place (the longest ``RUNS_MAX``, or ``RUNS_MAX - 1`` and one part gathered from
+    the rest). None when nothing is read in place, or when ``one_call`` asks for a single call and the
+    sequences are not one run."""
+    device, s = k_pages.device, k_pages.shape[1]
+    if rows is None:
+        rows = block_table[:, : -(-length // s)].tolist()
+    runs = [(lo, hi, vk, vv) for lo, hi, first in _runs(rows, length, s)
+            if (vk := _view(k_pages, first, lo, hi)) is not None and (vv := _view(v_pages, first, lo, hi)) is not None]
+    if not runs or (one_call and (len(runs) > 1 or runs[0][1] - runs[0][0] < length)):
+        return None
+    runs.sort(key=lambda r: r[0] - r[1])  # the longest first
+    kept = runs[:RUNS_MAX] if len(runs) <= RUNS_MAX else runs[: RUNS_MAX - 1]
+    parts = [_Part(vk, vv, (lo, hi)) for lo, hi, vk, vv in kept]
+    if sum(hi - lo for lo, hi, *_ in kept) < length:  # the runs are disjoint: some keys are in none
+        held = torch.ones(length, dtype=torch.bool)
+        for lo, hi, *_ in kept:
+            held[lo:hi] = False
+        rest = held.nonzero()[:, 0].to(device)  # (R,) the keys no kept run holds, gathered
+        n, r = len(rows), rest.numel()
+        page = block_table.to(device=device, dtype=torch.int64)[:, rest // s].flatten()
+        slot = (rest % s).repeat(n)
+        k = _rows(k_pages, page, slot).view(n, r, *k_pages.shape[2:]).transpose(1, 2)
+        v = _rows(v_pages, page, slot).view(n, r, *v_pages.shape[2:]).transpose(1, 2)
+        parts.append(_Part(k, v, rest))
+    return parts
+
+
+def _merge(outs: list[Tensor], lses: list[Tensor], sinks: Tensor | None) -> tuple[Tensor, Tensor]:
+    """One attention from attentions over disjoint parts of the keys: out (N, Hq, nq, Dv) and lse
+    (N, Hq, nq) from each part's, the sinks (Hq,) joining the softmax's denominator once. A query that sees
+    no key in any part gives 0 (and lse -inf, or the sink's logit)."""
+    lse = torch.stack(lses)  # (parts, N, Hq, nq) float32
+    terms = lse if sinks is None else torch.cat([lse, sinks.float()[None, None, :, None].expand_as(lse[:1])])
+    total = torch.logsumexp(terms, dim=0)  # (N, Hq, nq)
+    weights = torch.exp(lse - total).nan_to_num(0.0)  # a part's share; 0 where the query sees nothing at all
+    out = (torch.stack(outs).float() * weights[..., None]).sum(0)
+    return out.to(outs[0].dtype), total
 
 
 def _padded(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, lengths: list[int], nq: int,
-            first_pages: list[int] | None, *, max_seqlen_q: int | None, causal: Causal, window: Window,
+            rows: list[list[int]] | None, *, max_seqlen_q: int | None, causal: Causal, window: Window,
             scale: float | None, dropout_p: float, softcap: float | None, sinks: Tensor | None, return_lse: bool,
             backend: str) -> Tensor | tuple[Tensor, Tensor]:
-    """N sequences of ``nq`` queries each as one attention() call over (N, Hkv, Lmax, D) keys padded to the
-    longest sequence, with the packed mask's visibility as a (N, 1, nq, Lmax) bool tensor; the keys read in
-    place where :func:`_in_place` can, else gathered."""
+    """N sequences of ``nq`` queries each as attention() over (N, Hkv, L, D) keys, with the packed mask's
+    visibility as a (N, 1, nq, L) bool tensor (None when every query sees every key).
+
+    Sequences of one length are read in place where their pages allow (:func:`_parts`): one call when
+    each is one run of consecutive pages at evenly spaced first pages (one sequence; a batch prefilled
+    together), else one call per part merged through their lse (a batch prefilled together, then decoded:
+    the new pages interleave). A part's lse is float32 and differentiable in no backend here, so under
+    autograd, with dropout or in float64, only the single call reads in place. Otherwise the keys are
+    gathered, padded to the longest sequence."""
     n, (_, s, hkv, d), dv = len(lengths), k_pages.shape, v_pages.shape[3]
     probes = [pool[0, :0].to(q.dtype) if isinstance(q, Tensor) else pool[0, :0] for pool in (k_pages, v_pages)]
     q = _check_qkv(q, *probes)[0]  # varlen's errors for q against the pools' heads, head dims, dtype, device
-    _check_lengths("cu_seqlens_q", torch.tensor([0, n * nq]), q.shape[0], "q", max_seqlen_q)
+    if max_seqlen_q is not None or q.shape[0] != n * nq:
+        _check_lengths("cu_seqlens_q", torch.tensor([0, n * nq]), q.shape[0], "q", max_seqlen_q)
     left, right = _check_window(window)
     if _check_causal(causal):
         right = 0
-    device, lmax = k_pages.device, max(lengths)
-    used = torch.tensor(lengths, device=device)[:, None]  # (N, 1)
-    j = torch.arange(lmax, device=device)  # (Lmax,)
-    held = torch.minimum(j, (used - 1).clamp(min=0))  # (N, Lmax): past its end a sequence reads its last key
-    k, v = _in_place(k_pages, first_pages, lengths), _in_place(v_pages, first_pages, lengths)
-    if k is None or v is None:
+    device, lmax, alike = k_pages.device, max(lengths), len(set(lengths)) == 1
+    # one query a sequence, each sequence as long as the others, no left bound: it sees every key (a decode step)
+    all_visible = alike and nq == 1 and left is None
+    parts = None
+    if alike:
+        grads = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, k_pages, v_pages, sinks))
+        one_call = grads or dropout_p > 0 or q.dtype == torch.float64  # an lse is float32: it would round float64
+        parts = _parts(k_pages, v_pages, block_table, rows, lmax, one_call=one_call)
+    if parts is None or not all_visible:
+        used = torch.tensor(lengths, device=device)[:, None]  # (N, 1)
+    if parts is None:
+        j = torch.arange(lmax, device=device)  # (Lmax,)
+        held = torch.minimum(j, (used - 1).clamp(min=0))  # (N, Lmax): past its end a sequence reads its last key
         page = block_table.to(device=device, dtype=torch.int64).gather(1, held // s).clamp(min=0)
-        k = _rows(k_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, d)
-        v = _rows(v_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, dv)
-    k, v = k.transpose(1, 2), v.transpose(1, 2)
-    if k.dtype != q.dtype:
-        k, v = k.to(q.dtype), v.to(q.dtype)
-    diag = torch.arange(nq, device=device) + used - nq  # (N, nq): the key on each query's diagonal
-    hi = used if right is None else torch.minimum(diag + right + 1, used)
-    visible = j < hi[..., None]  # (N, nq, Lmax)
-    if left is not None:
-        visible &= j >= (diag - left)[..., None]
-    mask = None if bool(visible.all()) else visible.unsqueeze(1)  # (N, 1, nq, Lmax)
+        k = _rows(k_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, d).transpose(1, 2)
+        v = _rows(v_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, dv).transpose(1, 2)
+        parts = [_Part(k, v, j)]
+    if not all_visible:
+        diag = torch.arange(nq, device=device) + used - nq  # (N, nq): the key on each query's diagonal
+        hi = used if right is None else torch.minimum(diag + right + 1, used)
     qb = q.view(n, nq, *q.shape[1:]).transpose(1, 2)  # (N, Hq, nq, D)
-    mod, lse3 = _softcap(softcap), None
-    if return_lse:  # asked for only when wanted: an lse narrows the backends that can run the call
-        out4, lse3 = _functional.attention(qb, k, v, mask=mask, scale=scale, dropout_p=dropout_p, score_mod=mod,
-                                           sinks=sinks, return_lse=True, backend=backend)
+    mod, one = _softcap(softcap), len(parts) == 1
+    outs, lses = [], []
+    for part in parts:
+        k, v = part.k, part.v
+        if k.dtype != q.dtype:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        mask = None
+        if not all_visible:
+            j = part.position_tensor(device)
+            visible = j < hi[..., None]  # (N, nq, L)
+            if left is not None:
+                visible &= j >= (diag - left)[..., None]
+            mask = None if bool(visible.all()) else visible.unsqueeze(1)  # (N, 1, nq, L)
+        # an lse is asked for only when wanted: it narrows the backends that can run the call
+        if one and not return_lse:
+            outs.append(_functional.attention(qb, k, v, mask=mask, scale=scale, dropout_p=dropout_p, score_mod=mod,
+                                              sinks=sinks, backend=backend))
+            continue
+        o, lse = _functional.attention(qb, k, v, mask=mask, scale=scale, dropout_p=dropout_p, score_mod=mod,
+                                       sinks=sinks if one else None, return_lse=True, backend=backend)
+        outs.append(o)
+        lses.append(lse)
+    if one:
+        out4, lse3 = outs[0], lses[0] if lses else None
     else:
-        out4 = _functional.attention(qb, k, v, mask=mask, scale=scale, dropout_p=dropout_p, score_mod=mod,
-                                     sinks=sinks, backend=backend)
+        out4, lse3 = _merge(outs, lses, sinks)
     out = out4.transpose(1, 2).reshape(n * nq, out4.shape[1], out4.shape[3])  # (Tq, Hq, Dv)
-    if lse3 is None:
+    if not return_lse:
         return out
+    assert lse3 is not None
     return out, lse3.permute(1, 0, 2).reshape(lse3.shape[1], n * nq)  # (Hq, Tq)
