@@ -402,7 +402,7 @@ def test_runs_read_in_place_and_merged_equal_the_packed_call(nq, backend, monkey
         for got, ref in zip(out if kw.get("return_lse") else [out], want if kw.get("return_lse") else [want],
                             strict=True):
             torch.testing.assert_close(got.double(), ref.double(), rtol=1e-5, atol=1e-5)
-    assert len(merged) == 3
+    assert len(merged) == (3 if backend == "auto" else 2)  # a forced backend merges only when lse is asked for
 
 
 def test_paged_attention_refuses_bad_block_tables_and_pools():
@@ -614,3 +614,37 @@ def test_random_cache_histories_match_each_sequence_alone(data):
             softcap=softcap, sinks=None if sinks is None else sinks.double(), return_lse=True, backend="reference")
         torch.testing.assert_close(out[rows].double(), want, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(lse[:, rows].double(), want_lse.double(), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_reads_check_sinks_and_take_any_layout_or_backend_alike():
+    """catches: the merged read accepting sinks of the wrong shape or dtype (or crashing on a list), a
+    forced backend that cannot return lse failing on some page layouts only, a window without a right
+    bound crashing with several queries, and a sequence with no key reading a page outside the pool."""
+    gen = torch.Generator().manual_seed(0)
+    kp, vp = torch.randn(6, 2, 2, 8, generator=gen), torch.randn(6, 2, 2, 8, generator=gen)
+    used = torch.tensor([3, 3], dtype=torch.int32)
+    q = torch.randn(2, 4, 8, generator=gen)
+    for table in ([[0, 1], [2, 3]], [[0, 4], [2, 5]]):  # one run, two runs
+        t = torch.tensor(table, dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"sinks must have shape \(Hq,\) = \(4,\)"):
+            selfattn.paged_attention(q, kp, vp, t, used, sinks=torch.randn(2))
+        with pytest.raises(TypeError, match="sinks must be a float tensor"):
+            selfattn.paged_attention(q, kp, vp, t, used, sinks=torch.zeros(4, dtype=torch.int64))
+        with pytest.raises(TypeError, match="sinks must be None or a float tensor"):
+            selfattn.paged_attention(q, kp, vp, t, used, sinks=[0.0] * 4)
+    # D != Dv: sdpa returns no lse, so a forced sdpa must run every layout as one call
+    vp4 = torch.randn(6, 2, 2, 4, generator=gen)
+    outs = [selfattn.paged_attention(q, kp, vp4, torch.tensor(t, dtype=torch.int32), used, backend="sdpa")
+            for t in ([[0, 1], [2, 3]], [[0, 4], [2, 5]])]
+    assert outs[0].shape == outs[1].shape == (2, 4, 4)
+    # two queries a sequence, a window with no right bound, not causal
+    t = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    q2 = torch.randn(4, 4, 8, generator=gen)
+    got = selfattn.paged_attention(q2, kp, vp, t, torch.tensor([4, 4], dtype=torch.int32), cu, window=(1, -1))
+    k, v, cu_k = gather(kp, vp, t, torch.tensor([4, 4]))
+    torch.testing.assert_close(got, selfattn.varlen_attention(q2, k, v, cu, cu_k, window=(1, -1)))
+    # a sequence with no key: whatever its row holds is never read
+    out = selfattn.paged_attention(q, kp, vp, torch.tensor([[0, 1], [99, 99]], dtype=torch.int32),
+                                   torch.tensor([3, 0], dtype=torch.int32))
+    assert bool((out[1] == 0).all())

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from . import functional as _functional
 from ._call import FLOAT_DTYPES
+from ._checks import check_sinks
 from .masks.packed import check_cu_seqlens
 from .varlen import Causal, Window, _check_causal, _check_lengths, _check_qkv, _check_window, _softcap, varlen_attention
 
@@ -360,8 +361,9 @@ def _padded(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, le
     Sequences of one length are read in place where their pages allow (:func:`_parts`): one call when
     each is one run of consecutive pages at evenly spaced first pages (one sequence; a batch prefilled
     together), else one call per part merged through their lse (a batch prefilled together, then decoded:
-    the new pages interleave). A part's lse is float32 and differentiable in no backend here, so under
-    autograd, with dropout or in float64, only the single call reads in place. Otherwise the keys are
+    the new pages interleave). A part's lse is float32 and differentiable in no backend here, and a forced
+    backend may not return one, so under autograd, with dropout, in float64 or with a backend other than
+    "auto" (unless the caller asks for the lse), only the single call reads in place. Otherwise the keys are
     gathered, padded to the longest sequence."""
     n, (_, s, hkv, d), dv = len(lengths), k_pages.shape, v_pages.shape[3]
     probes = [pool[0, :0].to(q.dtype) if isinstance(q, Tensor) else pool[0, :0] for pool in (k_pages, v_pages)]
@@ -371,6 +373,7 @@ def _padded(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, le
     left, right = _check_window(window)
     if _check_causal(causal):
         right = 0
+    sinks = check_sinks(sinks, q.shape[1], q.device)  # the merge below adds them itself: checked here
     device, lmax, alike = k_pages.device, max(lengths), len(set(lengths)) == 1
     # one query a sequence, each sequence as long as the others, no left bound: it sees every key (a decode step)
     all_visible = alike and nq == 1 and left is None
@@ -378,14 +381,16 @@ def _padded(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, le
     if alike:
         grads = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (q, k_pages, v_pages, sinks))
-        one_call = grads or dropout_p > 0 or q.dtype == torch.float64  # an lse is float32: it would round float64
+        # an lse is float32 (it would round float64); a forced backend may not return one
+        one_call = grads or dropout_p > 0 or q.dtype == torch.float64 or (backend != "auto" and not return_lse)
         parts = _parts(k_pages, v_pages, block_table, rows, lmax, one_call=one_call)
     if parts is None or not all_visible:
         used = torch.tensor(lengths, device=device)[:, None]  # (N, 1)
     if parts is None:
         j = torch.arange(lmax, device=device)  # (Lmax,)
         held = torch.minimum(j, (used - 1).clamp(min=0))  # (N, Lmax): past its end a sequence reads its last key
-        page = block_table.to(device=device, dtype=torch.int64).gather(1, held // s).clamp(min=0)
+        # a sequence with no key reads any page (masked): its row may hold anything
+        page = block_table.to(device=device, dtype=torch.int64).gather(1, held // s).clamp(0, k_pages.shape[0] - 1)
         k = _rows(k_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, d).transpose(1, 2)
         v = _rows(v_pages, page.flatten(), (held % s).flatten()).view(n, lmax, hkv, dv).transpose(1, 2)
         parts = [_Part(k, v, j)]
@@ -402,9 +407,9 @@ def _padded(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, le
         mask = None
         if not all_visible:
             j = part.position_tensor(device)
-            visible = j < hi[..., None]  # (N, nq, L)
+            visible = j < hi[..., None]  # (N, nq | 1, L)
             if left is not None:
-                visible &= j >= (diag - left)[..., None]
+                visible = visible & (j >= (diag - left)[..., None])  # (N, nq, L)
             mask = None if bool(visible.all()) else visible.unsqueeze(1)  # (N, 1, nq, L)
         # an lse is asked for only when wanted: it narrows the backends that can run the call
         if one and not return_lse:
