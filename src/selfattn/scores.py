@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ._fields import Declared
 
-__all__ = ["ScoreMod", "alibi", "alibi_slopes", "chain", "custom", "softcap"]
+__all__ = ["ScoreMod", "alibi", "alibi_slopes", "chain", "custom", "learned_tensors", "softcap"]
 
 
 class ScoreMod(Declared):
@@ -252,3 +252,33 @@ def score_mod_bias(mod: ScoreMod, idx: tuple[Tensor, Tensor, Tensor, Tensor], dt
     shape = torch.broadcast_shapes(*(t.shape for t in idx))
     bias = _call(mod, lambda b, h, i, j: mod.bias(b, h, i, j, dtype=dtype), idx, shape, "its bias")
     return _fit(mod, bias, shape, "its bias", exact=False).to(dtype)
+
+
+def learned_tensors(mod: ScoreMod, heads: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """The leaf tensors that need a gradient and that ``mod``'s scores depend on (a learned table, slopes,
+    temperatures, whatever its function closes over), found by running it once on a (1, heads, 2, 2)
+    block under autograd and walking the graph back from its scores. A tensor reached through another
+    (``slopes = log_slopes.exp()`` made before the call) is found as the leaf it comes from. Empty when
+    grad mode is off or nothing it reads needs a gradient. Not for use while compiling."""
+    if not torch.is_grad_enabled():
+        return ()
+    from .masks import positions  # masks imports this module
+
+    score = torch.zeros(1, heads, 2, 2, dtype=dtype, device=device, requires_grad=True)
+    idx = positions(torch.arange(1), heads, 0, 2, 0, 2, 2, 2, device)
+    out = apply_score_mod(mod, score, idx) if not mod.additive else score + score_mod_bias(mod, idx, dtype)
+    found: dict[int, Tensor] = {}
+    seen: set[int] = set()
+    todo = [out.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: a leaf that wants a gradient
+        if isinstance(variable, Tensor):
+            if variable is not score:
+                found[id(variable)] = variable
+            continue
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return tuple(found.values())

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 from .. import masks as _masks
@@ -29,7 +30,7 @@ from .._checks import (
 )
 from ..backends import REGISTRY
 from ..masks import Mask
-from ..scores import ScoreMod
+from ..scores import ScoreMod, learned_tensors
 from .group import Group
 from .layout import check_layout, num_chunks
 
@@ -92,4 +93,9 @@ def validate(q: object, k: object, v: object, g: Group, layout: object, strategy
     if strategy == "ring" and backend != "auto":
         raise ValueError(f"backend={backend!r} applies to strategy='all_to_all', whose local attention runs "
                          "any backend; the ring computes its blocks itself: leave backend='auto'")
+    if (strategy == "ring" and spec.score_mod is not None and not torch.compiler.is_compiling()
+            and (learned := learned_tensors(spec.score_mod, h, q.device, torch.float32))):
+        raise ValueError(f"score_mod {spec.score_mod!r} has {len(learned)} tensor(s) that require grad, and the ring "
+                         "gives no gradient for them; use strategy='all_to_all' (its local attention does), or "
+                         "detach them (under torch.no_grad() nothing is asked)")
     return spec

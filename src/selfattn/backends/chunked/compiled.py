@@ -138,6 +138,56 @@ class _Unknown(Mask):
         return "unknown"
 
 
+def _closes_over_grad(fn: object) -> bool:
+    """Whether a function (a custom modifier's) reaches, through its closure, defaults, bound object or
+    the globals it names, a tensor that requires grad (directly, or as a parameter of a module)."""
+    seen: set[int] = set()
+    todo = [fn]
+    while todo:
+        x = todo.pop()
+        if id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, Tensor):
+            if x.requires_grad:
+                return True
+        elif isinstance(x, torch.nn.Module):
+            todo.extend(x.parameters())
+        elif isinstance(x, (tuple, list)):
+            todo.extend(x)
+        elif isinstance(x, dict):
+            todo.extend(x.values())
+        elif callable(x):
+            todo.extend(cell.cell_contents for cell in (getattr(x, "__closure__", None) or ()))
+            todo.extend(getattr(x, "__defaults__", None) or ())
+            if (owner := getattr(x, "__self__", None)) is not None:
+                todo.append(owner)
+            code, names = getattr(x, "__code__", None), getattr(x, "__globals__", {})
+            for name in getattr(code, "co_names", ()):  # the globals it reads: tensors and modules only
+                if isinstance(value := names.get(name), (Tensor, torch.nn.Module)):
+                    todo.append(value)
+    return False
+
+
+def _functions(struct: Struct) -> list[object]:
+    kind = struct[0]
+    if kind == "function":
+        return [struct[1]]
+    if kind in ("tuple", "list"):
+        return [f for x in struct[1] for f in _functions(x)]
+    if kind == "object":
+        return [f for _, value in struct[2] for f in _functions(value)]
+    return []
+
+
+def may_learn(obj: object) -> bool:
+    """While compiling: whether a score modifier's own tensors (its fields) require grad. What its
+    functions close over cannot be read while tracing; the op's backward checks it (:func:`_backward`)."""
+    tensors: list[Tensor] = []
+    flatten(obj, tensors)
+    return any(t.requires_grad for t in tensors)
+
+
 @torch.compiler.assume_constant_result
 def register(mask: Struct, score_mod: Struct, options: tuple, fused: bool) -> str:
     """Register a call's structure (of its mask, its score modifier, the chunked options as (name,
@@ -197,9 +247,9 @@ def chunked_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | No
     plan = _plan(q, k, tensors, key, scale, dropout_p, seed)
     mod = plan.problem.score_mod
     with _autograd_inside() if mod is not None and not mod.additive else contextlib.nullcontext():
-        dq, dk, dv, dsinks = loops.backward(plan, *loops.kernel_inputs(plan, q, k, v), bias, sinks, out, lse,
-                                            dout.contiguous())
-    dsinks = q.new_empty(0) if dsinks is None else dsinks
+        grads = loops.backward(plan, *loops.kernel_inputs(plan, q, k, v), bias, sinks, out, lse, dout.contiguous())
+    dq, dk, dv = grads.dq, grads.dk, grads.dv
+    dsinks = q.new_empty(0) if grads.dsinks is None else grads.dsinks
     return dq.contiguous(), dk.contiguous(), dv.contiguous(), dsinks.contiguous()
 
 
@@ -219,6 +269,12 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout: Tensor, _dlse: Tensor | None) -> tuple:
     q, k, v, bias, sinks, out, lse, seed, *tensors = ctx.saved_tensors
+    learning = [f for f in _functions(_REGISTRY[ctx.key][1]) if _closes_over_grad(f)]
+    if learning:  # refused rather than trained on no gradient
+        name = getattr(learning[0], "__qualname__", repr(learning[0]))
+        raise RuntimeError(f"the score modifier's function {name} reads a tensor that requires grad, and the chunked "
+                           "backend's compiled op gives no gradient for it; run the call outside torch.compile "
+                           "(chunked gives it there), or use backend='reference' inside")
     dq, dk, dv, dsinks = chunked_bwd(dout, q, k, v, bias, sinks, out, lse, tensors, ctx.key, ctx.scale,
                                      ctx.dropout_p, seed)
     return dq, dk, dv, None, None if sinks is None else dsinks, [None] * len(tensors), None, None, None, None

@@ -114,21 +114,27 @@ class Problem:
     mask: Mask | None = None
     score_mod: ScoreMod | None = None
     dropout: Dropout | None = None
+    learned: tuple[Tensor, ...] = field(default=(), compare=False)
 
     @classmethod
     def of(cls, q: Tensor, k: Tensor, *, scale: float, mask: Mask | None = None, score_mod: ScoreMod | None = None,
-           dropout_p: float = 0.0, seed: int = 0, lengths: tuple[int, int] | None = None) -> Problem:
+           dropout_p: float = 0.0, seed: int = 0, lengths: tuple[int, int] | None = None,
+           learned: tuple[Tensor, ...] = ()) -> Problem:
         """The problem of a call with q (B, Hq, Lq, D) and k (B, Hkv, Lk, D), or of a larger call of
-        ``lengths`` (Lq, Lk) that they are part of; dropout drawn from ``seed``."""
+        ``lengths`` (Lq, Lk) that they are part of; dropout drawn from ``seed``. ``learned``: the
+        tensors the modifier's scores depend on that want a gradient
+        (:func:`selfattn.scores.learned_tensors`); the math kernel's backward gives theirs."""
         b, hq, lq, _ = q.shape
         lq, lk = (lq, k.shape[2]) if lengths is None else lengths
         return cls(scale=scale, lq=lq, lk=lk, batch=b, heads=hq, compute_dtype=compute_dtype(q.dtype),
-                   mask=mask, score_mod=score_mod, dropout=Dropout(dropout_p, seed) if dropout_p > 0 else None)
+                   mask=mask, score_mod=score_mod, dropout=Dropout(dropout_p, seed) if dropout_p > 0 else None,
+                   learned=learned)
 
     @property
     def additive_mod(self) -> bool:
-        """Whether the score modifier is a bias (folded into each block's bias)."""
-        return self.score_mod is not None and self.score_mod.additive
+        """Whether the score modifier is a bias folded into each block's bias (an additive one with
+        nothing learned: a learned one is applied to the scores, so that autograd reaches its tensors)."""
+        return self.score_mod is not None and self.score_mod.additive and not self.learned
 
     def positions(self, block: Block, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(b, h, i, j) of a block, broadcastable, for score modifiers."""
@@ -171,7 +177,7 @@ class Problem:
         mod_positions = None
         if self.score_mod is not None:
             idx = self.positions(block, device)
-            if self.score_mod.additive:  # folded into the block's bias, in the compute dtype
+            if self.additive_mod:  # folded into the block's bias, in the compute dtype
                 mod_bias = score_mod_bias(self.score_mod, idx, self.compute_dtype)
                 bias = mod_bias if bias is None else bias.to(mod_bias.dtype) + mod_bias
             else:
@@ -308,8 +314,12 @@ def _math_forward(problem: Problem, q: Tensor, k: Tensor, v: Tensor, terms: Term
     return o.reshape(b, hq, r, -1), lse.reshape(b, hq, r)
 
 
-def _math_backward(problem: Problem, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-                   terms: Terms) -> tuple[Tensor, Tensor, Tensor]:
+def math_backward(problem: Problem, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
+                  terms: Terms) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor | None, ...]]:
+    """The math kernel's backward of one block, as :func:`backward`'s, and also the gradient of the
+    block's raw scores q k^T * scale + bias, dS (b, Hq, R, C) in the compute dtype (a bias's gradient is
+    its sum over the bias's broadcast dims), and the block's share of the gradient of each of
+    ``problem.learned`` (None where the block's scores do not depend on it)."""
     b, hq, r, _ = q.shape
     hkv, g = k.shape[1], hq // k.shape[1]
     ct = problem.compute_dtype
@@ -325,12 +335,17 @@ def _math_backward(problem: Problem, q: Tensor, k: Tensor, v: Tensor, dout: Tens
         kept = split_heads(terms.keep, hkv, g).to(ct) / (1.0 - problem.dropout.p)
         pd, dp = p * kept, dp * kept
     ds = p * (dp - split_heads(delta.to(ct), hkv, g).unsqueeze(-1))
+    learned: tuple[Tensor | None, ...] = ()
     if grad_mod:
-        (ds,) = torch.autograd.grad(s, raw, ds)
+        # the modifier's derivative, and its learned tensors' gradients, from autograd over this block;
+        # the graph is kept, since a learned tensor may be reached through the caller's own graph
+        ds, *rest = torch.autograd.grad(s, (raw, *problem.learned), ds, allow_unused=True,
+                                        retain_graph=bool(problem.learned))
+        learned = tuple(rest)
     dq = torch.matmul(ds, k5) * problem.scale  # (b, Hkv, G, R, D)
     dk = torch.matmul(ds.transpose(-1, -2), q5).sum(2) * problem.scale  # (b, Hkv, C, D)
     dv = torch.matmul(pd.transpose(-1, -2), do5).sum(2)  # (b, Hkv, C, Dv)
-    return dq.reshape(b, hq, r, -1), dk, dv
+    return dq.reshape(b, hq, r, -1), dk, dv, ds.reshape(b, hq, r, -1), learned
 
 
 # ----------------------------------------------------------------------------- one block, either kernel
@@ -359,7 +374,7 @@ def backward(problem: Problem, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, ou
                               causal=terms.causal)
     if delta is None:
         delta = rowsum_dout_out(dout, out, problem.compute_dtype)
-    return _math_backward(problem, q, k, v, dout, lse, delta, terms)
+    return math_backward(problem, q, k, v, dout, lse, delta, terms)[:3]
 
 
 def rowsum_dout_out(dout: Tensor, out: Tensor, dtype: torch.dtype) -> Tensor:

@@ -15,7 +15,7 @@ Shape legend: B batch, Hq query heads, Hkv kv heads, Lq/Lk lengths, D/Dv head di
 from __future__ import annotations
 
 import functools
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -27,7 +27,7 @@ from .plan import Plan
 from .runs import Run, covers_all, run_mask, runs
 from .views import CALL_ELEMENTS, add_spans, calls, for_items, segments, span_view
 
-__all__ = ["attention", "backward", "check_mask_unchanged", "forward", "kernel_inputs"]
+__all__ = ["Grads", "attention", "backward", "check_mask_unchanged", "forward", "kernel_inputs"]
 
 
 def kernel_inputs(plan: Plan, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -49,13 +49,32 @@ def forward(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
     return out, lse
 
 
+@dataclass
+class Grads:
+    """What the backward gives: dq, dk, dv (q's, k's and v's dtypes); dsinks, dbias (the sinks' and the
+    bias's shape and dtype) where asked for, else None; and one gradient (or None) per tensor of
+    ``plan.problem.learned``."""
+
+    dq: Tensor
+    dk: Tensor
+    dv: Tensor
+    dsinks: Tensor | None = None
+    dbias: Tensor | None = None
+    dlearned: tuple[Tensor | None, ...] = ()
+
+
 def backward(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None, out: Tensor,
-             lse: Tensor, dout: Tensor, *, want_dsinks: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-    """dq, dk, dv (q's, k's and v's dtypes) and dsinks (None without sinks or ``want_dsinks``) from
-    the forward's (out, lse) and a contiguous ``dout``."""
-    dq, dk, dv = (_fused_backward if plan.fused else _math_backward)(plan, q, k, v, bias, out, lse, dout)
-    dsinks = kernels.sinks_grad(dout, out, lse, sinks) if sinks is not None and want_dsinks else None
-    return dq, dk, dv, dsinks
+             lse: Tensor, dout: Tensor, *, want_dsinks: bool = True, want_dbias: bool = False) -> Grads:
+    """The gradients (:class:`Grads`) from the forward's (out, lse) and a contiguous ``dout``: dsinks
+    unless ``want_dsinks`` is False; dbias with ``want_dbias`` and the learned tensors' gradients only
+    from the math kernel (the plan's, see :func:`.backend.fused_obstacles`)."""
+    if plan.fused:
+        assert not want_dbias and not plan.problem.learned, "the fused kernel gives no bias or learned gradients"
+        grads = Grads(*_fused_backward(plan, q, k, v, bias, out, lse, dout))
+    else:
+        grads = _math_backward(plan, q, k, v, bias, out, lse, dout, want_dbias=want_dbias)
+    grads.dsinks = kernels.sinks_grad(dout, out, lse, sinks) if sinks is not None and want_dsinks else None
+    return grads
 
 
 def check_mask_unchanged(plan: Plan) -> None:
@@ -70,7 +89,7 @@ def check_mask_unchanged(plan: Plan) -> None:
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
-                sinks: Tensor | None, plan: Plan) -> tuple[Tensor, Tensor]:
+                sinks: Tensor | None, plan: Plan, *learned: Tensor) -> tuple[Tensor, Tensor]:
         q, k, v = kernel_inputs(plan, q, k, v)
         out, lse = forward(plan, q, k, v, bias, sinks)
         ctx.save_for_backward(q, k, v, bias, sinks, out, lse)  # torch checks they are not changed in place
@@ -79,18 +98,19 @@ class _ChunkedAttention(torch.autograd.Function):
         return out, lse
 
     @staticmethod
-    def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor, Tensor, Tensor, None, Tensor | None, None]:
+    def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, bias, sinks, out, lse = ctx.saved_tensors
         check_mask_unchanged(ctx.plan)
-        dq, dk, dv, dsinks = backward(ctx.plan, q, k, v, bias, sinks, out, lse, dout.contiguous(),
-                                      want_dsinks=ctx.needs_input_grad[4])
-        return dq, dk, dv, None, dsinks, None
+        grads = backward(ctx.plan, q, k, v, bias, sinks, out, lse, dout.contiguous(),
+                         want_dsinks=ctx.needs_input_grad[4], want_dbias=ctx.needs_input_grad[3])
+        return grads.dq, grads.dk, grads.dv, grads.dbias, grads.dsinks, None, *grads.dlearned
 
 
 def attention(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
               sinks: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The chunked attention of an eager call, differentiable in q, k, v and sinks: (out, lse)."""
-    return _ChunkedAttention.apply(q, k, v, bias, sinks, plan)
+    """The chunked attention of an eager call, differentiable in q, k, v, sinks, bias (math kernel) and
+    the score modifier's learned tensors (``plan.problem.learned``): (out, lse)."""
+    return _ChunkedAttention.apply(q, k, v, bias, sinks, plan, *plan.problem.learned)
 
 
 # ----------------------------------------------------------------------------- the fused kernel, run by run
@@ -217,10 +237,15 @@ def _math_forward(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | No
 
 
 def _math_backward(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, out: Tensor, lse: Tensor,
-                   dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                   dout: Tensor, *, want_dbias: bool) -> Grads:
+    """Span by span; a bias's gradient is each block's dS summed over the bias's broadcast dims into its
+    slice of the bias (so the peak is the bias and its gradient, plus the usual blocks), and a learned
+    tensor's is summed over the blocks."""
     p = plan.problem
     ct = p.compute_dtype
     dq, dk, dv = grad_buffers(q, k, v, ct)
+    dbias = torch.zeros(bias.shape, dtype=ct, device=bias.device) if want_dbias and bias is not None else None
+    dlearned: list[Tensor | None] = [None] * len(p.learned)
     lse_b = lse_for_backward(lse)
     for step in plan.steps():
         items, rows = step.items, slice(step.rows.start, step.rows.stop)
@@ -229,9 +254,25 @@ def _math_backward(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | N
         for span in step.spans:
             terms = p.terms(step.block(span), q.device, partial=span.partial, bias=bias)
             keys = slice(span.k0, span.k1)
-            gq, gk, gv = kernels.backward(p, qb, k[items, :, keys], v[items, :, keys], dob, ob, lb, terms,
-                                          fused=False, delta=delta)
+            gq, gk, gv, gs, gl = kernels.math_backward(p, qb, k[items, :, keys], v[items, :, keys], dob, lb, delta,
+                                                       terms)
             dq[items, :, rows] += gq.to(ct)
             dk[items, :, keys] += gk.to(ct)
             dv[items, :, keys] += gv.to(ct)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+            if dbias is not None:
+                _add_bias_grad(dbias, gs, items, rows, keys)
+            for n, g in enumerate(gl):
+                if g is not None:
+                    dlearned[n] = g.to(ct) if dlearned[n] is None else dlearned[n] + g.to(ct)  # type: ignore[operator]
+    return Grads(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
+                 dbias=None if dbias is None else dbias.to(bias.dtype),  # type: ignore[union-attr]
+                 dlearned=tuple(None if g is None else g.to(t.dtype) for g, t in zip(dlearned, p.learned, strict=True)))
+
+
+def _add_bias_grad(dbias: Tensor, ds: Tensor, items: slice, rows: slice, keys: slice) -> None:
+    """Add a block's dS (b, Hq, R, C) to the gradient of a bias (B|1, Hq|1, Lq|1, Lk|1), summed over the
+    dims the bias broadcasts."""
+    at = (slice(None) if dbias.shape[0] == 1 else items, slice(None),
+          slice(None) if dbias.shape[2] == 1 else rows, slice(None) if dbias.shape[3] == 1 else keys)
+    target = dbias[at]
+    target += ds.sum_to_size(target.shape)
