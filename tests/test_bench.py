@@ -342,3 +342,18 @@ def test_decode_grid_takes_batches_contexts_and_skips_what_cannot_fit():
         rows = decode.run(points, args, progress, progress.add_task("decode", total=1))
     assert {r["impl"] for r in rows} == {"selfattn", "sdpa", "paged-16"}
     assert all(r["status"] == "skipped" and "GiB of caches" in r["note"] for r in rows)
+
+
+def test_learned_suite_steps_reach_the_terms_gradient_and_agree():
+    """catches: a learned-term benchmark whose implementations compute different things (the dense
+    bias built from the table wrongly), or a step that skips the term's gradient (timing less work)."""
+    from selfattn.bench import learned
+
+    for case in learned.CASES:
+        steps = learned._steps(case, 64, learned.IMPLS)
+        results = {impl: step() for impl, step in steps.items()}
+        for impl in ("chunked", "sdpa"):
+            for got, want in zip(results[impl], results["reference"], strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    spec = dict(case="t5 buckets", L=64, impls=learned.IMPLS, repeats=1)
+    assert set(learned.worker(spec)) == set(learned.IMPLS)

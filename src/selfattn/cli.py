@@ -68,20 +68,23 @@ def _parser() -> argparse.ArgumentParser:
                         "the share the doctor names (its kill rate) and the mutants it misses")
 
     b = sub.add_parser("bench", help="time and memory against the anchors, in one run")
-    b.add_argument("--suite", choices=["modules", "overhead", "decode", "masks", "distributed", "models", "all"],
+    b.add_argument("--suite", choices=["modules", "overhead", "decode", "masks", "distributed", "models", "learned",
+                                       "all"],
                    default="all",
                    help="modules: MultiHeadAttention vs nn.MultiheadAttention and the tutorial's; "
                         "overhead: attention(auto) vs raw SDPA; decode: a KV-cache decode step vs SDPA on "
                         "the cached tensors; masks: masked attention 1k-64k; distributed: context parallelism on "
                         "1, 2, 4 processes (--cases model model-budget: a transformers Llama trained "
                         "context-parallel); models: a Llama-shaped transformers model trained on a packed row and "
-                        "generating, selfattn vs sdpa and eager (distributed and models are not part of all)")
+                        "generating, selfattn vs sdpa and eager; learned: fwd+bwd with a learned T5 bucket table or "
+                        "pair bias, 4k-16k (distributed, models and learned are not part of all)")
     b.add_argument("--quick", action="store_true", help="a reduced grid that runs in under two minutes")
     b.add_argument("--cases", nargs="+",
                    help="mask cases to run (default: all); for the models suite, train and/or generate; for the "
-                        "distributed suite, its mask cases and/or model, model-budget")
+                        "distributed suite, its mask cases and/or model, model-budget; for the learned suite, "
+                        "'t5 buckets' and/or 'pair bias'")
     b.add_argument("--lengths", nargs="+", type=int,
-                   help="sequence lengths for the masks suite; cached tokens for the decode suite")
+                   help="sequence lengths for the masks and learned suites; cached tokens for the decode suite")
     b.add_argument("--batches", nargs="+", type=int, help="batch sizes for the decode suite (default: 1 8)")
     b.add_argument("--page-sizes", nargs="+", type=int, help="PagedKVCache page sizes for the decode suite "
                    "(default: 16 128)")

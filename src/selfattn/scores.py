@@ -254,18 +254,22 @@ def score_mod_bias(mod: ScoreMod, idx: tuple[Tensor, Tensor, Tensor, Tensor], dt
     return _fit(mod, bias, shape, "its bias", exact=False).to(dtype)
 
 
-def learned_tensors(mod: ScoreMod, heads: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, ...]:
+def learned_tensors(mod: ScoreMod, heads: int, device: torch.device, dtype: torch.dtype, *, lq: int = 2,
+                    lk: int = 2, rows: int = 2, keys: int = 2) -> tuple[Tensor, ...]:
     """The leaf tensors that need a gradient and that ``mod``'s scores depend on (a learned table, slopes,
-    temperatures, whatever its function closes over), found by running it once on a (1, heads, 2, 2)
-    block under autograd and walking the graph back from its scores. A tensor reached through another
-    (``slopes = log_slopes.exp()`` made before the call) is found as the leaf it comes from. Empty when
-    grad mode is off or nothing it reads needs a gradient. Not for use while compiling."""
+    temperatures, whatever its function closes over), found by running it once on the first (1, heads,
+    rows, keys) block of a call of lengths (lq, lk) under autograd and walking the graph back from its
+    scores. A tensor reached through another (``slopes = log_slopes.exp()`` made before the call) is found
+    as the leaf it comes from. Empty when grad mode is off or nothing it reads needs a gradient. A
+    modifier that fails on that block raises as the call would (:func:`apply_score_mod`). Not for use
+    while compiling."""
     if not torch.is_grad_enabled():
         return ()
     from .masks import positions  # masks imports this module
 
-    score = torch.zeros(1, heads, 2, 2, dtype=dtype, device=device, requires_grad=True)
-    idx = positions(torch.arange(1), heads, 0, 2, 0, 2, 2, 2, device)
+    rows, keys = max(1, min(rows, lq)), max(1, min(keys, lk))
+    score = torch.zeros(1, heads, rows, keys, dtype=dtype, device=device, requires_grad=True)
+    idx = positions(torch.arange(1), heads, 0, rows, 0, keys, lq, lk, device)
     out = apply_score_mod(mod, score, idx) if not mod.additive else score + score_mod_bias(mod, idx, dtype)
     found: dict[int, Tensor] = {}
     seen: set[int] = set()

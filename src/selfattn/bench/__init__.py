@@ -17,6 +17,9 @@ Suites:
 - distributed: ``selfattn.distributed.attention`` on W = 1, 2, 4 processes at a fixed total length
   (time, per-rank peak memory, communication hidden behind compute); see ``bench.distributed``.
   Not part of ``all``.
+- learned: fwd+bwd with a learned term and its gradient (a T5 bucket table closed over by a score
+  modifier; a dense pair bias that requires grad), 4k-16k tokens: chunked vs SDPA with the term as
+  a dense bias vs the reference, time and peak memory; see ``bench.learned``. Not part of ``all``.
 
 Each suite is a module of this package (``modules``, ``overhead``, ``decode``, ``masks``,
 ``distributed``, ``models``) with its grid of points (``grid``), its measurement (``run``) and its

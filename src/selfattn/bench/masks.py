@@ -15,10 +15,7 @@ Shape legend: B batch, L length, H heads, D head dim.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +24,7 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from .ratios import MASK_ANCHORS, attach_ratios, format_ratio
+from .spawn import json_worker
 from .worker import MASK_CASES, VARLEN, VARLEN_IMPLS, case_batch
 
 __all__ = ["IN_ALL", "NAME", "grid", "plots", "run", "tables"]
@@ -125,13 +123,7 @@ def run(todo: list[dict], args: argparse.Namespace, progress: Progress, task: Ta
 
 def run_worker(spec: dict) -> dict:
     """Run ``selfattn.bench.worker`` on ``spec`` in a fresh process; its JSON, or {"error": why}."""
-    proc = subprocess.run([sys.executable, "-m", "selfattn.bench.worker", json.dumps(spec)],
-                          capture_output=True, text=True)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
-        return {"error": f"worker exited {proc.returncode}: {tail[0][:200]}"}
-    return json.loads(lines[-1])
+    return json_worker("selfattn.bench.worker", spec)
 
 
 def _anchor_label(impl: str, case: str) -> str:

@@ -20,11 +20,12 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from . import decode, distributed, masks, models, modules, overhead
+from . import decode, distributed, learned, masks, models, modules, overhead
 
 __all__ = ["SUITES", "main"]
 
-SUITES: dict[str, ModuleType] = {s.NAME: s for s in (modules, overhead, decode, masks, distributed, models)}
+SUITES: dict[str, ModuleType] = {s.NAME: s for s in (modules, overhead, decode, masks, distributed, models,
+                                                        learned)}
 """Every suite, in the order they run and print."""
 
 

@@ -1,4 +1,5 @@
-"""Run a function on W spawned processes with a time limit (the distributed bench points, the tests' workers)."""
+"""Run a function on W spawned processes with a time limit (the distributed bench points, the tests' workers),
+and a module's JSON worker in one fresh process (:func:`json_worker`)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import datetime
 import json
 import os
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -15,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "run_ranks", "spawn_and_join"]
+__all__ = ["free_port", "json_worker", "run_ranks", "spawn_and_join"]
 
 
 def spawn_and_join(fn: Callable[..., None], args: tuple, world: int, limit_s: float) -> bool:
@@ -70,3 +73,15 @@ def run_ranks(body: Callable[[int, int, dict], dict], spec: dict, world: int, li
         if errors or not done:
             return (errors or ["timed out"])[0][:200]
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+
+
+def json_worker(module: str, spec: dict) -> dict:
+    """Run ``python -m module '<spec as JSON>'`` in a fresh process: the JSON of its last line of output,
+    or {"error": why} (its exit status and last line of stderr)."""
+    proc = subprocess.run([sys.executable, "-m", module, json.dumps(spec)], capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"worker exited {proc.returncode}: {tail[0][:200]}"}
+    return json.loads(lines[-1])
+

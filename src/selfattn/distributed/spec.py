@@ -94,7 +94,7 @@ def validate(q: object, k: object, v: object, g: Group, layout: object, strategy
         raise ValueError(f"backend={backend!r} applies to strategy='all_to_all', whose local attention runs "
                          "any backend; the ring computes its blocks itself: leave backend='auto'")
     if (strategy == "ring" and spec.score_mod is not None and not torch.compiler.is_compiling()
-            and (learned := learned_tensors(spec.score_mod, h, q.device, torch.float32))):
+            and (learned := learned_tensors(spec.score_mod, h, q.device, torch.float32, lq=length, lk=length))):
         raise ValueError(f"score_mod {spec.score_mod!r} has {len(learned)} tensor(s) that require grad, and the ring "
                          "gives no gradient for them; use strategy='all_to_all' (its local attention does), or "
                          "detach them (under torch.no_grad() nothing is asked)")

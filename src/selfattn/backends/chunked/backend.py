@@ -27,7 +27,9 @@ def learned(call: AttentionCall) -> tuple[Tensor, ...]:
     :func:`selfattn.scores.learned_tensors`); empty without a modifier, out of grad mode, or while compiling."""
     if call.score_mod is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return ()
-    return learned_tensors(call.score_mod, call.hq, call.device, compute_dtype(call.dtype))
+    opts = current_options()
+    return learned_tensors(call.score_mod, call.hq, call.device, compute_dtype(call.dtype), lq=call.lq, lk=call.lk,
+                           rows=opts.block_q or opts.math_block_q, keys=opts.block_k)
 
 
 def _bias_grad(call: AttentionCall) -> bool:

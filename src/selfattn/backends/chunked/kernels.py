@@ -314,14 +314,12 @@ def _math_forward(problem: Problem, q: Tensor, k: Tensor, v: Tensor, terms: Term
     return o.reshape(b, hq, r, -1), lse.reshape(b, hq, r)
 
 
-def math_backward(problem: Problem, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
-                  terms: Terms) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor | None, ...]]:
-    """The math kernel's backward of one block, as :func:`backward`'s, and also the gradient of the
-    block's raw scores q k^T * scale + bias, dS (b, Hq, R, C) in the compute dtype (a bias's gradient is
-    its sum over the bias's broadcast dims), and the block's share of the gradient of each of
-    ``problem.learned`` (None where the block's scores do not depend on it)."""
-    b, hq, r, _ = q.shape
-    hkv, g = k.shape[1], hq // k.shape[1]
+def _probabilities(problem: Problem, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor,
+                   terms: Terms) -> tuple[Tensor, ...]:
+    """A block's backward inputs in the compute dtype, heads split (b, Hkv, G, ...): q5, k5, do5, the
+    raw scores and the scores (differentiable from raw for a non-additive modifier), the probabilities p,
+    p after dropout, and dP (after dropout)."""
+    hkv, g = k.shape[1], q.shape[1] // k.shape[1]
     ct = problem.compute_dtype
     q5 = split_heads(q.to(ct), hkv, g)  # (b, Hkv, G, R, D)
     k5, v5 = k.to(ct).unsqueeze(2), v.to(ct).unsqueeze(2)  # (b, Hkv, 1, C, D|Dv)
@@ -334,7 +332,30 @@ def math_backward(problem: Problem, q: Tensor, k: Tensor, v: Tensor, dout: Tenso
     if terms.keep is not None and problem.dropout is not None:
         kept = split_heads(terms.keep, hkv, g).to(ct) / (1.0 - problem.dropout.p)
         pd, dp = p * kept, dp * kept
-    ds = p * (dp - split_heads(delta.to(ct), hkv, g).unsqueeze(-1))
+    return q5, k5, do5, raw, s, p, pd, dp
+
+
+def math_delta(problem: Problem, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor,
+               terms: Terms) -> Tensor:
+    """A block's share of rowsum(P * dP), (b, Hq, R) in the compute dtype: summed over a row's blocks it
+    is the term dS subtracts, rowsum(dO * O) in exact arithmetic. Computed from the same dP that dS is, it
+    leaves dS no trace of out's rounding: what a bias's gradient, which is dS itself, needs."""
+    b, hq, r, _ = q.shape
+    p, dp = _probabilities(problem, q, k, v, dout, lse, terms)[5::2]
+    return (p * dp).sum(-1).reshape(b, hq, r)
+
+
+def math_backward(problem: Problem, q: Tensor, k: Tensor, v: Tensor, dout: Tensor, lse: Tensor, delta: Tensor,
+                  terms: Terms) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor | None, ...]]:
+    """The math kernel's backward of one block, as :func:`backward`'s, and also the gradient of the
+    block's raw scores q k^T * scale + bias, dS (b, Hq, R, C) in the compute dtype (a bias's gradient is
+    its sum over the bias's broadcast dims), and the block's share of the gradient of each of
+    ``problem.learned`` (None where the block's scores do not depend on it)."""
+    b, hq, r, _ = q.shape
+    hkv, g = k.shape[1], hq // k.shape[1]
+    q5, k5, do5, raw, s, p, pd, dp = _probabilities(problem, q, k, v, dout, lse, terms)
+    ds = p * (dp - split_heads(delta.to(problem.compute_dtype), hkv, g).unsqueeze(-1))
+    grad_mod = terms.mod_positions is not None
     learned: tuple[Tensor | None, ...] = ()
     if grad_mod:
         # the modifier's derivative, and its learned tensors' gradients, from autograd over this block;

@@ -247,10 +247,20 @@ def _math_backward(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | N
     dbias = torch.zeros(bias.shape, dtype=ct, device=bias.device) if want_dbias and bias is not None else None
     dlearned: list[Tensor | None] = [None] * len(p.learned)
     lse_b = lse_for_backward(lse)
+    # dS is a bias's or a learned term's whole gradient: its row term comes from the same dP (one more
+    # pass over the row's blocks), not from rowsum(dO * O), whose rounding of out would stay in it
+    exact_delta = dbias is not None or bool(p.learned)
     for step in plan.steps():
         items, rows = step.items, slice(step.rows.start, step.rows.stop)
         qb, ob, dob, lb = (t[items, :, rows] for t in (q, out, dout, lse_b))
-        delta = rowsum_dout_out(dob, ob, ct)  # (b, Hq, bq)
+        if exact_delta:
+            delta = sum(kernels.math_delta(p, qb, k[items, :, span.k0:span.k1], v[items, :, span.k0:span.k1], dob,
+                                           lb, p.terms(step.block(span), q.device, partial=span.partial, bias=bias))
+                        for span in step.spans)
+            if not isinstance(delta, Tensor):  # a row block with no span: nothing to subtract
+                delta = torch.zeros(lb.shape, dtype=ct, device=q.device)
+        else:
+            delta = rowsum_dout_out(dob, ob, ct)  # (b, Hq, bq)
         for span in step.spans:
             terms = p.terms(step.block(span), q.device, partial=span.partial, bias=bias)
             keys = slice(span.k0, span.k1)
