@@ -41,7 +41,9 @@ def fused_obstacles(call: AttentionCall) -> list[str]:
     out = []
     if _bias_grad(call):
         out.append("a bias that requires grad (the fused op gives no gradient for it)")
-    if learned(call):
+    # only an additive modifier can run fused: probe for learned tensors there alone (the probe runs the
+    # modifier on a block, and dispatch asks this more than once per call)
+    if call.score_mod is not None and call.score_mod.additive and learned(call):
         out.append(f"{call.score_mod!r} has tensors that require grad (the fused op gives no gradient for them)")
     if not fused_available(call.device, call.head_dim, call.v_head_dim):
         out.append(f"no fused kernel with lse on {call.device.type} for D={call.head_dim}, Dv={call.v_head_dim}")
