@@ -195,6 +195,31 @@ def sinks_worker(rank: int, world: int) -> dict:
     return results
 
 
+def determinism_worker(rank: int, world: int) -> dict:
+    """The ring and all_to_all at a fixed W, float32, run at 1, 2 and 3 threads: out, lse and every gradient
+    compared bit for bit with the first run."""
+    torch.manual_seed(0)
+    batch, hkv, length = 2, world, 4 * world * 8
+    heads = 2 * hkv
+    q = torch.randn(batch, heads, length, 16)
+    k, v = (torch.randn(batch, hkv, length, 16) for _ in range(2))
+    gout = torch.randn(batch, heads, length, 16)
+    sinks = torch.randn(heads)
+    results = {}
+    for name, kw in (("causal", dict(causal=True)), ("window", dict(mask=masks.sliding_window(13))),
+                     ("sinks", dict(causal=True))):
+        for layout, strategy in (("zigzag", "ring"), ("contiguous", "ring"), ("zigzag", "all_to_all")):
+            runs = []
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                extra = {"sinks": sinks.clone().requires_grad_()} if name == "sinks" else {}
+                got = _sharded(q, k, v, gout, layout, strategy, **kw, **extra)
+                runs.append([*got, *((extra["sinks"].grad,) if extra else ())])
+            same = all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other, strict=True))
+            results[f"{layout}/{strategy}/{name}"] = {"same_bits": same}
+    return results
+
+
 def _balance(q: torch.Tensor) -> dict:
     """Work per rank for causal attention in each layout, and the pairs skipped."""
     out = {}
@@ -394,6 +419,13 @@ def test_exact_every_mask_layout_strategy(exact_run):
     ring dropout pattern that differs from the single-process one."""
     world, res = exact_run
     _judge(res, world)
+
+
+def test_ring_gives_the_same_bits_at_every_thread_count(tmp_path):
+    """catches: context parallelism at a fixed world size whose result depends on the run or the thread
+    count (blocks merged in arrival order, gradients summed as they come back)."""
+    for rank, res in enumerate(_spawn("determinism_worker", 2, tmp_path)):
+        assert all(r["same_bits"] for r in res.values()), f"rank {rank}: {res}"
 
 
 def test_attention_sinks_across_ranks(tmp_path):

@@ -35,6 +35,7 @@ class AttentionCall:
     need_weights: bool = False
     score_mod: ScoreMod | None = None  # applied to the scaled (+ bias) scores, before the mask
     sinks: Tensor | None = None  # (Hq,) float: one logit per head in every row's softmax, with no value
+    deterministic: bool = False  # the same bits on every run: backends that cannot promise it decline
 
     # sizes, set once from the tensors: B, Hq, Hkv, Lq, Lk, D (q and k), Dv (v and the output)
     batch: int = field(init=False)

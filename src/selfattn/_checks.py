@@ -160,6 +160,15 @@ def check_return_lse(return_lse: object) -> bool:
     return return_lse
 
 
+def check_deterministic(deterministic: object) -> bool:
+    """True or False as given; None follows ``torch.use_deterministic_algorithms``."""
+    if deterministic is None:
+        return torch.are_deterministic_algorithms_enabled()
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic must be True, False or None, got {deterministic!r}")
+    return deterministic
+
+
 def check_score_mod(score_mod: object, heads: int) -> _scores.ScoreMod | None:
     """None, a ScoreMod or a function (score, b, h, i, j) -> score, for a call of ``heads`` query heads."""
     mod: _scores.ScoreMod | None
@@ -202,7 +211,7 @@ def check_backend(backend: object, known: Collection[str]) -> str:
 
 def build_call(q: object, k: object, v: object, mask: object, bias: object, causal: object, scale: object,
                dropout_p: object, return_lse: object, score_mod: object = None, need_weights: bool = False,
-               sinks: object = None) -> AttentionCall:
+               sinks: object = None, deterministic: object = None) -> AttentionCall:
     """The validated call of ``selfattn.attention``: every argument checked, causal folded into the mask."""
     q, k, v = check_qkv(q, k, v)
     b, hq, lq, d = q.shape
@@ -218,4 +227,4 @@ def build_call(q: object, k: object, v: object, mask: object, bias: object, caus
     return AttentionCall(q=q, k=k, v=v, mask=m, bias=bias_t, scale=check_scale(scale, d),
                          dropout_p=check_dropout(dropout_p), return_lse=check_return_lse(return_lse),
                          need_weights=need_weights, score_mod=check_score_mod(score_mod, hq),
-                         sinks=check_sinks(sinks, hq, q.device))
+                         sinks=check_sinks(sinks, hq, q.device), deterministic=check_deterministic(deterministic))

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import scores as _scores
 from ._call import FLOAT_DTYPES, AttentionCall
-from ._checks import build_call, check_backend, check_dropout, check_scale
+from ._checks import build_call, check_backend, check_deterministic, check_dropout, check_scale
 from .backends import REGISTRY, dispatch
 from .masks import Mask
 
@@ -32,7 +32,8 @@ _FORCED: contextvars.ContextVar[str | None] = contextvars.ContextVar("selfattn_b
 _TRACED_FORCED: str | None = None
 
 
-def _plain_call(q: object, k: object, v: object, scale: object, dropout_p: object) -> AttentionCall | None:
+def _plain_call(q: object, k: object, v: object, scale: object, dropout_p: object,
+                deterministic: object = None) -> AttentionCall | None:
     """The call for ``attention(q, k, v)`` with at most scale and dropout (an unmasked layer, a
     decode step on a full cache), in a few operations: None unless q, k and v pass every check
     :func:`_validate` makes and nothing (autocast) needs the full path. A None sends the call down
@@ -49,7 +50,8 @@ def _plain_call(q: object, k: object, v: object, scale: object, dropout_p: objec
     if _autocasting(device.type):
         return None
     return AttentionCall(q=q, k=k, v=v, mask=None, bias=None, scale=check_scale(scale, qs[3]),
-                         dropout_p=check_dropout(dropout_p), return_lse=False)
+                         dropout_p=check_dropout(dropout_p), return_lse=False,
+                         deterministic=check_deterministic(deterministic))
 
 
 _validate = build_call  # the full path's checks (a module attribute, so tests can watch it)
@@ -64,23 +66,36 @@ class Explanation:
         not_chosen: for every other backend, why it does not (its reasons joined by "; ").
         why: why ``backend`` was picked.
         reasons: for every other backend, the list of its reasons.
+        determinism: whether ``backend`` gives the same bits on every run of this call, and if not why
+            (see ``deterministic`` in :func:`attention`).
     """
 
     backend: str
     not_chosen: dict[str, str] = field(default_factory=dict)
     why: str = ""
     reasons: dict[str, list[str]] = field(default_factory=dict)
+    determinism: str = ""
 
     def __str__(self) -> str:
         lines = [f"auto picks: {self.backend}" + (f" ({self.why})" if self.why else "")]
         lines += [f"  {name}: {why}" for name, why in self.not_chosen.items()]
+        if self.determinism:
+            lines.append(self.determinism)
         return "\n".join(lines)
+
+
+def _determinism(call: AttentionCall, name: str) -> str:
+    why = REGISTRY[name].nondeterministic(call)
+    if why is None:
+        return f"deterministic: {name} gives the same bits on every run of this call"
+    return f"not deterministic: {why} (pass deterministic=True, or call torch.use_deterministic_algorithms(True))"
 
 
 def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
             bias: Tensor | None = None, causal: Causal = False, scale: float | None = None,
             dropout_p: float = 0.0, backend: str = "auto", return_lse: bool = False,
-            score_mod: _scores.ScoreMod | ScoreFn | None = None, sinks: Tensor | None = None) -> Explanation:
+            score_mod: _scores.ScoreMod | ScoreFn | None = None, sinks: Tensor | None = None,
+            deterministic: bool | None = None) -> Explanation:
     """Which backend ``attention(q, k, v, **same_kwargs)`` would run, and why not the others.
 
     Example:
@@ -89,10 +104,11 @@ def explain(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = Non
           reference: supported, but sdpa is preferred: ...
     """
     q, k, v, bias = _autocast(q, k, v, bias)
-    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod, sinks=sinks)
+    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod, sinks=sinks,
+                     deterministic=deterministic)
     choice = dispatch.choose(call, _forced_name(backend), explain=True)
     return Explanation(choice.backend, {n: "; ".join(r) for n, r in choice.not_chosen.items()},
-                       choice.why, choice.not_chosen)
+                       choice.why, choice.not_chosen, _determinism(call, choice.backend))
 
 
 def _forced_name(backend: object) -> str | None:
@@ -132,24 +148,25 @@ def _run(call: AttentionCall, name: str) -> tuple[Tensor, Tensor | None, Tensor 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = ...,
               bias: Tensor | None = ..., causal: Causal = ..., scale: float | None = ...,
               dropout_p: float = ..., backend: str = ..., return_lse: Literal[False] = ...,
-              score_mod: _scores.ScoreMod | ScoreFn | None = ..., sinks: Tensor | None = ...) -> Tensor: ...
+              score_mod: _scores.ScoreMod | ScoreFn | None = ..., sinks: Tensor | None = ...,
+              deterministic: bool | None = ...) -> Tensor: ...
 @overload
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = ...,
               bias: Tensor | None = ..., causal: Causal = ..., scale: float | None = ...,
               dropout_p: float = ..., backend: str = ..., return_lse: Literal[True],
               score_mod: _scores.ScoreMod | ScoreFn | None = ...,
-              sinks: Tensor | None = ...) -> tuple[Tensor, Tensor]: ...
+              sinks: Tensor | None = ..., deterministic: bool | None = ...) -> tuple[Tensor, Tensor]: ...
 @overload
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = ...,
               bias: Tensor | None = ..., causal: Causal = ..., scale: float | None = ...,
               dropout_p: float = ..., backend: str = ..., return_lse: bool,
               score_mod: _scores.ScoreMod | ScoreFn | None = ...,
-              sinks: Tensor | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
+              sinks: Tensor | None = ..., deterministic: bool | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
 def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = None,
               bias: Tensor | None = None, causal: Causal = False, scale: float | None = None,
               dropout_p: float = 0.0, backend: str = "auto", return_lse: bool = False,
               score_mod: _scores.ScoreMod | ScoreFn | None = None,
-              sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+              sinks: Tensor | None = None, deterministic: bool | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Scaled dot-product attention, ``softmax(q @ k^T * scale + bias, masked) @ v``.
 
     Args:
@@ -171,6 +188,13 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
         sinks: attention sinks, a float tensor (Hq,): one learned logit per query head that joins
             every row's softmax denominator and carries no value, so a row's weights sum to less
             than 1 (as in gpt-oss). Differentiable. With sinks, lse includes the sink term.
+        deterministic: True: the output and every gradient are the same bits on every run, whatever
+            the thread count; ``auto`` skips a backend that cannot promise it (FlexAttention's
+            backward off the CPU) and ``explain`` says why, and a forced one raises. False: the
+            fastest kernel, which off the CPU may accumulate gradients in a different order each
+            run. None (default): ``torch.are_deterministic_algorithms_enabled()``. On the CPU every
+            backend is deterministic either way. Dropout draws from torch's generator: same seed,
+            same bits.
 
     Returns:
         out (B, Hq, Lq, Dv) in q's dtype, or (out, lse). A query row that sees no key gives
@@ -184,10 +208,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, mask: Mask | Tensor | None = N
     if (mask is None and bias is None and causal is False and score_mod is None and sinks is None
             and return_lse is False and type(backend) is str and backend == "auto"
             and not torch.compiler.is_compiling() and _FORCED.get() is None
-            and (call := _plain_call(q, k, v, scale, dropout_p)) is not None):
+            and (call := _plain_call(q, k, v, scale, dropout_p, deterministic)) is not None):
         return REGISTRY[dispatch.choose_plain(call)].run(call)[0]  # no autocast here (_plain_call)
     q, k, v, bias = _autocast(q, k, v, bias)
-    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod, sinks=sinks)
+    call = _validate(q, k, v, mask, bias, causal, scale, dropout_p, return_lse, score_mod, sinks=sinks,
+                     deterministic=deterministic)
     out, lse, _ = _run(call, dispatch.choose(call, _forced_name(backend)).backend)
     return (out, lse) if return_lse else out  # type: ignore[return-value]
 

@@ -153,7 +153,8 @@ class _Call:
 
 def _build(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: object, max_seqlen_q: object,
            max_seqlen_k: object, causal: object, window: object, scale: object, dropout_p: object,
-           softcap: object, sinks: object, return_lse: object, backend: object) -> _Call:
+           softcap: object, sinks: object, return_lse: object, backend: object,
+           deterministic: object = None) -> _Call:
     q, k, v = _check_qkv(q, k, v)
     if not isinstance(cu_seqlens_q, Tensor):
         raise TypeError(f"cu_seqlens_q must be an int32 tensor (N + 1,), got {type(cu_seqlens_q).__name__}; "
@@ -172,7 +173,8 @@ def _build(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: 
         _check_lengths("cu_seqlens_k", cu_k, k.shape[0], "k", max_seqlen_k)
         mask = _MASKS.keep(given, key, _mask(cu_q, cu_k, left, right))
     kwargs: dict[str, Any] = dict(mask=mask, scale=scale, dropout_p=dropout_p,
-                                  score_mod=_softcap(softcap), sinks=sinks, return_lse=return_lse, backend=backend)
+                                  score_mod=_softcap(softcap), sinks=sinks, return_lse=return_lse, backend=backend,
+                                  deterministic=deterministic)
     return _Call(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
                  kwargs)
 
@@ -215,24 +217,24 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
                      max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., causal: Causal = ...,
                      window: Window = ..., scale: float | None = ..., dropout_p: float = ...,
                      softcap: float | None = ..., sinks: Tensor | None = ..., return_lse: Literal[False] = ...,
-                     backend: str = ...) -> Tensor: ...
+                     backend: str = ..., deterministic: bool | None = ...) -> Tensor: ...
 @overload
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None = ..., *,
                      max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., causal: Causal = ...,
                      window: Window = ..., scale: float | None = ..., dropout_p: float = ...,
                      softcap: float | None = ..., sinks: Tensor | None = ..., return_lse: Literal[True],
-                     backend: str = ...) -> tuple[Tensor, Tensor]: ...
+                     backend: str = ..., deterministic: bool | None = ...) -> tuple[Tensor, Tensor]: ...
 @overload
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None = ..., *,
                      max_seqlen_q: int | None = ..., max_seqlen_k: int | None = ..., causal: Causal = ...,
                      window: Window = ..., scale: float | None = ..., dropout_p: float = ...,
                      softcap: float | None = ..., sinks: Tensor | None = ..., return_lse: bool,
-                     backend: str = ...) -> Tensor | tuple[Tensor, Tensor]: ...
+                     backend: str = ..., deterministic: bool | None = ...) -> Tensor | tuple[Tensor, Tensor]: ...
 def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None = None, *,
                      max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, causal: Causal = False,
                      window: Window = None, scale: float | None = None, dropout_p: float = 0.0,
                      softcap: float | None = None, sinks: Tensor | None = None, return_lse: bool = False,
-                     backend: str = "auto") -> Tensor | tuple[Tensor, Tensor]:
+                     backend: str = "auto", deterministic: bool | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over N packed sequences of different lengths, each attending only to itself
     (flash-attn's ``flash_attn_varlen_func``).
 
@@ -267,6 +269,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
             (with sinks, it includes the sink term). It carries no gradient.
         backend: "auto", "reference", "sdpa", "chunked" or "flex", as in :func:`selfattn.attention`;
             :func:`varlen_explain` says which one auto runs and why not the others.
+        deterministic: the same bits on every run, as in :func:`selfattn.attention`; None (default)
+            follows ``torch.are_deterministic_algorithms_enabled()``.
 
     Returns:
         out (Tq, Hq, Dv) in q's dtype (contiguous), or (out, lse). A query row that sees no key (an
@@ -278,7 +282,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
         >>> out = selfattn.varlen_attention(q, k, v, cu, causal=True)      # (256, 8, 64)
     """
     call = _build(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale,
-                  dropout_p, softcap, sinks, return_lse, backend)
+                  dropout_p, softcap, sinks, return_lse, backend, deterministic)
     lse: Tensor | None
     if call.empty:
         out, lse = _empty(call)
@@ -293,7 +297,7 @@ def varlen_explain(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
                    max_seqlen_q: int | None = None, max_seqlen_k: int | None = None, causal: Causal = False,
                    window: Window = None, scale: float | None = None, dropout_p: float = 0.0,
                    softcap: float | None = None, sinks: Tensor | None = None, return_lse: bool = False,
-                   backend: str = "auto") -> _functional.Explanation:
+                   backend: str = "auto", deterministic: bool | None = None) -> _functional.Explanation:
     """Which backend ``varlen_attention(q, k, v, cu_seqlens_q, ..., **same_kwargs)`` runs, and why not the
     others (:func:`selfattn.explain` of the batch-of-one call with its packed mask). A call with
     Tq = 0 or Tk = 0 runs no backend: its backend is "none".
@@ -303,7 +307,7 @@ def varlen_explain(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seq
         auto picks: sdpa (SDPA runs this call in a fused kernel without a dense mask)
     """
     call = _build(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, window, scale,
-                  dropout_p, softcap, sinks, return_lse, backend)
+                  dropout_p, softcap, sinks, return_lse, backend, deterministic)
     if call.empty:
         _empty(call)  # its checks
         return _functional.Explanation("none", why="no query row sees a key (Tq = 0 or Tk = 0): the output is zeros")

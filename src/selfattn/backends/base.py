@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .._call import FLOAT_DTYPES, AttentionCall
 
-__all__ = ["ALL_DTYPES", "Backend", "bias_rounds_in_kernel"]
+__all__ = ["ALL_DTYPES", "Backend", "bias_rounds_in_kernel", "learned_term_order"]
 
 ALL_DTYPES = FLOAT_DTYPES
 
@@ -37,6 +37,24 @@ def bias_rounds_in_kernel(call: AttentionCall) -> str | None:
     return None
 
 
+def learned_term_order(call: AttentionCall) -> str | None:
+    """Why autograd's gradient of the call's learned score-term tensors (a T5 table read by bucket, for
+    one) may differ between runs or thread counts: torch's indexing backward accumulates in any order, on
+    the CPU as on CUDA, unless torch's deterministic mode is on. None when that mode is on, or the call has
+    no such tensor (not probed while compiling)."""
+    from ..scores import learned_tensors  # scores imports masks, which import the call
+
+    mod = call.score_mod
+    if (mod is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+            or torch.are_deterministic_algorithms_enabled()):
+        return None
+    dtype = torch.float64 if call.dtype == torch.float64 else torch.float32
+    if not learned_tensors(mod, call.hq, call.device, dtype, lq=call.lq, lk=call.lk):
+        return None
+    return (f"the gradient of {mod!r}'s learned tensors goes through torch's own backward of the modifier, "
+            "whose indexing accumulates in any order unless torch.use_deterministic_algorithms(True) is on")
+
+
 class Backend:
     """One way to compute attention. Subclasses declare what they support and implement :meth:`run`."""
 
@@ -49,6 +67,11 @@ class Backend:
     supports_bias_grad: ClassVar[bool] = True
     supports_sinks: ClassVar[bool] = False
     score_mods: ClassVar[Literal["any", "additive", "none"]] = "any"
+
+    def nondeterministic(self, call: AttentionCall) -> str | None:
+        """Why this backend, running ``call`` as it would (``call.deterministic`` included), may give
+        other bits on another run or thread count; None when it gives the same ones."""
+        return None
 
     def unavailable(self) -> str | None:
         """Why this backend cannot run at all in this process (a missing torch feature), or None."""
@@ -76,6 +99,8 @@ class Backend:
             reasons.append("bias requires grad (this backend gives no gradient for bias)")
         if call.sinks is not None and not self.supports_sinks:
             reasons.append("sinks (this backend has no sink term in its softmax)")
+        if call.deterministic and (why := self.nondeterministic(call)) is not None:
+            reasons.append(f"deterministic=True, but {why}")
         mod = call.score_mod
         if mod is not None and self.score_mods == "none":
             reasons.append(f"score_mod={mod!r} (this backend takes no score modifiers)")

@@ -147,7 +147,8 @@ def _plain_facts(call: AttentionCall) -> tuple:
     rest of such a call (its sizes, strides, values) is for the backend's kernel, not its choice."""
     q, k, v = call.q, call.k, call.v
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    return (q.device.type, q.dtype, call.hq != call.hkv, call.head_dim != call.v_head_dim, call.dropout_p > 0, grad)
+    return (q.device.type, q.dtype, call.hq != call.hkv, call.head_dim != call.v_head_dim, call.dropout_p > 0, grad,
+            call.deterministic, grad and torch.are_deterministic_algorithms_enabled())
 
 
 def choose_plain(call: AttentionCall) -> str:

@@ -80,6 +80,12 @@ class FlexBackend(Backend):
                 reasons.append("gradients on the CPU (FlexAttention has no CPU backward: inference only)")
         return reasons
 
+    def nondeterministic(self, call: AttentionCall) -> str | None:
+        if call.device.type != "cpu" and call.requires_grad:
+            return (f"FlexAttention's backward on {call.device.type} may accumulate gradients with atomic adds "
+                    "(in a different order each run)")
+        return None
+
     def cached_block_masks(self) -> int:
         """How many BlockMasks are cached (at most 32; keyed on mask, tensor versions, shape, device)."""
         return len(_BLOCK_MASKS)

@@ -18,7 +18,7 @@ from .._call import AttentionCall, compute_dtype
 from ..masks import positions
 from ..scores import apply_score_mod
 from ._common import safe_softmax, split_heads
-from .base import Backend
+from .base import Backend, learned_term_order
 
 __all__ = ["ReferenceBackend"]
 
@@ -29,6 +29,9 @@ class ReferenceBackend(Backend):
     name = "reference"
     supports_weights: ClassVar[bool] = True
     supports_sinks: ClassVar[bool] = True
+
+    def nondeterministic(self, call: AttentionCall) -> str | None:
+        return learned_term_order(call)
 
     def run(self, call: AttentionCall) -> tuple[Tensor, Tensor, Tensor | None]:
         """Returns (out (B, Hq, Lq, Dv), lse (B, Hq, Lq) float32, weights (B, Hq, Lq, Lk) or None)."""

@@ -26,14 +26,15 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .._call import AttentionCall, compute_dtype
 from ..masks import Causal, Packed, positions
 from ..scores import score_mod_bias
 from ._common import additive_mask, unit_stride
-from .base import Backend, bias_rounds_in_kernel
+from .base import Backend, bias_rounds_in_kernel, learned_term_order
 
-__all__ = ["DENSE_BIAS_LIMIT", "SdpaBackend", "run_varlen", "varlen_kernel_obstacles"]
+__all__ = ["DENSE_BIAS_LIMIT", "SdpaBackend", "math_for_determinism", "run_varlen", "varlen_kernel_obstacles"]
 
 DENSE_BIAS_LIMIT = 1 << 26  # elements of a dense bias built from an additive score modifier (256 MiB fp32)
 
@@ -79,7 +80,19 @@ def varlen_kernel_obstacles(call: AttentionCall) -> list[str] | None:
                           ("dropout", call.dropout_p > 0), ("sinks", call.sinks is not None)):
         if present:
             out.append(f"{what} (the varlen kernel has none)")
+    if call.deterministic and call.requires_grad:
+        out.append("deterministic=True with a gradient (the varlen flash kernel promises no fixed order in its "
+                   "backward)")
     return out
+
+
+def math_for_determinism(call: AttentionCall) -> bool:
+    """True when this call must run SDPA's math kernel to be deterministic: off the CPU, with a gradient,
+    when torch's own deterministic mode is off. (The fused kernels' forwards are deterministic; their
+    backwards there may accumulate in a different order each run, unless that mode makes torch pick
+    deterministic ones.)"""
+    return (call.device.type != "cpu" and call.requires_grad
+            and not torch.are_deterministic_algorithms_enabled())
 
 
 def _sequence_obstacles(call: AttentionCall) -> list[str]:
@@ -198,7 +211,21 @@ class SdpaBackend(Backend):
                                    "gives no gradient for bias)")
         return reasons
 
+    def nondeterministic(self, call: AttentionCall) -> str | None:
+        if (why := learned_term_order(call)) is not None:
+            return why
+        if call.deterministic or not math_for_determinism(call):
+            return None  # deterministic: run() takes the math kernel where it has to
+        return (f"torch's fused SDPA backward on {call.device.type} may accumulate gradients in a different "
+                "order each run")
+
     def run(self, call: AttentionCall) -> tuple[Tensor, Tensor | None, None]:
+        if call.deterministic and math_for_determinism(call):
+            with sdpa_kernel([SDPBackend.MATH]):
+                return self._run(call)
+        return self._run(call)
+
+    def _run(self, call: AttentionCall) -> tuple[Tensor, Tensor | None, None]:
         if varlen_kernel_obstacles(call) == []:
             if call.device.type == "cpu":
                 return (*run_sequences(call), None)

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..._call import AttentionCall, compute_dtype
 from ...scores import learned_tensors
-from ..base import Backend, bias_rounds_in_kernel
+from ..base import Backend, bias_rounds_in_kernel, learned_term_order
 from . import compiled, loops
 from .dropout import draw_seed
 from .kernels import Problem, fused_available
@@ -73,6 +73,11 @@ class ChunkedBackend(Backend):
             reasons.append(f"kernel='fused' was forced, but it cannot run: {', '.join(obstacles)}")
         return reasons
 
+    def nondeterministic(self, call: AttentionCall) -> str | None:
+        if call.deterministic:
+            return None  # the backward runs the modifier's own backward in torch's deterministic mode
+        return learned_term_order(call)
+
     def block_k(self) -> int:
         """The key tile size in force: the unit at which this backend skips work."""
         return current_options().block_k
@@ -97,7 +102,8 @@ class ChunkedBackend(Backend):
                              dropout_p=call.dropout_p, seed=draw_seed() if call.dropout_p > 0 else 0,
                              learned=learned(call))
         plan = Plan.build(problem, call.device, fused=fused, opts=opts,
-                          mask_version=None if call.mask is None else call.mask.version())
+                          mask_version=None if call.mask is None else call.mask.version(),
+                          deterministic=call.deterministic)
         out, lse = loops.attention(plan, call.q, call.k, call.v, call.bias, call.sinks)
         return out, lse.float(), None
 

@@ -14,7 +14,9 @@ Shape legend: B batch, Hq query heads, Hkv kv heads, Lq/Lk lengths, D/Dv head di
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import torch
@@ -86,6 +88,22 @@ def check_mask_unchanged(plan: Plan) -> None:
                            "change them only after backward(), or pass a copy")
 
 
+@contextlib.contextmanager
+def deterministic_algorithms() -> Iterator[None]:
+    """torch's deterministic mode for the block (restored after): the modifier's own backward (indexing's
+    backward accumulates in any order, on the CPU as with CUDA's atomic adds) then runs in a fixed order,
+    or raises if some op of it has no deterministic version."""
+    if torch.are_deterministic_algorithms_enabled():
+        yield
+        return
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False, warn_only=warn_only)
+
+
 class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None,
@@ -100,9 +118,12 @@ class _ChunkedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, bias, sinks, out, lse = ctx.saved_tensors
-        check_mask_unchanged(ctx.plan)
-        grads = backward(ctx.plan, q, k, v, bias, sinks, out, lse, dout.contiguous(),
-                         want_dsinks=ctx.needs_input_grad[4], want_dbias=ctx.needs_input_grad[3])
+        plan = ctx.plan
+        check_mask_unchanged(plan)
+        strict = plan.deterministic and bool(plan.problem.learned)
+        with deterministic_algorithms() if strict else contextlib.nullcontext():
+            grads = backward(plan, q, k, v, bias, sinks, out, lse, dout.contiguous(),
+                             want_dsinks=ctx.needs_input_grad[4], want_dbias=ctx.needs_input_grad[3])
         return grads.dq, grads.dk, grads.dv, grads.dbias, grads.dsinks, None, *grads.dlearned
 
 

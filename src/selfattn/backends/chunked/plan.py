@@ -230,13 +230,14 @@ class Plan:
     fused: bool
     mask_version: tuple[int, ...] | None = None
     layout: Layout | None = field(default=None, compare=False, repr=False)
+    deterministic: bool = False  # the backward runs a score modifier's own backward in torch's deterministic mode
 
     @classmethod
     def build(cls, problem: Problem, device: torch.device, *, fused: bool, opts: ChunkedOptions,
-              mask_version: tuple[int, ...] | None = None) -> Plan:
+              mask_version: tuple[int, ...] | None = None, deterministic: bool = False) -> Plan:
         """The plan of ``problem`` under ``opts`` on ``device``; its layout from :func:`layout`."""
         made = layout(problem.mask, problem.lq, problem.lk, fused=fused, device=device, opts=opts)
-        return cls(problem, made.groups, made.bq, made.bk, fused, mask_version, made)
+        return cls(problem, made.groups, made.bq, made.bk, fused, mask_version, made, deterministic)
 
     def steps(self) -> Iterator[QueryBlock]:
         """Every query block of every group, with the spans it computes."""
