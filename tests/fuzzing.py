@@ -34,10 +34,10 @@ def visible_of(case: Case) -> Tensor | None:
     return testing.reference_mask(case.lq, case.lk, mask=case.mask, causal=case.causal)
 
 
-def naive(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, case: Case) -> Tensor:
+def naive(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, case: Case, term: Tensor | None = None) -> Tensor:
     """The plain math in the inputs' dtype with torch's type promotion; NaN on dead rows."""
     return testing.reference_attention(q, k, v, bias=bias, mask=case.mask, causal=case.causal, scale=case.scale,
-                                       score_mod=case.score_mod, safe=False, dtype=None)
+                                       score_mod=case.mod(term), safe=False, dtype=None)
 
 
 class _FlashFormula(torch.autograd.Function):
@@ -129,15 +129,26 @@ def _gradient_floor(name: str, t: dict[str, Tensor], dout: Tensor, case: Case) -
     scale = 1 / math.sqrt(case.d) if case.scale is None else case.scale
     dp = dout.abs().max().item() * amax["v"] * math.sqrt(case.dv)  # |dO . v| of one (query, key)
     magnitude = {"q": scale * amax["k"] * dp * math.sqrt(case.lk), "k": scale * amax["q"] * dp * math.sqrt(case.lq),
-                 "v": dout.abs().max().item() * math.sqrt(case.lq), "bias": dp}[name]
+                 "v": dout.abs().max().item() * math.sqrt(case.lq), "bias": dp,
+                 "term": dp * math.sqrt(case.b * case.lq * case.lk) * _term_slope(t, case)}[name]
     if not _accidental(case):
         return 0.0
-    dtype = case.dtype if name != "bias" or case.bias_dtype is None else case.bias_dtype
+    term_dtype = torch.float32 if case.dtype in (torch.float16, torch.bfloat16) else case.dtype  # as it is built
+    dtype = {"bias": case.bias_dtype or case.dtype, "term": term_dtype}.get(name, case.dtype)
     return _ulps(dtype) * magnitude * _score_magnitude(t, case)
 
 
-def call_kwargs(case: Case, bias: Tensor | None) -> dict:
-    return dict(mask=case.mask, bias=bias, causal=case.causal, scale=case.scale, score_mod=case.score_mod)
+def _term_slope(t: dict[str, Tensor], case: Case) -> float:
+    """How much one score moves per unit of the term's tensor: 1 for a table, |i - j| for ALiBi slopes,
+    the score itself times exp(t) for a temperature."""
+    if case.term is None:
+        return 0.0
+    return {"t5": 1.0, "slopes": float(max(case.lq, case.lk)),
+            "temperature": _score_magnitude(t, case) * math.exp(t["term"].detach().abs().max().item())}[case.term]
+
+
+def call_kwargs(case: Case, bias: Tensor | None, term: Tensor | None = None) -> dict:
+    return dict(mask=case.mask, bias=bias, causal=case.causal, scale=case.scale, score_mod=case.mod(term))
 
 
 @contextlib.contextmanager
@@ -158,12 +169,12 @@ def _grad_mode(mode: str):
 def check_call(case: Case, backend: str, *, grad_mode: str = "grad") -> str:
     """Run ``case`` on ``backend`` and assert the rule; returns "ran" or "declined: <why>"."""
     built = case.tensors()
-    wants = dict(zip("qkv", case.grads, strict=True)) | {"bias": case.bias_grad}
+    wants = dict(zip("qkv", case.grads, strict=True)) | {"bias": case.bias_grad, "term": case.term_grad}
     use_grad = grad_mode in ("grad", "autocast")
     leaves = {n: b.leaf.detach().clone().requires_grad_(use_grad and wants[n]) for n, b in built.items()}
     inputs = {n: built[n].make(leaves[n]) for n in built}
     bias = inputs.get("bias")
-    kwargs = call_kwargs(case, bias)
+    kwargs = call_kwargs(case, bias, inputs.get("term"))
     with chunked.options(block_q=case.block_q, block_k=case.block_k), _grad_mode(grad_mode):
         try:
             selfattn.explain(inputs["q"], inputs["k"], inputs["v"], return_lse=case.return_lse, backend=backend,
@@ -187,7 +198,7 @@ def check_call(case: Case, backend: str, *, grad_mode: str = "grad") -> str:
 
     # Under autocast the inputs are cast first (float64 excepted): the oracle and the naive math see
     # the cast values, and the rule is that of the autocast dtype.
-    casts = {n: grad_mode == "autocast" and b.leaf.dtype != torch.float64 for n, b in built.items()}
+    casts = {n: grad_mode == "autocast" and b.leaf.dtype != torch.float64 and n != "term" for n, b in built.items()}
     case = dataclasses.replace(case, dtype=AUTOCAST if casts["q"] else case.dtype,
                                bias_dtype=AUTOCAST if casts.get("bias") else case.bias_dtype)
 
@@ -200,10 +211,11 @@ def check_call(case: Case, backend: str, *, grad_mode: str = "grad") -> str:
     assert out.shape == want_shape and out.dtype == case.dtype, (out.shape, out.dtype)
     leaves64 = {n: b.leaf.detach().double().requires_grad_(leaves[n].requires_grad) for n, b in built.items()}
     in64 = {n: made(n, leaves64[n], torch.float64) for n in built}
-    ref = testing.reference_attention(in64["q"], in64["k"], in64["v"], **call_kwargs(case, in64.get("bias")))
+    ref = testing.reference_attention(in64["q"], in64["k"], in64["v"],
+                                      **call_kwargs(case, in64.get("bias"), in64.get("term")))
     leaves_n = {n: b.leaf.detach().clone().requires_grad_(leaves[n].requires_grad) for n, b in built.items()}
     in_n = {n: made(n, leaves_n[n], None) for n in built}
-    nv = naive(in_n["q"], in_n["k"], in_n["v"], in_n.get("bias"), case)
+    nv = naive(in_n["q"], in_n["k"], in_n["v"], in_n.get("bias"), case, in_n.get("term"))
     result = testing.compare_to_reference(out, ref, nv, name=f"{backend}: out")
     assert result.finite, f"{backend}: out has non-finite values"
     floor = output_floor(in64, case)
@@ -211,7 +223,7 @@ def check_call(case: Case, backend: str, *, grad_mode: str = "grad") -> str:
 
     if lse is not None:
         assert lse.shape == want_shape[:3] and lse.dtype == torch.float32
-        lse_ref = testing.reference_lse(in64["q"], in64["k"], **call_kwargs(case, in64.get("bias")))
+        lse_ref = testing.reference_lse(in64["q"], in64["k"], **call_kwargs(case, in64.get("bias"), in64.get("term")))
         assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref)), "lse: -inf on the wrong rows"
         finite = torch.isfinite(lse_ref)
         if finite.any():
@@ -231,11 +243,16 @@ def check_call(case: Case, backend: str, *, grad_mode: str = "grad") -> str:
         for prescale in (False, True):
             leaves_f = {n: b.leaf.detach().clone().requires_grad_(leaves[n].requires_grad) for n, b in built.items()}
             in_f = {n: made(n, leaves_f[n], None) for n in built}
-            nf = naive_flash(in_f["q"], in_f["k"], in_f["v"], in_f.get("bias"), case, prescale)
+            case_f = dataclasses.replace(case, score_mod=case.mod(in_f.get("term")), term=None)
+            nf = naive_flash(in_f["q"], in_f["k"], in_f["v"], in_f.get("bias"), case_f, prescale)
+            if not nf.requires_grad:  # only the term wants a gradient, and this formula gives it none
+                continue
             yardsticks.append(torch.autograd.grad(nf, [leaves_f[n] for n in names], dout.to(nf.dtype),
                                                   allow_unused=True))
         for index, (n, a, r) in enumerate(zip(names, got, want, strict=True)):
-            err_naive = max(_finite_error(torch.zeros_like(a) if y[index] is None else y[index], r) for y in yardsticks)
+            # the flash formula gives no gradient to a term's tensor: only the yardsticks that do count for it
+            err_naive = max(_finite_error(torch.zeros_like(a) if y[index] is None else y[index], r)
+                            for y in yardsticks if n != "term" or y[index] is not None)
             err = testing.max_error(a, r)
             dtype = AUTOCAST if casts[n] else a.dtype  # under autocast the gradient has bf16 precision
             tol = max(testing.tolerance(err_naive, r, dtype, 3.0), _gradient_floor(n, in64, dout, case))

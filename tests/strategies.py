@@ -142,6 +142,24 @@ def _square(score: Tensor, b: Tensor, h: Tensor, i: Tensor, j: Tensor) -> Tensor
     return score - 0.02 * score * score + 0.01 * b
 
 
+def _t5(table: Tensor) -> scores.ScoreMod:
+    """A learned T5-style table (9, Hq) read by a bucket of i - j."""
+    return scores.custom(lambda s, b, h, i, j: s + table[(i - j).clamp(-4, 4) + 4, h], additive=True)
+
+
+def _temperature(t: Tensor) -> scores.ScoreMod:
+    """A learned per-head temperature exp(t[h]) on the scores (not additive)."""
+    return scores.custom(lambda s, b, h, i, j: s * t[h].exp())
+
+
+# a parameterised score term: its tensor's shape for Hq heads, and the modifier made from the tensor
+TERMS: dict[str, tuple[Callable[[int], tuple[int, ...]], Callable[[Tensor], scores.ScoreMod]]] = {
+    "t5": (lambda hq: (9, hq), _t5),
+    "slopes": (lambda hq: (hq,), scores.alibi),
+    "temperature": (lambda hq: (hq,), _temperature),
+}
+
+
 @dataclass
 class Case:
     """One attention call, ready to build in any dtype."""
@@ -163,6 +181,8 @@ class Case:
     bias_layout: str = "contiguous"
     bias_grad: bool = False
     score_mod: scores.ScoreMod | None = None
+    term: str | None = None  # a key of TERMS: the modifier is made from a tensor, which may want a gradient
+    term_grad: bool = False
     scale: float | None = None
     grads: tuple[bool, bool, bool] = (False, False, False)
     return_lse: bool = False
@@ -182,7 +202,20 @@ class Case:
             n = len(self.bias_shape)
             out["bias"] = Built(built.leaf, lambda x, f=built.view, n=n: f(x).reshape(f(x).shape[4 - n:]),
                                 built.layout)
+        if self.term is not None:  # a parameter: float32 beside half inputs, as in mixed precision
+            dtype = torch.float32 if self.dtype in (torch.float16, torch.bfloat16) else self.dtype
+            values = torch.randn(TERMS[self.term][0](self.hq), generator=gen, dtype=torch.float64) * 0.5
+            out["term"] = Built((values.abs() if self.term == "slopes" else values).to(dtype), lambda x: x,
+                                "contiguous")
         return out
+
+    def mod(self, term: Tensor | None) -> scores.ScoreMod | None:
+        """The call's score modifier: made from ``term`` (the built tensor, in any dtype) for a
+        parameterised one."""
+        if self.term is None:
+            return self.score_mod
+        assert term is not None
+        return TERMS[self.term][1](term)
 
 
 @st.composite
@@ -221,6 +254,9 @@ def cases(draw: st.DrawFn, max_len: int = 40, dims: tuple[int, ...] = (1, 2, 3, 
         "tilt": scores.custom(_tilt, additive=True),
         "square": scores.custom(_square),
     }[mod]
+    if case.score_mod is None and draw(st.integers(0, 3)) == 0:
+        case.term = draw(st.sampled_from(sorted(TERMS)))
+        case.term_grad = draw(st.booleans())
     case.scale = draw(st.sampled_from([None, None, 0.05, 1.0, 3.0]))
     case.grads = (draw(st.booleans()), draw(st.booleans()), draw(st.booleans()))
     case.return_lse = draw(st.booleans())

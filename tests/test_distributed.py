@@ -216,7 +216,16 @@ def determinism_worker(rank: int, world: int) -> dict:
                 got = _sharded(q, k, v, gout, layout, strategy, **kw, **extra)
                 runs.append([*got, *((extra["sinks"].grad,) if extra else ())])
             same = all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other, strict=True))
-            results[f"{layout}/{strategy}/{name}"] = {"same_bits": same}
+            results[f"{layout}/{strategy}/{name}"] = {"ok": same}
+    # a second derivative: the ring's backward is not differentiable, so create_graph=True must raise
+    ql, kl, vl = (sad.shard(t, layout="zigzag").requires_grad_() for t in (q, k, v))
+    out = sad.attention(ql, kl, vl, layout="zigzag", causal=True, timeout=20)
+    try:
+        torch.autograd.grad(out.sum(), ql, create_graph=True)
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    results["create_graph refused"] = {"ok": "the ring's attention has no second derivative" in refused}
     return results
 
 
@@ -423,9 +432,10 @@ def test_exact_every_mask_layout_strategy(exact_run):
 
 def test_ring_gives_the_same_bits_at_every_thread_count(tmp_path):
     """catches: context parallelism at a fixed world size whose result depends on the run or the thread
-    count (blocks merged in arrival order, gradients summed as they come back)."""
+    count (blocks merged in arrival order, gradients summed as they come back), and a second derivative
+    through the ring's backward that is silently constant instead of refused."""
     for rank, res in enumerate(_spawn("determinism_worker", 2, tmp_path)):
-        assert all(r["same_bits"] for r in res.values()), f"rank {rank}: {res}"
+        assert all(r["ok"] for r in res.values()), f"rank {rank}: {res}"
 
 
 def test_attention_sinks_across_ranks(tmp_path):

@@ -82,7 +82,7 @@ def test_backends_agree(case):
 
 
     t = {n: b.make() for n, b in case.tensors().items()}
-    kwargs = call_kwargs(case, t.get("bias"))
+    kwargs = call_kwargs(case, t.get("bias"), t.get("term"))
     outs = {}
     with chunked.options(block_q=case.block_q, block_k=case.block_k), torch.no_grad():
         picked = selfattn.explain(t["q"], t["k"], t["v"], **kwargs).backend
@@ -95,8 +95,9 @@ def test_backends_agree(case):
             outs[name] = selfattn.attention(t["q"], t["k"], t["v"], backend=name, **kwargs)
     assert picked in outs or picked == "flex"
     t64 = {n: x.double() for n, x in t.items()}
-    ref = testing.reference_attention(t64["q"], t64["k"], t64["v"], **call_kwargs(case, t64.get("bias")))
-    nv = naive(t["q"], t["k"], t["v"], t.get("bias"), case)
+    ref = testing.reference_attention(t64["q"], t64["k"], t64["v"],
+                                      **call_kwargs(case, t64.get("bias"), t64.get("term")))
+    nv = naive(t["q"], t["k"], t["v"], t.get("bias"), case, t.get("term"))
     tol = max(testing.compare_to_reference(ref.to(case.dtype), ref, nv).tolerance, output_floor(t64, case))
     names = sorted(outs)
     for i, a in enumerate(names):
@@ -115,7 +116,7 @@ def test_dropout_is_reproducible_and_exact(case, p, backend, torch_seed):
     built = case.tensors()
     leaves = {n: b.leaf.detach().clone().requires_grad_(n in "qkv") for n, b in built.items()}
     t = {n: built[n].make(leaves[n]) for n in built}
-    kwargs = call_kwargs(case, t.get("bias"))
+    kwargs = call_kwargs(case, t.get("bias"), t.get("term"))
     with chunked.options(block_q=case.block_q, block_k=case.block_k):
         try:
             selfattn.explain(t["q"], t["k"], t["v"], backend=backend, dropout_p=p, **kwargs)
@@ -137,7 +138,8 @@ def test_dropout_is_reproducible_and_exact(case, p, backend, torch_seed):
     leaves64 = {n: leaves[n].detach().double().requires_grad_(n in "qkv") for n in built}
     in64 = {n: built[n].make(leaves64[n]) for n in built}
     s = testing.reference_attention(in64["q"], in64["k"], torch.eye(case.lk, dtype=torch.float64).expand(
-        case.b, case.hkv, case.lk, case.lk), **call_kwargs(case, in64.get("bias")))  # the weights, (B, Hq, Lq, Lk)
+        case.b, case.hkv, case.lk, case.lk),
+        **call_kwargs(case, in64.get("bias"), in64.get("term")))  # the weights, (B, Hq, Lq, Lk)
     ref = (s * keep / (1 - p)) @ in64["v"].repeat_interleave(case.hq // case.hkv, 1)
     err = testing.max_error(runs[0], ref)
     assert err <= 1e-4 * max(1.0, ref.abs().max().item()), f"chunked dropout: error {err:.3g}"

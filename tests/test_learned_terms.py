@@ -196,3 +196,29 @@ def test_under_compile_a_learned_term_gets_its_gradient_or_a_clear_refusal(backe
     else:
         torch.testing.assert_close(got, want)
     torch._dynamo.reset()
+
+
+def test_sdpa_declines_lse_with_a_learned_term_instead_of_crashing():
+    """catches: sdpa taking return_lse with learned ALiBi slopes through the CPU op that returns lse, which
+    cannot differentiate its mask: a RuntimeError from torch instead of a reason (found by the fuzz suite)."""
+    slopes = torch.tensor([0.3, 0.1], requires_grad=True)
+    q = k = v = torch.randn(1, 2, 5, 4)
+    with pytest.raises(ValueError, match="return_lse with alibi"):
+        selfattn.attention(q, k, v, score_mod=scores.alibi(slopes), return_lse=True, backend="sdpa")
+    out, _ = selfattn.attention(q, k, v, score_mod=scores.alibi(slopes), return_lse=True)
+    ref = selfattn.attention(q, k, v, score_mod=scores.alibi(slopes), backend="reference")
+    torch.testing.assert_close(out, ref)
+    (g,) = torch.autograd.grad(out.sum(), slopes)
+    (want,) = torch.autograd.grad(ref.sum(), slopes)
+    torch.testing.assert_close(g, want)
+
+
+def test_a_learned_term_no_tile_reads_gets_a_zero_gradient():
+    """catches: chunked returning None for a learned tensor when every key is masked (no tile runs), so
+    torch.autograd.grad raised where the reference gives 0 (found by the fuzz suite)."""
+    slopes = torch.tensor([0.3], requires_grad=True)
+    q, k, v = torch.randn(1, 1, 2, 1), torch.randn(1, 1, 1, 1), torch.randn(1, 1, 1, 1)
+    out = selfattn.attention(q, k, v, mask=torch.zeros(1, 1, 1, 1, dtype=torch.bool), score_mod=scores.alibi(slopes),
+                             backend="chunked")
+    (g,) = torch.autograd.grad(out.sum(), slopes)
+    assert torch.equal(g, torch.zeros(1))

@@ -50,3 +50,14 @@ def unit_stride(t: Tensor) -> Tensor:
     ops read the last dim as if it were unit-stride."""
     return t if t.stride(-1) == 1 else t.contiguous()
 
+
+
+
+def refuse_create_graph(what: str) -> None:
+    """Raise inside a custom backward run with ``create_graph=True`` (grad mode is on there): that backward
+    is not itself differentiable, so its gradients would be constants to a second derivative (a gradient
+    penalty, a Hessian-vector product), which would then be silently wrong."""
+    if torch.is_grad_enabled():
+        raise RuntimeError(f"{what} has no second derivative (its backward is not differentiable), so "
+                           "create_graph=True cannot be honoured: run this call with backend='reference', "
+                           "whose backward is autograd's own")

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .._call import FLOAT_DTYPES, AttentionCall
 
-__all__ = ["ALL_DTYPES", "Backend", "bias_rounds_in_kernel", "learned_term_order"]
+__all__ = ["ALL_DTYPES", "Backend", "bias_rounds_in_kernel", "has_learned_term", "learned_term_order"]
 
 ALL_DTYPES = FLOAT_DTYPES
 
@@ -37,19 +37,24 @@ def bias_rounds_in_kernel(call: AttentionCall) -> str | None:
     return None
 
 
+def has_learned_term(call: AttentionCall) -> bool:
+    """Whether the call's score modifier reads tensors that want a gradient (probed on one block; False
+    out of grad mode and while compiling, where it is not probed)."""
+    from ..scores import learned_tensors  # scores imports masks, which import the call
+
+    if call.score_mod is None or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return False
+    dtype = torch.float64 if call.dtype == torch.float64 else torch.float32
+    return bool(learned_tensors(call.score_mod, call.hq, call.device, dtype, lq=call.lq, lk=call.lk))
+
+
 def learned_term_order(call: AttentionCall) -> str | None:
     """Why autograd's gradient of the call's learned score-term tensors (a T5 table read by bucket, for
     one) may differ between runs or thread counts: torch's indexing backward accumulates in any order, on
     the CPU as on CUDA, unless torch's deterministic mode is on. None when that mode is on, or the call has
     no such tensor (not probed while compiling)."""
-    from ..scores import learned_tensors  # scores imports masks, which import the call
-
     mod = call.score_mod
-    if (mod is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
-            or torch.are_deterministic_algorithms_enabled()):
-        return None
-    dtype = torch.float64 if call.dtype == torch.float64 else torch.float32
-    if not learned_tensors(mod, call.hq, call.device, dtype, lq=call.lq, lk=call.lk):
+    if mod is None or torch.are_deterministic_algorithms_enabled() or not has_learned_term(call):
         return None
     return (f"the gradient of {mod!r}'s learned tensors goes through torch's own backward of the modifier, "
             "whose indexing accumulates in any order unless torch.use_deterministic_algorithms(True) is on")

@@ -32,7 +32,7 @@ from .._call import AttentionCall, compute_dtype
 from ..masks import Causal, Packed, positions
 from ..scores import score_mod_bias
 from ._common import additive_mask, unit_stride
-from .base import Backend, bias_rounds_in_kernel, learned_term_order
+from .base import Backend, bias_rounds_in_kernel, has_learned_term, learned_term_order
 
 __all__ = ["DENSE_BIAS_LIMIT", "SdpaBackend", "math_for_determinism", "run_varlen", "varlen_kernel_obstacles"]
 
@@ -209,6 +209,9 @@ class SdpaBackend(Backend):
                 if call.bias is not None and call.bias.requires_grad and torch.is_grad_enabled():
                     reasons.append("return_lse with a bias that requires grad (the CPU op that returns lse "
                                    "gives no gradient for bias)")
+                elif has_learned_term(call):
+                    reasons.append(f"return_lse with {call.score_mod!r}'s tensors that require grad (the CPU op "
+                                   "that returns lse gives no gradient for its mask, which carries them)")
         return reasons
 
     def nondeterministic(self, call: AttentionCall) -> str | None:

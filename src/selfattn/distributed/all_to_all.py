@@ -67,7 +67,8 @@ class _Swap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        return (_heads_to_seq if ctx.to_heads else _seq_to_heads)(ctx.g, ctx.layout, grad), None, None, None
+        # the swap back, itself through this function: a second derivative (create_graph) goes through it too
+        return _Swap.apply(grad, ctx.g, ctx.layout, not ctx.to_heads), None, None, None
 
 
 def all_to_all_attention(g: Group, spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor | None]:

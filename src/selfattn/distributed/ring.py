@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..backends._common import refuse_create_graph
 from ..backends.chunked import kernels
 from ..backends.chunked.kernels import Block, Merge, Problem
 from ..masks import EMPTY, FULL, PARTIAL, Mask
@@ -262,6 +263,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None, None]:
+        refuse_create_graph("the ring's attention")
         q, k, v, out, lse, sinks = ctx.saved_tensors
         with torch.no_grad():  # with sinks, the sink-included out and lse make the blocks' backward that of the
             dq, dk, dv = _backward(ctx.ring, q, k, v, out, lse, dout)  # softmax with the sink: nothing else changes

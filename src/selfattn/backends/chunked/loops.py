@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
-from .._common import unit_stride
+from .._common import refuse_create_graph, unit_stride
 from . import kernels
 from .kernels import Merge, fused_backward, fused_forward, grad_buffers, lse_for_backward, rowsum_dout_out
 from .plan import Plan
@@ -117,6 +117,7 @@ class _ChunkedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout: Tensor, _dlse: Tensor) -> tuple[Tensor | None, ...]:
+        refuse_create_graph("chunked attention")
         q, k, v, bias, sinks, out, lse = ctx.saved_tensors
         plan = ctx.plan
         check_mask_unchanged(plan)
@@ -297,7 +298,9 @@ def _math_backward(plan: Plan, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | N
                     dlearned[n] = g.to(ct) if dlearned[n] is None else dlearned[n] + g.to(ct)  # type: ignore[operator]
     return Grads(dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype),
                  dbias=None if dbias is None else dbias.to(bias.dtype),  # type: ignore[union-attr]
-                 dlearned=tuple(None if g is None else g.to(t.dtype) for g, t in zip(dlearned, p.learned, strict=True)))
+                 # a tensor no computed tile reads (every key masked) gets 0, as autograd gives it elsewhere
+                 dlearned=tuple(torch.zeros_like(t) if g is None else g.to(t.dtype)
+                                for g, t in zip(dlearned, p.learned, strict=True)))
 
 
 def _add_bias_grad(dbias: Tensor, ds: Tensor, items: slice, rows: slice, keys: slice) -> None:
