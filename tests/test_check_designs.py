@@ -46,6 +46,27 @@ class _Fused(nn.Module):
         return o.transpose(1, 2).reshape(b, n, h * d)
 
 
+class LearnedScalarTemperature(_Fused):
+    """Correct, a published design (locality self-attention for small-dataset ViTs, Lee et al. 2021): one
+    learned scalar temperature, ``exp(t)``, in place of 1/sqrt(D), trained away from its initial value, and
+    each token kept from attending to itself (the diagonal masked)."""
+
+    def __init__(self, dim: int, heads: int = 4, fixed: bool = False) -> None:
+        super().__init__(dim, heads)
+        start = torch.tensor(math.log((dim // heads) ** -0.5) + 0.4)  # trained away from log(1/sqrt(D))
+        if fixed:
+            self.register_buffer("log_temperature", start)
+        else:
+            self.log_temperature = nn.Parameter(start)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        s = torch.matmul(q, k.transpose(-1, -2)) * self.log_temperature.exp()
+        own = torch.eye(s.shape[-1], dtype=torch.bool, device=s.device)
+        return self.out(self.merge(s.masked_fill(own, float("-inf")).softmax(-1) @ v))
+
+
 class NormedScaledInPlace(_Fused):
     """Correct: q/k LayerNorm per head, then ``q.mul_(scale)`` in place (no formula over the projections fits)."""
 
@@ -99,6 +120,22 @@ class RotaryOnValues(_Fused):
     def forward(self, x):
         q, k, v = self.split(x)
         q, k, v = _rope(q), _rope(k), _rope(v)
+        return self.merge(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v)
+
+
+class PrefixKeptRotary(_Fused):
+    """Correct (EVA-02 style): a class token first, kept out of the rotary positions, which rotate q and k of
+    the other tokens; ``on_values`` is the bug of rotating v's too."""
+
+    def __init__(self, dim: int, on_values: bool = False) -> None:
+        super().__init__(dim)
+        self.on_values = on_values
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        q, k = (torch.cat([t[:, :, :1], _rope(t[:, :, 1:])], dim=2) for t in (q, k))
+        if self.on_values:
+            v = torch.cat([v[:, :, :1], _rope(v[:, :, 1:])], dim=2)
         return self.merge(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v)
 
 
@@ -526,6 +563,14 @@ def test_values_changed_before_the_product_are_named():
     assert report.verdict == "failed" and "values-changed" in report.ids, [(f.id, f.message) for f in report.findings]
 
 
+def test_values_rotated_after_a_kept_prefix_are_named():
+    """catches: v joined from an untouched class token and rotated image tokens (a cat along the tokens)
+    certified, because only the join, not its parts, was read as V."""
+    assert check(PrefixKeptRotary(32)).verdict == "passed"
+    bad = check(PrefixKeptRotary(32, on_values=True))
+    assert bad.verdict == "failed" and "values-changed" in bad.ids, [(f.id, f.message) for f in bad.findings]
+
+
 def test_any_change_of_the_values_is_named_and_the_designs_are_facts():
     """catches: values changed after their projection certified because only a rotation was looked for (an
     activation, the input added), and the published designs on the values (a norm, learned value embeddings)
@@ -607,6 +652,17 @@ def test_cosine_attention_with_a_learned_temperature_is_a_design():
     report = check(CosineTemperature(32))
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
     assert "cosine" in report.inferred["white box"]["without mask"]
+
+
+def test_a_learned_scalar_temperature_is_a_design_and_a_fixed_one_is_not():
+    """catches: one learned temperature on the scores (exp of a scalar parameter, not per head) read as
+    wrong-scale, because a one-element tensor was taken for a constant; the same factor from a buffer (not
+    trained) must stay wrong-scale."""
+    report = check(LearnedScalarTemperature(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "learned temperature" in report.inferred["white box"]["without mask"]
+    fixed = check(LearnedScalarTemperature(32, fixed=True))
+    assert "wrong-scale" in fixed.ids, [(f.id, f.message) for f in fixed.findings]
 
 
 def test_sequence_first_einsum_layouts_are_read_on_their_own_axes():

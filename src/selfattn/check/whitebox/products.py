@@ -368,6 +368,8 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
             continue
         number = op.number()
         temperature = _temperature(op) if number is None else None
+        if number is not None and trace.learned_number(op):  # a learned scalar (LSA's temperature.exp())
+            temperature, number = torch.tensor(number, dtype=torch.float64), None
         nxt: int | None
         if temperature is not None:
             steps.append(("temperature", None))
@@ -544,7 +546,7 @@ _TERMS_ON_V = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "
 
 
 def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
-                    inputs: frozenset[int] = frozenset()) -> Verdict | None:
+                    inputs: frozenset[int] = frozenset(), depth: int = 3) -> Verdict | None:
     """values-changed when V reaches the product with the weights changed after its projection (up to the head
     split): rotated (rotary positions applied to v too), through a nonlinearity, or by a term computed from the
     module's input; else None. A norm on V, or a term that does not come from the input (a learned vector, a value
@@ -562,6 +564,12 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
                 return Verdict(VALUES_CHANGED, {"matches": "the values are rotated like q and k (rotary positions "
                                                   "applied to v) before they are written to the cache",
                                                   **evidence}, facts)
+    if op.name in ("cat", "stack") and depth > 0:  # values joined from parts (a prefix token kept apart from the
+        for part in op.in_ids:  # rotated image tokens, as EVA does for q and k): each part is read as V is
+            found = _values_verdict(trace, part, evidence, facts, inputs, depth - 1)
+            if found is not None:
+                return found
+        return None
     if op.name in _MADE:
         return None
     norm = normalised(trace, vid)
@@ -876,7 +884,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         temperature = math.prod(temperatures[1:], start=temperatures[0])
         raw = s.double()
         s = torch.where(raw > _MASKED, raw / temperature.to(raw.device), raw)
-        facts["temperature"] = (f"the scores are multiplied by a learned temperature per head (values "
+        facts["temperature"] = (f"the scores are multiplied by a learned temperature (values "
                                 f"{float(temperature.min()):.4g} to {float(temperature.max()):.4g})")
     with_terms = any(n in _TERMS for n in names) or product.name == "baddbmm"
     masked = _mask_verdict(~(torch.isfinite(s) & (s > _MASKED)), keep, evidence)
@@ -919,7 +927,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if fid == WRONG_SCALE and relative and expected(d) is None:
         fid, said, facts = _disentangled_scale(trace, chain, inputs, scale, d, width, said, facts)
     if fid is not None and temperatures:
-        fid, said = None, f"{said}, times a learned temperature per head: the scale is learned"
+        fid, said = None, f"{said}, times a learned temperature: the scale is learned"
     # the learned vector on the operand itself (TimesFM's per_dim_scale), not a norm's weight behind a rotation
     if fid is not None and (_per_dim(trace.origin(aid).op, d) or _per_dim(trace.origin(bid).op, d)):
         fid, said = None, f"{said}, times a learned scale per head dimension (TimesFM's per_dim_scale)"

@@ -157,6 +157,7 @@ class Trace(TorchFunctionMode):
         self.made_by: dict[int, list[tuple[int, int, int]]] = {}
         self._alive: list[object] = []  # keeps recorded tensors alive, so that ids are not reused
         self.names: dict[int, str] = {}  # key of the output of an nn.Linear or hooked leaf -> its module name
+        self.parameters: set[int] = set()  # ids of the trained parameters (nn.Parameter, requires_grad) read
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -173,6 +174,7 @@ class Trace(TorchFunctionMode):
         """Record one operation (also used by forward hooks): its inputs as they were read (``read_at``: their
         versions then, ``read_values``: their values then, for an operation that changed them in place)."""
         originals = [*_tensors(args), *_tensors(kwargs)]
+        self.parameters.update(id(t) for t in originals if isinstance(t, torch.nn.Parameter) and t.requires_grad)
         made = list(_tensors(out))
         if not made and originals and _in_place(name, kwargs) and isinstance(args[0], Tensor):
             made = [args[0]]  # x[i] = y, x.index_copy_(...) returning None: the new value of x
@@ -192,6 +194,23 @@ class Trace(TorchFunctionMode):
                 entries.append((v, index, i))
             elif module:  # a hooked module's output stands for the operations inside it
                 entries[same[0]] = (v, index, i)
+
+    def learned(self, tid: int, depth: int = 12) -> bool:
+        """Whether the tensor ``tid`` is, or is computed from, a trained parameter of the module (a learned
+        temperature ``logit_scale.exp()``, say), within ``depth`` operations."""
+        if _raw(tid) in self.parameters:
+            return True
+        found = self.maker(tid)
+        if found is None or depth == 0:
+            return False
+        return any(self.learned(i, depth - 1) for i in found[0].in_ids)
+
+    def learned_number(self, op: Op) -> bool:
+        """For a multiplication or division by a one-element tensor: whether that tensor is learned."""
+        if op.number() is None:
+            return False
+        small = [(i, t) for i, t in zip(op.in_ids, op.inputs, strict=False) if t.numel() == 1]
+        return len(small) == 1 and len(op.inputs) == 2 and self.learned(small[0][0])
 
     @staticmethod
     def identity(tid: int) -> int:
