@@ -139,6 +139,23 @@ class PrefixKeptRotary(_Fused):
         return self.merge(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v)
 
 
+class WindowedSdpa(_Fused):
+    """Correct (Twins' locally grouped attention): tokens of a 4 x 4 map attend within 2 x 2 windows, one
+    SDPA call over every window; ``scale`` set is the bug of a scale other than 1/sqrt(D)."""
+
+    def __init__(self, dim: int, scale: float | None = None) -> None:
+        super().__init__(dim)
+        self.scale = scale
+
+    def forward(self, x):
+        b, n, e = x.shape
+        side = math.isqrt(n)
+        w = x.reshape(b, side // 2, 2, side // 2, 2, e).transpose(2, 3).reshape(-1, 4, e)  # (B * windows, 4, E)
+        q, k, v = self.split(w)
+        o = self.merge(F.scaled_dot_product_attention(q, k, v, scale=self.scale))
+        return o.reshape(b, side // 2, side // 2, 2, 2, e).transpose(2, 3).reshape(b, n, e)
+
+
 class _ValuesMadeOver(_Fused):
     """Correct fused-qkv attention whose values go through ``values(v, x)`` before the product."""
 
@@ -569,6 +586,16 @@ def test_values_rotated_after_a_kept_prefix_are_named():
     assert check(PrefixKeptRotary(32)).verdict == "passed"
     bad = check(PrefixKeptRotary(32, on_values=True))
     assert bad.verdict == "failed" and "values-changed" in bad.ids, [(f.id, f.message) for f in bad.findings]
+
+
+def test_sdpa_within_windows_is_read_window_by_window():
+    """catches: one SDPA call over windows of an image (each of 4 tokens of 16) read as a head split that mixes
+    tokens and heads (definition-mismatch), while the same windows through softmax were read; a wrong scale
+    inside the windows must still be named."""
+    report = check(WindowedSdpa(32), length=16)
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    bad = check(WindowedSdpa(32, scale=1.0), length=16)
+    assert "missing-scale" in bad.ids or "wrong-scale" in bad.ids, [(f.id, f.message) for f in bad.findings]
 
 
 def test_any_change_of_the_values_is_named_and_the_designs_are_facts():

@@ -982,9 +982,15 @@ def _sdpa_hidden(op: Op, length: int) -> Tensor:
 
 
 def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
-               expected: Callable[[int], float | None], keep: Tensor | None = None) -> Verdict:
+               expected: Callable[[int], float | None], keep: Tensor | None = None, local: bool = False) -> Verdict:
     q, k = op.inputs[0], op.inputs[1]
     d = q.shape[-1]
+    facts: dict = {}
+    window = local and q.dim() >= 2 and q.shape[-2] == k.shape[-2] and 1 < q.shape[-2] < length and \
+        length % q.shape[-2] == 0
+    if window:  # attention within windows (Twins' locally grouped attention): each window's call on its own
+        facts["windows"] = f"attention within windows of {q.shape[-2]} tokens (the module sees a local pattern)"
+        length, keep = q.shape[-2], None
     if q.dim() < 2 or q.shape[-2] != length or k.shape[-2] < length:
         size = q.shape[-2] if q.dim() >= 2 and q.shape[-2] != length else k.shape[-2]
         return Verdict(DEFINITION_MISMATCH, {"matches": f"scaled_dot_product_attention runs over an axis of size "
@@ -1012,7 +1018,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         _values_verdict(trace, op.in_ids[2], evidence, {})
     if wrong is not None:
         return wrong
-    merge_fid, merged = _merge(trace, op, op.outputs[0], final)
+    merge_fid, merged = (None, "not checked: the windows are put back by the module's own layout") if window else \
+        _merge(trace, op, op.outputs[0], final)
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence})
@@ -1023,7 +1030,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         return Verdict(DEFINITION_MISMATCH, {"matches": problems[0] or problems[1], **evidence})
     if "" in problems:
         turned = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
-    facts = {"positions": turned} if turned else {}
+    if turned:
+        facts["positions"] = turned
     if cached:
         facts["cache"] = f"keys and values from a cache of {k.shape[-2]} positions for the {length} queries"
     return Verdict(None, {"formula": f"scaled_dot_product_attention; {said}", **evidence}, facts)
@@ -1058,7 +1066,7 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
     verdicts = []
     for op in trace.ops:
         if op.name == "scaled_dot_product_attention":
-            verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep))
+            verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep, local))
         elif op.name in SOFTMAX:
             found = _softmax_core(trace, op, final, width, length, expected, keep, batch, inputs, local)
             if found is not None:
