@@ -51,7 +51,7 @@ def probe_table() -> str:
     for p in PROBES:
         reads = ", ".join(p.needs) or "-"
         rows.append(f"| {p.name} | {f'`{p.covers}`' if p.covers else '-'} | {reads} | {_ids(p.emits)} |")
-    rows.append(f"| (every call: the inputs and masks it was given) | - | - | {_ids(DOCTOR_EMITS)} |")
+    rows.append(f"| (every call: its input, mask and own state) | - | - | {_ids(DOCTOR_EMITS)} |")
     return "\n".join(rows)
 
 

@@ -786,3 +786,82 @@ def test_projections_used_only_on_request_are_not_no_grad():
     as no-grad (only a projection named for the role whose keys or values came from elsewhere is)."""
     report = check(OptionalProjections(32))
     assert report.verdict == "passed", [(f.id, f.message, f.evidence) for f in report.findings]
+
+
+class ShrinksItsMask(_Fused):
+    """Wrong: the causal buffer is replaced by its slice for this call (``self.mask = self.mask[:L, :L]``), so a
+    call with a longer input than the last one fails."""
+
+    def __init__(self, dim: int, heads: int = 4, longest: int = 64) -> None:
+        super().__init__(dim, heads)
+        self.register_buffer("mask", torch.ones(longest, longest, dtype=torch.bool).tril())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        self.mask = self.mask[:n, :n]
+        q, k, v = self.split(x)
+        s = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        return self.merge(s.masked_fill(~self.mask, float("-inf")).softmax(-1) @ v)
+
+
+class GrowsItsRotaryCache(_Fused):
+    """Correct: rotary tables cached for the longest input so far and rebuilt (a tensor and its length replaced)
+    when a longer one comes, as GPT-NeoX's and older Llama code do; a call also keeps its weights for a viewer."""
+
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__(dim, heads)
+        self.cached = 0
+        self.cos = self.sin = torch.zeros(0)
+        self.last_weights: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        n, d = x.shape[1], q.shape[-1] // 2
+        if n > self.cached:
+            angle = torch.arange(n, dtype=x.dtype)[:, None] / 10000 ** (torch.arange(d, dtype=x.dtype) / d)
+            self.cached, self.cos, self.sin = n, torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+        cos, sin = self.cos[:n].to(x.dtype), self.sin[:n].to(x.dtype)
+        q, k = (t * cos + torch.cat([-t[..., d:], t[..., :d]], -1) * sin for t in (q, k))
+        w = ((q @ k.transpose(-2, -1)) / math.sqrt(2 * d)).softmax(-1)
+        self.last_weights = w.detach()
+        return self.merge(w @ v)
+
+
+class ConcatenatingCache(_Fused):
+    """Correct decoding code: each call's keys and values appended to the cache (``torch.cat``), every query
+    seeing the cached tokens and its own causal past; a second call continues the sequence."""
+
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__(dim, heads)
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        if self.k_cache is not None:
+            k, v = torch.cat([self.k_cache, k], 2), torch.cat([self.v_cache, v], 2)
+        self.k_cache, self.v_cache = k, v
+        n, s = q.shape[2], k.shape[2]
+        visible = torch.ones(n, s, dtype=torch.bool).tril(s - n)
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        return self.merge(scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v)
+
+
+def test_a_module_that_replaces_its_own_state_is_probed_as_given_and_a_state_that_breaks_calls_is_named():
+    """catches: a module that overwrites its causal buffer with this call's slice crashing the doctor (a raw
+    RuntimeError from its own layout check) or certified; and, the other way, rotary tables grown on demand, a
+    kept weights tensor or a concatenating KV cache (each call continues the sequence) read as that bug, or their
+    attention misread because one probe's call left the module in another state."""
+    report = check(ShrinksItsMask(32))
+    assert "state-dependent" in report.ids, [(f.id, f.message) for f in report.findings] + [report.not_verified]
+    assert report.findings[0].evidence["replaced"]["mask"] == ("a tensor (64, 64)", "a tensor (7, 7)")
+    for cls in (GrowsItsRotaryCache, ConcatenatingCache):
+        report = check(cls(32))
+        assert report.verdict == "passed", (cls.__name__, [(f.id, f.message) for f in report.findings],
+                                            report.not_verified)
+        assert "a call replaces the module's own" in report.inferred["state"], report.inferred
+    assert "give the module's outputs as given" in check(GrowsItsRotaryCache(32)).inferred["state"]
+    assert "state carried from call to call" in check(ConcatenatingCache(32)).inferred["state"]
+    module = GrowsItsRotaryCache(32)
+    check(module)
+    assert module.cached == 0 and module.last_weights is None  # the module is left as it was given

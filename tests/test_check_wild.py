@@ -32,9 +32,6 @@ NOT_YET: dict[str, str] = {
     "esm-mha/correct": "inconclusive: the white box cannot follow torch's multi_head_attention_forward called with "
                        "separate q, k, v weights (fairseq's fused path), so the formula is not verified; it was "
                        "certified without that look before unverified properties made a verdict inconclusive",
-    "esm-mha-rotary/correct": "half-precision-overflow: the half copy is a deepcopy made after float32 runs, and "
-                              "ESM's RotaryEmbedding keeps its float32 cos/sin cache (keyed on length and device, "
-                              "not dtype); a fresh ESM-2 module in half precision runs",
     "esm-row/correct": _AXIAL,
     "esm-column/correct": _AXIAL,
     "swin-map-windows/head merge without transpose": "certified: attention within windows is read window by "

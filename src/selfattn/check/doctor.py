@@ -51,6 +51,7 @@ from .findings import (
     NOT_EQUIVARIANT,
     SHAPE_DEPENDENT,
     SOFTMAX_DIM,
+    STATE_DEPENDENT,
     VALUES_CHANGED,
     WRONG_GRADIENT,
     WRONG_OUTPUT_SHAPE,
@@ -73,7 +74,7 @@ from .subject.building import (
     user_callable,
 )
 from .subject.caller import Caller, MaskSpec, parse_mask
-from .subject.calling import calling
+from .subject.calling import calling, calls_in_a_row
 from .subject.context import Context, Outcome, close, not_verified, tolerance
 from .whitebox.probe import white_box
 
@@ -128,7 +129,7 @@ PROBES: tuple[Probe, ...] = (
 
 CALLING_EMITS: frozenset[Kind] = frozenset({SHAPE_DEPENDENT, WRONG_OUTPUT_SHAPE, BATCH_MIXING})
 """What finding how the module is called (:func:`~selfattn.check.subject.calling.calling`) may give."""
-DOCTOR_EMITS: frozenset[Kind] = frozenset({MUTATES_INPUT})
+DOCTOR_EMITS: frozenset[Kind] = frozenset({MUTATES_INPUT, STATE_DEPENDENT})
 """What :func:`examine` itself reports, from every call the probes made."""
 
 
@@ -275,6 +276,9 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
             except CannotRun:
                 if i == len(dims) - 1:
                     raise
+            except Exception as err:  # the module ran at some shape, then failed on one it had run at
+                raise CannotRun(f"the module failed while the doctor was finding how to call it, on a call like one "
+                                f"it had answered before: {type(err).__name__}: {str(err)[:300]}") from err
         got.inferred["embed_dim"] = e
         called = got.take(found)
         assert called is not None  # calling() gives the caller and its input, or raises CannotRun
@@ -300,6 +304,10 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         got.seconds["calling"] = time.perf_counter() - start
         for probe in PROBES:
             got.run(probe, ctx)
+        try:
+            got.take(calls_in_a_row(call, x, gen))
+        except Exception as err:  # the module failed on an input it ran before: nothing certified
+            got.not_verified["calls in a row"] = not_verified(err)
     if got.results.get("masked") is None:
         got.coverage.setdefault("padding", "not verified: no mask understood")
     if call.mutated:  # every probe's call went through a copy of the input and a restored mask

@@ -154,6 +154,12 @@ NOT_EQUIVARIANT = _warning("not-equivariant", "permuting tokens does not permute
                            "explains it",
                            "Without positions or masks, attention must commute with permuting the tokens; look for "
                            "reshapes that mix positions (if the module adds positions, this is expected).")
+STATE_DEPENDENT = _error(
+    "state-dependent", "a call replaces the module's own state and a later call then fails where the module as "
+    "given runs",
+    "Don't store what one call needs in place of what the next needs: slice a fixed buffer into a local "
+    "(mask = self.mask[:L, :L], not self.mask = self.mask[:L, :L]), and keep caches apart from the buffers "
+    "every call reads.")
 MUTATES_INPUT = _warning("mutates-input", "the module changes its input or its mask in place (the doctor hands it "
                          "copies)",
                          "Leave the caller's tensors as they were: use out-of-place operations on the input and the "
@@ -170,14 +176,15 @@ CATALOGUE: dict[str, Kind] = {k.id: k for k in (
     MASK_INVERTED, MASK_AFTER_SOFTMAX, MASK_BROADCAST, MASK_ERROR, CAUSAL_LEAK, KEYS_HIDDEN, NAN_ON_MASKED_ROW,
     NAN_ON_EMPTY_SEQUENCE, HALF_PRECISION_OVERFLOW, HALF_PRECISION_MISMATCH, WRONG_GRADIENT, MASK_CONVENTION,
     DEFINITION_MISMATCH, NON_FINITE, DROPOUT_IN_EVAL, NO_GRAD, NOT_EQUIVARIANT, MUTATES_INPUT, WRONG_OUTPUT_SHAPE,
-    SHAPE_DEPENDENT)}
+    SHAPE_DEPENDENT, STATE_DEPENDENT)}
 """Every kind, by id, in the order the README's table lists them."""
 
 # a module that is random in eval mode makes every comparison of two runs meaningless: its diagnosis
 # explains every symptom but the ones a second run cannot cause
 CATALOGUE[DROPOUT_IN_EVAL.id] = DROPOUT_IN_EVAL = Kind(
     DROPOUT_IN_EVAL.id, "error", DROPOUT_IN_EVAL.summary, DROPOUT_IN_EVAL.fix,
-    frozenset(CATALOGUE) - {"dropout-in-eval", "no-grad", "half-precision-overflow", "mutates-input"})
+    frozenset(CATALOGUE) - {"dropout-in-eval", "no-grad", "half-precision-overflow", "mutates-input",
+                                     "state-dependent"})
 
 FINDING_IDS: tuple[str, ...] = tuple(CATALOGUE)
 FIXES: dict[str, str] = {fid: k.fix for fid, k in CATALOGUE.items()}

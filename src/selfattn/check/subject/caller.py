@@ -29,13 +29,16 @@ __all__ = [
     "MASK_NAMES",
     "MASK_SHAPES",
     "SWITCH_NAMES",
+    "UNSET",
     "Caller",
     "MaskSpec",
     "MaskWatch",
     "dependency",
     "find_call_style",
     "mask_parameters",
+    "module_state",
     "parse_mask",
+    "restore",
     "switch_parameter",
 ]
 
@@ -190,6 +193,9 @@ class Caller:
     layout: str = "batch-first"
     base: Tensor | None = None  # (L, L): the pattern the module applies without a mask, which a mask replaces
     mutated: set[str] = field(default_factory=set)  # what the module changed in place (shared by every copy)
+    # the module's own state a call replaced, restored after it: name -> (before, after) (shared by every copy)
+    replaced: dict[str, tuple[str, str]] = field(default_factory=dict)
+    keep_state: bool = False  # leave what a call replaces in the module as the call left it
 
     def __call__(self, x: Tensor, mask: object = None) -> Tensor:
         if mask is None and self.required:
@@ -198,13 +204,19 @@ class Caller:
         # The module may change its input in place: it gets a copy (recorded by a trace, so that what the module
         # computes still comes from x). The mask goes as it is, since probes watch it by identity (module_mask
         # made it a tensor of its own), and is restored after the call.
+        # The module may also replace its own buffers and attributes (self.mask = self.mask[:L, :L], a cache
+        # grown by torch.cat): what a call replaced is put back after it, so that every probe's call meets the
+        # module as it was given; whether calls in a row still agree is the state probe's question.
         t = given.clone()
         with untraced():
             kept = mask.detach().clone() if isinstance(mask, Tensor) else None
+            state = None if self.keep_state else module_state(self.module)
         try:
             out = self._call(t, mask)
         finally:
             with untraced(), torch.no_grad():
+                if state is not None:
+                    restore(state, self.replaced)
                 if kept is not None and isinstance(mask, Tensor) and _changed(mask, kept):
                     self.mutated.add("its mask argument")
                     # data and shape (mask.unsqueeze_(1) changes the caller's tensor too)
@@ -339,6 +351,50 @@ def _own(mask: object) -> object:
     """A mask tensor with storage of its own (not a view of the keep-mask it was made from, nor expanded), so that a
     module that writes into its mask in place changes nothing the doctor holds."""
     return mask.clone(memory_format=torch.contiguous_format) if isinstance(mask, Tensor) else mask
+
+
+_MODULE_OWN = frozenset(vars(nn.Module()))  # nn.Module's bookkeeping: parameters, submodules, hooks, training
+
+
+def module_state(module: nn.Module) -> list[tuple[str, nn.Module, dict, dict]]:
+    """Each submodule's own attributes and buffers, by identity (nothing is copied)."""
+    return [(name, m, {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}, dict(m._buffers))
+            for name, m in module.named_modules()]
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor {tuple(value.shape)}"
+    return "unset" if value is UNSET else repr(value)[:40]
+
+
+UNSET = object()
+
+
+def restore(state: list[tuple[str, nn.Module, dict, dict]],
+            replaced: dict[str, tuple[str, str]] | None = None) -> list[tuple[str, object, object]]:
+    """Put back every attribute and buffer replaced, added or removed since ``state`` was taken; record in
+    ``replaced`` those that were tensors or numbers (a cache's length), by their dotted name. Returns them as
+    (name, before, after) (``UNSET``: not there)."""
+    changes = []
+    for prefix, m, attrs, buffers in state:
+        now_attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
+        for before, now, target in ((attrs, now_attrs, m.__dict__), (buffers, dict(m._buffers), m._buffers)):
+            for key in before.keys() | now.keys():
+                old, new = before.get(key, UNSET), now.get(key, UNSET)
+                if old is new:
+                    continue
+                if old is UNSET:
+                    del target[key]
+                else:
+                    target[key] = old
+                if any(isinstance(v, Tensor) for v in (old, new)) or (
+                        all(isinstance(v, (int, float)) for v in (old, new)) and old != new):
+                    name = f"{prefix}.{key}" if prefix else key
+                    changes.append((name, old, new))
+                    if replaced is not None:
+                        replaced.setdefault(name, (_describe(old), _describe(new)))
+    return changes
 
 
 def _changed(now: Tensor, before: Tensor) -> bool:

@@ -21,12 +21,23 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from ..findings import BATCH_MIXING, SHAPE_DEPENDENT, WRONG_OUTPUT_SHAPE, Finding
+from ..findings import BATCH_MIXING, SHAPE_DEPENDENT, STATE_DEPENDENT, WRONG_OUTPUT_SHAPE, Finding
 from .building import CannotRun, Sizes, num_heads_of
-from .caller import MASK_NAMES, Caller, MaskSpec, dependency, find_call_style, mask_parameters, required_mask_parameter
+from .caller import (
+    MASK_NAMES,
+    UNSET,
+    Caller,
+    MaskSpec,
+    dependency,
+    find_call_style,
+    mask_parameters,
+    module_state,
+    required_mask_parameter,
+    restore,
+)
 from .context import Outcome, close, probe_keep, tolerance
 
-__all__ = ["KIND_ORDER", "SHAPE_ORDER", "calling"]
+__all__ = ["KIND_ORDER", "SHAPE_ORDER", "calling", "calls_in_a_row"]
 
 SHAPE_ORDER = ("BLL", "B1LL", "BL", "B11L", "LL")  # per-item shapes first: padding differs per item
 KIND_ORDER = ("keep", "keep-int", "keep-float", "additive")  # bool "keep" also finds bool "ignore"
@@ -354,3 +365,62 @@ def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, 
         return
     found.findings.append(Finding.of(SHAPE_DEPENDENT, "the module runs for some valid shapes and fails for others, "
                                      "with no batch or length limit that explains it", evidence))
+
+
+def _grew(old: object, new: object) -> bool:
+    """Did a tensor grow along its dims (a cache appended to), or appear?"""
+    if old is UNSET:
+        return True
+    return isinstance(old, Tensor) and isinstance(new, Tensor) and old.dim() == new.dim() and \
+        all(a <= b for a, b in zip(old.shape, new.shape, strict=True))
+
+
+def calls_in_a_row(call: Caller, x: Tensor, gen: torch.Generator) -> Outcome[None]:
+    """When a call replaced some of the module's own state (which every probe's call put back): the calls a user
+    makes in a row (a shorter input, the probe's, a longer one, the probe's again), with the state each leaves.
+
+    A call that then fails where the module as given runs is a state-dependent finding, unless what the calls
+    replaced only grew (a cache that accumulates, by design); outputs that differ from the module as given are a
+    note (the module carries state from call to call)."""
+    found = Outcome[None]()
+    if not call.replaced:
+        return found
+    b, n, e = x.shape
+    shapes = [s for s in [(b, max(2, n // 2), e), (b, n, e), (b, 2 * n, e), (b, n, e)]
+              if s[1] == n or _runs(call, s, gen, x.dtype, x.device) is None]
+    inputs = [x if s[1] == n else _randn(gen, s, x.dtype, x.device) for s in shapes]
+    with torch.no_grad():
+        fresh = [call(t) for t in inputs]
+        state = module_state(call.module)
+        kept = replace(call, keep_state=True)
+        failure, differs = None, []
+        try:
+            for i, t in enumerate(inputs):
+                try:
+                    out = kept(t)
+                except Exception as err:
+                    failure = (i, f"{type(err).__name__}: {err}"[:300])
+                    break
+                if out.shape != fresh[i].shape or not close(out, fresh[i], tolerance(x.dtype)):
+                    differs.append(i)
+        finally:
+            changes = restore(state)
+    names = ", ".join(f"{name} ({before} -> {after})" for name, (before, after) in call.replaced.items())
+    order = " then ".join(str(tuple(s)) for s in shapes)
+    if failure is not None and not all(_grew(old, new) for _, old, new in changes):
+        i, why = failure
+        found.findings.append(Finding.of(STATE_DEPENDENT, f"a call replaces the module's own {names}; called in a "
+                                         f"row ({order}), the call at {tuple(shapes[i])} fails, where the module as "
+                                         f"given runs: {why}", {"replaced": dict(call.replaced), "calls": order,
+                                                                "fails at": str(tuple(shapes[i])), "error": why}))
+        return found
+    if failure is not None or differs:
+        where = f"the call at {tuple(shapes[failure[0]])} fails" if failure is not None else \
+            f"the calls at {', '.join(str(tuple(shapes[i])) for i in differs)} give other outputs"
+        found.notes["state"] = (f"a call replaces the module's own {names}; called in a row ({order}), {where} "
+                                "than the module as given (state carried from call to call, as a cache's); every "
+                                "probe's call met the module as given")
+    else:
+        found.notes["state"] = (f"a call replaces the module's own {names} (a cache); calls in a row ({order}) "
+                                "give the module's outputs as given")
+    return found
