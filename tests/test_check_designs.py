@@ -865,3 +865,147 @@ def test_a_module_that_replaces_its_own_state_is_probed_as_given_and_a_state_tha
     module = GrowsItsRotaryCache(32)
     check(module)
     assert module.cached == 0 and module.last_weights is None  # the module is left as it was given
+
+
+def _grid(n: int) -> tuple[int, int]:
+    """(H, W) with H * W = n, H the largest divisor of n up to its square root."""
+    h = math.isqrt(n)
+    while n % h:
+        h -= 1
+    return h, n // h
+
+
+class SequenceReduction(nn.Module):
+    """Correct, a published design (PVT's spatial reduction, CvT's strided key/value convolution): the keys and
+    values come from the tokens laid out as an image and reduced by a strided convolution, so each of the L
+    queries attends over L / r^2 keys. ``bug``: "dim scale" (1/sqrt(E), the bug that shipped in a ViT package),
+    "over queries" (softmax over the queries)."""
+
+    def __init__(self, dim: int, heads: int = 4, ratio: int = 2, bug: str = "") -> None:
+        super().__init__()
+        self.heads, self.ratio, self.bug = heads, ratio, bug
+        self.q = nn.Linear(dim, dim)
+        self.kv = nn.Linear(dim, 2 * dim)
+        self.reduce = nn.Conv2d(dim, dim, ratio, stride=ratio)
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        h, w = _grid(n)
+        d = e // self.heads
+        q = self.q(x).view(b, n, self.heads, d).transpose(1, 2)
+        image = x.transpose(1, 2).reshape(b, e, h, w)
+        pooled = self.norm(self.reduce(image).flatten(2).transpose(1, 2))  # (B, L / r^2, E)
+        k, v = self.kv(pooled).view(b, -1, 2, self.heads, d).permute(2, 0, 3, 1, 4)
+        scale = e ** -0.5 if self.bug == "dim scale" else d ** -0.5
+        weights = (q @ k.transpose(-2, -1) * scale).softmax(-2 if self.bug == "over queries" else -1)
+        return self.proj((weights @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_keys_and_values_reduced_from_the_tokens_are_a_design_and_their_bugs_still_named():
+    """catches: spatial-reduction attention (PVT v2's and Twins' global sub-sampled attention in timm, CvT-style
+    strided key/value convolutions), whose L queries attend over fewer keys, read as definition-mismatch ("a
+    head split that mixes tokens and heads") or not-equivariant; and the same design with 1/sqrt(E) or a softmax
+    over the queries certified or misnamed."""
+    def on_a_grid(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return module(x, _grid(x.shape[1]))
+
+    pytest = __import__("pytest")
+    pytest.importorskip("timm")
+    from timm.models.pvt_v2 import Attention as PvtAttention
+    from timm.models.twins import GlobalSubSampleAttn
+
+    for name, module, how in [("ours", SequenceReduction(32), {}),
+                              ("pvt v2", PvtAttention(32, num_heads=2, sr_ratio=2), {"call": on_a_grid}),
+                              ("twins gsa", GlobalSubSampleAttn(32, num_heads=2, sr_ratio=2), {"call": on_a_grid})]:
+        report = check(module.eval(), length=16, **how)
+        assert report.verdict == "passed", (name, [(f.id, f.message) for f in report.findings], report.not_verified)
+        assert "4 positions for the 16 queries" in report.inferred["design"]["reduced keys"], report.inferred
+    assert "wrong-scale" in check(SequenceReduction(32, bug="dim scale"), length=16).ids
+    assert "softmax-dim" in check(SequenceReduction(32, bug="over queries"), length=16).ids
+
+
+class GatedAttentionUnit(nn.Module):
+    """A published design (the gated attention unit of FLASH, Hua et al. 2022): one shared low-dimensional
+    projection scaled into q and k per role, ReLU^2 weights over L in place of the softmax, and a gate. Its zeros
+    follow the values, not positions. ``causal``: the future hidden; ``off_by_one``: tril(1), the next token seen."""
+
+    def __init__(self, dim: int, qk_dim: int = 16, causal: bool = False, off_by_one: bool = False) -> None:
+        super().__init__()
+        self.causal, self.off_by_one = causal, off_by_one
+        self.to_hidden = nn.Linear(dim, 4 * dim)
+        self.to_qk = nn.Linear(dim, qk_dim)
+        self.gamma = nn.Parameter(0.02 * torch.randn(2, qk_dim))
+        self.beta = nn.Parameter(torch.zeros(2, qk_dim))
+        self.to_out = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        v, gate = F.silu(self.to_hidden(x)).chunk(2, dim=-1)
+        q, k = (F.silu(self.to_qk(x))[..., None, :] * self.gamma + self.beta).unbind(dim=-2)
+        weights = F.relu(torch.einsum("bid,bjd->bij", q, k) / n) ** 2
+        if self.causal or self.off_by_one:
+            weights = weights.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(int(self.off_by_one)), 0.0)
+        return self.to_out(torch.einsum("bij,bjd->bid", weights, v) * gate)
+
+
+def test_relu_squared_weights_whose_zeros_follow_the_values_are_no_mask():
+    """catches: a gated attention unit (ReLU^2 weights, exact zeros wherever a score is negative) read as
+    causal-leak ("queries see some future keys and not others", "hides past keys") because the zeros of its
+    weights were taken for a mask, even with --allow-nonstandard; and its off-by-one causal mask or a missing
+    causal mask the user asked for then certified."""
+    for seed in range(3):
+        for causal in (False, True):
+            torch.manual_seed(seed)
+            report = check(GatedAttentionUnit(32, causal=causal), allow_nonstandard=True, causal=causal)
+            assert report.verdict == "passed", (seed, causal, [(f.id, f.message) for f in report.findings],
+                                                report.coverage)
+            assert report.inferred["causal"] is causal
+        torch.manual_seed(seed)
+        assert "causal-leak" in check(GatedAttentionUnit(32, off_by_one=True), allow_nonstandard=True).ids, seed
+        torch.manual_seed(seed)
+        assert "causal-leak" in check(GatedAttentionUnit(32), allow_nonstandard=True, causal=True).ids, seed
+
+
+def test_local_attention_in_blocks_with_look_around_is_read_as_windows():
+    """catches: lucidrains' local-attention (LocalMHA: blocks of queries, each over its own and its neighbours'
+    keys, padded with a constant, causal or not, optionally with l2-normalised q/k and a fixed temperature of 8)
+    read as definition-mismatch ("weights over axes that are not the tokens") or wrong-scale, and a 1/sqrt(E)
+    scale in it certified."""
+    pytest = __import__("pytest")
+    pytest.importorskip("local_attention")
+    from local_attention import LocalMHA
+
+    for causal in (False, True):
+        for qk_rmsnorm in (False, True):
+            torch.manual_seed(0)
+            module = LocalMHA(dim=32, window_size=4, dim_head=8, heads=4, causal=causal, qk_rmsnorm=qk_rmsnorm,
+                              use_rotary_pos_emb=False).eval()
+            report = check(module, length=16)
+            assert report.verdict == "passed", (causal, qk_rmsnorm, [(f.id, f.message) for f in report.findings])
+            assert "window" in report.inferred["window"], report.inferred
+            # with its rotary positions it raises in half precision (float32 tables), and nothing else
+            rotary = check(LocalMHA(dim=32, window_size=4, dim_head=8, heads=4, causal=causal,
+                                    qk_rmsnorm=qk_rmsnorm).eval())
+            assert set(rotary.ids) == {"half-precision-overflow"}, [(f.id, f.message) for f in rotary.findings]
+    torch.manual_seed(0)
+    wrong = LocalMHA(dim=32, window_size=4, dim_head=8, heads=4, causal=True, use_rotary_pos_emb=False).eval()
+    wrong.attn_fn.scale = 32 ** -0.5
+    assert "wrong-scale" in check(wrong, length=16).ids
+
+
+def test_flash_gated_attention_units_are_a_design_with_allow_nonstandard():
+    """catches: flash-pytorch's GAU (ReLU^2 weights with a learned relative bias, so whole diagonals of keys get
+    exact zeros) read as causal-leak even with --allow-nonstandard."""
+    pytest = __import__("pytest")
+    pytest.importorskip("flash_pytorch")
+    from flash_pytorch import GAU
+
+    for causal in (False, True):
+        for laplace in (False, True):
+            torch.manual_seed(0)
+            report = check(GAU(dim=32, query_key_dim=16, causal=causal, laplace_attn_fn=laplace).eval(),
+                           allow_nonstandard=True)
+            assert report.verdict == "passed", (causal, laplace, [(f.id, f.message) for f in report.findings])
+            assert report.inferred["causal"] is causal

@@ -77,6 +77,7 @@ from .subject.caller import Caller, MaskSpec, parse_mask
 from .subject.calling import calling, calls_in_a_row
 from .subject.context import Context, Outcome, close, not_verified, tolerance
 from .whitebox.probe import white_box
+from .whitebox.trace import normalises
 
 __all__ = ["CALLING_EMITS", "DOCTOR_EMITS", "PROBES", "Probe", "check", "examine"]
 
@@ -297,6 +298,8 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         got.inferred["analysed in"] = "a float64 copy" if exact is not None else str(x.dtype)[6:]
         ctx = Context(module, call, x, gen, declared, causal, spec, allow_nonstandard, exact, no_mask, scale,
                       bidirectional)
+        analysis = ctx.analysis
+        ctx = replace(ctx, normalised=normalises(analysis.module, lambda: analysis(ctx.analysis_x)))
         if not twin_reads_masks_alike(ctx):
             ctx = replace(ctx, exact=None)
             got.inferred["analysed in"] = f"{str(x.dtype)[6:]} (its float64 copy reads masks differently)"

@@ -105,13 +105,37 @@ def causality(ctx: Context) -> Outcome[Tensor]:
         the user requires causality); value: dep (L, L) bool, row i depends on token j.
     """
     dep = dependency(ctx.analysis, ctx.analysis_x, rtol=ctx.dependency_rtol)
+    moved = ""
+    if band(dep) is None and _local_design(dep) is None and not dep.all():
+        # a mask hides the same positions whatever the tokens; zeros that follow the values (a ReLU or a top-k in
+        # place of the softmax) move with them: the union over the same tokens in other orders is the pattern
+        x, seen = ctx.analysis_x, dep.clone()
+        for seed in range(1, 13):
+            order = torch.randperm(x.shape[1], generator=ctx.gen)
+            seen |= dependency(ctx.analysis, x[:, order], rtol=ctx.dependency_rtol, seed=seed)
+            if band(seen) is not None or _local_design(seen) is not None:
+                break
+        if not torch.equal(seen, dep):
+            moved = ("which keys a row depends on changes with the order of the tokens (zeros that follow the "
+                     f"values, as a ReLU or a top-k in place of the softmax make): read over {seed + 1} orders")
+            dep = seen
     length = dep.shape[0]
     whole = length - 1
     seen_future = dep & future(length)
     causal = not seen_future.any()
     found = Outcome[Tensor](notes={"causal": causal, "sees every key": bool(dep.all())}, value=dep)
     shape = band(dep)
-    if shape is not None:
+    if not ctx.normalised and shape is None and not moved:
+        moved = ("the weights go through no softmax (ReLU^2, sigmoid or linear attention): a key a row does not "
+                 "depend on may be a zero of its scores, not a mask")
+    if moved and shape is None:  # what is seen is certain, what is not may be a zero of the values
+        found.notes["keys seen"] = moved
+        ahead = {j - i for i, j in seen_future.nonzero().tolist()}
+        if ahead == {1} and length > 2:
+            found.findings.append(Finding.of(CAUSAL_LEAK, "queries see the next token and no later one: a causal "
+                                             "mask off by one", {"future (query, key) pairs seen":
+                                                                 seen_future.nonzero().tolist()[:10]}))
+    elif shape is not None:
         left, right = shape
         if right < 0:
             found.findings.append(Finding.of(CAUSAL_LEAK, "the causal mask hides the diagonal: a query does not "
@@ -139,7 +163,7 @@ def causality(ctx: Context) -> Outcome[Tensor]:
         else:
             found.findings.append(Finding.of(CAUSAL_LEAK, "queries see some future keys and not others",
                                              {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
-    if ctx.bidirectional and not dep.all():
+    if ctx.bidirectional and not dep.all() and not moved:
         hidden = (~dep).nonzero().tolist()[:10]
         found.findings.append(Finding.of(KEYS_HIDDEN, "queries do not see every key although the module must be "
                                          "bidirectional", {"hidden (query, key) pairs": hidden}))

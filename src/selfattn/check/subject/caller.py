@@ -451,19 +451,19 @@ class MaskWatch(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def dependency(fn: Callable[[Tensor], Tensor], x: Tensor, item: int = 0, rtol: float = 1e-5) -> Tensor:
+def dependency(fn: Callable[[Tensor], Tensor], x: Tensor, item: int = 0, rtol: float = 1e-5, seed: int = 0) -> Tensor:
     """(L, L) bool: does output row i of batch item ``item`` change when input token j changes?
 
     A change counts when it exceeds ``rtol`` times (1 + the largest finite output): pick it above the
     dtype's rounding (the probes run this on a float64 copy of the module when it has one). A NaN that stays
     NaN is no change (a row with no visible key, as a causal mask that hides the diagonal makes the first one);
-    a value that turns NaN or changes from NaN is one.
+    a value that turns NaN or changes from NaN is one. ``seed`` varies the tokens drawn in place of each.
     """
     with torch.no_grad():
         base = fn(x)[item]
         length = x.shape[1]
         dep = torch.zeros(length, length, dtype=torch.bool)
-        g = torch.Generator().manual_seed(1234)
+        g = torch.Generator().manual_seed(1234 + seed)
         size = 1 + float(base.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max()) if base.numel() else 1.0
         for j in range(length):
             x2 = x.clone()

@@ -54,6 +54,7 @@ class Context:
     no_mask: bool = False  # the user says the module takes no mask
     scale: float | None = None  # the score scale the user says the module uses on purpose
     bidirectional: bool = False  # the user requires every query to see every key
+    normalised: bool = True  # the weights go through a softmax (False: ReLU^2, sigmoid or linear attention)
 
     @property
     def rtol(self) -> float:

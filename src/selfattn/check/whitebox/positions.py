@@ -84,7 +84,12 @@ def rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:
         cur = todo.pop(0)
         got = trace.value(cur) if cur != tid else None
         if got is not None and got.shape == value.shape:
-            ratio = norms / got.double().norm(dim=-1).clamp_min(1e-300)
+            before = got.double().norm(dim=-1)
+            rows = before > 1e-12 * float(before.max()) if before.numel() else before.bool()  # not padding's zeros
+            zeros = norms[~rows]
+            if not bool(rows.any()) or (zeros.numel() and float(zeros.max()) > 1e-9 * float(norms.max())):
+                continue
+            ratio = norms[rows] / before[rows]
             if float((ratio - ratio.mean()).abs().max()) <= 1e-6 * float(ratio.mean().abs()):
                 return ""
             ratios.append(ratio)
@@ -112,7 +117,12 @@ def rotated_from(trace: Trace, tid: int) -> tuple[int, float] | None:
     for cur in trace.ancestors(tid, limit=40):
         got = trace.value(cur)
         if got is not None and got.shape == value.shape and not got.is_complex():
-            ratio = norms / got.double().norm(dim=-1).clamp_min(1e-300)
+            before = got.double().norm(dim=-1)
+            rows = before > 1e-12 * float(before.max()) if before.numel() else before.bool()  # not padding's zeros
+            zeros = norms[~rows]
+            if not bool(rows.any()) or (zeros.numel() and float(zeros.max()) > 1e-9 * float(norms.max())):
+                continue
+            ratio = norms[rows] / before[rows]
             if float((ratio - ratio.mean()).abs().max()) <= 1e-6 * float(ratio.mean().abs()):
                 if torch.allclose(got.double() * float(ratio.mean()), value.double(), rtol=1e-6, atol=1e-9):
                     return None  # the same values (a copy into a cache): not rotated
@@ -200,11 +210,20 @@ def _fixed_factor(trace: Trace, op: Op, tid: int) -> int | None:
     return at
 
 
+# what puts rows side by side or pads them (local attention's look-around: F.pad, then slices joined by torch.cat,
+# or Tensor.unfold)
+_PLACING = frozenset({"pad", "cat", "concat", "concatenate", "stack", "unfold"})
+
+
 def unit_before_gains(trace: Trace, tid: int, d: int) -> bool:
     """Was the score operand ``tid`` of unit norm along its head dim (size ``d``, the last axis) before a few
     multiplications by numbers and learned gains (NaViT's ``F.normalize(x) * sqrt(d) * gamma``, x-transformers'
     l2-normalised q/k times a learned scale)? Then what multiplies the scores is a temperature of that design."""
     for _ in range(8):
+        turned = rotated_from(trace, tid)
+        if turned is not None:  # rotary positions keep each row's norm: look at what was rotated
+            tid = turned[0]
+            continue
         found = trace.maker(tid)
         if found is None:
             return False
@@ -214,7 +233,7 @@ def unit_before_gains(trace: Trace, tid: int, d: int) -> bool:
                 value.numel() and bool(((value.double().norm(dim=-1) - 1).abs() < 1e-3).all()):
             return True
         src = op.main_input()
-        if op.name in LAYOUT and src is not None:
+        if (op.name in LAYOUT or op.name in _PLACING) and src is not None:
             tid = src
             continue
         if not op.in_ids:

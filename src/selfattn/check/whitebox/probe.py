@@ -190,7 +190,10 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
                                  "small to tell formulas apart)"
     notes = {"white box": results, **({"design": facts} if facts else {})}
     if skipped == len(_runs(ctx, masked, dep)):
-        return Outcome(findings, notes, positions, {"white_box": f"not verified: {next(iter(results.values()))}"})
+        why = next(iter(results.values()))
+        if ctx.allow_nonstandard:  # no softmax attention to read, as the user said: ReLU^2, linear, sigmoid
+            why = f"--allow-nonstandard and no softmax attention was followed ({why})"
+        return Outcome(findings, notes, positions, {"white_box": f"not verified: {why}"})
     cover = "verified" if not ctx.allow_nonstandard or all("matches" in r for r in results.values()) else \
         "not verified: --allow-nonstandard and no formula matched"
     return Outcome(findings, notes, positions, {"white_box": cover})
@@ -224,6 +227,8 @@ def _by_operands(trace, out: Tensor, width: int, length: int, stated: Callable[[
     evidence = {**chosen.evidence, "read from": "the operands of the attention's products"}
     if "position term" in facts or "positions" in facts:
         evidence["positions"] = facts.get("positions", facts.get("position term"))
+    elif "reduced keys" in facts:  # which tokens pool into which key follows their positions
+        evidence["positions"] = "keys and values pooled from the tokens by their positions (a sequence reduction)"
     return (chosen.fid, evidence, facts), ""
 
 

@@ -829,9 +829,19 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                         p.dim() - 1)
     window = local and p.dim() >= 2 and p.shape[-1] == p.shape[-2] and 1 < p.shape[-1] < length and \
         length % p.shape[-1] == 0
+    blocks = local and not window and p.dim() >= 3 and 1 < p.shape[-2] < length < p.shape[-3] * p.shape[-2] + \
+        p.shape[-2] and p.shape[-1] > p.shape[-2] and p.shape[-1] % p.shape[-2] == 0
     if window:  # attention within windows (Swin's on an image): the weights' axes are a window's tokens
         facts["windows"] = f"attention within windows of {p.shape[-1]} tokens (the module sees a local pattern)"
         keep = None  # the run's (L, L) pattern is the windows'; each window's scores are read on their own
+    elif blocks:  # blocks of queries, each over its block and its neighbours' keys (local attention, look-around)
+        facts["windows"] = (f"attention in {p.shape[-3]} blocks of {p.shape[-2]} queries, each over {p.shape[-1]} "
+                            "keys (its block and its neighbours': local attention with look-around)")
+        keep = None
+    elif p.dim() >= 2 and p.shape[-2] == length and 1 <= p.shape[-1] < length and w.shape[-1] == p.shape[-1]:
+        # keys and values from fewer positions than the queries
+        facts["reduced keys"] = _reduced(p.shape[-1], length)
+        keep = None  # the run's (L, L) pattern does not apply to them
     elif p.dim() < 2 or p.shape[-1] != length or p.shape[-2] != length:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights are {tuple(p.shape[-2:])} over axes that are "
                                                f"not the {length} tokens (a head split that mixes tokens and heads)",
@@ -969,6 +979,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                      f"products; {said}", **evidence}, facts)
 
 
+def _reduced(keys: int, length: int) -> str:
+    return (f"keys and values from {keys} positions for the {length} queries (a sequence reduction: a strided "
+            "convolution or a pooling of the tokens, as PVT's, Twins' or CvT's; masks are not read on them)")
+
+
 def _sdpa_hidden(op: Op, length: int) -> Tensor:
     """(..., L, L) bool: where an SDPA call masks its scores (its attn_mask and is_causal)."""
     mask = op.kwargs.get("attn_mask", op.args[3] if len(op.args) > 3 else None)
@@ -991,12 +1006,14 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     if window:  # attention within windows (Twins' locally grouped attention): each window's call on its own
         facts["windows"] = f"attention within windows of {q.shape[-2]} tokens (the module sees a local pattern)"
         length, keep = q.shape[-2], None
-    if q.dim() < 2 or q.shape[-2] != length or k.shape[-2] < length:
-        size = q.shape[-2] if q.dim() >= 2 and q.shape[-2] != length else k.shape[-2]
+    if q.dim() < 2 or q.shape[-2] != length:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"scaled_dot_product_attention runs over an axis of size "
-                                               f"{size}, not the {length} tokens (a head split that mixes tokens "
-                                               "and heads)"})
-    cached = k.shape[-2] != length  # keys and values from a cache of more positions (gpt-fast's, allocated ahead)
+                                               f"{q.shape[-2] if q.dim() >= 2 else 1}, not the {length} tokens (a head "
+                                               "split that mixes tokens and heads)"})
+    cached = k.shape[-2] > length  # keys and values from a cache of more positions (gpt-fast's, allocated ahead)
+    if k.shape[-2] < length:  # keys and values from fewer positions than the queries: a sequence reduction
+        facts["reduced keys"] = _reduced(k.shape[-2], length)
+        cached = True  # the run's (L, L) pattern does not apply to them
     given = op.kwargs.get("scale", op.args[6] if len(op.args) > 6 else None)
     base = 1 / math.sqrt(d) if given is None else float(given)
     origin_q, origin_k = scale_origin(trace, op.in_ids[0]), scale_origin(trace, op.in_ids[1])

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._seams import version
 
-__all__ = ["LAYOUT", "PRODUCTS", "SOFTMAX", "Linear", "Op", "Origin", "Trace", "key", "linears", "record"]
+__all__ = ["LAYOUT", "PRODUCTS", "SOFTMAX", "Linear", "Op", "Origin", "Trace", "key", "linears", "normalises", "record"]
 
 PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm", "rmatmul"})
 SOFTMAX = frozenset({"softmax", "_softmax"})
@@ -323,6 +323,20 @@ def record(module: nn.Module, call: Callable[[], Tensor]) -> tuple[Trace, Tensor
         for h in handles:
             h.remove()
     return trace, out
+
+
+def normalises(module: nn.Module, call: Callable[[], Tensor]) -> bool:
+    """Does a run of the module normalise its weights with a softmax (or an op that may: an attention kernel, a
+    custom autograd function the trace does not enter)? False when it runs products and none of those (ReLU^2,
+    sigmoid or linear attention, whose weights are exactly 0 wherever their scores say so); True when unsure."""
+    try:
+        trace, _ = record(module, call)
+    except Exception:
+        return True
+    names = {op.name.lower() for op in trace.ops}
+    if any("softmax" in n or "attention" in n or n == "apply" for n in names):
+        return True
+    return not names & PRODUCTS
 
 
 def module_map(module: nn.Module, name: str) -> Callable[[Tensor], Tensor]:
