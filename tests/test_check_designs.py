@@ -1009,3 +1009,92 @@ def test_flash_gated_attention_units_are_a_design_with_allow_nonstandard():
                            allow_nonstandard=True)
             assert report.verdict == "passed", (causal, laplace, [(f.id, f.message) for f in report.findings])
             assert report.inferred["causal"] is causal
+
+
+def test_image_attention_with_windows_or_a_reduction_by_seven_is_probed_on_a_grid_it_can_read():
+    """catches: vit-pytorch's Twins blocks, which take (B, C, H, W) and whose norm broadcasts a (B, L, E) input
+    into another shape, reported as "never returned a (B, L, E) output" (the image layout was never tried); and
+    the global sub-sampled attention with its default reduction by 7 probed on a 7 x 7 grid, where one key is
+    left (weight 1 whatever the score): a false wrong-scale and no-grad. Its scale bug is still named."""
+    pytest = __import__("pytest")
+    pytest.importorskip("vit_pytorch")
+    from vit_pytorch.twins_svt import GlobalAttention, LocalAttention
+
+    for module in (LocalAttention(32, heads=4, dim_head=8, patch_size=2), LocalAttention(32, heads=4, dim_head=8),
+                   GlobalAttention(32, heads=4, dim_head=8, k=2), GlobalAttention(32, heads=4, dim_head=8)):
+        report = check(module.eval())
+        assert report.verdict == "passed", (module, [(f.id, f.message) for f in report.findings], report.not_verified)
+        assert report.inferred["layout"].startswith("channels-first")
+    wrong = GlobalAttention(32, heads=4, dim_head=8).eval()
+    wrong.scale = 32 ** -0.5
+    report = check(wrong)
+    assert "wrong-scale" in report.ids and report.inferred["probe shape"] == (2, 196, 32), report.inferred
+
+
+class ClipTextLayer(nn.Module):
+    """Correct, as open_clip's text tower runs its blocks: a pre-norm residual block (open_clip's own
+    ResidualAttentionBlock: nn.MultiheadAttention, then an MLP) given the causal mask the tower holds for its fixed
+    context length, batch first or sequence first. ``leak``: that mask shows the next token."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, context: int = 8, batch_first: bool = True,
+                 leak: bool = False) -> None:
+        super().__init__()
+        from open_clip.transformer import ResidualAttentionBlock
+
+        self.block = ResidualAttentionBlock(dim, heads, batch_first=batch_first)
+        self.register_buffer("attn_mask", torch.full((context, context), float("-inf")).triu(1 + int(leak)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x, attn_mask=self.attn_mask)
+
+
+def test_a_pre_norm_block_with_a_fixed_context_length_is_read_batch_or_sequence_first():
+    """catches: nn.MultiheadAttention behind a norm read as definition-mismatch (its query, a norm of the input,
+    was taken as sequence-first), a residual block compared as if its output were the attention's, a fixed context
+    length equal to the head count of a wrapped attention read as a shape coincidence, and a sequence-first module
+    with a fixed length left at "runs only at batch size 8" and then failing on the probe input."""
+    pytest = __import__("pytest")
+    pytest.importorskip("open_clip")
+    from open_clip.transformer import ResidualAttentionBlock
+
+    report = check(ResidualAttentionBlock(64, 4).eval())
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    for batch_first in (True, False):
+        report = check(ClipTextLayer(batch_first=batch_first).eval())
+        assert report.verdict == "passed", (batch_first, [(f.id, f.message) for f in report.findings])
+        assert "runs only at length 8" in report.inferred["length"], report.inferred
+        assert report.inferred.get("layout", "batch-first").startswith("batch" if batch_first else "sequence")
+        assert "causal-leak" in check(ClipTextLayer(batch_first=batch_first, leak=True).eval()).ids
+
+
+class CausalDroppedWithPadding(_Fused):
+    """SDPA takes attn_mask or is_causal: a causal module written ``is_causal=mask is None`` that, given a key
+    padding mask, drops its causal mask (``keep_causal`` keeps it, correct). ``padding_true``: the mask reads
+    True = padding, as flash-attn's wrappers take it; ``additive``: a float (B, 1, 1, L) mask of 0 and -inf."""
+
+    def __init__(self, dim: int, keep_causal: bool = False, padding_true: bool = False) -> None:
+        super().__init__(dim)
+        self.keep_causal, self.padding_true = keep_causal, padding_true
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.split(x)
+        if key_padding_mask is None:
+            return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        keep = (~key_padding_mask if self.padding_true else key_padding_mask)[:, None, None, :]
+        if self.keep_causal:
+            n = x.shape[1]
+            keep = keep & torch.ones(n, n, dtype=torch.bool).tril()
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+
+
+def test_a_causal_mask_dropped_when_a_padding_mask_comes_is_a_leak():
+    """catches: a causal module that loses its causal mask whenever it is given a key padding mask (the classic
+    ``is_causal=mask is None`` with SDPA) reported inconclusive ("no mask understood": the all-visible mask changes
+    the output) instead of causal-leak, in either bool polarity; the module that keeps both must pass."""
+    for padding_true in (False, True):
+        report = check(CausalDroppedWithPadding(32, padding_true=padding_true))
+        assert "causal-leak" in report.ids, (padding_true, [(f.id, f.message) for f in report.findings],
+                                             report.coverage)
+        assert report.inferred["mask"]["kind"] == ("ignore" if padding_true else "keep"), report.inferred["mask"]
+        report = check(CausalDroppedWithPadding(32, keep_causal=True, padding_true=padding_true))
+        assert report.verdict == "passed", (padding_true, [(f.id, f.message) for f in report.findings])

@@ -77,7 +77,7 @@ from .subject.caller import Caller, MaskSpec, parse_mask
 from .subject.calling import calling, calls_in_a_row
 from .subject.context import Context, Outcome, close, not_verified, tolerance
 from .whitebox.probe import white_box
-from .whitebox.trace import normalises
+from .whitebox.trace import SOFTMAX, normalises, record
 
 __all__ = ["CALLING_EMITS", "DOCTOR_EMITS", "PROBES", "Probe", "check", "examine"]
 
@@ -176,6 +176,38 @@ class _Collected:
 
 class _Undeclared(RuntimeError):
     """A probe emitted a finding kind its table entry does not declare (a doctor bug)."""
+
+
+def _keys(call: Caller, x: Tensor) -> int | None:
+    """How many keys the module's first attention weighs in a run on ``x`` (None: none recorded)."""
+    try:
+        trace, _ = record(call.module, lambda: call(x))
+    except Exception:
+        return None
+    for op in trace.ops:
+        if op.name == "scaled_dot_product_attention" and len(op.inputs) > 1 and op.inputs[1].dim() >= 2:
+            return int(op.inputs[1].shape[-2])
+        if op.name in SOFTMAX and op.outputs:
+            return int(op.outputs[0].shape[-1])
+    return None
+
+
+def _enough_keys(call: Caller, x: Tensor, gen: torch.Generator, inferred: dict) -> Tensor:
+    """An image input whose attention weighs more than one key: a reduction by 7 (Twins' global attention) turns
+    a 7 x 7 grid into one key, whose weight is 1 whatever its score (no scale to read, no gradient for q); the
+    grid's sides are doubled while that is so and the module runs."""
+    b, n, e = x.shape
+    while _keys(call, x) == 1 and 4 * n <= 1024:
+        bigger = torch.randn(b, 4 * n, e, generator=gen).to(x)
+        try:
+            with torch.no_grad():
+                call(bigger)
+        except Exception:
+            break
+        x, n = bigger, 4 * n
+        inferred["probe shape"] = (b, n, e)
+        inferred["keys"] = "a grid with one key after the module's reduction was doubled on each side"
+    return x
 
 
 def _float64_twin(call: Caller, x: Tensor, out: Tensor) -> Caller | None:
@@ -285,6 +317,8 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         assert called is not None  # calling() gives the caller and its input, or raises CannotRun
         call, x = called
         call.make_mask = make_mask
+        if call.layout in ("channels-first", "channels-last") and sizes.lengths is None:
+            x = _enough_keys(call, x, gen, got.inferred)
         try:
             with torch.no_grad():
                 out = call(x)

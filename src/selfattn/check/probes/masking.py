@@ -221,6 +221,31 @@ def _replaces_its_own(caller: Caller, x: Tensor, plain: Tensor, dep: Tensor) -> 
         return close(based(x, based.module_mask(everything)), plain)
 
 
+def _drops_its_causal_mask(ctx: Context, caller: Caller, keep: Tensor, mask: object,
+                           dep: Tensor) -> tuple[Finding, bool] | None:
+    """A causal module that drops its causal mask when given a key padding mask (SDPA takes attn_mask or
+    is_causal, and ``is_causal=mask is None`` keeps only the first): with the mask, rows see future keys while the
+    hidden keys stay hidden. A (B, L) mask cannot carry causality, so this is a leak, not a design. Returns the
+    finding and whether the bool mask reads True = padding."""
+    length = dep.shape[0]
+    if bool((dep & future(length)).any()) or bool(dep.all()):
+        return None
+    x = ctx.analysis_x
+    d = dependency(partial(caller, mask=mask), x, rtol=ctx.dependency_rtol)
+    k0, off = keep[0].cpu(), ~torch.eye(length, dtype=torch.bool)
+    flipped = bool((d & ~k0 & off).any()) and not bool((d & k0 & off).any())
+    if flipped:
+        k0 = ~k0  # a bool mask read True = padding
+    seen_future = d & future(length) & k0
+    if not bool(seen_future.any()) or bool((d & ~k0 & off).any()):
+        return None
+    return Finding.of(CAUSAL_LEAK, f"given a key padding mask ({_label(caller)}), the module drops its causal mask: "
+                      "queries see future keys (a (B, L) mask cannot carry causality; pass both, e.g. an attn_mask "
+                      "that is the causal mask and the padding together)",
+                      {"future (query, key) pairs seen with the mask": seen_future.nonzero().tolist()[:10],
+                       "without a mask": "causal"}), flipped
+
+
 def _describe(caller: Caller) -> dict:
     note = {"convention": caller.spec.describe() if caller.spec else "your make_mask(keep)"}
     if caller.base is not None:
@@ -303,6 +328,12 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             with torch.no_grad():
                 if caller.spec is not None and not any(close(caller(x, caller.module_mask(k)), plain) for k in (
                         torch.ones_like(keep), torch.zeros_like(keep))):  # zeros: a module reading the mask inverted
+                    dropped = _drops_its_causal_mask(ctx, caller, keep, mask, dep) if caller.key_only else None
+                    if dropped is not None:
+                        finding, flipped = dropped
+                        if flipped and caller.spec is not None and caller.spec.kind == "keep":
+                            native = native.with_mask(MaskSpec("ignore", caller.spec.shape))
+                        return Outcome[Caller]([finding], {"mask": _describe(native)}, native, {"mask": "verified"})
                     raise ValueError("a mask that hides nothing (or everything) does not give the unmasked output: "
                                      "it broadcasts into other dimensions")
         except Exception as err:  # not this argument, shape or kind: try the next one

@@ -342,7 +342,11 @@ def num_heads_of(module: nn.Module) -> int | None:
     if found:
         return found
     head_dim, e = _int_attr(module, ("head_dim",)), _int_attr(module, _EMBED_ATTRS)
-    return e // head_dim if head_dim and e and e % head_dim == 0 else None
+    if head_dim and e and e % head_dim == 0:
+        return e // head_dim
+    # a block around one attention (a norm and nn.MultiheadAttention): the heads its attention layers agree on
+    inner = {_int_attr(m, _HEAD_KEYS) for m in module.modules() if m is not module} - {None, 0}
+    return inner.pop() if len(inner) == 1 else None
 
 
 def param_dtype(module: nn.Module) -> torch.dtype:

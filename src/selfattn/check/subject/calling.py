@@ -41,6 +41,8 @@ __all__ = ["KIND_ORDER", "SHAPE_ORDER", "calling", "calls_in_a_row"]
 
 SHAPE_ORDER = ("BLL", "B1LL", "BL", "B11L", "LL")  # per-item shapes first: padding differs per item
 KIND_ORDER = ("keep", "keep-int", "keep-float", "additive")  # bool "keep" also finds bool "ignore"
+_SEQUENCE_FIRST = ("sequence-first: the module takes (L, B, E) (as nn.MultiheadAttention with batch_first=False); "
+                   "the doctor sends x.transpose(0, 1)")
 
 
 def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -137,7 +139,7 @@ def _image_layout(module: nn.Module, adapter: Callable | None, sizes: Sizes, e: 
     """A caller sending the input as an image (channels first, then last), and the shapes it runs at, when the
     module runs on no (B, L, E) input but on a (B, E, H, W) or (B, H, W, E) one (a convolutional block's
     attention); None otherwise."""
-    lengths = sizes.lengths or (16, 9, 12)
+    lengths = sizes.lengths or (16, 9, 12, 49)  # 7 x 7: a window or reduction of 7 (Swin's, Twins')
     shapes = [(b, n, e) for n in lengths for b in ([sizes.batch] if sizes.batch else [2, 3])]
     for layout in ("channels-first", "channels-last"):
         base = Caller(module, "adapter", adapter=adapter) if adapter is not None else Caller(module, "x")
@@ -186,6 +188,14 @@ def _discover_length(module: nn.Module, adapter: Callable | None, errors: list[s
         call = Caller(module, "adapter", adapter=adapter) if adapter is not None else _caller_for(module, x)[0]
         if call is not None and _runs(call, (2, n, e), gen, dtype, device) is None:
             return call, n
+        # a sequence-first module (open_clip's text blocks take (L, B, E)) with its length fixed
+        # (a module whose batch is fixed at n runs on (n, 2, E) too, but keeps its dim 0 apart)
+        for style in [call] if call is not None else [Caller(module, "x"), Caller(module, "qkv")]:
+            call = replace(style, layout="sequence-first")
+            if _runs(call, (2, n, e), gen, dtype, device) is None and _runs(call, (3, n, e), gen, dtype,
+                                                                             device) is None and \
+                    _sequence_first(style, _randn(gen, (n, 3, e), dtype, device), gen, tolerance(dtype)):
+                return call, n
     return None
 
 
@@ -257,11 +267,11 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         else:
             failed.append((shape, why))
             errors.append(why)
-    if not ran and not wrong:
+    if not ran:  # an image module given (B, L, E) fails, or broadcasts it into another shape (a norm over dim 1)
         image = _image_layout(module, adapter, sizes, e, gen, dtype, device)
         if image is not None:
             call, ran = image
-            failed, errors = [], []
+            failed, errors, wrong = [], [], []
             notes["layout"] = (f"{call.layout}: the module takes an image ((B, E, H, W) channels first, (B, H, W, E) "
                                "channels last); the doctor sends its (B, L, E) input as an H x W grid")
     if not ran and not wrong and sizes.lengths is None:
@@ -270,6 +280,8 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
             call, n = discovered
             notes["length"] = f"runs only at length {n} among those tried (a size its errors or tensors name; " \
                               "--length states it)"
+            if call.layout == "sequence-first":
+                notes["layout"] = _SEQUENCE_FIRST
             heads = num_heads_of(module)
             lined_up = {e // heads, heads} if heads else {e // h for h in (1, 2, 4, 8, 16, 32) if e % h == 0}
             lined_up |= {v for v in (getattr(m, k, None) for m in (module, getattr(module, "config", None))
@@ -311,12 +323,14 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     good = ran
     if not good:
         raise CannotRun("the module never returned a (B, L, E) output; see wrong-output-shape")
-    b, n, _ = (3, 7, e) if (3, 7, e) in good else min(good, key=lambda s: (s[0] < 2, s[1] > 64, s[0], s[1]))
+    if call.layout in ("channels-first", "channels-last"):  # 4 x 4 or more: a strided reduction keeps 2 x 2 keys
+        b, n, _ = min(good, key=lambda s: (s[0] < 2, s[1] < 16, s[1], s[0]))
+    else:
+        b, n, _ = (3, 7, e) if (3, 7, e) in good else min(good, key=lambda s: (s[0] < 2, s[1] > 64, s[0], s[1]))
     x = _randn(gen, (b, n, e), dtype, device)
     if call.layout == "batch-first" and _sequence_first(call, x, gen, tolerance(dtype)):
         call.layout = "sequence-first"
-        found.notes["layout"] = "sequence-first: the module takes (L, B, E) (as nn.MultiheadAttention with " \
-                                "batch_first=False); the doctor sends x.transpose(0, 1)"
+        found.notes["layout"] = _SEQUENCE_FIRST
     found.notes["probe shape"] = (b, n, e)
     found.value = (call, x)
     return found

@@ -95,7 +95,10 @@ def capture(trace: Trace, module: nn.Module, x: Tensor) -> Capture | str:
             found = _mha(op, x)
             if found is not None:
                 q, k, v, out = found
-                return Capture([(q, k, v)], [Linear("out_proj", q, 0, None, out)],
+                made = op.outputs[0] if op.outputs else None  # (L, B, E): the attention's own output, before what
+                if made is not None and made.dim() == 3:    # a block adds after it (a residual, an MLP)
+                    made = made.transpose(0, 1) if made.transpose(0, 1).shape[:2] == q.shape[:2] else made
+                return Capture([(q, k, v)], [Linear("out_proj", q, 0, made, out)],
                                "nn.MultiheadAttention's packed in-projection", softmax_in)
     maps = linears(trace, module)
     if not maps:
@@ -156,7 +159,10 @@ def _mha(op: Op, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Project] | None:
     batch_first = query.transpose(0, 1)
     if batch_first.shape != x.shape and query.shape != x.shape:
         return None
-    xin = batch_first if batch_first.shape == x.shape and torch.equal(batch_first, x.to(query.dtype)) else query
+    # the functional core takes (L, B, E) whatever batch_first says; its query may be a norm of x (pre-norm blocks),
+    # so the layout follows the shapes, and x itself only where both readings have its shape (B == L)
+    xin = batch_first if batch_first.shape == x.shape and not (
+        query.shape == x.shape and torch.equal(query, x.to(query.dtype))) else query
     w, b, e = a["in_proj_weight"].detach(), a["in_proj_bias"], a["embed_dim_to_check"]
     bs = [None] * 3 if b is None else b.detach().split(e)
     tr = (lambda t: t.transpose(0, 1)) if xin is batch_first else (lambda t: t)
