@@ -29,9 +29,6 @@ _AXIAL = ("mask-ignored (a doctor error in the white box before): the projection
 
 # entry -> why the doctor's verdict is wrong today (measured)
 NOT_YET: dict[str, str] = {
-    "esm-mha/correct": "inconclusive: the white box cannot follow torch's multi_head_attention_forward called with "
-                       "separate q, k, v weights (fairseq's fused path), so the formula is not verified; it was "
-                       "certified without that look before unverified properties made a verdict inconclusive",
     "esm-row/correct": _AXIAL,
     "esm-column/correct": _AXIAL,
     "swin-map-windows/head merge without transpose": "certified: attention within windows is read window by "

@@ -153,7 +153,11 @@ def _mha(op: Op, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Project] | None:
     import inspect
 
     a = inspect.signature(nn.functional.multi_head_attention_forward).bind(*op.args, **op.kwargs).arguments
-    if a.get("use_separate_proj_weight") or a["in_proj_weight"] is None:
+    if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
+        return None  # keys the projections do not make
+    separate = bool(a.get("use_separate_proj_weight"))
+    missing = [a.get(f"{r}_proj_weight") for r in "qkv"] if separate else [a["in_proj_weight"]]
+    if any(w is None for w in missing):
         return None
     query = a["query"]
     batch_first = query.transpose(0, 1)
@@ -163,11 +167,13 @@ def _mha(op: Op, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Project] | None:
     # so the layout follows the shapes, and x itself only where both readings have its shape (B == L)
     xin = batch_first if batch_first.shape == x.shape and not (
         query.shape == x.shape and torch.equal(query, x.to(query.dtype))) else query
-    w, b, e = a["in_proj_weight"].detach(), a["in_proj_bias"], a["embed_dim_to_check"]
+    b, e = a["in_proj_bias"], a["embed_dim_to_check"]
+    # fairseq-style modules pass three weights (use_separate_proj_weight) and the packed bias
+    ws = [a[f"{r}_proj_weight"].detach() for r in "qkv"] if separate else a["in_proj_weight"].detach().split(e)
     bs = [None] * 3 if b is None else b.detach().split(e)
     tr = (lambda t: t.transpose(0, 1)) if xin is batch_first else (lambda t: t)
     q, k, v = (nn.functional.linear(tr(t), wi, bi)
-               for t, wi, bi in zip((a["query"], a["key"], a["value"]), w.split(e), bs, strict=True))
+               for t, wi, bi in zip((a["query"], a["key"], a["value"]), ws, bs, strict=True))
     return q, k, v, _linear(a["out_proj_weight"], a["out_proj_bias"])
 
 
