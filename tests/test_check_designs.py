@@ -1127,3 +1127,19 @@ def test_torch_functional_attention_with_separate_weights_is_read():
     assert report.verdict == "passed", ([(f.id, f.message) for f in report.findings], report.coverage)
     assert report.coverage["white_box"] == "verified"
     assert "no-grad" in check(SeparateProjectionsThroughTorch(32, k_is_q=True)).ids
+
+
+def test_re_attention_normalised_over_the_heads_is_a_design():
+    """catches: DeepViT's re-attention (the weights mixed across heads by a learned matrix, then a LayerNorm over
+    the heads) read as definition-mismatch because no affine map of the heads reproduces the normalised mixture;
+    and a 1/sqrt(E) scale in it certified."""
+    pytest = __import__("pytest")
+    pytest.importorskip("vit_pytorch")
+    from vit_pytorch.deepvit import Attention
+
+    report = check(Attention(32, heads=4, dim_head=8).eval())
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "re-attention" in report.inferred["design"], report.inferred
+    wrong = Attention(32, heads=4, dim_head=8).eval()
+    wrong.scale = 32 ** -0.5
+    assert "wrong-scale" in check(wrong).ids

@@ -25,9 +25,6 @@ NOT_YET: dict[str, str] = {
                                              "B, E) mixes dims 0 and 1 of the (T, B, E) input, so the sequence-first "
                                              "layout (a module that mixes dim 0 and keeps dim 1 apart) is not found; "
                                              "read batch-first, items mix and the (B, L) mask does not fit",
-    "deepvit-re-attention/correct": "definition-mismatch: the head-mixed weights then go through a LayerNorm over "
-                                    "the heads, which no affine map of the heads reproduces (talking heads are "
-                                    "read as affine mixes only)",
 }
 
 # the entries that take more than a few seconds on a 2-core machine

@@ -408,6 +408,18 @@ def _after_head_mix(trace: Trace, sm: Op) -> tuple[Op, int, list[str], list[str]
     return None if after is None else (*after, mixes)
 
 
+def _normed_over_heads(trace: Trace, p: Tensor) -> bool:
+    """Does the record hold a LayerNorm over an axis of the heads' size on a tensor of the weights' size (DeepViT's
+    re-attention normalises the head-mixed weights with its heads put last)?"""
+    heads = p.shape[1] if p.dim() == 4 else None
+    for op in trace.ops:
+        if op.name == "layer_norm" and op.inputs and op.inputs[0].numel() == p.numel() and heads is not None:
+            shape = op.args[1] if len(op.args) > 1 else op.kwargs.get("normalized_shape")
+            if shape is not None and tuple(shape) == (heads,) and op.inputs[0].shape[-1] == heads:
+                return True
+    return False
+
+
 def _mixed_as(w: Tensor, p: Tensor) -> Tensor | None:
     """The softmax output ``p`` (B, H, L, L) mixed across heads as the weights ``w`` are (an affine map of the head
     axis, fitted; also with the last two dims of ``p`` swapped, so that weights transposed after the mix still read
@@ -780,12 +792,18 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         w = operands[position][1]
         vid = operands[1 - position][0] if len(operands) > 1 else operands[0][0]
         mixed_p = _mixed_as(w, p)
+        if mixed_p is None and _normed_over_heads(trace, p) and w.shape == p.shape:
+            # re-attention (DeepViT): the mixture then a LayerNorm over the heads; the weights are what it made
+            mixed_p, passed = w, [n for n in passed if n in _ZEROING]
+            facts["re-attention"] = (f"the weights are mixed across heads after the softmax ({', '.join(mixes)}) "
+                                     "and normalised over the heads by a LayerNorm (re-attention, DeepViT)")
         if mixed_p is None:
             return Verdict(DEFINITION_MISMATCH, {"matches": "the weights are mixed across heads after the softmax "
                                                    f"({', '.join(mixes)}) by no affine map of the heads", **evidence})
         p = mixed_p
-        facts["talking heads"] = f"the weights are mixed across heads after the softmax ({', '.join(mixes)}; " \
-                                 "talking heads)"
+        if "re-attention" not in facts:
+            facts["talking heads"] = f"the weights are mixed across heads after the softmax ({', '.join(mixes)}; " \
+                                     "talking heads)"
     if passed and not set(passed) <= _ZEROING:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights pass through {', '.join(passed)} between "
                                                "the softmax and the product with the values", **evidence})
@@ -953,8 +971,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if channels_first and pv.outputs:
         nd = pv.outputs[0].dim()
         canon = (*range(nd - 2), nd - 1, nd - 2)
-    merge_fid, merged = (None, "not checked: the windows are put back by the module's own layout") if window else \
-        _merge(trace, pv, pv.outputs[0], final, canon)
+    merge_fid, merged = _merge(trace, pv, pv.outputs[0], final, canon)
+    if (window or blocks) and merge_fid is None:  # heads side by side cannot be told from windows put back
+        merged = "heads merged side by side within the windows (the windows are put back by the module's own layout)"
+    if blocks:  # blocks of a sequence are merged with the same reshape a head merge would be: not read
+        merge_fid, merged = None, "not checked: the blocks are put back by the module's own layout"
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence}, facts)
@@ -1035,8 +1056,9 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         _values_verdict(trace, op.in_ids[2], evidence, {})
     if wrong is not None:
         return wrong
-    merge_fid, merged = (None, "not checked: the windows are put back by the module's own layout") if window else \
-        _merge(trace, op, op.outputs[0], final)
+    merge_fid, merged = _merge(trace, op, op.outputs[0], final)
+    if window and merge_fid is None:  # heads side by side cannot be told from windows put back
+        merged = "heads merged side by side within the windows (the windows are put back by the module's own layout)"
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence})
