@@ -1143,3 +1143,146 @@ def test_re_attention_normalised_over_the_heads_is_a_design():
     wrong = Attention(32, heads=4, dim_head=8).eval()
     wrong.scale = 32 ** -0.5
     assert "wrong-scale" in check(wrong).ids
+
+
+class DiffusionAttentionBlock(nn.Module):
+    """Correct, a diffusion U-Net's attention block (as in guided-diffusion): (B, C, ...) channels first, a
+    GroupNorm, a 1x1 conv1d qkv laid out per head, 1/sqrt(sqrt(ch)) on q and on k, and a residual around an output
+    projection initialised at zero. ``scale_twice``: 1/sqrt(ch) on q and on k (1/ch in all)."""
+
+    def __init__(self, channels: int = 64, heads: int = 4, scale_twice: bool = False) -> None:
+        super().__init__()
+        self.heads, self.scale_twice = heads, scale_twice
+        self.norm = nn.GroupNorm(8, channels)
+        self.qkv = nn.Conv1d(channels, 3 * channels, 1)
+        self.proj_out = nn.Conv1d(channels, channels, 1)
+        nn.init.zeros_(self.proj_out.weight)
+        nn.init.zeros_(self.proj_out.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, *spatial = x.shape
+        x = x.reshape(b, c, -1)
+        qkv = self.qkv(self.norm(x))
+        ch = c // self.heads
+        q, k, v = qkv.reshape(b * self.heads, 3 * ch, -1).split(ch, dim=1)
+        scale = ch ** -0.5 if self.scale_twice else ch ** -0.25
+        weight = torch.einsum("bct,bcs->bts", q * scale, k * scale).softmax(-1)
+        h = torch.einsum("bts,bcs->bct", weight, v).reshape(b, c, -1)
+        return (x + self.proj_out(h)).reshape(b, c, *spatial)
+
+
+class ZeroInitResidualAttention(nn.Module):
+    """Correct, as DiT's adaLN-Zero and ControlNet initialise it: x + attention(norm(x)), the attention's output
+    projection at zero, so that at initialisation the block is the identity."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        nn.init.zeros_(self.attn.out_proj.weight)
+        nn.init.zeros_(self.attn.out_proj.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return x + self.attn(y, y, y, need_weights=False)[0]
+
+
+def test_a_residual_around_a_zero_initialised_branch_is_probed_with_that_branch_drawn():
+    """catches: a block that is the identity at initialisation (a residual around an output projection at zero,
+    as diffusion models and DiT start) read as causal-leak ("each query sees only its own token"), and a
+    channels-first (B, C, T) block run only where L = E and read as batch-mixing; its scale bug still named."""
+    for module in (ZeroInitResidualAttention(), DiffusionAttentionBlock()):
+        report = check(module.eval())
+        assert report.verdict == "passed", (type(module).__name__, [(f.id, f.message) for f in report.findings])
+        assert "zero-initialised" in report.inferred["drawn"], report.inferred
+    report = check(DiffusionAttentionBlock().eval())
+    assert report.inferred["layout"].startswith("channels-first-1d"), report.inferred
+    assert "wrong-scale" in check(DiffusionAttentionBlock(scale_twice=True).eval()).ids
+
+
+def test_relu_kinks_in_a_finite_difference_are_no_wrong_gradient():
+    """catches: torch's own TransformerEncoderLayer (a ReLU feed-forward) named wrong-gradient for some weight
+    draws, because a central difference whose step crosses a ReLU's kink bends away from autograd's derivative."""
+    for seed in range(6):
+        torch.manual_seed(seed)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
+        report = check(layer, no_mask=True, seed=seed)
+        assert "wrong-gradient" not in report.ids, (seed, report.inferred["gradients"])
+
+
+class FusedRawParameter(nn.Module):
+    """A fused qkv projection held as raw parameters (``F.linear(x, self.in_proj_weight, self.in_proj_bias)``, as
+    open_clip and nn.MultiheadAttention hold it). ``k_is_q``: the keys are the queries (the values' third of the
+    weight still computed, the keys' never read)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, k_is_q: bool = False) -> None:
+        super().__init__()
+        self.heads, self.k_is_q = heads, k_is_q
+        self.in_proj_weight = nn.Parameter(torch.randn(3 * dim, dim) * dim ** -0.5)
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * dim))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = F.linear(x, self.in_proj_weight, self.in_proj_bias).view(b, n, 3, self.heads, -1) \
+            .permute(2, 0, 3, 1, 4)
+        if self.k_is_q:
+            k = q
+        o = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).softmax(-1) @ v
+        return self.out(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_library_options_and_raw_fused_weights_are_read():
+    """catches: a raw-parameter fused projection whose keys' rows never get a gradient certified (only nn.Linear
+    weights were read row by row); diffusers' scale_qk=False (the module's scale, 1) read as missing-scale;
+    GPT-2's reorder_and_upcast_attn (it asserts float32 weights, so its float64 copy refuses an additive mask)
+    read as mask-ignored; ConViT's gated positional attention (runs only at square lengths, and L = E = 64 is one)
+    read as batch-mixing; x-transformers' sparse top-k (each row keeps its k highest scores) read as causal-leak."""
+    pytest = __import__("pytest")
+    assert check(FusedRawParameter()).verdict == "passed"
+    assert "no-grad" in check(FusedRawParameter(k_is_q=True)).ids
+    diffusers = pytest.importorskip("diffusers.models.attention_processor")
+    module = diffusers.Attention(64, heads=4, dim_head=16, scale_qk=False).eval()
+    report = check(module)
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    transformers = pytest.importorskip("transformers")
+    from selfattn import check_model
+
+    cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=1, vocab_size=100, reorder_and_upcast_attn=True,
+                                  bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = transformers.GPT2Model(cfg).eval()
+    layer = check_model(model, {"input_ids": torch.randint(0, 100, (2, 12))}).layers["h.0.attn"]
+    assert layer.verdict == "passed", [(f.id, f.message) for f in layer.findings]
+    convit = pytest.importorskip("timm.models.convit")
+    report = check(convit.GPSA(64, num_heads=4).eval(), allow_nonstandard=True)
+    assert "batch-mixing" not in report.ids and "perfect squares" in report.inferred["lengths"], report.inferred
+    xt = pytest.importorskip("x_transformers.x_transformers")
+    report = check(xt.Attention(64, dim_head=16, heads=4, sparse_topk=4).eval(), allow_nonstandard=True)
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "4 highest scores" in report.inferred["design"]["top-k"], report.inferred
+
+
+@torch.jit.script
+def _scripted_softcap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    return cap * torch.tanh(scores / cap)
+
+
+class ScriptedSoftcap(_Fused):
+    """Correct, Gemma 2's soft-capping, with the cap in a torch.jit.script function (as x-transformers writes its
+    softclamp): code the doctor's record cannot see into."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        scores = _scripted_softcap((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1]), 5.0)
+        return self.merge(scores.softmax(-1) @ v)
+
+
+def test_scores_made_by_code_the_record_cannot_see_are_not_a_verdict():
+    """catches: scores passed through a TorchScript function (invisible to the record) named definition-mismatch
+    ("the softmax input was not made by a product"): nothing was seen, so nothing is certified or named."""
+    report = check(ScriptedSoftcap(32))
+    assert report.verdict == "inconclusive" and "definition-mismatch" not in report.ids, \
+        [(f.id, f.message) for f in report.findings]
+    assert "cannot see into" in report.coverage["white_box"], report.coverage

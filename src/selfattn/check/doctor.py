@@ -228,14 +228,23 @@ def _float64_twin(call: Caller, x: Tensor, out: Tensor) -> Caller | None:
 
 
 def _constant(call: Caller, x: Tensor, out: Tensor) -> bool:
-    """Is the module's output the same for another input (a zero-initialised output projection or norm)?"""
+    """Is the module's output the same for another input (a zero-initialised output projection or norm), or its
+    input plus the same (a residual block whose attention branch ends in a zero-initialised projection, as DiT's
+    adaLN-Zero and the diffusion models' attention blocks initialise it)?"""
     g = torch.Generator().manual_seed(4321)  # its own draws: the probes' generator is left as it was
     other = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype=x.dtype, device=x.device)
     try:
         with torch.no_grad():
-            return bool(torch.equal(call(other), out))
+            new = call(other)
     except Exception:
         return False
+    if torch.equal(new, out):
+        return True
+    if new.shape != x.shape or out.shape != x.shape:
+        return False
+    branch, branch_other = (out - x).double(), (new - other).double()
+    size = 1 + float(torch.cat([x.double().abs().flatten(), out.double().abs().flatten()]).max())
+    return bool(((branch - branch_other).abs() <= 4 * torch.finfo(x.dtype).eps * size).all())
 
 
 def _with_zeros_drawn(call: Caller, x: Tensor, gen: torch.Generator) -> tuple[nn.Module, Caller, Tensor, list[str]]:
@@ -317,7 +326,7 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         assert called is not None  # calling() gives the caller and its input, or raises CannotRun
         call, x = called
         call.make_mask = make_mask
-        if call.layout in ("channels-first", "channels-last") and sizes.lengths is None:
+        if call.layout in ("channels-first", "channels-last", "channels-first-1d") and sizes.lengths is None:
             x = _enough_keys(call, x, gen, got.inferred)
         try:
             with torch.no_grad():
@@ -326,8 +335,9 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
             raise CannotRun(f"the module failed on the probe input: {type(err).__name__}: {err}") from err
         if _constant(call, x, out):  # a zero-initialised output layer: probe a copy with those values drawn
             module, call, out, drawn = _with_zeros_drawn(call, x, gen)
-            got.inferred["drawn"] = (f"the output does not depend on the input with these weights; the probes ran on "
-                                     f"a copy whose all-zero parameters were drawn at random: {', '.join(drawn)}")
+            got.inferred["drawn"] = ("the output does not depend on the input (or is the input plus a constant: a "
+                                     "residual around a zero-initialised branch) with these weights; the probes ran "
+                                     f"on a copy whose all-zero parameters were drawn at random: {', '.join(drawn)}")
         exact = _float64_twin(call, x, out)
         got.inferred["analysed in"] = "a float64 copy" if exact is not None else str(x.dtype)[6:]
         ctx = Context(module, call, x, gen, declared, causal, spec, allow_nonstandard, exact, no_mask, scale,

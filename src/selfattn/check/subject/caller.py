@@ -137,6 +137,8 @@ def to_layout(x: Tensor, layout: str) -> Tensor:
     """The probes' (B, L, E) input in the module's layout (see :class:`Caller`)."""
     if layout == "sequence-first":
         return x.transpose(0, 1)
+    if layout == "channels-first-1d":
+        return x.transpose(1, 2)
     if layout in ("channels-first", "channels-last"):
         b, n, e = x.shape
         image = x.reshape(b, *grid(n), e)
@@ -148,6 +150,8 @@ def from_layout(y: Tensor, layout: str) -> Tensor:
     """The module's output in the probes' (B, L, E) layout; an output of another rank is returned as it is."""
     if layout == "sequence-first" and y.dim() >= 2:
         return y.transpose(0, 1)
+    if layout == "channels-first-1d" and y.dim() == 3:
+        return y.transpose(1, 2)
     if layout == "channels-first" and y.dim() == 4:
         return y.flatten(2).transpose(1, 2)
     if layout == "channels-last" and y.dim() == 4:
@@ -176,7 +180,8 @@ class Caller:
     without one sends the mask that hides nothing. ``switch``: the mask is a bool argument that
     turns a causal mask on (``is_causal``). ``base``: the (L, L) pattern the module applies when it
     gets no mask and that a mask replaces (``is_causal=mask is None``), kept in every mask sent.
-    ``layout``: "batch-first" (B, L, E), "sequence-first" (L, B, E), or an image of L = H x W
+    ``layout``: "batch-first" (B, L, E), "sequence-first" (L, B, E), "channels-first-1d" (B, E, L), or an
+    image of L = H x W
     tokens, "channels-first" (B, E, H, W) or "channels-last" (B, H, W, E) (H the largest divisor of
     L up to its square root); the probes always speak (B, L, E) and the caller converts both ways.
     """

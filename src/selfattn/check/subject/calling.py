@@ -136,12 +136,12 @@ def _largest(ok: int, bad: int, runs: Callable[[int], bool]) -> int:
 
 def _image_layout(module: nn.Module, adapter: Callable | None, sizes: Sizes, e: int, gen: torch.Generator,
                   dtype: torch.dtype, device: torch.device) -> tuple[Caller, list[tuple[int, int, int]]] | None:
-    """A caller sending the input as an image (channels first, then last), and the shapes it runs at, when the
-    module runs on no (B, L, E) input but on a (B, E, H, W) or (B, H, W, E) one (a convolutional block's
-    attention); None otherwise."""
+    """A caller sending the input channels first as (B, E, L), or as an image (channels first, then last), and the
+    shapes it runs at, when the module runs on one of those (a convolutional block's attention, a diffusion model's
+    attention block); None otherwise."""
     lengths = sizes.lengths or (16, 9, 12, 49)  # 7 x 7: a window or reduction of 7 (Swin's, Twins')
     shapes = [(b, n, e) for n in lengths for b in ([sizes.batch] if sizes.batch else [2, 3])]
-    for layout in ("channels-first", "channels-last"):
+    for layout in ("channels-first-1d", "channels-first", "channels-last"):  # (B, E, L) first: a conv1d block's
         base = Caller(module, "adapter", adapter=adapter) if adapter is not None else Caller(module, "x")
         call = replace(base, layout=layout)
         ran = [shape for shape in shapes if _runs(call, shape, gen, dtype, device) is None]
@@ -267,13 +267,17 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         else:
             failed.append((shape, why))
             errors.append(why)
-    if not ran:  # an image module given (B, L, E) fails, or broadcasts it into another shape (a norm over dim 1)
+    # an image module given (B, L, E) fails, or broadcasts it into another shape (a norm over dim 1), or runs only
+    # where L = E (a channels-first block reads dim 1 as its channels)
+    if not ran or (adapter is None and all(s[1] == e for s in ran)):
         image = _image_layout(module, adapter, sizes, e, gen, dtype, device)
-        if image is not None:
+        if image is not None and (not ran or any(s[1] != e for s in image[1])):
             call, ran = image
             failed, errors, wrong = [], [], []
-            notes["layout"] = (f"{call.layout}: the module takes an image ((B, E, H, W) channels first, (B, H, W, E) "
-                               "channels last); the doctor sends its (B, L, E) input as an H x W grid")
+            notes["layout"] = (f"{call.layout}: the module takes (B, E, L) channels first; the doctor sends "
+                               "x.transpose(1, 2)") if call.layout == "channels-first-1d" else \
+                (f"{call.layout}: the module takes an image ((B, E, H, W) channels first, (B, H, W, E) channels "
+                 "last); the doctor sends its (B, L, E) input as an H x W grid")
     if not ran and not wrong and sizes.lengths is None:
         discovered = _discover_length(module, adapter, errors, e, {n for _, n in shapes}, gen, dtype, device)
         if discovered is not None:
@@ -318,12 +322,15 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     if wrong:
         found.findings.append(Finding.of(WRONG_OUTPUT_SHAPE, "the output shape differs from the input shape "
                                          "(B, L, E)", {"input -> output": {str(i): str(o) for i, o in wrong}}))
+    if failed and ran and all(len({*s}) < 3 for s in ran):  # runs only where sizes coincide: an image's tokens?
+        ran += [(2, n, e) for n in (16, 9, 25, 36, 49) if n != e and _runs(call, (2, n, e), gen, dtype, device) is None]
     if failed and ran:
         _limits(found, call, ran, wrong, failed, gen, dtype, device)
     good = ran
     if not good:
         raise CannotRun("the module never returned a (B, L, E) output; see wrong-output-shape")
-    if call.layout in ("channels-first", "channels-last"):  # 4 x 4 or more: a strided reduction keeps 2 x 2 keys
+    if call.layout in ("channels-first", "channels-last", "channels-first-1d"):  # 16 tokens or more: a strided
+        # reduction keeps 2 x 2 keys
         b, n, _ = min(good, key=lambda s: (s[0] < 2, s[1] < 16, s[1], s[0]))
     else:
         b, n, _ = (3, 7, e) if (3, 7, e) in good else min(good, key=lambda s: (s[0] < 2, s[1] > 64, s[0], s[1]))
@@ -350,6 +357,11 @@ def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, 
         return
     e = ok[0][2]
     bad_b, bad_n = {s[0] for s, _ in failed}, {s[1] for s, _ in failed}
+    square = {n for n in lengths if math.isqrt(n) ** 2 == n}
+    if square == set(lengths) and all(math.isqrt(n) ** 2 != n for n in bad_n):  # a square image's tokens
+        found.notes["lengths"] = f"runs at lengths {lengths}, perfect squares, and fails at {sorted(bad_n)}: the " \
+                                 "tokens of a square image (--length states one)"
+        return
     if bad_n.isdisjoint(lengths) and all(runs_at(call, b, n, e, gen, dtype, device) for b, n, _ in ok[:1]) and \
             _runs(call, (2, 2 * lengths[-1], e), gen, dtype, device) is None:  # failures follow the length only
         found.notes["lengths"] = f"runs at lengths {[*lengths, 2 * lengths[-1]]}, fails at {sorted(bad_n)} (a length " \

@@ -27,7 +27,7 @@ from ..findings import DEFINITION_MISMATCH, MISSING_SCALE, Finding
 from ..subject.building import num_heads_of
 from ..subject.caller import Caller
 from ..subject.context import Context, Outcome, padding_keep
-from .products import Unrecognised, examine_cores, folded_scale
+from .products import Unrecognised, Unseen, examine_cores, folded_scale
 from .projections import AFTER, Capture, NoFormula, capture, identify, qkv_heads
 from .trace import record
 
@@ -37,8 +37,12 @@ __all__ = ["declared_scale", "white_box"]
 def declared_scale(module: nn.Module) -> tuple[Callable[[int], float | None], str | None]:
     """The score scale the module's config states instead of 1/sqrt(head dim), as a function of the head dim,
     and where it was read (``query_pre_attn_scalar``, ``qk_scale_factor``, ``attention_multiplier``,
-    ``scale_attn_weights``)."""
+    ``scale_attn_weights``; diffusers' ``scale_qk=False`` on the module)."""
     config = getattr(module, "config", None)
+    if getattr(module, "scale_qk", True) is False:  # diffusers' Attention: scale_qk=False multiplies by its scale
+        stated = getattr(module, "scale", 1.0)
+        if isinstance(stated, (int, float)) and not isinstance(stated, bool):
+            return (lambda d: float(stated)), f"scale_qk = False, scale = {stated}"
     if config is None:
         return (lambda d: None), None
     scalar = getattr(config, "query_pre_attn_scalar", None)
@@ -158,7 +162,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
                 why, verdict = verdict[1]["matches"], None
         if verdict is None:
             results[label] = why
-            if isinstance(cap, str) and why.startswith("not followed"):
+            if (isinstance(cap, str) and why.startswith("not followed")) or why.startswith("not seen"):
                 skipped += 1
             elif not ctx.allow_nonstandard:
                 findings.append(Finding.of(DEFINITION_MISMATCH, f"the output ({label}) follows no formula of "
@@ -218,6 +222,8 @@ def _by_operands(trace, out: Tensor, width: int, length: int, stated: Callable[[
     """The verdict of the attention's own products (the first bug among its cores, else the definition)."""
     try:
         verdicts = examine_cores(trace, out, width, length, stated, keep, out.shape[0], inputs, local)
+    except Unseen as err:  # no formula can be judged, from the projections either: their fit missed a hidden step
+        return None, f"not seen: {err}"
     except Unrecognised as err:
         reason = f"{before}; from the operands: {err}" if before else str(err)
         return None, ("not followed: " if "no attention was found" in str(err) else "") + reason

@@ -58,6 +58,11 @@ class Unrecognised(LookupError):
     """The record holds an attention the doctor cannot follow; the message says where it stopped."""
 
 
+class Unseen(Unrecognised):
+    """The scores were made by code the record cannot see into (a TorchScript function, a compiled extension):
+    nothing can be said of their formula."""
+
+
 @dataclass
 class Verdict:
     """What one attention core follows: ``fid`` None for the definition, else the bug's finding id."""
@@ -349,8 +354,9 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
     steps, temperatures = chain.steps, chain.temperatures
     for _ in range(60):
         found = trace.maker(tid)
-        if found is None:
-            raise Unrecognised("the softmax input was not made by a product of two tensors")
+        if found is None:  # no recorded operation made it: code the record does not enter
+            raise Unseen("the scores come from code the doctor's record cannot see into (a torch.jit.script "
+                         "function or a compiled extension between the product and the softmax)")
         op, _ = found
         mixed = _head_mix(op)
         if mixed is not None:
@@ -764,6 +770,13 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
     if want.any() and not hidden.any():
         return Verdict(MASK_IGNORED, {"matches": "no score is masked although the mask hides keys", **evidence})
     extra, missed = (hidden & ~want).sum().item(), (~hidden & want).sum().item()
+    if not missed:  # more hidden than the mask hides: each row's k highest scores kept (sparse top-k attention)?
+        seen, allowed = (~hidden).sum(-1), (~want).expand_as(hidden).sum(-1)
+        k = int(seen.max())
+        if 0 < k < int(allowed.max()) and torch.equal(seen, allowed.clamp(max=k)):
+            evidence["top-k"] = f"each query keeps its {k} highest scores among the keys the mask leaves (sparse " \
+                                "top-k attention)"
+            return None
     return Verdict(MASK_IGNORED if missed else CAUSAL_LEAK,
                    {"matches": f"the scores hide other keys than the mask: {missed} hidden (query, key) pairs left "
                                f"visible, {extra} visible ones hidden", **evidence})
@@ -916,6 +929,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                 f"{float(temperature.min()):.4g} to {float(temperature.max()):.4g})")
     with_terms = any(n in _TERMS for n in names) or product.name == "baddbmm"
     masked = _mask_verdict(~(torch.isfinite(s) & (s > _MASKED)), keep, evidence)
+    if "top-k" in evidence:
+        facts["top-k"] = evidence.pop("top-k")
     if masked is not None:
         if not window:  # heads merged wrongly make rows depend on other tokens: the pattern the mask is read
             canon = _canonical_output(pv, position, axes[0] if axes is not None else w.dim() - 2, batch)  # against
