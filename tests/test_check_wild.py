@@ -31,8 +31,6 @@ _AXIAL = ("mask-ignored (a doctor error in the white box before): the projection
 NOT_YET: dict[str, str] = {
     "esm-row/correct": _AXIAL,
     "esm-column/correct": _AXIAL,
-    "gpt-fast/correct, 1 row x 32 positions": "shape-dependent: a fixed batch of 1 and a length limit of 32 "
-                                              "together are explained by neither search",
 }
 
 

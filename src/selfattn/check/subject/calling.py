@@ -379,6 +379,17 @@ def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, 
         found.notes["batch size"] = f"runs only at batch size {max_b} (a size its cache or buffers fix; --batch " \
                                     f"states it), at every length tried"
         return
+    if len(batches) == 1:  # a cache for exactly B rows and at most N positions (gpt-fast's): both at once
+        long = {s[1] for s, _ in failed if s[0] == max_b}
+        others = sorted(bad_n - long)
+        if long and min(long) > max_n and others and all(runs(max_b, n) for n in others[:2]) and \
+                not runs(max_b, min(long)):
+            limit = _largest(max_n, min(long), lambda n: runs(max_b, n))
+            found.notes["batch size"] = f"runs only at batch size {max_b} (a size its cache or buffers fix; --batch " \
+                                        "states it)"
+            found.notes["length limit"] = f"runs for length <= {limit} (fails at {limit + 1}: " \
+                                          f"{_runs(call, (max_b, limit + 1, e), gen, dtype, device)})"[:300]
+            return
     if min(bad_b) > max_b and not runs(min(bad_b), n_ok):
         limit = _largest(max_b, min(bad_b), lambda b: runs(b, n_ok))
         found.notes["batch limit"] = f"runs for batch <= {limit} (fails at {limit + 1}: " \
