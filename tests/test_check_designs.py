@@ -1286,3 +1286,29 @@ def test_scores_made_by_code_the_record_cannot_see_are_not_a_verdict():
     assert report.verdict == "inconclusive" and "definition-mismatch" not in report.ids, \
         [(f.id, f.message) for f in report.findings]
     assert "cannot see into" in report.coverage["white_box"], report.coverage
+
+
+class HeadsFirstScores(_Fused):
+    """Correct, scores laid out heads first ("bhid,bhjd->hbij", as fair-esm's MSA row attention writes them) with
+    a (B, L) key padding mask, True = padding. ``on_queries``: the mask put on the query axis."""
+
+    def __init__(self, dim: int, on_queries: bool = False) -> None:
+        super().__init__(dim)
+        self.on_queries = on_queries
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.split(x)
+        scores = torch.einsum("bhid,bhjd->hbij", q, k) / math.sqrt(q.shape[-1])
+        if key_padding_mask is not None:
+            pad = key_padding_mask[None, :, :, None] if self.on_queries else key_padding_mask[None, :, None, :]
+            scores = scores.masked_fill(pad, float("-inf"))
+        return self.merge(torch.einsum("hbij,bhjd->bhid", scores.softmax(-1), v))
+
+
+def test_masked_scores_laid_out_heads_first_are_read_per_batch_item():
+    """catches: scores laid out heads first ("hbij") misread under a (B, L) key padding mask, and the mask put on
+    their query axis certified. (fair-esm's row and column attention, whose (R, C, B, E) projections made the white
+    box reshape such scores as if the batch came first, are entries of the wild corpus.)"""
+    report = check(HeadsFirstScores(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert {"mask-ignored", "mask-broadcast"} & set(check(HeadsFirstScores(32, on_queries=True)).ids)

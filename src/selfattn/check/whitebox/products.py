@@ -759,8 +759,12 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
     if keep is None:
         return None
     want = ~keep
+    b = keep.shape[0]
+    lead = list(hidden.shape[:-2])
+    if len(lead) >= 2 and lead[0] != b and lead.count(b) == 1:  # heads first ("hnij", fair-esm's row attention)
+        hidden = hidden.movedim(lead.index(b), 0)
     try:
-        hidden = hidden.reshape(keep.shape[0], -1, *hidden.shape[-2:])
+        hidden = hidden.reshape(b, -1, *hidden.shape[-2:])
     except RuntimeError:
         return None
     if hidden.shape[-2:] != want.shape[-2:] or torch.equal(hidden, want.expand_as(hidden)):
