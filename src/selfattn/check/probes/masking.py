@@ -49,7 +49,6 @@ from ..subject.context import (
     close,
     empty_row_keep,
     future,
-    padding_keep,
     probe_keep,
     raised_inside_doctor,
     rel,
@@ -536,6 +535,11 @@ def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], pl
 def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
     """Changing masked (padding) keys must not change the outputs of real tokens (else: mask-ignored).
 
+    Each batch item has padding of its own length (2, 3, 2, ...: a module that applies item 0's mask to every
+    item leaves others' padding visible); checked without and with autograd (a mask dropped on the training path
+    only), and again at 16 tokens when the probe input is shorter and the module runs there (a long-sequence path
+    that drops the mask).
+
     Args:
         ctx: the probe context.
         masked: the caller from :func:`mask_convention`; None: nothing is checked.
@@ -546,18 +550,54 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
     if masked is None or masked.switch is not None:
         return Outcome()
     caller, x = ctx.exact_of(masked), ctx.analysis_x
-    b, length, _ = x.shape
-    n = length - 2
-    mask = caller.module_mask(padding_keep(b, length))
-    x2 = x.clone()
-    x2[0, n:] = ctx.randn(length - n, x.shape[2]).to(x.dtype)
-    with torch.no_grad():
-        a, c = caller(x, mask), caller(x2, mask)
     found = Outcome[None](coverage={"padding": "verified"})
-    if not close(c[0, :n], a[0, :n]):
-        found.findings.append(Finding.of(MASK_IGNORED, "changing padded (masked) keys changes the outputs of real "
-                                         "tokens", {"relative change": rel(c[0, :n], a[0, :n])}))
+    shared = caller.spec is not None and caller.spec.shape == "LL"  # one mask for every item: one padding
+    inputs = [x]
+    if x.shape[1] < 16:
+        longer = ctx.randn(x.shape[0], 16, x.shape[2]).to(x.dtype)
+        try:
+            with torch.no_grad():
+                caller(longer, caller.module_mask(_own_padding(x.shape[0], 16, shared)))
+            inputs.append(longer)
+        except Exception:  # the module runs at its own lengths only
+            pass
+    for t in inputs:
+        b, length, _ = t.shape
+        pads = [2 if shared else 2 + i % 2 for i in range(b)]
+        mask = caller.module_mask(_own_padding(b, length, shared))
+        t2 = t.clone()
+        for i, p in enumerate(pads):
+            t2[i, length - p:] = ctx.randn(p, t.shape[2]).to(t.dtype)
+        for grad in (False, True):
+            try:
+                with torch.set_grad_enabled(grad):
+                    a, c = caller(t, mask).detach(), caller(t2, mask).detach()
+            except RuntimeError:
+                if not grad:
+                    raise
+                break  # autograd refuses the module's in-place work: it has no training path to drop the mask on
+            moved = [i for i, p in enumerate(pads) if not close(c[i, :length - p], a[i, :length - p])]
+            if moved:
+                i = moved[0]
+                where = (f"batch item {i}" + (" (item 0's padding is hidden: another item's mask is applied?)"
+                                              if 0 not in moved else "")
+                         + (f", at {length} tokens" if t is not x else "")
+                         + (", with autograd on (without it the mask holds)" if grad else ""))
+                found.findings.append(Finding.of(MASK_IGNORED, "changing padded (masked) keys changes the outputs "
+                                                 f"of real tokens ({where})",
+                                                 {"relative change": rel(c[i, :length - pads[i]],
+                                                                         a[i, :length - pads[i]]),
+                                                  "items whose real tokens change": moved}))
+                return found
     return found
+
+
+def _own_padding(b: int, length: int, shared: bool = False) -> Tensor:
+    """(B, L, L) keep-mask: item i's last 2 + i % 2 keys are padding (the last 2 of every item when ``shared``)."""
+    keep = torch.ones(b, length, length, dtype=torch.bool)
+    for i in range(b):
+        keep[i, :, length - 2 - (0 if shared else i % 2):] = False
+    return keep
 
 
 def masked_rows(ctx: Context, masked: Caller | None) -> Outcome[None]:
