@@ -1340,3 +1340,19 @@ def test_a_key_mask_is_checked_on_every_item_with_autograd_and_at_a_longer_lengt
     for bug in ("item 0", "with grad", "long"):
         report = check(KeyMaskOnSomeCalls(32, bug=bug))
         assert "mask-ignored" in report.ids, (bug, [(f.id, f.message) for f in report.findings])
+
+
+class DictWeightsFirst(_Fused):
+    """Correct, returning {"attn_weights": w, "hidden_states": out}: the weights come first in the dict."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        q, k, v = self.split(x)
+        w = ((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).softmax(-1)
+        return {"attn_weights": w, "hidden_states": self.merge(w @ v)}
+
+
+def test_a_dict_output_is_read_at_the_tensor_of_the_inputs_shape():
+    """catches: a dict output whose first tensor is the weights taken for the output (CannotRun: never returned
+    a (B, L, E) output)."""
+    report = check(DictWeightsFirst(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]

@@ -117,9 +117,12 @@ def parse_mask(text: str) -> MaskSpec:
     return MaskSpec(match.group(1), shape)
 
 
-def _output(out: object) -> Tensor:
+def _output(out: object, like: Tensor | None = None) -> Tensor:
+    """The module's output tensor: the tensor itself, or among a dict's values (a tuple's items) the first of the
+    input's shape (``like``: {"attn_weights": w, "hidden_states": o} gives o), else the first tensor."""
     if isinstance(out, dict):
-        out = next((v for v in out.values() if isinstance(v, Tensor)), out)
+        tensors = [v for v in out.values() if isinstance(v, Tensor)]
+        out = next((t for t in tensors if like is not None and t.shape == like.shape), tensors[0] if tensors else out)
     if isinstance(out, (tuple, list)) and out:
         out = out[0]
     if not isinstance(out, Tensor):
@@ -244,7 +247,7 @@ class Caller:
                 out = self.module(*args, mask)
             else:
                 out = self.module(*args, **{self.mask_arg: mask})
-        return from_layout(_output(out), self.layout)
+        return from_layout(_output(out, t), self.layout)
 
     @property
     def takes_mask(self) -> bool:

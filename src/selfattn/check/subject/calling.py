@@ -315,8 +315,8 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
            "adapter": "your call(module, x, mask)" if call.takes_mask else "your call(module, x) (no mask)"}
     if call.required:
         how[call.style] += ", with the mask it requires" + (f" ({call.mask_arg})" if call.mask_arg else "")
-    found = Outcome[tuple[Caller, Tensor]](notes={"call": how[call.style],
-                                                  "output": "tensor (or first tensor of a tuple or dict)", **notes})
+    output = "tensor (a tuple's first item; of a dict's tensors, the first of the input's shape)"
+    found = Outcome[tuple[Caller, Tensor]](notes={"call": how[call.style], "output": output, **notes})
     if coincidence:
         found.findings.append(Finding.of(SHAPE_DEPENDENT, coincidence, {"fails for": failed_first}))
     if wrong:
