@@ -1317,7 +1317,7 @@ def test_masked_scores_laid_out_heads_first_are_read_per_batch_item():
 class KeyMaskOnSomeCalls(_Fused):
     """A (B, L) key padding mask, True = may attend, applied on some calls only. ``bug``: "item 0" (item 0's mask
     applied to every item), "with grad" (dropped when autograd is on: the training path), "long" (dropped from 16
-    tokens on: a fast path for long sequences); "" is correct."""
+    tokens on: a fast path for long sequences), "alone" (dropped for a batch of one); "" is correct."""
 
     def __init__(self, dim: int, bug: str = "") -> None:
         super().__init__(dim)
@@ -1326,7 +1326,7 @@ class KeyMaskOnSomeCalls(_Fused):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.split(x)
         drop = mask is None or (self.bug == "with grad" and torch.is_grad_enabled()) or \
-            (self.bug == "long" and x.shape[1] >= 16)
+            (self.bug == "long" and x.shape[1] >= 16) or (self.bug == "alone" and x.shape[0] == 1)
         if drop:
             return self.merge(F.scaled_dot_product_attention(q, k, v))
         keep = (mask[:1] if self.bug == "item 0" else mask)[:, None, None, :].expand(q.shape[0], 1, 1, -1)
@@ -1334,10 +1334,11 @@ class KeyMaskOnSomeCalls(_Fused):
 
 
 def test_a_key_mask_is_checked_on_every_item_with_autograd_and_at_a_longer_length():
-    """catches: a key mask taken from item 0 for every item, dropped on the autograd path, or dropped on a long-
-    sequence path certified: the padding probe changed item 0's padding only, under no_grad, at the probe length."""
+    """catches: a key mask taken from item 0 for every item, dropped on the autograd path, on a long-sequence path or
+    for a batch of one certified: the padding probe changed item 0's padding only, under no_grad, at the probe
+    length and batch."""
     assert check(KeyMaskOnSomeCalls(32)).verdict == "passed"
-    for bug in ("item 0", "with grad", "long"):
+    for bug in ("item 0", "with grad", "long", "alone"):
         report = check(KeyMaskOnSomeCalls(32, bug=bug))
         assert "mask-ignored" in report.ids, (bug, [(f.id, f.message) for f in report.findings])
 

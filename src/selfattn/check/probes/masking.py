@@ -537,8 +537,8 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
 
     Each batch item has padding of its own length (2, 3, 2, ...: a module that applies item 0's mask to every
     item leaves others' padding visible); checked without and with autograd (a mask dropped on the training path
-    only), and again at 16 tokens when the probe input is shorter and the module runs there (a long-sequence path
-    that drops the mask).
+    only), on one item alone (a batch-1 path), and again at 16 tokens when the probe input is shorter and the module
+    runs there (a long-sequence path that drops the mask).
 
     Args:
         ctx: the probe context.
@@ -552,7 +552,7 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
     caller, x = ctx.exact_of(masked), ctx.analysis_x
     found = Outcome[None](coverage={"padding": "verified"})
     shared = caller.spec is not None and caller.spec.shape == "LL"  # one mask for every item: one padding
-    inputs = [x]
+    inputs = [x] + ([x[:1]] if x.shape[0] > 1 else [])  # one item alone too (a path for batch 1 that drops the mask)
     if x.shape[1] < 16:
         longer = ctx.randn(x.shape[0], 16, x.shape[2]).to(x.dtype)
         try:
@@ -581,7 +581,8 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
                 i = moved[0]
                 where = (f"batch item {i}" + (" (item 0's padding is hidden: another item's mask is applied?)"
                                               if 0 not in moved else "")
-                         + (f", at {length} tokens" if t is not x else "")
+                         + (f", at {length} tokens" if length != x.shape[1] else "")
+                         + (", with one item alone in the batch" if b == 1 < x.shape[0] else "")
                          + (", with autograd on (without it the mask holds)" if grad else ""))
                 found.findings.append(Finding.of(MASK_IGNORED, "changing padded (masked) keys changes the outputs "
                                                  f"of real tokens ({where})",
