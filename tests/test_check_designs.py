@@ -1104,17 +1104,24 @@ class SeparateProjectionsThroughTorch(nn.Module):
     """Correct, as fairseq (and fair-esm) call torch's functional core: three projection weights passed with
     ``use_separate_proj_weight=True`` and the biases packed. ``k_is_q``: the keys made by the query's weights."""
 
-    def __init__(self, dim: int, heads: int = 4, k_is_q: bool = False) -> None:
+    def __init__(self, dim: int, heads: int = 4, k_is_q: bool = False, gated_bias: bool = False) -> None:
         super().__init__()
-        self.heads, self.k_is_q = heads, k_is_q
+        self.heads, self.k_is_q, self.gated_bias = heads, k_is_q, gated_bias
         self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(dim, dim) for _ in range(4))
+        self.gate = nn.Linear(dim, heads)
 
     def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         t = x.transpose(0, 1)
+        bias = None
+        if self.gated_bias:  # WavLM-style: a relative-position bias gated by the query, passed as a float attn_mask
+            n = x.shape[1]
+            rel = (torch.arange(n)[None, :] - torch.arange(n)[:, None]).abs().float()
+            gate = torch.sigmoid(self.gate(x)).transpose(1, 2)  # (B, H, L)
+            bias = (gate[..., None] * -0.1 * rel).reshape(-1, n, n)
         out, _ = F.multi_head_attention_forward(
             t, t, t, t.shape[-1], self.heads, None,
             torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias]), None, None, False, 0.0,
-            self.out_proj.weight, self.out_proj.bias, training=False, key_padding_mask=key_padding_mask,
+            self.out_proj.weight, self.out_proj.bias, training=False, key_padding_mask=key_padding_mask, attn_mask=bias,
             need_weights=False, use_separate_proj_weight=True, q_proj_weight=self.q_proj.weight,
             k_proj_weight=self.q_proj.weight if self.k_is_q else self.k_proj.weight, v_proj_weight=self.v_proj.weight)
         return out.transpose(0, 1)
@@ -1127,6 +1134,9 @@ def test_torch_functional_attention_with_separate_weights_is_read():
     assert report.verdict == "passed", ([(f.id, f.message) for f in report.findings], report.coverage)
     assert report.coverage["white_box"] == "verified"
     assert "no-grad" in check(SeparateProjectionsThroughTorch(32, k_is_q=True)).ids
+    # a float attn_mask that is a bias (WavLM's gated relative positions) is not read as the definition
+    gated = check(SeparateProjectionsThroughTorch(32, gated_bias=True))
+    assert "definition-mismatch" not in gated.ids, [(f.id, f.message) for f in gated.findings]
 
 
 def test_re_attention_normalised_over_the_heads_is_a_design():

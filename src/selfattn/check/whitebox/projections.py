@@ -155,6 +155,9 @@ def _mha(op: Op, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Project] | None:
     a = inspect.signature(nn.functional.multi_head_attention_forward).bind(*op.args, **op.kwargs).arguments
     if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
         return None  # keys the projections do not make
+    bias = a.get("attn_mask")
+    if isinstance(bias, Tensor) and bias.is_floating_point() and bool(((bias != 0) & (bias > -1e4)).any()):
+        return None  # a float attn_mask that is a bias (WavLM's gated relative positions), not a mask
     separate = bool(a.get("use_separate_proj_weight"))
     missing = [a.get(f"{r}_proj_weight") for r in "qkv"] if separate else [a["in_proj_weight"]]
     if any(w is None for w in missing):
