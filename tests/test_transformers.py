@@ -390,7 +390,7 @@ def test_upstream_seams_are_where_they_were():
         pass
     assert callable(getattr(transformers.PreTrainedModel, "_can_set_attn_implementation", None))
     assert _upstream.can_set_attn_implementation(transformers.LlamaForCausalLM)
-    assert not _upstream.can_set_attn_implementation(transformers.FalconForCausalLM)
+    assert not _upstream.can_set_attn_implementation(transformers.BloomForCausalLM)  # attention of its own
     assert getattr(transformers.PreTrainedModel.get_correct_attn_implementation, "_selfattn_guard", None) is not None
     assert "_compile_all_devices" in vars(transformers.CompileConfig)  # generate() compiling on a CPU (tests)
     # context_parallel's gradient sum: a callback queued from a hook runs once, after the whole backward

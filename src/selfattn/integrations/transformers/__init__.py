@@ -78,7 +78,7 @@ def unsupported_reason(model_class: type) -> str | None:
     """Why the transformers model class ``model_class`` cannot run selfattn, or None when it can.
 
     Example:
-        >>> sa_hf.unsupported_reason(transformers.FalconForCausalLM)
+        >>> sa_hf.unsupported_reason(transformers.BloomForCausalLM)
         "its attention modules compute attention themselves instead of calling transformers' ..."
     """
     return _families.unsupported_reason(model_class)
