@@ -452,11 +452,13 @@ def calls_in_a_row(call: Caller, x: Tensor, gen: torch.Generator) -> Outcome[Non
                                                                 "fails at": str(tuple(shapes[i])), "error": why}))
         return found
     if failure is not None or differs:
-        where = f"the call at {tuple(shapes[failure[0]])} fails" if failure is not None else \
-            f"the calls at {', '.join(str(tuple(shapes[i])) for i in differs)} give other outputs"
-        found.notes["state"] = (f"a call replaces the module's own {names}; called in a row ({order}), {where} "
-                                "than the module as given (state carried from call to call, as a cache's); every "
-                                "probe's call met the module as given")
+        where = f"the call at {tuple(shapes[failure[0]])} fails (what it replaced only grew)" \
+            if failure is not None else \
+            f"the calls at {', '.join(str(tuple(shapes[i])) for i in differs)} give other outputs than the module " \
+            "as given"
+        found.notes["state"] = (f"a call replaces the module's own {names}; called in a row ({order}), {where}: "
+                                "state carried from call to call, as a cache's; every probe's call met the module "
+                                "as given")
     else:
         found.notes["state"] = (f"a call replaces the module's own {names} (a cache); calls in a row ({order}) "
                                 "give the module's outputs as given")

@@ -84,12 +84,9 @@ def rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:
         cur = todo.pop(0)
         got = trace.value(cur) if cur != tid else None
         if got is not None and got.shape == value.shape:
-            before = got.double().norm(dim=-1)
-            rows = before > 1e-12 * float(before.max()) if before.numel() else before.bool()  # not padding's zeros
-            zeros = norms[~rows]
-            if not bool(rows.any()) or (zeros.numel() and float(zeros.max()) > 1e-9 * float(norms.max())):
+            ratio = _norm_ratio(norms, got)
+            if ratio is None:
                 continue
-            ratio = norms[rows] / before[rows]
             if float((ratio - ratio.mean()).abs().max()) <= 1e-6 * float(ratio.mean().abs()):
                 return ""
             ratios.append(ratio)
@@ -105,6 +102,17 @@ def rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:
            f"(by {float(ratio.min()):.3g} to {float(ratio.max()):.3g}; a sign lost in rotate_half?)"
 
 
+def _norm_ratio(norms: Tensor, before: Tensor) -> Tensor | None:
+    """Each row's norm ``norms`` over the norm of the same row of ``before``, on the rows that are not zero there
+    (padding); None when there are none, or when a zero row became one that is not zero."""
+    was = before.double().norm(dim=-1)
+    rows = was > 1e-12 * float(was.max()) if was.numel() else was.bool()
+    zeros = norms[~rows]
+    if not bool(rows.any()) or (zeros.numel() and float(zeros.max()) > 1e-9 * float(norms.max())):
+        return None
+    return norms[rows] / was[rows]
+
+
 def rotated_from(trace: Trace, tid: int) -> tuple[int, float] | None:
     """When the tensor ``tid`` is made like rotary positions (t * cos + f(t) * sin, on all or part of the head dim)
     and is a rotation of an ancestor of its shape a few operations back (each row's norm the ancestor's times one
@@ -117,12 +125,9 @@ def rotated_from(trace: Trace, tid: int) -> tuple[int, float] | None:
     for cur in trace.ancestors(tid, limit=40):
         got = trace.value(cur)
         if got is not None and got.shape == value.shape and not got.is_complex():
-            before = got.double().norm(dim=-1)
-            rows = before > 1e-12 * float(before.max()) if before.numel() else before.bool()  # not padding's zeros
-            zeros = norms[~rows]
-            if not bool(rows.any()) or (zeros.numel() and float(zeros.max()) > 1e-9 * float(norms.max())):
+            ratio = _norm_ratio(norms, got)
+            if ratio is None:
                 continue
-            ratio = norms[rows] / before[rows]
             if float((ratio - ratio.mean()).abs().max()) <= 1e-6 * float(ratio.mean().abs()):
                 if torch.allclose(got.double() * float(ratio.mean()), value.double(), rtol=1e-6, atol=1e-9):
                     return None  # the same values (a copy into a cache): not rotated
