@@ -596,6 +596,26 @@ def test_unlimited_timeout_is_accepted(one_rank_group):
     torch.testing.assert_close(out, selfattn.attention(_Q, _Q, _Q, causal=True))
 
 
+def test_a_device_mesh_names_the_group(one_rank_group):
+    """catches: a DeviceMesh passed as group reaching torch.distributed as an unknown object, a mesh of two
+    dimensions taken whole, or a mesh_dim that is not one of its dimensions accepted."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from selfattn.distributed.group import process_group
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "cp"))
+    out = sad.attention(_Q, _Q, _Q, causal=True, group=mesh["cp"])
+    torch.testing.assert_close(out, selfattn.attention(_Q, _Q, _Q, causal=True))
+    assert torch.equal(sad.unshard(sad.shard(_Q, group=mesh["cp"]), group=mesh["cp"]), _Q)
+    assert process_group(mesh, "cp") is mesh.get_group("cp")
+    with pytest.raises(ValueError, match="mesh\\['cp'\\]"):
+        sad.attention(_Q, _Q, _Q, group=mesh)
+    with pytest.raises(ValueError, match="not a dimension"):
+        process_group(mesh, "tp")
+    with pytest.raises(TypeError, match="ProcessGroup, a DeviceMesh"):
+        sad.attention(_Q, _Q, _Q, group="cp")
+
+
 def test_rejects_bad_arguments_without_a_group():
     """catches: calling without torch.distributed initialised giving an obscure error deep inside torch."""
     x = torch.randn(1, 2, 8, 4)

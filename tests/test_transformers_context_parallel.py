@@ -17,6 +17,7 @@ import json
 import os
 import traceback
 import weakref
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -539,3 +540,80 @@ def test_example_trains_and_matches_one_process():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "-> equal" in proc.stdout and "loss" in proc.stdout.splitlines()[-1], proc.stdout
 
+
+
+def _clipped_adamw_steps(model: torch.nn.Module, batches: list[dict], shard: object = None, cp_args: dict | None = None,
+                         steps: int = 3, sync_last_only: bool = False) -> None:
+    """``steps`` AdamW steps, each over the micro-batches ``batches`` (the mean of their losses, accumulated in
+    ``.grad``), the gradients clipped to a global norm of 0.05 (below theirs: the clipping acts). With ``cp_args``
+    each micro-batch runs inside ``context_parallel(model, **cp_args)``, ``shard`` cutting this replica's row;
+    ``sync_last_only``: FSDP or DDP reduces only the last micro-batch's gradients (``set_requires_gradient_sync``,
+    ``no_sync``)."""
+    from selfattn.integrations.transformers import context_parallel
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(steps):
+        opt.zero_grad()
+        for i, batch in enumerate(batches):
+            last = i == len(batches) - 1
+            if cp_args is None:
+                (model(**batch).loss / len(batches)).backward()
+                continue
+            if sync_last_only and hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+                model.set_requires_gradient_sync(last)
+            local = model.no_sync() if sync_last_only and not last and hasattr(model, "no_sync") else nullcontext()
+            with local, context_parallel(model, **cp_args) as cp:
+                (model(**cp.shard(**shard(batch))).loss / len(batches)).backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+        assert float(norm) > 0.05, float(norm)
+        opt.step()
+
+
+def fsdp_worker(rank: int, world: int) -> dict:
+    """A 2 x 2 mesh (data parallel x context parallel): FSDP2 over "dp" and DDP over "dp", the context over "cp";
+    each data-parallel replica trains on its row of every micro-batch. The weights after three clipped AdamW steps
+    of two micro-batches each, against one process on the whole batches."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    dp = mesh.get_local_rank("dp")
+    batches = [_batch("packed", seed) for seed in (1, 2)]
+    for b in batches:  # every replica's row counts the same tokens: the mean of the replicas' means is the batch's
+        b["labels"] = b["input_ids"].clone()
+
+    def row(batch: dict) -> dict:
+        return {k: v[dp:dp + 1] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+    ref = _model("llama")
+    _clipped_adamw_steps(ref, batches)
+    out = {}
+    for case in ("fsdp", "fsdp_sync_last", "ddp", "ddp_sync_last"):
+        model = _model("llama")
+        if case.startswith("fsdp"):
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            wrapped, cp_args = model, {"mesh": mesh["cp"]}
+        else:
+            wrapped = DistributedDataParallel(model, process_group=mesh.get_group("dp"))
+            cp_args = {"mesh": mesh, "mesh_dim": "cp"}
+        _clipped_adamw_steps(wrapped, batches, row, {**cp_args, "layout": "zigzag"},
+                             sync_last_only=case.endswith("sync_last"))
+        weights = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.named_parameters()}
+        out[case] = max(_rel(weights[n].detach(), p.detach()) for n, p in ref.named_parameters())
+        out[case + "_moved"] = max(_rel(weights[n].detach(), p.detach()) for n, p in _model("llama").named_parameters())
+    return out
+
+
+def test_fsdp2_and_ddp_with_context_parallelism_on_one_mesh(tmp_path):
+    """catches: FSDP2's reduce-scatter leaving out the context group (each context rank would step on its own
+    share), the context's own hooks summing FSDP's sharded parameters a second time, accumulation summing a
+    micro-batch's gradients more than once (DDP reduces the whole accumulated .grad again), clipping by a norm
+    of the shares, or the mesh forms picking the wrong dimension."""
+    for res in _spawn("fsdp_worker", 4, tmp_path):
+        for case in ("fsdp", "fsdp_sync_last", "ddp", "ddp_sync_last"):
+            assert res[case] < GRAD_RTOL, res
+            assert res[case + "_moved"] > 1e-3, res  # the steps moved the weights: the comparison means something

@@ -53,6 +53,7 @@ from dataclasses import replace
 
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..backends.chunked.dropout import draw_seed
 from ..masks import Mask
@@ -69,7 +70,7 @@ __all__ = ["DEFAULT_TIMEOUT_S", "Stats", "attention", "record", "shard", "unshar
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | None = None,
+def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | DeviceMesh | None = None,
               layout: Layout = "contiguous", mask: Mask | Tensor | None = None, causal: bool | str = False,
               scale: float | None = None, dropout_p: float = 0.0, score_mod: ScoreMod | ScoreFn | None = None,
               return_lse: bool = False, strategy: Strategy = "ring", backend: str = "auto",
@@ -84,7 +85,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | Non
         q: (B, H, L / W, D), this rank's queries in the layout's order (see :func:`shard`).
         k: (B, Hkv, L / W, D), this rank's keys; H % Hkv == 0 (GQA).
         v: (B, Hkv, L / W, Dv), this rank's values.
-        group: the process group; None for the default group.
+        group: the process group, or a one-dimensional DeviceMesh (``mesh["cp"]``); None for the default group.
         layout: "contiguous" or "zigzag" (L divisible by 2W; balances causal work).
         mask: a :mod:`selfattn.masks` mask on global positions (a bool tensor is taken as a global
             (B, H, L, L) mask), or None. The same on every rank (compared by fingerprint).

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Group", "Stats", "current_stats", "group_of", "record"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Group", "Stats", "current_stats", "group_of", "process_group", "record"]
 
 DEFAULT_TIMEOUT_S = 300.0
 """How long a collective waits for the other ranks when ``timeout`` is not given."""
@@ -112,13 +112,39 @@ class Group:
                 "crashed, or its group was destroyed)")
 
 
-def group_of(group: dist.ProcessGroup | None, timeout: object) -> Group:
-    """The :class:`Group` of ``group`` (None: the default group) with ``timeout`` seconds
-    (None: :data:`DEFAULT_TIMEOUT_S`; ``float("inf")``: no limit of our own)."""
+def process_group(group: object, mesh_dim: str | None = None) -> dist.ProcessGroup | None:
+    """The process group of ``group``: a ProcessGroup or None (the default group) as it is, a
+    ``DeviceMesh`` of one dimension (``mesh["cp"]``) as its group, or a mesh of several
+    dimensions as the group of ``mesh_dim``."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        names = group.mesh_dim_names or ()
+        if mesh_dim is not None:
+            if mesh_dim not in names:
+                raise ValueError(f"mesh_dim {mesh_dim!r} is not a dimension of the mesh (its dimensions: {names})")
+            return group.get_group(mesh_dim)
+        if group.ndim != 1:
+            raise ValueError(f"a device mesh of {group.ndim} dimensions {names} needs the context-parallel one "
+                             "named: pass mesh['cp'] (a one-dimensional mesh) or mesh_dim='cp'")
+        return group.get_group()
+    if mesh_dim is not None:
+        raise ValueError("mesh_dim names a dimension of a DeviceMesh; it was given with a process group")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup, a DeviceMesh or None, got "
+                        f"{type(group).__name__}")
+    return group
+
+
+def group_of(group: object, timeout: object) -> Group:
+    """The :class:`Group` of ``group`` (None: the default group; a one-dimensional ``DeviceMesh``: its
+    group) with ``timeout`` seconds (None: :data:`DEFAULT_TIMEOUT_S`; ``float("inf")``: no limit of
+    our own)."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("selfattn.distributed needs torch.distributed initialised: call "
                            "torch.distributed.init_process_group('gloo' or 'nccl') first (torchrun does "
                            "the rendezvous), or use selfattn.attention on one process")
+    group = process_group(group)
     if timeout is None:
         timeout = DEFAULT_TIMEOUT_S
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:

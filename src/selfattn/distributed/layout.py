@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from .group import Group, group_of
 
@@ -45,13 +46,13 @@ def rank_order(layout: str, world: int) -> list[int]:
     return [cid for r in range(world) for cid in chunks_of(layout, r, world)]
 
 
-def shard(x: Tensor, *, group: dist.ProcessGroup | None = None, layout: Layout = "contiguous",
+def shard(x: Tensor, *, group: dist.ProcessGroup | DeviceMesh | None = None, layout: Layout = "contiguous",
           dim: int = 2) -> Tensor:
     """This rank's tokens of a global tensor (every rank passes the same ``x``).
 
     Args:
         x: a global tensor, (B, H, L, D) by default; any tensor with the sequence along ``dim``.
-        group: the process group; None for the default group.
+        group: the process group, or a one-dimensional DeviceMesh (``mesh["cp"]``); None for the default group.
         layout: "contiguous" (rank r holds tokens [r L/W, (r+1) L/W)) or "zigzag" (2W chunks,
             rank r holds chunks r and 2W-1-r).
         dim: the sequence dimension.
@@ -103,14 +104,14 @@ class _Unshard(torch.autograd.Function):
         return torch.cat(own, dim=ctx.dim), None, None, None
 
 
-def unshard(x_local: Tensor, *, group: dist.ProcessGroup | None = None, layout: Layout = "contiguous",
+def unshard(x_local: Tensor, *, group: dist.ProcessGroup | DeviceMesh | None = None, layout: Layout = "contiguous",
             timeout: float | None = None, dim: int = 2) -> Tensor:
     """Gather every rank's tokens back into the global tensor, on every rank (the inverse of :func:`shard`).
 
     Args:
         x_local: (B, H, L / W, D) by default, this rank's tokens in the order :func:`shard` gives them; any
             tensor with this rank's tokens along ``dim`` (the same shape on every rank).
-        group: the process group; None for the default group.
+        group: the process group, or a one-dimensional DeviceMesh (``mesh["cp"]``); None for the default group.
         layout: the layout the tokens were sharded with.
         timeout: seconds to wait for the other ranks (default ``DEFAULT_TIMEOUT_S``; ``float("inf")``
             for no limit of its own).

@@ -23,8 +23,10 @@ optimizer steps are the same everywhere. Outside the context the model is untouc
 
 With :class:`torch.nn.parallel.DistributedDataParallel` over a data-parallel group, pass the DDP-wrapped
 model: the context installs a communication hook that averages each gradient bucket over DDP's group (as
-DDP does) and sums it over the context-parallel group. FSDP: shard parameters over the data-parallel
-group only and let the context sum over the context-parallel group (see docs/design.md).
+DDP does) and sums it over the context-parallel group. With FSDP2 (``fully_shard`` over the data-parallel
+dimension of a ``DeviceMesh``, the context over its context-parallel dimension: ``mesh=mesh["cp"]``), an
+all-reduce hook on every FSDP module sums each backward's reduced gradient shard over the context group
+before FSDP accumulates it.
 
 Shape legend: B batch, L the global length, W the group's size, n = L / W tokens per rank.
 """
@@ -40,12 +42,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from ... import masks as _masks
 from ... import scores as _scores
 from ...distributed import attention as _cp_attention
 from ...distributed import shard as _shard
 from ...distributed.agree import fingerprint
+from ...distributed.group import process_group
 from ...masks.kinds import Document
 from . import _upstream
 from ._attention import CONTEXT_ATTR, attention_forward
@@ -386,7 +390,8 @@ def _inner(model: nn.Module) -> nn.Module:
 @contextlib.contextmanager
 def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None, layout: str = "zigzag",
                      strategy: str = "ring", data_parallel_group: dist.ProcessGroup | None = None,
-                     timeout: float | None = None) -> Iterator[ContextParallel]:
+                     timeout: float | None = None, mesh: DeviceMesh | None = None,
+                     mesh_dim: str | None = None) -> Iterator[ContextParallel]:
     """Run ``model`` (built with ``attn_implementation="selfattn"``) context-parallel over ``group``.
 
     Args:
@@ -398,6 +403,11 @@ def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None
             labelled-token count and the gradients are summed over it too (the global mean over every
             replica's tokens). With DDP, leave it None: DDP's group is read from the wrapper.
         timeout: seconds a transfer may wait for another rank (as :func:`selfattn.distributed.attention`).
+        mesh: instead of ``group``, a ``DeviceMesh``: one-dimensional (``mesh["cp"]``), or of several
+            dimensions with ``mesh_dim`` naming the context-parallel one. The model may be sharded with FSDP2
+            over another dimension of the same mesh (``fully_shard(model, mesh=mesh["dp"])``): FSDP's
+            reduction of each backward's gradients then also sums them over the context group.
+        mesh_dim: the context-parallel dimension of a multi-dimensional ``mesh``.
 
     Yields:
         A :class:`ContextParallel`: ``cp.shard(...)`` gives this rank's part of a global batch.
@@ -411,6 +421,12 @@ def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None
         >>> with context_parallel(model, group=cp_group) as cp:
         ...     model(**cp.shard(input_ids=ids, labels=ids)).loss.backward()
     """
+    if mesh is not None:
+        if group is not None:
+            raise ValueError("context_parallel takes the context-parallel ranks as group or as mesh, not both")
+        group = process_group(mesh, mesh_dim)
+    elif mesh_dim is not None:
+        raise ValueError("mesh_dim names a dimension of mesh; no mesh was given")
     inner = _inner(model)
     config = getattr(inner, "config", None)
     name = getattr(config, "_attn_implementation", None)
@@ -494,9 +510,11 @@ def _reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None,
     gradient arriving for it into a flat buffer; at the end this rank's part is taken out of ``.grad``,
     the buffer is all-reduced, and the sum is put back in."""
     if isinstance(model, nn.parallel.DistributedDataParallel):
-        _ddp_hook(model)
+        return _ddp_hook(model, group)
+    sharded = _fsdp_hooks(model, dp_group)
+    params = [p for p in model.parameters() if p.requires_grad and id(p) not in sharded]
+    if not params:
         return []
-    params = [p for p in model.parameters() if p.requires_grad]
     state: dict[str, Any] = {"queued": False, "flat": {}, "views": {}, "reached": None}
 
     def views() -> dict[int, Tensor]:
@@ -544,15 +562,94 @@ def _reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None,
     return [p.register_hook(arriving(i, p)) for i, p in enumerate(params)]
 
 
+_FSDP_HOOKED = "_selfattn_cp_all_reduce_hook"  # set on an FSDP module once its all-reduce hook is installed
+
+
+def _fsdp_hooks(model: nn.Module, dp_group: dist.ProcessGroup | None) -> set[int]:
+    """FSDP2 (``fully_shard``) owns the gradients of the parameters it shards: it reduce-scatters each backward's
+    gradients over its own mesh (the mean over the data-parallel ranks) and adds the shard into ``.grad``. The sum
+    over the context-parallel group is made part of that reduction: an all-reduce hook (FSDP's
+    ``set_all_reduce_hook``, run on this backward's reduced shard before it is accumulated) sums it over the
+    context group, once per FSDP module. Returns the ids of the parameters FSDP manages (the others are summed by
+    the context's own hooks). The hook holds its module weakly and does nothing outside a context."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return set()
+    managed: set[int] = set()
+    for m in model.modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        if dp_group is not None:
+            raise ValueError("data_parallel_group is for replicas that reduce nothing themselves; this model is "
+                             "sharded by FSDP (fully_shard), which already averages the gradients over its mesh: leave "
+                             "data_parallel_group None")
+        for group in m._get_fsdp_state()._fsdp_param_groups:  # the parameters FSDP reduces itself
+            managed.update(id(fp.sharded_param) for fp in group.fsdp_params)
+            mine = group.__dict__.get(_FSDP_HOOKED)
+            if getattr(group, "_all_reduce_hook", None) is not None and group._all_reduce_hook is not mine:
+                raise ValueError(f"{type(m).__name__} already has an FSDP all-reduce hook (set_all_reduce_hook): "
+                                 "context_parallel sums its gradients over the context group with one of its own")
+        if not m.__dict__.get(_FSDP_HOOKED):
+            owner = weakref.ref(m)
+
+            def hook(reduced: Tensor, owner: Any = owner) -> None:
+                module = owner()
+                ctx = None if module is None else module.__dict__.get(CONTEXT_ATTR)
+                if ctx is not None:
+                    dist.all_reduce(reduced, group=ctx.group)
+            m.set_all_reduce_hook(hook)
+            m.__dict__[_FSDP_HOOKED] = True
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                group.__dict__[_FSDP_HOOKED] = hook
+    return managed
+
+
 _DDP_HOOKED = "_selfattn_cp_comm_hook"  # set on a DDP model once its communication hook is installed
+_DDP_PENDING = "_selfattn_cp_pending"  # on a DDP model: its context-parallel gradients not yet reduced
 
 
-def _ddp_hook(model: nn.parallel.DistributedDataParallel) -> None:
-    """Once per DDP model: a communication hook that averages a bucket over DDP's group, as DDP does, and,
-    inside a context, sums it over the context-parallel group. The hook holds the model weakly: DDP keeps its hook
-    where Python's garbage collector does not look, so a strong reference would keep the model alive forever."""
+@dataclass
+class _Pending:
+    """What a DDP model's parameters received in context-parallel backward passes since DDP last reduced them: this
+    rank's own contributions, in one flat buffer (a view per parameter), and the context group they are summed over.
+
+    DDP reduces a parameter's whole ``.grad``, which holds what earlier backward passes accumulated: reduced ones
+    (the same on every rank, a mean that reducing again leaves unchanged, but that a sum over the context group
+    would multiply by W) and, under ``no_sync``, this rank's own. Only the pending part is summed over the group."""
+
+    group: dist.ProcessGroup | None = None
+    flat: Tensor | None = None
+    views: dict[int, Tensor] = field(default_factory=dict)
+    live: bool = False
+
+    def add(self, p: Tensor, grad: Tensor, group: dist.ProcessGroup | None, params: list[Tensor]) -> None:
+        if self.flat is None:
+            self.flat = torch.zeros(sum(q.numel() for q in params), dtype=params[0].dtype, device=params[0].device)
+            at = 0
+            for q in params:
+                self.views[id(q)] = self.flat[at:at + q.numel()].view_as(q)
+                at += q.numel()
+        self.group, self.live = group, True
+        self.views[id(p)].add_(grad)
+
+
+def _ddp_hook(model: nn.parallel.DistributedDataParallel, group: dist.ProcessGroup | None) -> list[Any]:
+    """A communication hook, installed once per DDP model, that averages a bucket over DDP's group, as DDP does, and
+    sums what context-parallel backward passes gave it over the context group (:class:`_Pending`); and, for this
+    context, hooks on the parameters that put their gradients in the pending buffer. The hook holds the model
+    weakly: DDP keeps its hook where Python's garbage collector does not look, so a strong reference would keep the
+    model alive forever. Returns the parameters' hook handles."""
+    params = [p for p in model.module.parameters() if p.requires_grad]
+    if len({(p.dtype, p.device) for p in params}) > 1:
+        raise ValueError("context_parallel with DDP needs the model's parameters in one dtype and on one device")
+    pending: _Pending = model.__dict__.setdefault(_DDP_PENDING, _Pending())
+
+    def arriving(p: Tensor) -> Any:
+        return lambda grad: pending.add(p, grad, group, params)
+    handles = [p.register_hook(arriving(p)) for p in params]
     if model.__dict__.get(_DDP_HOOKED):
-        return
+        return handles
     model.__dict__[_DDP_HOOKED] = True
     owner = weakref.ref(model)
 
@@ -562,13 +659,21 @@ def _ddp_hook(model: nn.parallel.DistributedDataParallel) -> None:
         ddp = owner()
         buf = bucket.buffer()
         if ddp is not None:
+            mine: _Pending = ddp.__dict__[_DDP_PENDING]
+            if mine.live:  # buf = (reduced before, the same everywhere) + (this rank's pending contributions)
+                part = torch.cat([mine.views[id(p)].reshape(-1) for p in bucket.parameters()])
+                buf.sub_(part)
+                dist.all_reduce(part, group=mine.group)
+                buf.add_(part)
+                for p in bucket.parameters():
+                    mine.views[id(p)].zero_()
+                if bucket.is_last():
+                    mine.live = False
             dist.all_reduce(buf, group=ddp.process_group)
             buf.div_(dist.get_world_size(ddp.process_group))
-            ctx = ddp.__dict__.get(CONTEXT_ATTR)
-            if ctx is not None:
-                dist.all_reduce(buf, group=ctx.group)
         fut = torch.futures.Future()
         fut.set_result(buf)
         return fut
 
     model.register_comm_hook(None, hook)
+    return handles
