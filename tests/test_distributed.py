@@ -105,7 +105,7 @@ def _single(q, k, v, gout, **kw) -> tuple[torch.Tensor, ...]:
     return out.detach(), lse, q.grad, k.grad, v.grad
 
 
-def _sharded(q, k, v, gout, layout: str, strategy: str, **kw) -> tuple[torch.Tensor, ...]:
+def _sharded(q, k, v, gout, layout: str | sad.Sharding, strategy: str, **kw) -> tuple[torch.Tensor, ...]:
     ql, kl, vl = (sad.shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v))
     out, lse = sad.attention(ql, kl, vl, layout=layout, strategy=strategy, return_lse=True, timeout=20, **kw)
     out.backward(sad.shard(gout, layout=layout))
@@ -169,6 +169,47 @@ def exact_worker(rank: int, world: int) -> dict:
         results[f"{layout}/unshard-dim1"] = {"out": _rel(whole.detach(), x),
                                              "grad": _rel(local.grad, sad.shard(gx, layout=layout, dim=1))}
     results["balance"] = _balance(q)
+    return results
+
+
+def sharding_worker(rank: int, world: int) -> dict:
+    """Rows of lengths no layout divides, and balanced layouts of packed documents: every mask kind, both strategies,
+    against one process on this rank's real positions; shard / unshard round trips and their gradients."""
+    torch.manual_seed(0)
+    hkv, batch = world, 2
+    heads, length = 2 * hkv, 4 * world * 6 + 5  # not a multiple of 2W, nor of any K W
+    q = torch.randn(batch, heads, length, 8, dtype=torch.float64)
+    k = torch.randn(batch, hkv, length, 8, dtype=torch.float64)
+    v = torch.randn(batch, hkv, length, 6, dtype=torch.float64)
+    gout = torch.randn(batch, heads, length, 6, dtype=torch.float64)
+    docs = torch.repeat_interleave(torch.arange(4), torch.tensor([3, length - 20, 9, 8]))
+    layouts = {"contiguous": sad.Sharding.of("contiguous", length, world),
+               "zigzag": sad.Sharding.of("zigzag", length, world),
+               "balanced": sad.balanced(world, document_ids=docs),
+               "balanced-k3": sad.balanced(world, cu_seqlens=[0, 3, length - 17, length - 8, length],
+                                           chunks_per_rank=3),
+               "balanced-window": sad.balanced(world, document_ids=docs, window=4)}
+    results: dict[str, dict] = {}
+    for name, kw in _cases(batch, heads, length).items():
+        ref = _single(q, k, v, gout, **kw)
+        for lname, lay in layouts.items():
+            pos = lay.positions(rank)
+            real = pos < length
+            for strategy in ("ring", "all_to_all"):
+                out, lse, dq, dk, dv = _sharded(q, k, v, gout, lay, strategy, **kw)
+                r_out, r_lse, r_dq, r_dk, r_dv = (t[:, :, pos[real]] for t in ref)
+                results[f"{lname}/{strategy}/{name}"] = {
+                    "out": _rel(out[:, :, real], r_out), "lse": _lse_err(lse[:, :, real], r_lse),
+                    "dq": _rel(dq[:, :, real], r_dq), "dk": _rel(dk[:, :, real], r_dk),
+                    "dv": _rel(dv[:, :, real], r_dv),
+                    "padding": float(out[:, :, ~real].abs().max()) if bool((~real).any()) else 0.0}
+    x, gx = torch.randn(batch, length, 5, dtype=torch.float64), torch.randn(batch, length, 5, dtype=torch.float64)
+    for lname, lay in layouts.items():
+        local = sad.shard(x, layout=lay, dim=1).requires_grad_()
+        whole = sad.unshard(local, layout=lay, dim=1, timeout=20)
+        whole.backward(gx)
+        results[f"{lname}/unshard"] = {"out": _rel(whole.detach(), x), "shape": float(whole.shape[1] != length),
+                                       "grad": _rel(local.grad, sad.shard(gx, layout=lay, dim=1))}
     return results
 
 
@@ -430,6 +471,17 @@ def test_exact_every_mask_layout_strategy(exact_run):
     _judge(res, world)
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_any_length_and_balanced_layouts_are_exact(world, tmp_path):
+    """catches: padding a row to the layout's multiple seen as keys (or its queries given output), a mask read past
+    the row's end, a balanced layout's chunks gathered or attended in the wrong order, and unshard returning the
+    padding or handing its gradient to the wrong rank."""
+    for rank, res in enumerate(_spawn("sharding_worker", world, tmp_path, limit=300)):
+        for key, errs in res.items():
+            bad = {n: e for n, e in errs.items() if e > (LSE_F32 if n == "lse" else F64_EXACT)}
+            assert not bad, f"W={world} rank {rank} {key}: {bad}"
+
+
 def test_ring_gives_the_same_bits_at_every_thread_count(tmp_path):
     """catches: context parallelism at a fixed world size whose result depends on the run or the thread
     count (blocks merged in arrival order, gradients summed as they come back), and a second derivative
@@ -586,7 +638,7 @@ def test_unshard_takes_dim_like_shard(one_rank_group):
             sad.unshard(x, dim=bad)
         with pytest.raises(ValueError, match="dim"):
             sad.shard(x, dim=bad)
-    with pytest.raises(ValueError, match="two equal chunks"):
+    with pytest.raises(ValueError, match="2 equal chunks"):
         sad.unshard(torch.randn(2, 5, 3), dim=1, layout="zigzag")
 
 
@@ -614,6 +666,69 @@ def test_a_device_mesh_names_the_group(one_rank_group):
         process_group(mesh, "tp")
     with pytest.raises(TypeError, match="ProcessGroup, a DeviceMesh"):
         sad.attention(_Q, _Q, _Q, group="cp")
+
+
+def test_pair_work_counts_what_the_mask_leaves():
+    """catches: the balanced layout weighing chunks by another work than the mask's visible pairs (document runs,
+    a causal or bidirectional window)."""
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3], [0] * 5 + [1] * 6])
+    for causal, window in ((True, None), (False, None), (True, 2), (False, (1, 2)), (False, 1)):
+        m = masks.document(ids)
+        if causal:
+            m = m & masks.causal()
+        if window is not None:
+            left, right = (window, 0 if causal else window) if isinstance(window, int) else window
+            m = m & masks.sliding_window(left, right)
+        assert torch.equal(sad.pair_work(ids, causal, window), m.dense(11, 11).sum((0, 1, 3))), (causal, window)
+
+
+def _log_uniform_row(length: int, seed: int) -> torch.Tensor:
+    """(L,) document ids of a packed row: lengths drawn log-uniform in [32, 8192], the last one cut to fit."""
+    g, lens = torch.Generator().manual_seed(seed), []
+    while sum(lens) < length:
+        lens.append(int(math.exp(math.log(32) + torch.rand(1, generator=g).item() * math.log(8192 / 32))))
+    lens[-1] -= sum(lens) - length
+    return torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+
+
+def test_balanced_layout_shares_the_work_of_packed_documents():
+    """catches: a balanced layout that is no better than zigzag on packed documents (the causal work sits in the
+    long documents), gives ranks different numbers of tokens, or loses or repeats a chunk."""
+    from selfattn.distributed.layout import _loads
+
+    for seed in range(3):
+        ids = _log_uniform_row(65536, seed)
+        work = sad.pair_work(ids).double()
+        for world in (2, 4, 8):
+            lay = sad.balanced(world, document_ids=ids)
+            loads = _loads(work, lay)
+            assert float(loads.max() / loads.mean()) <= 1.05, (seed, world, loads)
+            assert sorted(c for o in lay.owners for c in o) == list(range(lay.padded // lay.chunk))
+            assert len({len(o) for o in lay.owners}) == 1
+    with pytest.raises(ValueError, match="one of the two"):
+        sad.balanced(2)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        sad.balanced(2, cu_seqlens=[1, 4])
+
+
+def test_a_cropped_mask_hides_the_padding():
+    """catches: the padding past a row's end visible as keys or seeing keys, a mask read past the row, and a tile
+    that holds padding claimed full."""
+    from selfattn.masks.base import Cropped
+
+    ids = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3, 3])
+    for inner in (masks.document(ids) & masks.causal(), None, masks.sliding_window(2, 1)):
+        m = Cropped(inner, 11)
+        want = torch.zeros(16, 16, dtype=torch.bool)
+        want[:11, :11] = True if inner is None else inner.dense(11, 11)[0, 0]
+        assert torch.equal(m.dense(16, 16)[0, 0], want)
+        for tile in (1, 3, 4, 5, 16):
+            t = m.tiles(16, 16, tile, tile)[0, 0]
+            for a in range(t.shape[0]):
+                for b in range(t.shape[1]):
+                    block = want[a * tile:(a + 1) * tile, b * tile:(b + 1) * tile]
+                    assert not (t[a, b] == masks.FULL and not block.all()), (tile, a, b)
+                    assert not (t[a, b] == masks.EMPTY and block.any()), (tile, a, b)
 
 
 def test_rejects_bad_arguments_without_a_group():

@@ -10,7 +10,13 @@ Layouts (which tokens a rank holds), drawn for W = 2, L = 8 (``r`` = the rank ho
     contiguous   0 0 0 0 1 1 1 1      rank r holds tokens [r L/W, (r + 1) L/W)
     zigzag       0 0 1 1 1 1 0 0      2W chunks; rank r holds chunks r and 2W - 1 - r
 
-Zigzag gives every rank the same causal work.
+    balanced     0 1 1 0 0 1 0 1      K W chunks, K per rank (balanced(): packed documents)
+
+Zigzag gives every rank the same causal work on one sequence; on a row of packed documents the
+causal work sits in the long documents, and :func:`balanced` gives out K chunks per rank by their
+counted pairs instead. A :class:`Sharding` (``Sharding.of("zigzag", length=L, world=W)``, or
+:func:`balanced`) takes a row of any length: :func:`shard` pads it at its end, the padding is
+masked out, and :func:`unshard` drops it.
 
 Strategies:
 
@@ -61,17 +67,17 @@ from ..scores import ScoreMod
 from .agree import agree
 from .all_to_all import all_to_all_attention
 from .group import DEFAULT_TIMEOUT_S, Stats, group_of, record
-from .layout import Layout, shard, unshard
+from .layout import Layout, Sharding, balanced, pair_work, shard, unshard
 from .ring import ring_attention
 from .spec import Strategy, validate
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Stats", "attention", "record", "shard", "unshard"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Sharding", "Stats", "attention", "balanced", "pair_work", "record", "shard", "unshard"]
 
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | DeviceMesh | None = None,
-              layout: Layout = "contiguous", mask: Mask | Tensor | None = None, causal: bool | str = False,
+              layout: Layout | Sharding = "contiguous", mask: Mask | Tensor | None = None, causal: bool | str = False,
               scale: float | None = None, dropout_p: float = 0.0, score_mod: ScoreMod | ScoreFn | None = None,
               return_lse: bool = False, strategy: Strategy = "ring", backend: str = "auto",
               timeout: float | None = None, sinks: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
@@ -86,7 +92,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | Dev
         k: (B, Hkv, L / W, D), this rank's keys; H % Hkv == 0 (GQA).
         v: (B, Hkv, L / W, Dv), this rank's values.
         group: the process group, or a one-dimensional DeviceMesh (``mesh["cp"]``); None for the default group.
-        layout: "contiguous" or "zigzag" (L divisible by 2W; balances causal work).
+        layout: "contiguous" or "zigzag" (L divisible by 2W; balances causal work), or a :class:`Sharding`
+            (:func:`balanced` for packed documents, :meth:`Sharding.of` for any length: the padding is masked).
         mask: a :mod:`selfattn.masks` mask on global positions (a bool tensor is taken as a global
             (B, H, L, L) mask), or None. The same on every rank (compared by fingerprint).
         causal: True (or "top_left" / "bottom_right", the same for self-attention) adds a causal mask.

@@ -35,7 +35,7 @@ from torch import Tensor
 from .._fields import Declared
 from ..backends import REGISTRY
 from .group import Group
-from .layout import LAYOUTS
+from .layout import LAYOUTS, Sharding
 from .spec import STRATEGIES, Spec
 
 __all__ = ["agree", "fingerprint"]
@@ -122,6 +122,15 @@ def _named(name: str, value: str, names: tuple[str, ...]) -> _Field:
                   lambda i: names[i] if 0 <= i < len(names) else "another")
 
 
+def _layout(layout: str | Sharding) -> _Field:
+    """The layout: by name, or a :class:`Sharding` by a fingerprint of its chunks (every rank must hold the same)."""
+    if isinstance(layout, str):
+        return _named("layout", layout, LAYOUTS)
+    h = hashlib.blake2b(repr((layout.kind, layout.length, layout.chunk, layout.owners)).encode(), digest_size=8)
+    return _Field("layout", int.from_bytes(h.digest(), "little") >> 1,
+                  lambda x: f"a {layout.kind} Sharding of {layout.length} tokens (fingerprint {x:016x})")
+
+
 def _signature(spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> list[_Field]:
     dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     dtype_names = tuple(str(d).removeprefix("torch.") for d in dtypes)
@@ -131,7 +140,7 @@ def _signature(spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> list[_Field]:
             _Field("q head dim", q.shape[3]), _Field("k/v heads", k.shape[1]), _Field("v head dim", v.shape[3]),
             _named("dtype", str(q.dtype).removeprefix("torch."), dtype_names),
             _named("device type", q.device.type, ("cpu", "cuda", "xpu", "mps", "hpu", "meta")),
-            _named("layout", spec.layout, LAYOUTS), _named("strategy", spec.strategy, STRATEGIES),
+            _layout(spec.layout), _named("strategy", spec.strategy, STRATEGIES),
             _named("backend", spec.backend, backends), _Field("causal", int(spec.causal), lambda x: str(bool(x))),
             _Field("scale", round(spec.scale * 1e9), lambda x: f"{x / 1e9:g}"),
             _Field("dropout_p", round(spec.dropout_p * 1e9), lambda x: f"{x / 1e9:g}"),

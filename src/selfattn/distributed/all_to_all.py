@@ -21,13 +21,13 @@ from ..functional import attention as _local_attention
 from ..masks import Mask
 from ..scores import ScoreMod
 from .group import Group
-from .layout import num_chunks, rank_order
+from .layout import Sharding, num_chunks, rank_order
 from .spec import Spec
 
 __all__ = ["all_to_all_attention"]
 
 
-def _seq_to_heads(g: Group, layout: str, x: Tensor) -> Tensor:
+def _seq_to_heads(g: Group, layout: str | Sharding, x: Tensor) -> Tensor:
     """(B, Hx, n, Dx) sequence shard -> (B, Hx / W, L, Dx) head shard in global order."""
     b, hx, n, dx = x.shape
     w = g.world
@@ -43,7 +43,7 @@ def _seq_to_heads(g: Group, layout: str, x: Tensor) -> Tensor:
     return by_rank[:, :, where].reshape(b, hx // w, nc * c, dx)
 
 
-def _heads_to_seq(g: Group, layout: str, x: Tensor) -> Tensor:
+def _heads_to_seq(g: Group, layout: str | Sharding, x: Tensor) -> Tensor:
     """(B, Hx / W, L, Dx) head shard in global order -> (B, Hx, n, Dx) sequence shard."""
     b, hl, length, dx = x.shape
     w = g.world
@@ -61,7 +61,7 @@ class _Swap(torch.autograd.Function):
     """Sequence shards to head shards (``to_heads``) or back; the backward swaps the other way."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, g: Group, layout: str, to_heads: bool) -> Tensor:
+    def forward(ctx, x: Tensor, g: Group, layout: str | Sharding, to_heads: bool) -> Tensor:
         ctx.g, ctx.layout, ctx.to_heads = g, layout, to_heads
         return (_seq_to_heads if to_heads else _heads_to_seq)(g, layout, x)
 
@@ -78,7 +78,9 @@ def all_to_all_attention(g: Group, spec: Spec, q: Tensor, k: Tensor, v: Tensor) 
     h0 = g.rank * count
     qh, kh, vh = (_Swap.apply(t, g, spec.layout, True) for t in (q, k, v))
     # through the classes: an object's own attribute named ``heads`` must not hide the method
-    mask = None if spec.mask is None else Mask.heads(spec.mask, h0, count)
+    padded = isinstance(spec.layout, Sharding) and spec.layout.padded > spec.layout.length
+    whole = spec.full_mask() if padded else spec.mask  # with padding, causal is folded into the cropped mask
+    mask = None if whole is None else Mask.heads(whole, h0, count)
     mod = None if spec.score_mod is None else ScoreMod.heads(spec.score_mod, h0, count)
     cpu = q.device.type == "cpu"
     rng = contextlib.nullcontext() if spec.dropout_p == 0 else torch.random.fork_rng(
@@ -87,8 +89,9 @@ def all_to_all_attention(g: Group, spec: Spec, q: Tensor, k: Tensor, v: Tensor) 
         if spec.dropout_p > 0:  # each head group draws its own pattern from the shared seed
             torch.manual_seed((spec.seed + 7919 * g.rank) % (1 << 62))
         sinks = None if spec.sinks is None else spec.sinks[h0:h0 + count]
-        res = _local_attention(qh, kh, vh, mask=mask, causal=spec.causal, scale=spec.scale, dropout_p=spec.dropout_p,
-                               backend=spec.backend, return_lse=spec.return_lse, score_mod=mod, sinks=sinks)
+        res = _local_attention(qh, kh, vh, mask=mask, causal=spec.causal and not padded, scale=spec.scale,
+                               dropout_p=spec.dropout_p, backend=spec.backend, return_lse=spec.return_lse,
+                               score_mod=mod, sinks=sinks)
     if not spec.return_lse:
         return _Swap.apply(res, g, spec.layout, False), None
     out_h, lse_h = res

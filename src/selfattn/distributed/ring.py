@@ -30,7 +30,7 @@ from ..backends.chunked import kernels
 from ..backends.chunked.kernels import Block, Merge, Problem
 from ..masks import EMPTY, FULL, PARTIAL, Mask
 from .group import Group, Stats, current_stats
-from .layout import chunks_of, num_chunks
+from .layout import Sharding, chunks_of, num_chunks
 from .spec import Spec
 
 __all__ = ["ring_attention"]
@@ -56,7 +56,7 @@ class Ring:
 
     g: Group
     problem: Problem
-    layout: str
+    layout: str | Sharding
     chunk: int
     classes: list[list[int]]
     sub: int

@@ -30,9 +30,10 @@ from .._checks import (
 )
 from ..backends import REGISTRY
 from ..masks import Mask
+from ..masks.base import Cropped
 from ..scores import ScoreMod, learned_tensors
 from .group import Group
-from .layout import check_layout, num_chunks
+from .layout import Sharding, check_layout, num_chunks
 
 __all__ = ["STRATEGIES", "Spec", "Strategy", "validate"]
 
@@ -45,7 +46,7 @@ class Spec:
     """A validated call: the layout, the strategy and the attention's arguments (the mask as given,
     on global positions; ``causal`` apart), and the dropout seed every rank uses (rank 0's)."""
 
-    layout: str
+    layout: str | Sharding
     strategy: str
     mask: Mask | None
     score_mod: ScoreMod | None
@@ -58,10 +59,14 @@ class Spec:
     sinks: Tensor | None = None  # (H,) attention sinks, one logit per query head
 
     def full_mask(self) -> Mask | None:
-        """The mask with causal folded in (self-attention: both alignments are the same)."""
-        if not self.causal:
-            return self.mask
-        return _masks.causal() if self.mask is None else _masks.causal() & self.mask
+        """The mask with causal folded in (self-attention: both alignments are the same), on the padded
+        positions of a :class:`Sharding` that pads the row (the padding sees nothing and is seen by none)."""
+        mask = self.mask
+        if self.causal:
+            mask = _masks.causal() if mask is None else _masks.causal() & mask
+        if isinstance(self.layout, Sharding) and self.layout.padded > self.layout.length:
+            return Cropped(mask, self.layout.length)
+        return mask
 
 
 def validate(q: object, k: object, v: object, g: Group, layout: object, strategy: object, mask: object,
@@ -69,7 +74,7 @@ def validate(q: object, k: object, v: object, g: Group, layout: object, strategy
              backend: object, sinks: object = None) -> Spec:
     """The :class:`Spec` of a call, or the error ``selfattn.attention`` gives for the same argument."""
     q, k, v = check_qkv(q, k, v)
-    check_layout(layout)
+    check_layout(layout, g.world)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be 'ring' or 'all_to_all', got {strategy!r}")
     b, h, n, d = q.shape
@@ -77,13 +82,18 @@ def validate(q: object, k: object, v: object, g: Group, layout: object, strategy
         raise ValueError(f"context-parallel self-attention needs q (B, H, n, D), k (B, Hkv, n, D) and "
                          f"v (B, Hkv, n, Dv) with one local length n; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
-    if n % (num_chunks(layout, g.world) // g.world):  # type: ignore[arg-type]
+    if isinstance(layout, Sharding):
+        if n != layout.per_rank:
+            raise ValueError(f"the Sharding gives each rank {layout.per_rank} tokens (a row of {layout.length}, padded "
+                             f"to {layout.padded}), but this rank's q, k and v hold {n}: shard them with it")
+    elif n % (num_chunks(layout, g.world) // g.world):  # type: ignore[arg-type]
         raise ValueError(f"layout 'zigzag' needs L divisible by 2W = {2 * g.world}: this rank holds {n} tokens, "
-                         "an odd number, so the global length is not; pad the sequence to a multiple of 2W")
+                         "an odd number, so the global length is not; pad the sequence to a multiple of 2W, or "
+                         "shard it with layout=Sharding.of('zigzag', length=L, world=W), which pads it")
     if strategy == "all_to_all" and (h % g.world or k.shape[1] % g.world):
         raise ValueError(f"strategy 'all_to_all' splits heads across the {g.world} ranks: q heads ({h}) and "
                          f"k/v heads ({k.shape[1]}) must be divisible by W = {g.world}; use strategy='ring'")
-    length = n * g.world
+    length = layout.length if isinstance(layout, Sharding) else n * g.world  # the real tokens of the row
     align = check_causal(causal, length, length)
     m = check_mask(mask, q.device, b, h, length, length)
     spec = Spec(layout=layout, strategy=strategy, mask=m, causal=align is not None,  # type: ignore[arg-type]

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .._fields import Declared
 
-__all__ = ["EMPTY", "FULL", "PARTIAL", "Device", "HeadSlice", "Mask", "MaskMod", "Predicate", "key_tiles",
+__all__ = ["EMPTY", "FULL", "PARTIAL", "Cropped", "Device", "HeadSlice", "Mask", "MaskMod", "Predicate", "key_tiles",
            "positions", "query_offset", "query_tiles", "tile_edges"]
 
 Predicate = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]  # (b, h, i, j) -> bool, i and j positions
@@ -344,3 +344,55 @@ class HeadSlice(Mask):
 
     def __repr__(self) -> str:
         return f"{self.inner!r}[heads {self.start}:{self.start + self.count}]"
+
+
+class Cropped(Mask):
+    """A mask of a call of ``length`` positions, on a longer call of the same positions and padding after them:
+    the first ``length`` positions see each other as ``inner`` says; a position past them sees no key and is seen
+    by no query (self-attention: Lq = Lk). For a sequence padded to a multiple of the ranks' chunks
+    (``selfattn.distributed``); ``inner`` None: every real pair is visible."""
+
+    def __init__(self, inner: Mask | None, length: int) -> None:
+        self.inner, self.length = inner, length
+
+    def predicate(self, lq, lk, device=None):
+        n = self.length
+        if self.inner is None:
+            return lambda b, h, i, j: (i < n) & (j < n)
+        inner = self.inner.predicate(n, n, device)
+        return lambda b, h, i, j: (i < n) & (j < n) & inner(b, h, i.clamp(max=n - 1), j.clamp(max=n - 1))
+
+    def _tile_bounds(self, lq, lk, bq, bk, device):
+        n, grid = self.length, (-(-lq // bq), -(-lk // bk))
+        if self.inner is None:
+            t = torch.full((1, 1, -(-n // bq), -(-n // bk)), FULL, dtype=torch.int8, device=device)
+        else:
+            t = self.inner.tiles(n, n, bq, bk, device)
+        t = t.expand(*t.shape[:2], -(-n // bq), -(-n // bk)).clone()
+        if n % bq:  # the tile that holds the last real query also holds padding: not full
+            t[:, :, -1][t[:, :, -1] == FULL] = PARTIAL
+        if n % bk:
+            t[..., -1][t[..., -1] == FULL] = PARTIAL
+        out = torch.full((*t.shape[:2], *grid), EMPTY, dtype=torch.int8, device=t.device)
+        out[:, :, :t.shape[2], :t.shape[3]] = t
+        return out == FULL, out == EMPTY
+
+    def batch_heads(self):
+        return (1, 1) if self.inner is None else self.inner.batch_heads()
+
+    def tensors(self):
+        return () if self.inner is None else self.inner.tensors()
+
+    def version(self):
+        return () if self.inner is None else self.inner.version()
+
+    def check(self, batch, heads, lq, lk):
+        super().check(batch, heads, lq, lk)
+        if lq != lk or lq < self.length:
+            raise ValueError(f"a mask of {self.length} positions cropped from a longer call needs Lq = Lk >= "
+                             f"{self.length}, got Lq={lq}, Lk={lk}")
+        if self.inner is not None:
+            self.inner.check(batch, heads, self.length, self.length)
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r}[first {self.length} positions]"
