@@ -46,10 +46,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ... import masks as _masks
 from ... import scores as _scores
+from ...distributed import Sharding, balanced
 from ...distributed import attention as _cp_attention
 from ...distributed import shard as _shard
+from ...distributed import unshard as _unshard
 from ...distributed.agree import fingerprint
 from ...distributed.group import process_group
+from ...distributed.layout import num_chunks
 from ...masks.kinds import Document
 from . import _upstream
 from ._attention import CONTEXT_ATTR, attention_forward
@@ -72,6 +75,7 @@ class ContextParallel:
     _documents: Tensor | None = field(default=None, repr=False)  # (B, L) global document ids, or None
     _padding: Tensor | None = field(default=None, repr=False)  # (B, L) bool, True = a real token, or None
     _length: int | None = field(default=None, repr=False)
+    _sharding: str | Sharding | None = field(default=None, repr=False)  # this batch's layout (padded, balanced)
     _pending: int = field(default=0, repr=False)  # losses made inside the context whose backward has not run
     _owners: list[nn.Module] = field(default_factory=list, repr=False)  # the modules the context rides on
 
@@ -89,24 +93,20 @@ class ContextParallel:
             kwargs: passed on unchanged.
 
         Returns:
-            ``input_ids`` (or ``inputs_embeds``) and ``position_ids`` of this rank's n = L / W tokens in the
-            layout's order, and with labels: ``labels`` and ``shift_labels`` (the shifted labels of those
-            tokens) and ``num_items_in_batch`` (the global number of labelled tokens).
+            ``input_ids`` (or ``inputs_embeds``) and ``position_ids`` of this rank's n = P / W tokens in the
+            layout's order (P >= L: the row padded at its end to the layout's multiple, the padding masked and
+            unlabelled), and with labels: ``labels`` and ``shift_labels`` (the shifted labels of those tokens) and
+            ``num_items_in_batch`` (the global number of labelled tokens).
 
         Raises:
-            ValueError: no tokens, tensors of other lengths, L not divisible by W (2W for zigzag), labels for a
-                model that is not a causal LM, or ranks that passed different batches (naming what differs).
+            ValueError: no tokens, tensors of other lengths, labels for a model that is not a causal LM, or ranks
+                that passed different batches (naming what differs).
         """
         tokens = input_ids if input_ids is not None else inputs_embeds
         if tokens is None or tokens.dim() < 2:
             raise ValueError("shard needs input_ids (B, L) or inputs_embeds (B, L, E) of the global sequence")
         b, length = tokens.shape[:2]
         world = _world(self.group)
-        parts = world * (2 if self.layout == "zigzag" else 1)
-        if length % parts:
-            raise ValueError(f"the global length {length} must be divisible by {parts} (W = {world} ranks"
-                             f"{', two chunks each in the zigzag layout' if self.layout == 'zigzag' else ''}): "
-                             f"pad the sequence to a multiple of {parts}")
         for name, t in (("position_ids", position_ids), ("labels", labels), ("attention_mask", attention_mask)):
             if t is not None and tuple(t.shape[:2]) != (b, length) and not (name == "position_ids" and
                                                                            tuple(t.shape) == (1, length)):
@@ -127,9 +127,10 @@ class ContextParallel:
         self._padding = None if attention_mask is None or bool(attention_mask.all()) else attention_mask.bool()
         # as transformers: packed documents are read from position_ids only when no attention mask is given
         self._documents = _document_ids(pos) if attention_mask is None else None
+        self._sharding = self._layout_of(length, world)
 
-        def cut(t: Tensor) -> Tensor:
-            return _shard(t, group=self.group, layout=self.layout, dim=1)  # type: ignore[arg-type]
+        def cut(t: Tensor, fill: int = 0) -> Tensor:
+            return _shard(t, group=self.group, layout=self._sharding, dim=1, fill=fill)  # type: ignore[arg-type]
 
         out: dict[str, Any] = {"use_cache": False, **kwargs}  # no cache across ranks (and transformers reads
         out["input_ids" if input_ids is not None else "inputs_embeds"] = cut(tokens)  # packed documents only then)
@@ -139,9 +140,34 @@ class ContextParallel:
             count = (shifted != IGNORE).sum()  # int64: the loss keeps its dtype when divided by it
             if self.data_parallel_group is not None:
                 dist.all_reduce(count, group=self.data_parallel_group)
-            local = cut(shifted)
+            local = cut(shifted, IGNORE)  # the padding past the row's end is not labelled
             out.update(labels=local, shift_labels=local, num_items_in_batch=count)
         return out
+
+    def _layout_of(self, length: int, world: int) -> str | Sharding:
+        """This batch's layout: the context's by name where it divides the row, else that layout padded at the end
+        (:meth:`Sharding.of`); "balanced": chunks given out by the causal pairs of the batch's documents (the whole
+        row where it holds none), within the model's sliding window when every attention layer has one."""
+        if self.layout == "balanced":
+            ids = self._documents if self._documents is not None else torch.zeros(1, length, dtype=torch.long)
+            model = _inner(self.model)
+            causal = any(getattr(m, "is_causal", False) is True for m in model.modules())
+            return balanced(world, document_ids=ids, causal=causal, window=_window_everywhere(model))
+        if length % num_chunks(self.layout, world):
+            return Sharding.of(self.layout, length, world)
+        return self.layout
+
+    def unshard(self, x: Tensor, dim: int = 1) -> Tensor:
+        """The global (B, L, ...) tensor of this rank's part of a model output (logits, hidden states) along ``dim``:
+        the inverse of :meth:`shard`, on every rank, the padding past the row's end dropped.
+
+        Example:
+            >>> logits = cp.unshard(model(**batch).logits)    # (B, n, V) -> (B, L, V)
+        """
+        if self._sharding is None:
+            raise RuntimeError("cp.unshard gathers what the model made of the batch cp.shard(...) cut: call it first")
+        return _unshard(x, group=self.group, layout=self._sharding, dim=dim,  # type: ignore[arg-type]
+                        timeout=self.timeout)
 
     def _own_positions(self, name: str, tokens: Tensor, attention_mask: Tensor | None) -> Tensor:
         """(B, L) the positions the model computes itself for the global batch when it is given no position_ids:
@@ -193,14 +219,16 @@ class ContextParallel:
         if self._length is None:
             raise RuntimeError("inside context_parallel, pass the model the batch cp.shard(...) returns: it keeps "
                                "the global positions, documents and padding the attention needs")
-        if query.shape[2] * _world(self.group) != self._length:
+        lay = self._sharding
+        padded = lay.padded if isinstance(lay, Sharding) else self._length
+        if query.shape[2] * _world(self.group) != padded:
             raise ValueError(f"this rank's attention got {query.shape[2]} tokens, but cp.shard cut {self._length} "
                              f"tokens into {_world(self.group)} parts: pass the batch cp.shard(...) returned")
         # Whether this attention reads packed documents is the model's choice (does its mask function get
         # position_ids?), shown by the local mask: inside the block every such mask holds a document part, whatever
         # the local positions hold. The documents themselves are the global batch's.
         reads_documents = _holds(getattr(local_mask, "mask", local_mask), Document)
-        out = _cp_attention(query, key, value, group=self.group, layout=self.layout,  # type: ignore[arg-type]
+        out = _cp_attention(query, key, value, group=self.group, layout=lay,  # type: ignore[arg-type]
                             strategy=self.strategy,  # type: ignore[arg-type]
                             mask=self.mask_for(module, sliding_window, reads_documents), scale=scaling,
                             dropout_p=float(dropout),
@@ -375,6 +403,21 @@ def _mixing_outside_attention(model: nn.Module) -> str | None:
     return None
 
 
+def _window_everywhere(model: nn.Module) -> int | None:
+    """The causal sliding window (keys before the query) of every attention layer, when they all have one (the
+    balanced layout counts its pairs); None when some layer attends to the whole row."""
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None)
+    if not isinstance(window, int):
+        return None
+    if isinstance(kinds, (list, tuple)) and any(k != "sliding_attention" for k in kinds):
+        return None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return window - 1  # transformers' window counts the query itself
+
+
 def _causal_lm(model: nn.Module) -> bool:
     """Is ``model`` a causal language model (its loss: the next token's, on labels it shifts itself)?"""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -397,7 +440,10 @@ def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None
     Args:
         model: a transformers model using selfattn's attention, or a DistributedDataParallel wrapping one.
         group: the context-parallel process group (None: the default group).
-        layout: "zigzag" (balanced causal work; L divisible by 2W) or "contiguous".
+        layout: "zigzag" (balanced causal work on one sequence a row), "contiguous", or "balanced" (each batch's
+            packed documents shared out by their causal work, :func:`selfattn.distributed.balanced`). A row of any
+            length is padded at its end to the layout's multiple (masked, unlabelled; :meth:`ContextParallel.unshard`
+            drops it).
         strategy: "ring" or "all_to_all" (heads divisible by W), as :func:`selfattn.distributed.attention`.
         data_parallel_group: a data-parallel group whose replicas each run their own batch without DDP: the
             labelled-token count and the gradients are summed over it too (the global mean over every
@@ -439,8 +485,8 @@ def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None
     if mixing is not None:
         raise ValueError(f"context_parallel splits each sequence over the ranks, and only attention brings the other "
                          f"ranks' tokens; this model also {mixing}, which would see only this rank's tokens")
-    if layout not in ("contiguous", "zigzag"):
-        raise ValueError(f"layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    if layout not in ("contiguous", "zigzag", "balanced"):
+        raise ValueError(f"layout must be 'contiguous', 'zigzag' or 'balanced', got {layout!r}")
     if strategy not in ("ring", "all_to_all"):
         raise ValueError(f"strategy must be 'ring' or 'all_to_all', got {strategy!r}")
     # The context rides on the model's own modules (an attribute each, not a global), so that attention
