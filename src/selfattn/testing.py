@@ -38,6 +38,7 @@ __all__ = [
     "Comparison",
     "assert_attention_correct",
     "assert_close_to_reference",
+    "assert_context_parallel_correct",
     "check_against_reference",
     "compare_to_reference",
     "max_error",
@@ -400,4 +401,34 @@ def assert_attention_correct(module: nn.Module | type | str, **kwargs: object) -
         raise AssertionError("the doctor's verdict is inconclusive: no error found, but these probes could not run "
                              "or these properties were not verified, so the module is not certified:\n" +
                              "\n".join(lines))
+    return report
+
+
+def assert_context_parallel_correct(fn: Callable[..., Tensor], *, world_size: int = 2, layout: str = "contiguous",
+                                    cases: tuple[str, ...] | list[str] | None = None, length: int | None = None,
+                                    seed: int = 0, timeout: float = 300.0) -> object:
+    """Fail (AssertionError) unless a user's own context-parallel attention equals one process in every case:
+    :func:`selfattn.check.context_parallel.check_context_parallel` spawns ``world_size`` gloo ranks, hands ``fn``
+    its shards of random q, k, v with each mask (none, causal, a sliding window, packed documents, padding) and
+    compares the gathered output and gradients with the float64 oracle; each case that differs is named (window
+    ignored or inverted, local positions, the ring's order, a low-precision merge, a wrong gradient, ...).
+
+    Args:
+        fn: ``fn(q, k, v, case) -> out``, a module-level function; ``case`` is a
+            :class:`selfattn.check.context_parallel.Case` (the group, every rank's positions, the mask's parts).
+        world_size, layout, cases, length, seed, timeout: as ``check_context_parallel``'s.
+
+    Returns:
+        The :class:`~selfattn.check.context_parallel.ContextParallelReport`, when every case is right.
+
+    Example:
+        >>> def test_my_ring():
+        ...     selfattn.testing.assert_context_parallel_correct(my_ring, world_size=2, layout="zigzag")
+    """
+    from .check.context_parallel import CASES, check_context_parallel  # it reads this module's oracle
+
+    report = check_context_parallel(fn, world_size=world_size, layout=layout, cases=CASES if cases is None else cases,
+                                    length=length, seed=seed, timeout=timeout)
+    if not report.ok:
+        raise AssertionError(str(report))
     return report
