@@ -65,12 +65,13 @@ def build(device: torch.device, length: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="selfattn").to(device)
 
 
-def check_first_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], group_rank: int) -> bool:
+def check_first_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], group_rank: int,
+                     layout: str = "zigzag") -> bool:
     """One step under the context against the same model in one process on the whole row."""
     reference = copy.deepcopy(model)
     want = reference(**batch, use_cache=False).loss  # transformers finds packed documents only without a cache
     want.backward()
-    with sa_hf.context_parallel(model) as cp:
+    with sa_hf.context_parallel(model, layout=layout) as cp:
         got = model(**cp.shard(**batch)).loss
         got.backward()
     loss_err = abs(got.item() - want.item()) / abs(want.item())
@@ -84,35 +85,35 @@ def check_first_step(model: torch.nn.Module, batch: dict[str, torch.Tensor], gro
     return ok
 
 
-def main(length: int, steps: int) -> int:
+def main(length: int, steps: int, layout: str = "zigzag") -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     model = build(dev, length)
     gen = torch.Generator().manual_seed(1)  # the same global batches on every rank
-    if not check_first_step(model, {k: v.to(dev) for k, v in packed_row(length, gen).items()}, rank):
+    if not check_first_step(model, {k: v.to(dev) for k, v in packed_row(length, gen).items()}, rank, layout):
         return 1
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     first = last = 0.0
     for step in range(steps):
         batch = {k: v.to(dev) for k, v in packed_row(length, gen).items()}
-        with sa_hf.context_parallel(model, layout="zigzag") as cp:
-            loss = model(**cp.shard(**batch)).loss  # the global loss; each rank holds L / W tokens
+        with sa_hf.context_parallel(model, layout=layout) as cp:
+            loss = model(**cp.shard(**batch)).loss  # the global loss; each rank holds its share of the row
             loss.backward()  # gradients summed over the ranks at the end of the backward
         opt.step()
         opt.zero_grad(set_to_none=True)
         first, last = (loss.item() if step == 0 else first), loss.item()
         if rank == 0 and (step % 10 == 0 or step == steps - 1):
-            print(f"step {step:3d}  loss {last:.3f}  ({world} processes, {length // world} tokens each)")
+            print(f"step {step:3d}  loss {last:.3f}  ({world} processes, {layout} layout)")
     if rank == 0 and steps > 1:
         print(f"loss {first:.3f} -> {last:.3f}")
     return 0
 
 
-def _spawned(rank: int, world: int, port: int, length: int, steps: int) -> None:
+def _spawned(rank: int, world: int, port: int, length: int, steps: int, layout: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        code = main(length, steps)
+        code = main(length, steps, layout)
     finally:
         dist.destroy_process_group()
     if code:
@@ -121,7 +122,9 @@ def _spawned(rank: int, world: int, port: int, length: int, steps: int) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--length", type=int, default=1024, help="tokens per packed row (divisible by 2W)")
+    parser.add_argument("--length", type=int, default=1024, help="tokens per packed row (any: padded inside)")
+    parser.add_argument("--layout", choices=("zigzag", "contiguous", "balanced"), default="zigzag",
+                        help="balanced: each row's documents shared out by their causal work")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--world", type=int, default=2, help="processes to spawn when not under torchrun")
     args = parser.parse_args()
@@ -130,11 +133,11 @@ if __name__ == "__main__":
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         try:
-            status = main(args.length, args.steps)
+            status = main(args.length, args.steps, args.layout)
         finally:
             dist.destroy_process_group()
         raise SystemExit(status)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         free_port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.world, free_port, args.length, args.steps), nprocs=args.world)
+    mp.spawn(_spawned, args=(args.world, free_port, args.length, args.steps, args.layout), nprocs=args.world)
