@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from selfattn.check.context_parallel import Case, check_context_parallel
+from selfattn.distributed.verify import Case, check_context_parallel
 
 
 class _Gather(torch.autograd.Function):

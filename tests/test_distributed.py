@@ -471,7 +471,7 @@ def test_exact_every_mask_layout_strategy(exact_run):
     _judge(res, world)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_any_length_and_balanced_layouts_are_exact(world, tmp_path):
     """catches: padding a row to the layout's multiple seen as keys (or its queries given output), a mask read past
     the row's end, a balanced layout's chunks gathered or attended in the wrong order, and unshard returning the

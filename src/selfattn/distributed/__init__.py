@@ -37,8 +37,9 @@ disagrees makes every rank raise the same ValueError naming the field and the ra
 The package: ``group`` (the process group, waits that name the rank, :func:`record`), ``layout``
 (:func:`shard`, :func:`unshard`), ``spec`` (the validated call, with the checkers
 ``selfattn.attention`` uses), ``agree`` (the ranks' agreement), ``ring`` and ``all_to_all`` (the
-strategies). Blocks of the ring are computed by the chunked backend's block kernel; no attention
-arithmetic lives here.
+strategies), ``verify`` (a checker of a user's own context-parallel function, imported when used).
+Blocks of the ring are computed by the chunked backend's block kernel; no attention arithmetic
+lives here.
 
 Shape legend: B batch, H query heads, Hkv key/value heads (H % Hkv == 0), G = H // Hkv, L the
 global length, W the world size, n = L / W tokens per rank, c tokens per chunk (n contiguous,

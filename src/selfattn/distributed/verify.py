@@ -26,8 +26,8 @@ from torch import Tensor
 
 from .. import distributed as sad
 from .. import masks as _masks
+from .._oracle import reference_attention
 from ..bench.spawn import run_ranks
-from ..testing import reference_attention
 
 __all__ = ["CASES", "Case", "ContextParallelFinding", "ContextParallelReport", "check_context_parallel"]
 
