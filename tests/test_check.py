@@ -77,10 +77,10 @@ def test_each_bug_gets_exactly_its_id(cls):
     """catches: a bug missed, or reported under the wrong id, or buried among side effects."""
     want, kwargs = fx.BUGGY[cls]
     report = check(cls, **kwargs)
-    assert not report.passed
     assert report.ids == {want}, [(f.id, f.message) for f in report.findings]
     (finding,) = report.findings
     assert finding.message and finding.fix and finding.evidence
+    assert report.passed == (finding.severity == "warning")  # a warning is named and does not fail the module
 
 
 def test_causal_flag_requires_causality():

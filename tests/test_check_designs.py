@@ -351,6 +351,101 @@ class SequenceFirstEinsum(nn.Module):
         return self.out(torch.einsum("ijbn,jbnd->ibnd", p, v).reshape(n, b, e))
 
 
+class SequenceFirstMasked(nn.Module):
+    """Correct, sequence-first with its mask in the same layout, as Transformer-XL code takes it: bool, True =
+    masked, (Lq, Lk, B) or (Lq, Lk, 1), broadcast over the heads with ``[:, :, :, None]`` (an (Lq, Lk) one with
+    ``[None, :, :, None]``). ``ignore_mask`` drops it; ``fill`` is the masked score."""
+
+    def __init__(self, dim: int, heads: int = 4, ignore_mask: bool = False, fill: float = float("-inf")) -> None:
+        super().__init__()
+        self.heads, self.ignore_mask, self.fill = heads, ignore_mask, fill
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        n, b, e = x.shape
+        q, k, v = (t.reshape(n, b, self.heads, -1) for t in self.qkv(x).chunk(3, dim=-1))
+        s = torch.einsum("ibnd,jbnd->ijbn", q, k) / math.sqrt(q.shape[-1])
+        if attn_mask is not None and not self.ignore_mask:
+            if attn_mask.dim() == 2:
+                s = s.masked_fill(attn_mask[None, :, :, None], self.fill)
+            elif attn_mask.dim() == 3:
+                s = s.masked_fill(attn_mask[:, :, :, None], self.fill)
+        p = F.softmax(s, dim=1)
+        return self.out(torch.einsum("ijbn,jbnd->ibnd", p, v).reshape(n, b, e))
+
+
+class PositionsRequired(nn.Module):
+    """Correct, an inference module that must be told where its tokens are, as gpt-fast writes it: ``input_pos``
+    (L,) indexes a key/value cache written in place and the rows of a causal buffer; or an offset ``start_pos``
+    with an additive mask, as Meta's reference Llama. ``scale`` replaces SDPA's 1/sqrt(D) (1.0: missing-scale)."""
+
+    def __init__(self, dim: int, heads: int = 4, length: int = 16, offset: bool = False,
+                 scale: float | None = None) -> None:
+        super().__init__()
+        self.heads, self.offset, self.scale = heads, offset, scale
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.register_buffer("k_cache", torch.zeros(1, heads, length, dim // heads))
+        self.register_buffer("v_cache", torch.zeros(1, heads, length, dim // heads))
+        self.register_buffer("causal", torch.tril(torch.ones(length, length, dtype=torch.bool)))
+
+    def forward(self, x: torch.Tensor, input_pos: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.wqkv(x).split(e, dim=-1))
+        if b != self.k_cache.shape[0]:
+            self.k_cache = self.k_cache.new_zeros(b, *self.k_cache.shape[1:])
+            self.v_cache = self.v_cache.new_zeros(b, *self.v_cache.shape[1:])
+        self.k_cache.index_copy_(2, input_pos, k)
+        self.v_cache.index_copy_(2, input_pos, v)
+        mask = self.causal[None, None, input_pos]
+        y = F.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask, scale=self.scale)
+        return self.wo(y.transpose(1, 2).reshape(b, n, e))
+
+
+class OffsetRequired(PositionsRequired):
+    def forward(self, x: torch.Tensor, start_pos: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.wqkv(x).split(e, dim=-1))
+        keys = torch.arange(start_pos, start_pos + n)
+        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(~self.causal[keys][:, keys], float("-inf"))
+        if mask is not None:
+            s = s + mask
+        return self.wo((torch.softmax(s, dim=-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class BucketedBias(nn.Module):
+    """Correct, T5's attention as its descendants copy it, built with torch's default initialisation: no scale on the
+    scores, a bias per head from ``nn.Embedding(buckets, heads)`` looked up by the bucketed relative positions.
+    ``table=True`` looks the same bias up in a plain parameter (Swin's relative-position table) instead: with no
+    scale, that is missing-scale."""
+
+    def __init__(self, dim: int, heads: int = 4, buckets: int = 32, table: bool = False) -> None:
+        super().__init__()
+        self.heads, self.buckets, self.table = heads, buckets, table
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.relative_attention_bias = nn.Embedding(buckets, heads)
+        self.bias_table = nn.Parameter(torch.randn(buckets, heads))
+
+    def _bucket(self, rel: torch.Tensor) -> torch.Tensor:
+        half = self.buckets // 2
+        exact = half // 2
+        far = exact + (torch.log(rel.abs().clamp(min=1).float() / exact) / math.log(128 / exact)
+                       * (half - exact)).long().clamp(max=half - 1)
+        return (rel > 0).long() * half + torch.where(rel.abs() < exact, rel.abs(), far)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (f(x).view(b, n, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        pos = torch.arange(n)
+        buckets = self._bucket(pos[None, :] - pos[:, None])
+        bias = self.bias_table[buckets] if self.table else self.relative_attention_bias(buckets)
+        s = q @ k.transpose(-1, -2) + bias.permute(2, 0, 1)[None]
+        if mask is not None:
+            s = s + mask
+        return self.o((torch.softmax(s.float(), dim=-1).type_as(s) @ v).transpose(1, 2).reshape(b, n, e))
+
+
 class SequenceFirstOverQueries(SequenceFirstEinsum):
     """Bug: the same layout with the softmax over dim 0, the queries."""
 
@@ -701,6 +796,64 @@ def test_sequence_first_einsum_layouts_are_read_on_their_own_axes():
     assert report.inferred["layout"].startswith("sequence-first")
     bad = check(SequenceFirstOverQueries(32))
     assert "softmax-dim" in bad.ids, [(f.id, f.message) for f in bad.findings]
+
+
+def test_a_sequence_first_mask_is_found_in_its_own_layout_and_its_bugs_named():
+    """catches: a sequence-first module whose mask is (Lq, Lk, B) or (Lq, Lk, 1), as Transformer-XL takes it, left
+    inconclusive (no batch-first mask shape is accepted), or failed because a batch-first (B, 1, L, L) mask it
+    never reads is "accepted but ignored"; the same module that drops its mask must still be mask-ignored."""
+    report = check(SequenceFirstMasked(32, fill=-1e4))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert report.inferred["mask"]["shape"] == "(L, L, B)", report.inferred["mask"]
+    assert report.coverage["mask"] == report.coverage["padding"] == "verified"
+    bad = check(SequenceFirstMasked(32, ignore_mask=True))
+    assert bad.ids == {"mask-ignored"}, [(f.id, f.message) for f in bad.findings]
+
+
+def test_nan_on_a_fully_masked_row_is_a_warning_as_torchs_own_attention_gives_it():
+    """catches: a -inf fill (torch's MultiheadAttention, Transformer-XL, fairseq) failing a correct module: a row
+    with no visible key is NaN there, which the doctor names as a warning and does not hold against the verdict."""
+    report = check(SequenceFirstMasked(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert report.ids == {"nan-on-masked-row"}
+    assert {f.severity for f in report.findings} == {"warning"}
+
+    class TorchMHA(nn.Module):
+        def __init__(self, embed_dim: int = 32, num_heads: int = 4) -> None:
+            super().__init__()
+            self.attn = nn.MultiheadAttention(embed_dim, num_heads, batch_first=True)
+
+        def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+            return self.attn(x, x, x, attn_mask=attn_mask, need_weights=False)[0]
+
+    report = check(TorchMHA())
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert report.ids == {"nan-on-masked-row"}
+    assert report.coverage["mask"] == "verified"
+
+
+def test_a_forward_that_requires_the_positions_of_its_tokens_is_called_with_them():
+    """catches: an inference module whose forward requires ``input_pos`` or ``start_pos`` (gpt-fast, Meta's
+    reference Llama) left unchecked ("could not run"): the doctor gives the positions of a plain call, says so, and
+    still names the module's bugs."""
+    report = check(PositionsRequired(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "input_pos given the positions" in report.inferred["call"]
+    assert report.inferred["causal"] is True
+    assert check(PositionsRequired(32, scale=1.0)).ids == {"missing-scale"}
+    report = check(OffsetRequired(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "start_pos" in report.inferred["call"] and report.coverage["mask"] == "verified"
+
+
+def test_t5s_unscaled_scores_with_bucketed_bias_are_its_design():
+    """catches: T5's attention (no 1/sqrt(D), a per-head bias from an embedding of relative-position buckets) built
+    without T5's own initialisation read as missing-scale; the same bias from a plain table with no scale is still
+    missing-scale."""
+    report = check(BucketedBias(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "T5" in report.inferred["design"]["scale"]
+    assert check(BucketedBias(32, table=True)).ids == {"missing-scale"}
 
 
 def test_a_cache_that_fixes_the_batch_size_is_a_limit_and_hides_no_other_finding():

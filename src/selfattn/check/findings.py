@@ -113,9 +113,11 @@ KEYS_HIDDEN = _error("keys-hidden", "some keys are hidden although you said the 
                      "(`--bidirectional`)",
                      "Let every query see every key: drop the causal mask, window or is_causal=True that a "
                      "bidirectional module (an encoder, a vision transformer) must not have.")
-NAN_ON_MASKED_ROW = _error("nan-on-masked-row", "a query row with every key masked gives NaN",
-                           "Give rows with no visible key an output of 0 (or use a finite fill), e.g. "
-                           "selfattn.attention, which returns 0 there.")
+NAN_ON_MASKED_ROW = _warning("nan-on-masked-row", "a query row with every key masked gives NaN (torch's own "
+                             "MultiheadAttention does, as does every -inf fill)",
+                             "Give rows with no visible key an output of 0 (or use a finite fill), e.g. "
+                             "selfattn.attention, which returns 0 there; a NaN in a row the loss ignores still "
+                             "reaches the gradients.")
 NAN_ON_EMPTY_SEQUENCE = _warning("nan-on-empty-sequence", "a sequence that is all padding gives NaN (torch's own "
                                  "MultiheadAttention does)",
                                  "Drop sequences that are all padding, or give their rows an output of 0 (as "

@@ -185,6 +185,8 @@ def _candidates(ctx: Context) -> list[Caller]:
     shapes: tuple[str, ...] = SHAPE_ORDER
     if num_heads_of(ctx.module) == ctx.x.shape[0]:  # a (B, L, L) mask broadcast onto B heads (SDPA aligns it to
         shapes = ("B1LL", *(s for s in SHAPE_ORDER if s != "B1LL"))  # the heads) would read as per-item
+    if ctx.call.layout == "sequence-first":  # its own shapes: a (L, L, B) mask, a (B, L) key mask (torch's
+        shapes = ("LLB", "BL", "LL", "LL1")   # MultiheadAttention), one (L, L) or (L, L, 1) for every item
     return [ctx.call.with_mask(MaskSpec(kind, shape), arg) for arg in args for shape in shapes for kind in kinds]
 
 
@@ -293,7 +295,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
     if ctx.no_mask:
         return _no_mask("you said the module takes no mask (--no-mask)")
     if not ctx.call.takes_mask:
-        return _no_mask("your call(module, x) passes no mask")
+        return _no_mask(getattr(ctx.call.adapter, "why_no_mask", "your call(module, x) passes no mask"))
     candidates = _candidates(ctx)
     switch = switch_parameter(ctx.module) if ctx.call.style != "adapter" else None
     if not candidates:
@@ -551,7 +553,7 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
         return Outcome()
     caller, x = ctx.exact_of(masked), ctx.analysis_x
     found = Outcome[None](coverage={"padding": "verified"})
-    shared = caller.spec is not None and caller.spec.shape == "LL"  # one mask for every item: one padding
+    shared = caller.spec is not None and caller.spec.shape in ("LL", "LL1")  # one mask for every item: one padding
     inputs = [x] + ([x[:1]] if x.shape[0] > 1 else [])  # one item alone too (a path for batch 1 that drops the mask)
     if x.shape[1] < 16:
         longer = ctx.randn(x.shape[0], 16, x.shape[2]).to(x.dtype)

@@ -43,7 +43,9 @@ __all__ = [
 ]
 
 MASK_SHAPES: dict[str, str] = {"BLL": "(B, L, L)", "B1LL": "(B, 1, L, L)", "BL": "(B, L)", "B11L": "(B, 1, 1, L)",
-                               "LL": "(L, L)"}
+                               "LL": "(L, L)", "LLB": "(L, L, B)", "LL1": "(L, L, 1)"}
+# (L, L, B) and (L, L, 1): sequence-first modules' masks (Transformer-XL's (Lq, Lk, B) or (Lq, Lk, 1)), tried
+# only on them; batch-first (B, L, L) and (B, 1, L, L) are not tried there (a module that reads neither is right)
 # kind -> how it reads: the values the doctor sends for "may attend" / "hidden"
 MASK_KINDS: dict[str, str] = {
     "keep": "bool, True = may attend",
@@ -101,13 +103,15 @@ class MaskSpec:
         else:  # -10000: exp underflows to 0 in every float dtype, and a weight added after softmax stays finite
             m = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, ADDITIVE_FILL)
         return {"LL": lambda: m[0], "BLL": lambda: m, "B1LL": lambda: m[:, None], "BL": lambda: m[:, 0],
-                "B11L": lambda: m[:, None]}[self.shape]()
+                "B11L": lambda: m[:, None], "LLB": lambda: m.permute(1, 2, 0),
+                "LL1": lambda: m[0, :, :, None]}[self.shape]()
 
 
 def parse_mask(text: str) -> MaskSpec:
     """``"additive (B,1,1,L)"``, ``"keep (B,L)"``, ``"ignore (L, L)"`` -> a :class:`MaskSpec`.
 
-    Kinds: keep, ignore, keep-int, keep-float, additive. Shapes: (L,L), (B,L,L), (B,1,L,L), (B,1,1,L), (B,L).
+    Kinds: keep, ignore, keep-int, keep-float, additive. Shapes: (L,L), (B,L,L), (B,1,L,L), (B,1,1,L), (B,L), and for
+    sequence-first modules (L,L,B) and (L,L,1).
     """
     match = re.fullmatch(r"\s*([a-z-]+)\s*\(([^)]*)\)\s*", text)
     shape = "".join(match.group(2).replace(",", " ").split()) if match else ""

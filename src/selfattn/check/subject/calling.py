@@ -12,6 +12,7 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
+import inspect
 import math
 import re
 from collections.abc import Callable
@@ -78,6 +79,44 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
             if kind == "keep" and torch.equal((seen & off)[rows], (~k0 & full & off)[rows]):
                 return c.with_mask(MaskSpec("ignore", shape), arg)
     return first
+
+
+# required forward parameters that carry where the tokens are (gpt-fast's input_pos, transformers' cache_position and
+# position_ids, a start offset): the doctor gives them the positions of a plain call, 0..L-1 from the start; not
+# "pos", which DETR-style modules take as a positional embedding
+_OFFSET_NAMES = ("start_pos", "offset", "start_position", "pos_offset")
+_POSITION_NAMES = ("input_pos", "cache_position", "positions", "position_ids", "input_positions")
+
+
+def _positions_adapter(module: nn.Module) -> tuple[Callable, str] | None:
+    """``call(module, x[, mask])`` giving each required positional-information parameter of forward its plain value
+    (an offset 0; positions 0..L-1, (B, L) for ``position_ids``), and the note that says so; None when forward
+    requires none (or requires anything else, which only the user's --call can give)."""
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    rest = [p for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty]
+    if not rest or any(p.name not in _OFFSET_NAMES + _POSITION_NAMES for p in rest):
+        return None
+    masks = [a for a in mask_parameters(module, "x") if a in MASK_NAMES]
+
+    def positions(x: Tensor) -> dict[str, object]:
+        b, n = x.shape[0], x.shape[1]
+        at = torch.arange(n, device=x.device)
+        return {p.name: 0 if p.name in _OFFSET_NAMES else at.expand(b, n) if p.name == "position_ids" else at
+                for p in rest}
+
+    names = ", ".join(p.name for p in rest)
+    if not masks:
+        def plain(m: nn.Module, x: Tensor) -> object:
+            return m(x, **positions(x))
+        plain.why_no_mask = "forward has no mask argument"  # type: ignore[attr-defined]  # the mask probe's note
+        return plain, f"{names} given the positions of the tokens, from 0"
+
+    def call(m: nn.Module, x: Tensor, mask: object = None) -> object:
+        return m(x, **positions(x), **({} if mask is None else {masks[0]: mask}))
+    return call, f"{names} given the positions of the tokens, from 0; the mask to {masks[0]}"
 
 
 def _caller_for(module: nn.Module, x: Tensor) -> tuple[Caller | None, str]:
@@ -235,6 +274,9 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     """
     device = device or torch.device("cpu")
     e = sizes.embed_dim
+    positions = _positions_adapter(module) if adapter is None else None
+    if positions is not None:
+        adapter = positions[0]
     if sizes.lengths is None and sizes.batch is None:
         shapes = [(3, 7), (2, 5), (1, 6), (2, e), (1, e)] + ([(e, e)] if e <= 64 else [])
     else:
@@ -316,6 +358,8 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     if call.required:
         how[call.style] += ", with the mask it requires" + (f" ({call.mask_arg})" if call.mask_arg else "")
     output = "tensor (a tuple's first item; of a dict's tensors, the first of the input's shape)"
+    if positions is not None:
+        how["adapter"] = f"forward(x, ...) with {positions[1]}"
     found = Outcome[tuple[Caller, Tensor]](notes={"call": how[call.style], "output": output, **notes})
     if coincidence:
         found.findings.append(Finding.of(SHAPE_DEPENDENT, coincidence, {"fails for": failed_first}))

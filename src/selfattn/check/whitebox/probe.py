@@ -68,7 +68,8 @@ def _raw(caller: Caller, mask: object, keep: Tensor) -> Tensor | None:
     b, length = keep.shape[0], keep.shape[-1]
     if caller.make_mask is None:  # the doctor encoded it: its shape is the spec's
         m = {"LL": lambda: m[None, None], "BLL": lambda: m[:, None], "B1LL": lambda: m,
-             "BL": lambda: m[:, None, None, :], "B11L": lambda: m}[caller.spec.shape]()
+             "BL": lambda: m[:, None, None, :], "B11L": lambda: m, "LLB": lambda: m.permute(2, 0, 1)[:, None],
+             "LL1": lambda: m.permute(2, 0, 1)[:, None]}[caller.spec.shape]()
     elif m.dim() == 2:  # the user's make_mask: read by rank ((L, L) or (B, L)); (B, 1, L) and (B, L, L) alike
         m = m[None, None] if m.shape[0] == length and b != length else m[:, None, None, :]
     elif m.dim() == 3:

@@ -675,6 +675,20 @@ def _scale_verdict(c: float, d: int, width: int, expected: float | None, unit_no
         ("the stated scale" if expected is not None else f"1/sqrt({d}), D = {d} the head dim")
 
 
+def _head_bias_table(trace: Trace, heads: set[int]) -> str | None:
+    """The shape of the embedding table a per-head position bias was looked up in (T5's ``relative_attention_bias``,
+    an ``nn.Embedding(buckets, heads)`` indexed by the bucketed relative positions), as text, or None when the
+    module looks up no trained table with one column per head (``heads``: the sizes the head axis may have)."""
+    for op in trace.ops:
+        if op.name != "embedding":
+            continue
+        for tid, weight in zip(op.in_ids, op.inputs, strict=False):
+            if weight.is_floating_point() and weight.dim() == 2 and weight.shape[1] in heads and \
+                    trace.learned(tid, depth=0):
+                return f"{tuple(weight.shape)} (buckets, heads)"
+    return None
+
+
 def folded_scale(q: Tensor, k: Tensor, d: int) -> bool:
     """Is 1/sqrt(d) folded into q's projection (T5's initialisation: q's weights 1/sqrt(d) of k's), so that scores
     with no scale are the definition? Read from the sizes of q and k on the probe input: their ratio within 30%
@@ -971,6 +985,12 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         fid, said = None, f"{said}, but q is 1/sqrt({d}) of k in size: the scale is folded into q's projection"
         facts["scale"] = f"folded into the query projection's weights (q is 1/sqrt({d}) of k in size, as T5 " \
                          "initialises it): no scale on the scores"
+    if fid == MISSING_SCALE and "position term" in facts and expected(d) is None and \
+            (table := _head_bias_table(trace, set(p.shape) - {length})) is not None:
+        fid, said = None, f"{said}, with a learned bias per head looked up from a table of {table}: T5's design"
+        facts["scale"] = (f"none on the scores, with a relative-position bias per head from an embedding of {table}, "
+                          "as T5 and its descendants (mT5, LongT5, UMT5) compute it: T5 folds 1/sqrt(D) into its "
+                          "initialisation and learns the rest")
     if fid == WRONG_SCALE and relative and expected(d) is None:
         fid, said, facts = _disentangled_scale(trace, chain, inputs, scale, d, width, said, facts)
     if fid is not None and temperatures:
