@@ -417,12 +417,13 @@ class OffsetRequired(PositionsRequired):
 class BucketedBias(nn.Module):
     """Correct, T5's attention as its descendants copy it, built with torch's default initialisation: no scale on the
     scores, a bias per head from ``nn.Embedding(buckets, heads)`` looked up by the bucketed relative positions.
-    ``table=True`` looks the same bias up in a plain parameter (Swin's relative-position table) instead: with no
-    scale, that is missing-scale."""
+    ``table=True`` looks the same bias up in a plain parameter (Swin's relative-position table) instead, ``index``
+    "absolute" by the key's position, "clipped" by Shaw's clipped offset j - i + K: with no scale, each of those is
+    missing-scale."""
 
-    def __init__(self, dim: int, heads: int = 4, buckets: int = 32, table: bool = False) -> None:
+    def __init__(self, dim: int, heads: int = 4, buckets: int = 32, table: bool = False, index: str = "t5") -> None:
         super().__init__()
-        self.heads, self.buckets, self.table = heads, buckets, table
+        self.heads, self.buckets, self.table, self.index = heads, buckets, table, index
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
         self.relative_attention_bias = nn.Embedding(buckets, heads)
         self.bias_table = nn.Parameter(torch.randn(buckets, heads))
@@ -438,7 +439,9 @@ class BucketedBias(nn.Module):
         b, n, e = x.shape
         q, k, v = (f(x).view(b, n, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
         pos = torch.arange(n)
-        buckets = self._bucket(pos[None, :] - pos[:, None])
+        rel = pos[None, :] - pos[:, None]
+        buckets = {"t5": lambda: self._bucket(rel), "absolute": lambda: pos[None, :].expand(n, n),
+                   "clipped": lambda: rel.clamp(-4, 4) + 4}[self.index]()
         bias = self.bias_table[buckets] if self.table else self.relative_attention_bias(buckets)
         s = q @ k.transpose(-1, -2) + bias.permute(2, 0, 1)[None]
         if mask is not None:
@@ -848,12 +851,14 @@ def test_a_forward_that_requires_the_positions_of_its_tokens_is_called_with_them
 
 def test_t5s_unscaled_scores_with_bucketed_bias_are_its_design():
     """catches: T5's attention (no 1/sqrt(D), a per-head bias from an embedding of relative-position buckets) built
-    without T5's own initialisation read as missing-scale; the same bias from a plain table with no scale is still
-    missing-scale."""
+    without T5's own initialisation read as missing-scale; the same bias from a plain table, or a per-head embedding
+    looked up by absolute or clipped positions, with no scale is still missing-scale."""
     report = check(BucketedBias(32))
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
     assert "T5" in report.inferred["design"]["scale"]
     assert check(BucketedBias(32, table=True)).ids == {"missing-scale"}
+    for index in ("absolute", "clipped"):  # a per-head embedding, but not looked up by T5's buckets
+        assert check(BucketedBias(32, index=index)).ids == {"missing-scale"}, index
 
 
 def test_a_cache_that_fixes_the_batch_size_is_a_limit_and_hides_no_other_finding():

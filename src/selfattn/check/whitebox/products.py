@@ -676,16 +676,27 @@ def _scale_verdict(c: float, d: int, width: int, expected: float | None, unit_no
 
 
 def _head_bias_table(trace: Trace, heads: set[int]) -> str | None:
-    """The shape of the embedding table a per-head position bias was looked up in (T5's ``relative_attention_bias``,
-    an ``nn.Embedding(buckets, heads)`` indexed by the bucketed relative positions), as text, or None when the
-    module looks up no trained table with one column per head (``heads``: the sizes the head axis may have)."""
+    """The shape of the embedding table a per-head position bias was looked up in the way T5 looks it up, as text,
+    or None. T5's ``relative_attention_bias`` is an ``nn.Embedding(buckets, heads)`` (trained, one column per head)
+    indexed by an (Lq, Lk) map of buckets of j - i: the same bucket along each diagonal, bucket 0 for the key at
+    the query's own position and bucket 1 for the key just before it (exact buckets for small distances, in both
+    T5's bidirectional and causal forms). A table indexed by absolute positions, or by clipped offsets (Shaw's
+    index j - i + K), is not T5's. ``heads``: the sizes the head axis may have."""
     for op in trace.ops:
-        if op.name != "embedding":
+        if op.name != "embedding" or len(op.inputs) < 2:
             continue
-        for tid, weight in zip(op.in_ids, op.inputs, strict=False):
-            if weight.is_floating_point() and weight.dim() == 2 and weight.shape[1] in heads and \
-                    trace.learned(tid, depth=0):
-                return f"{tuple(weight.shape)} (buckets, heads)"
+        tables = [(tid, w) for tid, w in zip(op.in_ids, op.inputs, strict=False)
+                  if w.is_floating_point() and w.dim() == 2 and w.shape[1] in heads and trace.learned(tid, depth=0)]
+        index = next((t for t in op.inputs if not t.is_floating_point()), None)
+        if not tables or index is None or index.dim() < 2:
+            continue
+        square = index.reshape(-1, *index.shape[-2:])[0]
+        n = square.shape[0]
+        if n < 3 or square.shape[1] != n:
+            continue
+        toeplitz = all(bool((square.diagonal(k) == square.diagonal(k)[0]).all()) for k in range(-n + 1, n))
+        if toeplitz and int(square[0, 0]) == 0 and int(square[1, 0]) == 1:
+            return f"{tuple(tables[0][1].shape)} (buckets, heads)"
     return None
 
 
