@@ -1525,3 +1525,34 @@ def test_a_dict_output_is_read_at_the_tensor_of_the_inputs_shape():
     a (B, L, E) output)."""
     report = check(DictWeightsFirst(32))
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+
+
+class RotaryOn(_Fused):
+    """Rotary positions on the sides named in ``sides`` ("qk" is correct; "q" or "k" alone is the bug), through
+    ``rope`` (rotate-half, in place, or complex numbers), scores by matmul or by torch's SDPA."""
+
+    def __init__(self, dim: int, sides: str = "qk", rope=_rope, sdpa: bool = False) -> None:
+        super().__init__(dim)
+        self.sides, self.rope, self.sdpa = sides, rope, sdpa
+
+    def forward(self, x):
+        q, k, v = (t.contiguous() for t in self.split(x))
+        q = self.rope(q) if "q" in self.sides else q
+        k = self.rope(k) if "k" in self.sides else k
+        if self.sdpa:
+            return self.merge(F.scaled_dot_product_attention(q, k, v))
+        return self.merge(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v)
+
+
+def test_rotary_positions_on_one_side_only_are_named():
+    """catches: rotary positions on q but not on k (or on k only) passed: the scores then depend on where each
+    token is, and a permutation probe cannot tell, since the module is not meant to be equivariant anyway."""
+    for rope in (_rope, _rope_in_place, _rope_complex):
+        for sdpa in (False, True):
+            report = check(RotaryOn(32, "qk", rope, sdpa))
+            assert report.verdict == "passed", (rope.__name__, sdpa, [(f.id, f.message) for f in report.findings])
+            for sides in ("q", "k"):
+                report = check(RotaryOn(32, sides, rope, sdpa))
+                assert "rotary-one-side" in report.ids, (sides, rope.__name__, sdpa, report.ids)
+                found = next(f for f in report.findings if f.id == "rotary-one-side")
+                assert f"on {sides} but not" in found.evidence["matches"]

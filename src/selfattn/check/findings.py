@@ -90,6 +90,9 @@ HEAD_MERGE = _error("head-merge", "heads merged with view/reshape before the tra
 VALUES_CHANGED = _error("values-changed", "V reaches the product changed after its projection (rotary applied to v)",
                         "Multiply the weights by V as the value projection made it: rotary positions (and any "
                         "other rotation) belong on q and k only.", ("not-equivariant",))
+ROTARY_ONE_SIDE = _error("rotary-one-side", "rotary positions on q but not on k (or on k only)",
+                         "Rotate q and k by the same positions: the scores then depend on the distance between "
+                         "tokens only.", ("not-equivariant",))
 MASK_IGNORED = _error("mask-ignored", "padded keys still change real tokens' outputs",
                       "Apply the mask to the scores before the softmax (scores.masked_fill(~visible, -inf)).")
 MASK_INVERTED = _error("mask-inverted", "the mask works the other way round (declared polarity, or an additive mask "
@@ -174,11 +177,11 @@ SHAPE_DEPENDENT = _error("shape-dependent", "the module runs only for some shape
                          "only by accident.")
 
 CATALOGUE: dict[str, Kind] = {k.id: k for k in (
-    BATCH_MIXING, MISSING_SCALE, WRONG_SCALE, SOFTMAX_DIM, MATMUL_ORDER, HEAD_MERGE, VALUES_CHANGED, MASK_IGNORED,
-    MASK_INVERTED, MASK_AFTER_SOFTMAX, MASK_BROADCAST, MASK_ERROR, CAUSAL_LEAK, KEYS_HIDDEN, NAN_ON_MASKED_ROW,
-    NAN_ON_EMPTY_SEQUENCE, HALF_PRECISION_OVERFLOW, HALF_PRECISION_MISMATCH, WRONG_GRADIENT, MASK_CONVENTION,
-    DEFINITION_MISMATCH, NON_FINITE, DROPOUT_IN_EVAL, NO_GRAD, NOT_EQUIVARIANT, MUTATES_INPUT, WRONG_OUTPUT_SHAPE,
-    SHAPE_DEPENDENT, STATE_DEPENDENT)}
+    BATCH_MIXING, MISSING_SCALE, WRONG_SCALE, SOFTMAX_DIM, MATMUL_ORDER, HEAD_MERGE, VALUES_CHANGED, ROTARY_ONE_SIDE,
+    MASK_IGNORED, MASK_INVERTED, MASK_AFTER_SOFTMAX, MASK_BROADCAST, MASK_ERROR, CAUSAL_LEAK, KEYS_HIDDEN,
+    NAN_ON_MASKED_ROW, NAN_ON_EMPTY_SEQUENCE, HALF_PRECISION_OVERFLOW, HALF_PRECISION_MISMATCH, WRONG_GRADIENT,
+    MASK_CONVENTION, DEFINITION_MISMATCH, NON_FINITE, DROPOUT_IN_EVAL, NO_GRAD, NOT_EQUIVARIANT, MUTATES_INPUT,
+    WRONG_OUTPUT_SHAPE, SHAPE_DEPENDENT, STATE_DEPENDENT)}
 """Every kind, by id, in the order the README's table lists them."""
 
 # a module that is random in eval mode makes every comparison of two runs meaningless: its diagnosis
@@ -196,8 +199,8 @@ SEVERITY: dict[str, Severity] = {fid: k.severity for fid, k in CATALOGUE.items()
 EXPLAINS: dict[str, frozenset[str]] = {
     fid: CATALOGUE[fid].explains | ({"definition-mismatch"} if fid != "definition-mismatch" else set())
     for fid in ("definition-mismatch", "mask-broadcast", "mask-inverted", "softmax-dim", "matmul-order",
-                "head-merge", "batch-mixing", "mask-after-softmax", "values-changed", "causal-leak",
-                "dropout-in-eval")}
+                "head-merge", "batch-mixing", "mask-after-softmax", "values-changed", "rotary-one-side",
+                "causal-leak", "dropout-in-eval")}
 
 
 def kind(fid: str | Kind) -> Kind:

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from .trace import LAYOUT, PRODUCTS, Op, Origin, Trace
 
-__all__ = ["ROPE_BASES", "normalised", "rope", "rotary", "rotated_from", "rotation_problem", "scale_origin",
-           "unit_before_gains"]
+__all__ = ["ROPE_BASES", "normalised", "rope", "rotary", "rotated_from", "rotation_on_the_way", "rotation_problem",
+           "scale_origin", "unit_before_gains"]
 
 ROPE_BASES = (10000.0, 500000.0, 1000000.0)
 
@@ -133,6 +133,31 @@ def rotated_from(trace: Trace, tid: int) -> tuple[int, float] | None:
                     return None  # the same values (a copy into a cache): not rotated
                 return cur, float(ratio.mean())
     return None
+
+
+def rotation_on_the_way(trace: Trace, tid: int) -> bool | None:
+    """Was the score operand ``tid`` rotated (:func:`rotated_from`) somewhere between its projection and the
+    product? True when some tensor it was made from is a rotation; False when the walk back reached the projection
+    (a linear layer or a product) without one; None when it reached neither (keys from a cache filled before the
+    call, say)."""
+    todo, seen, reached = [tid], {tid}, False
+    steps = 0
+    while todo and steps < 48:
+        cur = todo.pop(0)
+        steps += 1
+        if rotated_from(trace, cur) is not None:
+            return True
+        found = trace.maker(cur)
+        if found is None:
+            continue
+        if found[0].name in ("linear", "addmm") or found[0].name in PRODUCTS:
+            reached = True
+            continue
+        for i in found[0].in_ids:
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return False if reached else None
 
 
 _SUMS = frozenset({"add", "sub", "add_", "sub_", "iadd", "isub"})

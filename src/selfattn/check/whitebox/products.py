@@ -38,12 +38,21 @@ from ..findings import (
     MASK_INVERTED,
     MATMUL_ORDER,
     MISSING_SCALE,
+    ROTARY_ONE_SIDE,
     SOFTMAX_DIM,
     VALUES_CHANGED,
     WRONG_SCALE,
 )
 from ..subject.building import ROLE_PATTERNS, name_role
-from .positions import normalised, rotary, rotated_from, rotation_problem, scale_origin, unit_before_gains
+from .positions import (
+    normalised,
+    rotary,
+    rotated_from,
+    rotation_on_the_way,
+    rotation_problem,
+    scale_origin,
+    unit_before_gains,
+)
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
 __all__ = ["ROLE_PATTERNS", "Verdict", "examine_cores", "name_role"]
@@ -1029,6 +1038,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence}, facts)
+    one_side = _one_side(trace, aid, bid, evidence, facts)
+    if one_side is not None:
+        return one_side
     turned = rotary(trace, aid, a)
     if turned is not None:
         facts["positions"] = turned
@@ -1048,6 +1060,17 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     return Verdict(None, {"formula": f"softmax({'capped ' if 'tanh' in names else ''}c Q K^T"
                                      f"{' + T' if 'position term' in facts else ''}) V from the operands of its "
                                      f"products; {said}", **evidence}, facts)
+
+
+def _one_side(trace: Trace, qid: int, kid: int, evidence: dict, facts: dict) -> Verdict | None:
+    """rotary-one-side when exactly one of the score operands was rotated on its way from its projection (the
+    other reached its own projection unrotated); None otherwise (both, neither, or a side not traced back)."""
+    sides = (rotation_on_the_way(trace, qid), rotation_on_the_way(trace, kid))
+    if set(sides) != {True, False}:
+        return None
+    said = "rotary positions on q but not on k" if sides[0] else "rotary positions on k but not on q"
+    return Verdict(ROTARY_ONE_SIDE, {"matches": f"{said}: the scores then depend on each token's position, not "
+                                                "only on the distance between tokens", **evidence}, facts)
 
 
 def _reduced(keys: int, length: int) -> str:
@@ -1112,6 +1135,9 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence})
+    one_side = _one_side(trace, op.in_ids[0], op.in_ids[1], evidence, facts)
+    if one_side is not None:
+        return one_side
     turned = rotary(trace, op.in_ids[0], q)
     problems = (None, None) if turned else (rotation_problem(trace, op.in_ids[0], q),
                                             rotation_problem(trace, op.in_ids[1], k))
