@@ -244,6 +244,8 @@ def test_cli_json_exit_codes_and_files_untouched(tmp_path):
     assert finding["severity"] == "error"
     missing = _cli(f"{user}:NoSuchClass")
     assert missing.returncode == 2 and "NoSuchClass" in missing.stdout
+    missing = json.loads(_cli(f"{user}:NoSuchClass", "--json").stdout)
+    assert missing["verdict"] == "could not run" and missing["passed"] is False and "NoSuchClass" in missing["error"]
     init = _cli(f"{user}:MHAViewMerge", "--init", '{"embed_dim": 32, "num_heads": 8}', "--json")
     assert init.returncode == 1 and json.loads(init.stdout)["findings"][0]["id"] == "head-merge"
     assert sorted(p.name for p in tmp_path.iterdir()) == before

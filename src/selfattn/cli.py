@@ -195,7 +195,7 @@ def _check_model(args: argparse.Namespace, options: dict, console: object) -> in
 
 def _cannot_run(console: object, as_json: bool, message: str) -> int:
     if as_json:
-        print(json.dumps({"passed": False, "error": message}))
+        print(json.dumps({"passed": False, "verdict": "could not run", "error": message}))
     else:
         console.print(f"[red]{message}[/red]")  # type: ignore[attr-defined]
     return 2
