@@ -1556,3 +1556,59 @@ def test_rotary_positions_on_one_side_only_are_named():
                 assert "rotary-one-side" in report.ids, (sides, rope.__name__, sdpa, report.ids)
                 found = next(f for f in report.findings if f.id == "rotary-one-side")
                 assert f"on {sides} but not" in found.evidence["matches"]
+
+
+class CosineOver(_Fused):
+    """Cosine attention whose q and k are L2-normalised along ``axis`` of (B, H, L, D): -1 (the head dim) is the
+    design; -2 (the tokens) is the bug. Scores by matmul with a learned temperature, or by SDPA with scale 10."""
+
+    def __init__(self, dim: int, axis: int = -1, sdpa: bool = False) -> None:
+        super().__init__(dim)
+        self.axis, self.sdpa = axis, sdpa
+        self.log_tau = nn.Parameter(torch.full((self.heads, 1, 1), math.log(10.0)))
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        q, k = F.normalize(q, dim=self.axis), F.normalize(k, dim=self.axis)
+        if self.sdpa:
+            return self.merge(F.scaled_dot_product_attention(q, k, v, scale=10.0))
+        return self.merge(torch.softmax(q @ k.transpose(-1, -2) * self.log_tau.exp(), -1) @ v)
+
+
+def test_cosine_attention_normalised_over_the_tokens_is_named():
+    """catches: q and k normalised along the tokens instead of the head dim passed, the learned temperature
+    taken for the scale: every query then depends on the whole sequence, and no probe of a bidirectional
+    module sees it from the outside."""
+    for sdpa in (False, True):
+        assert check(CosineOver(32, -1, sdpa)).verdict == "passed"
+        report = check(CosineOver(32, 2, sdpa))
+        assert "definition-mismatch" in report.ids, (sdpa, report.ids)
+        found = next(f for f in report.findings if f.id == "definition-mismatch")
+        assert "along the" in found.message and "tokens" in found.message
+
+
+class ComplexBuffer(_Fused):
+    """Correct: rotary positions from a complex ``freqs_cis`` buffer made once at construction, as Meta's Llama and
+    gpt-fast keep them, sliced to the input's length."""
+
+    def __init__(self, dim: int, max_len: int = 64) -> None:
+        super().__init__(dim)
+        d = dim // self.heads
+        angles = torch.outer(torch.arange(max_len).float(), 1 / 10000 ** (torch.arange(0, d, 2).float() / d))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def _turn(self, t):
+        pairs = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * self.freqs_cis[: t.shape[-2]]).flatten(-2).type_as(t)
+
+    def forward(self, x):
+        q, k, v = self.split(x)
+        return self.merge(F.scaled_dot_product_attention(self._turn(q), self._turn(k), v, is_causal=True))
+
+
+def test_a_complex_rotary_buffer_survives_the_half_precision_copy():
+    """catches: the half-precision copy made with .to(float16), which also casts a complex buffer to a real one
+    (dropping its imaginary part): a correct module was accused of half-precision-mismatch."""
+    report = check(ComplexBuffer(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert set(report.inferred["half precision"]) == {"float16", "bfloat16"}

@@ -11,8 +11,8 @@ from torch import Tensor
 
 from .trace import LAYOUT, PRODUCTS, Op, Origin, Trace
 
-__all__ = ["ROPE_BASES", "normalised", "rope", "rotary", "rotated_from", "rotation_on_the_way", "rotation_problem",
-           "scale_origin", "unit_before_gains"]
+__all__ = ["ROPE_BASES", "normalised", "normalised_over_tokens", "rope", "rotary", "rotated_from",
+           "rotation_on_the_way", "rotation_problem", "scale_origin", "unit_before_gains"]
 
 ROPE_BASES = (10000.0, 500000.0, 1000000.0)
 
@@ -201,8 +201,8 @@ def scale_origin(trace: Trace, tid: int) -> Origin:
 _NORMS = frozenset({"rms_norm", "layer_norm", "normalize", "rsqrt", "group_norm", "l2norm"})
 
 
-def normalised(trace: Trace, tid: int) -> str | None:
-    """The normalisation a score operand went through a few operations back (q/k norm), or None."""
+def _norm_op(trace: Trace, tid: int) -> tuple[Op, int] | None:
+    """The normalisation (and its output's index) a score operand went through a few operations back, or None."""
     seen: set[int] = set()
     todo, steps = [tid], 0
     while todo and steps < 16:
@@ -212,11 +212,36 @@ def normalised(trace: Trace, tid: int) -> str | None:
         seen.add(id(found[0]))
         steps += 1
         if found[0].name in _NORMS or (found[0].module and "norm" in found[0].module.lower()):
-            return found[0].name if not found[0].module else found[0].module
+            return found
         if found[0].name in PRODUCTS or found[0].name == "linear":
             return None  # the projection itself: no norm after it
         todo.extend(found[0].in_ids)
     return None
+
+
+def normalised(trace: Trace, tid: int) -> str | None:
+    """The normalisation a score operand went through a few operations back (q/k norm), or None."""
+    found = _norm_op(trace, tid)
+    return None if found is None else found[0].module or found[0].name
+
+
+def normalised_over_tokens(trace: Trace, tid: int, d: int, length: int) -> str | None:
+    """When the normalisation behind a score operand made it of unit norm along the tokens (an axis of size
+    ``length``) rather than along the head dim (size ``d``): what was seen, else None. Normalised over the tokens,
+    each token's query (key) depends on every other token of the sequence, and the scores are no cosines."""
+    found = _norm_op(trace, tid)
+    if found is None or d == length or found[1] >= len(found[0].outputs):
+        return None
+    value = found[0].outputs[found[1]]
+    if not value.is_floating_point() or value.dim() < 2 or not value.numel():
+        return None
+    unit = [ax for ax in range(value.dim())
+            if bool(((value.double().norm(dim=ax) - 1).abs() < 1e-3).all())]
+    sizes = {value.shape[ax] for ax in unit}
+    if length not in sizes or d in sizes:
+        return None
+    return (f"{normalised(trace, tid)} makes q (or k) of unit norm along the {length} tokens, not along the head "
+            f"dim of {d}: each token's query then depends on every other token, and the scores are not cosines")
 
 
 _GAINS = frozenset({"mul", "rmul", "mul_", "div", "truediv", "div_", "itruediv"})

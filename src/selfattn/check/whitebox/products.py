@@ -46,6 +46,7 @@ from ..findings import (
 from ..subject.building import ROLE_PATTERNS, name_role
 from .positions import (
     normalised,
+    normalised_over_tokens,
     rotary,
     rotated_from,
     rotation_on_the_way,
@@ -996,6 +997,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                "items")
         if float(t.abs().max()) > 1e-3 * size:
             facts["position term"] = "an additive term of (head, query, key) (a relative-position bias)"
+    over_tokens = normalised_over_tokens(trace, aid, d, length) or normalised_over_tokens(trace, bid, d, length)
+    if over_tokens:
+        return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, **evidence}, facts)
     origin_a, origin_b = scale_origin(trace, aid), scale_origin(trace, bid)
     scale = c * origin_a.factor * origin_b.factor
     unit = _unit_norm(a, b, origin_a.factor, origin_b.factor) or \
@@ -1110,6 +1114,11 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         cached = True  # the run's (L, L) pattern does not apply to them
     given = op.kwargs.get("scale", op.args[6] if len(op.args) > 6 else None)
     base = 1 / math.sqrt(d) if given is None else float(given)
+    over_tokens = normalised_over_tokens(trace, op.in_ids[0], d, length) or \
+        normalised_over_tokens(trace, op.in_ids[1], d, length)
+    if over_tokens:
+        return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, "head dim": d,
+                                             "product": "scaled_dot_product_attention"}, facts)
     origin_q, origin_k = scale_origin(trace, op.in_ids[0]), scale_origin(trace, op.in_ids[1])
     scale = base * origin_q.factor * origin_k.factor
     unit = _unit_norm(q, k, origin_q.factor, origin_k.factor) or \
