@@ -93,7 +93,10 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
     mismatch: dict[str, str] = {}
     fix: str | None = None
     for dtype in (torch.float16, torch.bfloat16):
-        m = ctx.module if ctx.x.dtype == dtype else _eval(copy.deepcopy(ctx.module).to(dtype))
+        # as module.half() / .bfloat16() cast it: floating-point tensors only (.to(dtype) would also cast a complex
+        # buffer, such as rotary's freqs_cis, to a real one and drop its imaginary part)
+        m = ctx.module if ctx.x.dtype == dtype else \
+            _eval(copy.deepcopy(ctx.module)._apply(lambda t, dt=dtype: t.to(dt) if t.is_floating_point() else t))
         tol = HALF_ULPS * torch.finfo(dtype).eps
         base_err = None
         for suffix, ref in refs.items():
