@@ -811,3 +811,114 @@ def test_nccl_exact(tmp_path):
     """catches: the ring or all_to_all breaking on CUDA tensors over NCCL (device placement, coalesced P2P works)."""
     world = min(2, torch.cuda.device_count())
     _judge(_spawn("nccl_worker", world, tmp_path, limit=300, backend="nccl"), world)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def compiled_worker(rank: int, world: int, grid: bool = False) -> dict:
+    """sad.attention inside torch.compile(fullgraph=True): out, lse and gradients against one process, in both
+    strategies, a zigzag row and a padded one; a new mask tensor of the same structure does not recompile;
+    dropout and sinks equal eager's bits."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    batch, hkv, length = 2, world, 4 * world * 3
+    heads = 2 * hkv
+    q = torch.randn(batch, heads, length, 8, dtype=torch.float64)
+    k, v = (torch.randn(batch, hkv, length, 8, dtype=torch.float64) for _ in range(2))
+    gout = torch.randn(batch, heads, length, 8, dtype=torch.float64)
+    cases = _cases(batch, heads, length)
+    names = list(cases) if grid else ["causal", "documents", "alibi", "custom"]
+    odd = sad.Sharding.of("zigzag", length=length - 3, world=world)
+    results: dict = {}
+
+    def run(kw: dict, layout, strategy: str, counter=None):
+        torch._dynamo.reset()
+        fn = torch.compile(lambda q, k, v: sad.attention(q, k, v, layout=layout, strategy=strategy, return_lse=True,
+                                                         timeout=20, **kw),
+                           backend=counter or "aot_eager", fullgraph=True)
+        return _sharded_with(fn, q if layout is not odd else q[:, :, :length - 3], k if layout is not odd else
+                             k[:, :, :length - 3], v if layout is not odd else v[:, :, :length - 3],
+                             gout if layout is not odd else gout[:, :, :length - 3], layout)
+
+    for name in names:
+        kw = cases[name]
+        for layout in ("zigzag", odd):
+            if layout is odd and name not in ("causal", "custom"):  # the others hold tensors over the whole row
+                continue
+            cut = slice(None) if layout == "zigzag" else slice(0, length - 3)
+            ref = _single(q[:, :, cut], k[:, :, cut], v[:, :, cut], gout[:, :, cut], **kw)
+            for strategy in ("ring", "all_to_all"):
+                got = run(kw, layout, strategy)
+                if layout is odd:  # compared on the row (unshard drops the padding, whose lse is -inf)
+                    got = tuple(sad.unshard(t, layout=odd) if t.dim() == 4 else
+                                sad.unshard(t.unsqueeze(-1), layout=odd).squeeze(-1) for t in got)
+                    results[f"padded/{strategy}/{name}"] = {
+                        part: (_lse_err if part == "lse" else _rel)(a, b)
+                        for part, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref, strict=True)}
+                    continue
+                results[f"zigzag/{strategy}/{name}"] = _errors(got, ref, layout)
+    # the same structure with other tensors: no second compile
+    counter = CompileCounterWithBackend("aot_eager")
+    ids = torch.sort(torch.randint(0, 4, (batch, length), generator=torch.Generator().manual_seed(5)), 1).values
+    fn = torch.compile(lambda q, k, v, m: sad.attention(q, k, v, layout="zigzag", mask=m, timeout=20),
+                       backend=counter, fullgraph=True)
+    torch._dynamo.reset()
+    ql, kl, vl = (sad.shard(t, layout="zigzag") for t in (q, k, v))
+    fn(ql, kl, vl, masks.document(ids) & masks.causal())
+    other = fn(ql, kl, vl, masks.document(torch.flip(ids, (0,))) & masks.causal())
+    eager = sad.attention(ql, kl, vl, layout="zigzag", mask=masks.document(torch.flip(ids, (0,))) & masks.causal())
+    results["recompiles"] = {"frames": counter.frame_count, "second call": _rel(other, eager)}
+    # dropout and sinks: the same bits as the eager distributed call with the same seed
+    sinks = torch.randn(heads, dtype=torch.float64)
+    for strategy in ("ring", "all_to_all"):
+        both = []
+        for compiled in (False, True):
+            s = sinks.clone().requires_grad_()
+            leaves = [sad.shard(t, layout="zigzag").requires_grad_() for t in (q, k, v)]
+
+            def call(q, k, v, s=s, strategy=strategy):
+                return sad.attention(q, k, v, layout="zigzag", strategy=strategy, causal=True, dropout_p=0.3,
+                                     sinks=s, timeout=20)
+            torch._dynamo.reset()
+            torch.manual_seed(11)
+            out = (torch.compile(call, backend="aot_eager", fullgraph=True) if compiled else call)(*leaves)
+            out.backward(sad.shard(gout, layout="zigzag"))
+            both.append([out.detach(), *(t.grad for t in leaves), s.grad])
+        results[f"dropout+sinks/{strategy}"] = {"equal": all(torch.equal(a, b) for a, b in zip(*both, strict=True))}
+    return results
+
+
+def compiled_grid_worker(rank: int, world: int) -> dict:
+    return compiled_worker(rank, world, grid=True)
+
+
+def _sharded_with(fn, q, k, v, gout, layout) -> tuple[torch.Tensor, ...]:
+    ql, kl, vl = (sad.shard(t, layout=layout).detach().requires_grad_() for t in (q, k, v))
+    out, lse = fn(ql, kl, vl)
+    out.backward(sad.shard(gout, layout=layout))
+    return out.detach(), lse, ql.grad, kl.grad, vl.grad
+
+
+def _judge_compiled(res: list[dict]) -> None:
+    for r in res:
+        rec = r.pop("recompiles")
+        assert rec["frames"] == 1 and rec["second call"] == 0.0, rec
+        drop = {case: e for case, e in r.items() if case.startswith("dropout")}
+        assert all(e["equal"] for e in drop.values()), drop
+        bad = {case: e for case, e in r.items() if case not in drop and max(e.values()) > F64_EXACT}
+        assert not bad, bad
+
+
+def test_attention_compiles_fullgraph(tmp_path):
+    """catches: a graph break (or an error) in context-parallel attention under torch.compile(fullgraph=True), the
+    ring's transfers traced into the graph, a compiled call whose output or gradients differ from one process's, a
+    recompile for every batch's mask tensors, and dropout or sinks that differ from the eager call's."""
+    _judge_compiled(_spawn("compiled_worker", 2, tmp_path, limit=300))
+
+
+@pytest.mark.slow
+def test_attention_compiles_fullgraph_every_case(tmp_path):
+    """catches: a mask or score modifier of _cases that cannot be taken apart into the op under compile."""
+    _judge_compiled(_spawn("compiled_grid_worker", 2, tmp_path, limit=600))

@@ -58,6 +58,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
@@ -119,6 +120,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | Dev
     Example:
         >>> out_local = sad.attention(q_local, k_local, v_local, layout="zigzag", causal=True)
     """
+    if torch.compiler.is_compiling():  # one custom op: the communication stays out of the graph
+        from .compiled import compiled_attention
+
+        return compiled_attention(q, k, v, group=group, layout=layout, mask=mask, causal=causal, scale=scale,
+                                  dropout_p=dropout_p, score_mod=score_mod, return_lse=return_lse,
+                                  strategy=strategy, backend=backend, timeout=timeout, sinks=sinks)
     g = group_of(group, timeout)
     spec = validate(q, k, v, g, layout, strategy, mask, causal, scale, dropout_p, score_mod, return_lse, backend,
                     sinks)
