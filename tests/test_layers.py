@@ -79,6 +79,7 @@ def test_each_layer_imports_only_what_it_may():
     for m in (m for m in graph if m.startswith("selfattn.distributed")):
         chunked = {t for t in graph[m] if t.startswith("selfattn.backends.chunked")}
         assert chunked <= {"selfattn.backends.chunked.kernels", "selfattn.backends.chunked.dropout"}, (m, chunked)
+    assert not any(t.startswith("selfattn.backends") for t in graph["selfattn._ops"])  # shared by every compiled path
     for m in (m for m in graph if m.startswith(("selfattn.masks", "selfattn.scores"))):
         assert not any(t.startswith("selfattn.backends") for t in graph[m]), m
     kernels = graph["selfattn.backends.chunked.kernels"]

@@ -4,9 +4,8 @@ included) sees one op per call and none of the communication.
 Under ``torch.compile``, :func:`selfattn.distributed.attention` calls :func:`compiled_attention`, which
 calls ``selfattn::cp_fwd`` (its backward is ``selfattn::cp_bwd``). Inside the op the eager path runs
 as it is: the process group and its timeouts, the ranks' agreement, the ring's or the all-to-all's
-transfers. The ops take only tensors and primitives, in the manner of the chunked backend's ops
-(:mod:`selfattn.backends.chunked.compiled`, whose :func:`flatten` / :func:`rebuild` take the mask and
-the score modifier apart):
+transfers. The ops take only tensors and primitives, as the chunked backend's ops do (both take the
+mask and the score modifier apart with :mod:`selfattn._ops`):
 
 - q, k, v, the sinks, and ``tensors``: every tensor the mask and the score modifier read;
 - ``key``: an entry of :data:`_REGISTRY`, the call's non-tensor structure (the group, the layout, the
@@ -35,9 +34,9 @@ import torch
 from torch import Tensor
 
 from .._call import compute_dtype, specialized
+from .._ops import autograd_inside, describe, flatten, rebuild
 from ..backends._common import refuse_create_graph
 from ..backends.chunked import kernels
-from ..backends.chunked.compiled import _autograd_inside, describe, flatten, rebuild
 from .agree import agree
 from .all_to_all import all_to_all_attention
 from .group import group_of, process_group
@@ -115,7 +114,7 @@ def cp_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, 
     g, spec = _spec(q, k, v, sinks, tensors, key, scale, dropout_p)
     spec = replace(spec, seed=int(seed.item()))
     if spec.strategy == "all_to_all":  # recomputed under autograd: its swaps' backward is autograd's
-        with _autograd_inside(), torch.enable_grad():
+        with autograd_inside(), torch.enable_grad():
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             if spec.sinks is not None:
                 learned = spec.sinks.detach().requires_grad_()
@@ -126,7 +125,7 @@ def cp_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, 
         dsinks = grads[3] if len(grads) > 3 else q.new_empty(0)
         return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), dsinks.contiguous()
     mod = spec.score_mod  # a non-additive modifier's derivative comes from autograd, which an op runs without
-    with _autograd_inside() if mod is not None and not mod.additive else contextlib.nullcontext():
+    with autograd_inside() if mod is not None and not mod.additive else contextlib.nullcontext():
         dq, dk, dv = ring_backward(_ring(g, spec, q, v), q, k, v, out, lse, dout.contiguous())  # type: ignore[arg-type]
     dsinks = q.new_empty(0) if sinks is None else kernels.sinks_grad(dout, out, lse, sinks)
     # dK and dV come back as views of one received buffer: an op's outputs may not alias each other

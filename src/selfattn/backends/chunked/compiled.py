@@ -15,9 +15,9 @@ primitives:
 - ``scale``, ``dropout_p`` and the dropout seed as a tensor, drawn inside the compiled graph.
 
 Masks and modifiers are taken apart through what they declare they are made of
-(``Mask.fields()``, ``ScoreMod.fields()``) and built again with ``from_fields``, so a user's
-subclass works here as long as it declares its fields (by default: its constructor's arguments,
-stored under their names).
+(``Mask.fields()``, ``ScoreMod.fields()``) and built again with ``from_fields``
+(:mod:`selfattn._ops`), so a user's subclass works here as long as it declares its fields (by
+default: its constructor's arguments, stored under their names).
 
 At run time the op rebuilds the mask and the modifier from the structure and the tensors it is
 given, and computes the schedule (the tile map) from the real tensors, so no data-dependent Python
@@ -34,15 +34,14 @@ Shape legend: B batch, Hq query heads, Lq/Lk lengths, Dv value head dim.
 from __future__ import annotations
 
 import contextlib
-import enum
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from ..._call import AttentionCall, compute_dtype, specialized
-from ..._fields import Declared
+from ..._ops import Struct, autograd_inside, describe, flatten, rebuild
 from ...masks import EMPTY, Mask
 from . import loops
 from .kernels import Problem
@@ -51,92 +50,8 @@ from .plan import Plan
 
 __all__ = ["chunked_attention", "chunked_bwd", "chunked_fwd", "register", "static_empty_fraction"]
 
-Struct = tuple  # nested tuples of constants, see flatten()
-
 _REGISTRY: dict[str, Struct] = {}
 """key -> (mask structure, score modifier structure, chunked options, fused kernel)."""
-
-_CONSTANTS = (type(None), bool, str, torch.dtype, torch.device, enum.Enum)
-
-
-def flatten(obj: object, tensors: list[Tensor]) -> Struct:
-    """The structure of a mask, a score modifier or None: nested tuples of constants in which each
-    tensor is replaced by its index in ``tensors`` (appended to). Masks and modifiers are taken
-    apart by their declared fields (tensors, masks, modifiers, tuples and lists, numbers, strings,
-    dtypes, devices, enums, functions)."""
-    if isinstance(obj, Tensor):
-        tensors.append(obj)
-        return ("tensor", len(tensors) - 1)
-    if isinstance(obj, Declared):
-        return ("object", type(obj), tuple((name, flatten(value, tensors)) for name, value in obj.fields()))
-    if isinstance(obj, (tuple, list)):
-        return ("tuple" if isinstance(obj, tuple) else "list", tuple(flatten(x, tensors) for x in obj))
-    if isinstance(obj, _CONSTANTS):
-        return ("const", obj)
-    if isinstance(obj, int):
-        return ("const", operator.index(obj))  # an int dynamo made dynamic (a window size) is specialized
-    if isinstance(obj, float):
-        return ("const", specialized(obj))
-    if callable(obj):  # a custom score modifier's or from_mask_mod's function
-        return ("function", obj)
-    raise TypeError(f"under torch.compile the chunked backend takes masks and score modifiers apart by the fields "
-                    f"they declare (tensors, masks, modifiers, tuples, lists, numbers, strings, dtypes, devices, "
-                    f"functions); it cannot take a {type(obj).__name__}: keep it out of fields(), or run the call "
-                    "outside torch.compile")
-
-
-def rebuild(struct: Struct, tensors: Sequence[Tensor] | None) -> object:
-    """The object that :func:`flatten` took apart, reading ``tensors``. With ``tensors=None``, a mask
-    in which every part that reads a tensor or calls a function is :class:`_Unknown`."""
-    kind = struct[0]
-    if kind == "const" or kind == "function":
-        return struct[1]
-    if kind == "tensor":
-        assert tensors is not None
-        return tensors[struct[1]]
-    if kind in ("tuple", "list"):
-        items = [rebuild(x, tensors) for x in struct[1]]
-        return tuple(items) if kind == "tuple" else items
-    cls, fields = struct[1], struct[2]
-    if tensors is None and issubclass(cls, Mask) and any(_reads_data(value) for _, value in fields):
-        return _Unknown()
-    return cls.from_fields(**{name: rebuild(value, tensors) for name, value in fields})
-
-
-def _reads_data(struct: Struct) -> bool:
-    if struct[0] in ("tuple", "list"):
-        return any(_reads_data(x) for x in struct[1])
-    return struct[0] in ("tensor", "function")
-
-
-def describe(struct: Struct) -> str:
-    """A readable string that determines the structure (functions by qualified name and identity)."""
-    kind = struct[0]
-    if kind == "const":
-        return repr(struct[1])
-    if kind == "tensor":
-        return f"#{struct[1]}"
-    if kind == "function":
-        fn = struct[1]
-        name = getattr(fn, "__qualname__", type(fn).__name__)
-        return f"{getattr(fn, '__module__', None)}.{name}@{id(fn):#x}"
-    if kind in ("tuple", "list"):
-        inside = ", ".join(describe(x) for x in struct[1])
-        return f"({inside})" if kind == "tuple" else f"[{inside}]"
-    cls, fields = struct[1], struct[2]
-    return f"{cls.__module__}.{cls.__qualname__}(" + ", ".join(f"{n}={describe(v)}" for n, v in fields) + ")"
-
-
-class _Unknown(Mask):
-    """A part of a mask whose tiles cannot be known without its data: every tile partly visible."""
-
-    def _tile_bounds(self, lq, lk, bq, bk, device):
-        unknown = torch.zeros(1, 1, 1, 1, dtype=torch.bool, device=device)
-        return unknown, unknown
-
-    def __repr__(self) -> str:
-        return "unknown"
-
 
 def _closes_over_grad(fn: object) -> bool:
     """Whether a function (a custom modifier's) reaches, through its closure, defaults, bound object or
@@ -229,15 +144,6 @@ def _chunked_fwd_fake(q, k, v, bias, sinks, tensors, key, scale, dropout_p, seed
     return q.new_empty(b, hq, lq, v.shape[3]), q.new_empty(b, hq, lq, dtype=compute_dtype(q.dtype))
 
 
-@contextlib.contextmanager
-def _autograd_inside() -> Iterator[None]:
-    """Autograd inside an op's implementation, which torch runs with autograd's dispatch keys
-    excluded: the backward takes a non-additive score modifier's derivative from autograd."""
-    exclude = torch._C._dispatch_tls_local_exclude_set().remove(torch._C.DispatchKey.AutogradFunctionality)
-    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
-        yield
-
-
 @torch.library.custom_op("selfattn::chunked_bwd", mutates_args=())
 def chunked_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, sinks: Tensor | None,
                 out: Tensor, lse: Tensor, tensors: list[Tensor], key: str, scale: float, dropout_p: float,
@@ -246,7 +152,7 @@ def chunked_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor | No
     forward's (out, lse) with the sinks' term: its probabilities exp(s - lse) are then the sinks'."""
     plan = _plan(q, k, tensors, key, scale, dropout_p, seed)
     mod = plan.problem.score_mod
-    with _autograd_inside() if mod is not None and not mod.additive else contextlib.nullcontext():
+    with autograd_inside() if mod is not None and not mod.additive else contextlib.nullcontext():
         grads = loops.backward(plan, *loops.kernel_inputs(plan, q, k, v), bias, sinks, out, lse, dout.contiguous())
     dq, dk, dv = grads.dq, grads.dk, grads.dv
     dsinks = q.new_empty(0) if grads.dsinks is None else grads.dsinks
