@@ -236,6 +236,76 @@ def sinks_worker(rank: int, world: int) -> dict:
     return results
 
 
+def varlen_worker(rank: int, world: int) -> dict:
+    """distributed.varlen_attention on a packed row of a length no layout divides, against one process's
+    varlen_attention on the whole row: contiguous, zigzag and balanced layouts, both strategies, causal, windows,
+    softcap and sinks; float64. Under torch.compile too (fullgraph), and the errors of a row that does not match."""
+    torch.manual_seed(0)
+    hkv = world
+    heads, length = 2 * hkv, 4 * world * 6 + 5
+    cu = torch.tensor([0, 3, length - 17, length - 8, length], dtype=torch.int32)
+    q = torch.randn(length, heads, 8, dtype=torch.float64)
+    k = torch.randn(length, hkv, 8, dtype=torch.float64)
+    v = torch.randn(length, hkv, 6, dtype=torch.float64)
+    gout = torch.randn(length, heads, 6, dtype=torch.float64)
+    cases = {"none": {}, "causal": dict(causal=True), "causal+window": dict(causal=True, window=(4, -1)),
+             "window": dict(window=(3, 2)), "softcap+sinks": dict(causal=True, softcap=2.0, sinks="sinks")}
+    layouts = {"contiguous": sad.Sharding.of("contiguous", length, world),
+               "zigzag": sad.Sharding.of("zigzag", length, world),
+               "balanced": sad.balanced(world, cu_seqlens=cu, causal=True)}
+    sinks = torch.randn(heads, dtype=torch.float64)
+
+    def leaves(*ts):
+        return [t.detach().clone().requires_grad_() for t in ts]
+
+    results: dict[str, dict] = {}
+    for name, kw in cases.items():
+        s1, s2 = leaves(sinks, sinks)
+        kw1 = {n: (s1 if a == "sinks" else a) for n, a in kw.items()}
+        q1, k1, v1 = leaves(q, k, v)
+        out, lse = selfattn.varlen_attention(q1, k1, v1, cu, return_lse=True, **kw1)
+        out.backward(gout)
+        ref = (out.detach(), lse.T, q1.grad, k1.grad, v1.grad)
+        for lname, lay in layouts.items():
+            pos = lay.positions(rank)
+            real = pos < length
+            for strategy in ("ring", "all_to_all"):
+                s2.grad = None
+                kw2 = {n: (s2 if a == "sinks" else a) for n, a in kw.items()}
+                ql, kl, vl = leaves(*(sad.shard(t, layout=lay, dim=0) for t in (q, k, v)))
+                out, lse = sad.varlen_attention(ql, kl, vl, cu, layout=lay, strategy=strategy, return_lse=True,
+                                                timeout=20, **kw2)
+                out.backward(sad.shard(gout, layout=lay, dim=0))
+                got = (out.detach(), lse.T, ql.grad, kl.grad, vl.grad)
+                errs = {part: (_lse_err if part == "lse" else _rel)(a[real], b[pos[real]])
+                        for part, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref, strict=True)}
+                errs["padding"] = float(out[~real].detach().abs().max()) if bool((~real).any()) else 0.0
+                if "sinks" in kw:
+                    dsinks = s2.grad.clone()
+                    dist.all_reduce(dsinks)
+                    errs["dsinks"] = _rel(dsinks, s1.grad)
+                results[f"{lname}/{strategy}/{name}"] = errs
+    lay = layouts["balanced"]
+    fn = torch.compile(lambda q, k, v: sad.varlen_attention(q, k, v, cu, layout=lay, causal=True, timeout=20),
+                       backend="aot_eager", fullgraph=True)
+    ql = sad.shard(q, layout=lay, dim=0)
+    kl, vl = (sad.shard(t, layout=lay, dim=0) for t in (k, v))
+    eager = sad.varlen_attention(ql, kl, vl, cu, layout=lay, causal=True, timeout=20)
+    results["compiled"] = {"out": _rel(fn(ql, kl, vl), eager)}
+    errors = {}
+    for name, call in (("other-row", lambda: sad.varlen_attention(ql, kl, vl, cu[:-1], layout=lay)),
+                       ("plain-layout", lambda: sad.varlen_attention(ql, kl, vl, cu, layout="contiguous")),
+                       ("kv-tokens", lambda: sad.varlen_attention(ql, kl[:-1], vl[:-1], cu, layout=lay)),
+                       ("cu-float", lambda: sad.varlen_attention(ql, kl, vl, cu.double(), layout=lay))):
+        try:
+            call()
+            errors[name] = "no error"
+        except (TypeError, ValueError) as e:
+            errors[name] = f"{type(e).__name__}: {e}"
+    results["errors"] = errors
+    return results
+
+
 def determinism_worker(rank: int, world: int) -> dict:
     """The ring and all_to_all at a fixed W, float32, run at 1, 2 and 3 threads: out, lse and every gradient
     compared bit for bit with the first run."""
@@ -480,6 +550,22 @@ def test_any_length_and_balanced_layouts_are_exact(world, tmp_path):
         for key, errs in res.items():
             bad = {n: e for n, e in errs.items() if e > (LSE_F32 if n == "lse" else F64_EXACT)}
             assert not bad, f"W={world} rank {rank} {key}: {bad}"
+
+
+def test_varlen_rows_across_ranks_equal_one_process(tmp_path):
+    """catches: the varlen (cu_seqlens) form of context parallelism reading cu_seqlens as local offsets, a sequence
+    split over ranks seeing only its local part, a balanced layout's padding seen as keys, sinks or softcap lost on
+    the way, a graph break under compile, and a cu_seqlens that describes another row accepted silently."""
+    for rank, res in enumerate(_spawn("varlen_worker", 2, tmp_path, limit=300)):
+        errors = res.pop("errors")
+        assert errors["other-row"].startswith("ValueError: cu_seqlens describes a row of"), errors
+        assert errors["plain-layout"].startswith("ValueError: cu_seqlens describes a row of"), errors
+        assert "Sharding.of('contiguous'" in errors["plain-layout"], errors
+        assert errors["kv-tokens"].startswith("ValueError:"), errors
+        assert errors["cu-float"].startswith("TypeError: cu_seqlens must be an int32 or int64"), errors
+        for key, errs in res.items():
+            bad = {n: e for n, e in errs.items() if e > (LSE_F32 if n == "lse" else F64_EXACT)}
+            assert not bad, f"rank {rank} {key}: {bad}"
 
 
 def test_ring_gives_the_same_bits_at_every_thread_count(tmp_path):

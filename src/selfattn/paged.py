@@ -48,7 +48,16 @@ from . import functional as _functional
 from ._call import FLOAT_DTYPES
 from ._checks import check_sinks
 from .masks.packed import check_cu_seqlens
-from .varlen import Causal, Window, _check_causal, _check_lengths, _check_qkv, _check_window, _softcap, varlen_attention
+from .varlen import (
+    Causal,
+    Window,
+    _check_causal,
+    _check_lengths,
+    _check_window,
+    check_qkv,
+    softcap_mod,
+    varlen_attention,
+)
 
 __all__ = ["PADDED_MAX_QUERIES", "RUNS_MAX", "attend", "check_block_table", "gather", "paged_attention"]
 
@@ -367,7 +376,7 @@ def _padded(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, le
     gathered, padded to the longest sequence."""
     n, (_, s, hkv, d), dv = len(lengths), k_pages.shape, v_pages.shape[3]
     probes = [pool[0, :0].to(q.dtype) if isinstance(q, Tensor) else pool[0, :0] for pool in (k_pages, v_pages)]
-    q = _check_qkv(q, *probes)[0]  # varlen's errors for q against the pools' heads, head dims, dtype, device
+    q = check_qkv(q, *probes)[0]  # varlen's errors for q against the pools' heads, head dims, dtype, device
     if max_seqlen_q is not None or q.shape[0] != n * nq:
         _check_lengths("cu_seqlens_q", torch.tensor([0, n * nq]), q.shape[0], "q", max_seqlen_q)
     left, right = _check_window(window)
@@ -398,7 +407,7 @@ def _padded(q: Tensor, k_pages: Tensor, v_pages: Tensor, block_table: Tensor, le
         diag = torch.arange(nq, device=device) + used - nq  # (N, nq): the key on each query's diagonal
         hi = used if right is None else torch.minimum(diag + right + 1, used)
     qb = q.view(n, nq, *q.shape[1:]).transpose(1, 2)  # (N, Hq, nq, D)
-    mod, one = _softcap(softcap), len(parts) == 1
+    mod, one = softcap_mod(softcap), len(parts) == 1
     outs, lses = [], []
     for part in parts:
         k, v = part.k, part.v

@@ -50,7 +50,7 @@ def _check_packed(name: str, t: object, layout: str) -> Tensor:
     return t
 
 
-def _check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
+def check_qkv(q: object, k: object, v: object) -> tuple[Tensor, Tensor, Tensor]:
     q = _check_packed("q", q, "(Tq, Hq, D)")
     k = _check_packed("k", k, "(Tk, Hkv, D)")
     v = _check_packed("v", v, "(Tk, Hkv, Dv)")
@@ -113,7 +113,7 @@ def _check_window(window: object) -> tuple[int | None, int | None]:
     return (None if left == -1 else left), (None if right == -1 else right)
 
 
-def _softcap(softcap: object) -> _scores.ScoreMod | None:
+def softcap_mod(softcap: object) -> _scores.ScoreMod | None:
     """None or 0 (flash-attn's "off"): no modifier; else scores.softcap, which checks the cap."""
     if softcap is None or (type(softcap) in (int, float) and softcap == 0):
         return None
@@ -136,6 +136,25 @@ def _mask(cu_q: Tensor, cu_k: Tensor, left: int | None, right: int | None) -> Ma
 _MASKS = KeptByTensors()
 
 
+def packed_mask(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor | None, tq: int, tk: int, *, causal: object,
+                window: object, max_seqlen_q: object = None, max_seqlen_k: object = None) -> Mask | None:
+    """The checked mask of a varlen call on ``tq`` packed queries and ``tk`` keys (None: every key of the one
+    sequence visible), kept for the next call with the same cu_seqlens tensors. Shared with
+    :func:`selfattn.distributed.varlen_attention`, whose row is given on global positions."""
+    left, right = _check_window(window)
+    if _check_causal(causal):
+        right = 0  # causal & a window: keys up to the diagonal (flash-attn's right bound is 0 then too)
+    given = (cu_seqlens_q,) if cu_seqlens_k is None else (cu_seqlens_q, cu_seqlens_k)
+    key = (cu_seqlens_k is None, tq, tk, max_seqlen_q, max_seqlen_k, left, right)
+    mask = _MASKS.find(given, key)
+    if mask is MISSING:
+        cu_q, cu_k = check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k)
+        _check_lengths("cu_seqlens_q", cu_q, tq, "q", max_seqlen_q)
+        _check_lengths("cu_seqlens_k", cu_k, tk, "k", max_seqlen_k)
+        mask = _MASKS.keep(given, key, _mask(cu_q, cu_k, left, right))
+    return mask
+
+
 @dataclass(frozen=True)
 class _Call:
     """A validated varlen call: the (1, H, T, D) views and the keyword arguments of selfattn.attention."""
@@ -155,25 +174,16 @@ def _build(q: object, k: object, v: object, cu_seqlens_q: object, cu_seqlens_k: 
            max_seqlen_k: object, causal: object, window: object, scale: object, dropout_p: object,
            softcap: object, sinks: object, return_lse: object, backend: object,
            deterministic: object = None) -> _Call:
-    q, k, v = _check_qkv(q, k, v)
+    q, k, v = check_qkv(q, k, v)
     if not isinstance(cu_seqlens_q, Tensor):
         raise TypeError(f"cu_seqlens_q must be an int32 tensor (N + 1,), got {type(cu_seqlens_q).__name__}; "
                         "build it with torch.tensor(..., dtype=torch.int32)")
     if cu_seqlens_k is not None and not isinstance(cu_seqlens_k, Tensor):
         raise TypeError(f"cu_seqlens_k must be None or an int32 tensor (N + 1,), got {type(cu_seqlens_k).__name__}")
-    left, right = _check_window(window)
-    if _check_causal(causal):
-        right = 0  # causal & a window: keys up to the diagonal (flash-attn's right bound is 0 then too)
-    given = (cu_seqlens_q,) if cu_seqlens_k is None else (cu_seqlens_q, cu_seqlens_k)
-    key = (cu_seqlens_k is None, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k, left, right)
-    mask = _MASKS.find(given, key)
-    if mask is MISSING:
-        cu_q, cu_k = check_cu_seqlens_pair(cu_seqlens_q, cu_seqlens_k)
-        _check_lengths("cu_seqlens_q", cu_q, q.shape[0], "q", max_seqlen_q)
-        _check_lengths("cu_seqlens_k", cu_k, k.shape[0], "k", max_seqlen_k)
-        mask = _MASKS.keep(given, key, _mask(cu_q, cu_k, left, right))
+    mask = packed_mask(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], causal=causal, window=window,
+                       max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     kwargs: dict[str, Any] = dict(mask=mask, scale=scale, dropout_p=dropout_p,
-                                  score_mod=_softcap(softcap), sinks=sinks, return_lse=return_lse, backend=backend,
+                                  score_mod=softcap_mod(softcap), sinks=sinks, return_lse=return_lse, backend=backend,
                                   deterministic=deterministic)
     return _Call(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
                  kwargs)

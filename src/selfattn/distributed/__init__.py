@@ -37,7 +37,8 @@ disagrees makes every rank raise the same ValueError naming the field and the ra
 The package: ``group`` (the process group, waits that name the rank, :func:`record`), ``layout``
 (:func:`shard`, :func:`unshard`), ``spec`` (the validated call, with the checkers
 ``selfattn.attention`` uses), ``agree`` (the ranks' agreement), ``ring`` and ``all_to_all`` (the
-strategies), ``verify`` (a checker of a user's own context-parallel function, imported when used).
+strategies), ``varlen`` (:func:`varlen_attention`: a packed row in the varlen layout, by ``cu_seqlens``),
+``verify`` (a checker of a user's own context-parallel function, imported when used).
 Blocks of the ring are computed by the chunked backend's block kernel; no attention arithmetic
 lives here.
 
@@ -72,8 +73,10 @@ from .group import DEFAULT_TIMEOUT_S, Stats, group_of, record
 from .layout import Layout, Sharding, balanced, pair_work, shard, unshard
 from .ring import ring_attention
 from .spec import Strategy, validate
+from .varlen import varlen_attention
 
-__all__ = ["DEFAULT_TIMEOUT_S", "Sharding", "Stats", "attention", "balanced", "pair_work", "record", "shard", "unshard"]
+__all__ = ["DEFAULT_TIMEOUT_S", "Sharding", "Stats", "attention", "balanced", "pair_work", "record", "shard", "unshard",
+           "varlen_attention"]
 
 ScoreFn = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
