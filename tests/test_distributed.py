@@ -136,13 +136,17 @@ def exact_worker(rank: int, world: int) -> dict:
             for strategy in ("ring", "all_to_all"):
                 results[f"{layout}/{strategy}/{name}"] = _errors(_sharded(q, k, v, gout, layout, strategy, **kw),
                                                                 ref, layout)
+            results[f"{layout}/ring-low-memory/{name}"] = _errors(
+                _sharded(q, k, v, gout, layout, "ring", memory="low", **kw), ref, layout)
     # dropout: the ring draws the single-process chunked pattern for the same seed
     for layout in ("contiguous", "zigzag"):
         kw = dict(mask=masks.sliding_window(9), dropout_p=0.3)
         torch.manual_seed(123)
         ref = _single(q, k, v, gout, backend="chunked", **kw)
-        torch.manual_seed(123)
-        results[f"{layout}/ring/dropout"] = _errors(_sharded(q, k, v, gout, layout, "ring", **kw), ref, layout)
+        for memory in ("overlap", "low"):
+            torch.manual_seed(123)
+            results[f"{layout}/ring-{memory}/dropout"] = _errors(
+                _sharded(q, k, v, gout, layout, "ring", memory=memory, **kw), ref, layout)
     # all_to_all dropout: a valid pattern per head group, fixed by the seed
     outs = []
     for _ in range(2):
@@ -535,8 +539,9 @@ def exact_run(request, tmp_path_factory):
 def test_exact_every_mask_layout_strategy(exact_run):
     """catches: a rank evaluating masks or score modifiers on local instead of global positions, a wrong
     merge of partial results (fully masked blocks, -inf lse), dK/dV returned to the wrong owner, zigzag
-    chunks out of order, head groups mixed up by all_to_all (GQA, per-head masks, ALiBi slopes), and a
-    ring dropout pattern that differs from the single-process one."""
+    chunks out of order, head groups mixed up by all_to_all (GQA, per-head masks, ALiBi slopes), a
+    ring dropout pattern that differs from the single-process one, and the ring's memory="low" backward
+    adding a block's dK/dV into another block's accumulator or returning it to the wrong owner."""
     world, res = exact_run
     _judge(res, world)
 
@@ -726,6 +731,14 @@ def test_unshard_takes_dim_like_shard(one_rank_group):
             sad.shard(x, dim=bad)
     with pytest.raises(ValueError, match="2 equal chunks"):
         sad.unshard(torch.randn(2, 5, 3), dim=1, layout="zigzag")
+
+
+def test_memory_option_is_checked_and_agreed(one_rank_group):
+    """catches: a misspelt memory option taken as the default silently."""
+    with pytest.raises(ValueError, match=r"memory must be 'overlap'.*or 'low'.*got 'lo'"):
+        sad.attention(_Q, _Q, _Q, memory="lo")  # type: ignore[arg-type]
+    out = sad.attention(_Q, _Q, _Q, memory="low", causal=True)
+    assert torch.equal(out, sad.attention(_Q, _Q, _Q, causal=True))
 
 
 def test_unlimited_timeout_is_accepted(one_rank_group):

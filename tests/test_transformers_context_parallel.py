@@ -154,7 +154,7 @@ def exact_worker(rank: int, world: int, families: list[str], cases: list[str], c
     for family in families:
         for case in cases:
             batch = _batch(case)
-            for layout, strategy in combos:
+            for layout, strategy, *memory in combos:
                 if strategy == "all_to_all" and 2 % world:  # 2 kv heads split across the ranks
                     continue
                 ref, cp_model = _model(family), _model(family)
@@ -165,7 +165,8 @@ def exact_worker(rank: int, world: int, families: list[str], cases: list[str], c
                     opt_cp.zero_grad()
                     ref_out = ref(**batch)
                     ref_out.loss.backward()
-                    with context_parallel(cp_model, layout=layout, strategy=strategy) as cp:
+                    with context_parallel(cp_model, layout=layout, strategy=strategy,
+                                          memory=(memory or ["overlap"])[0]) as cp:
                         cp_out = cp_model(**cp.shard(**batch))
                         cp_out.loss.backward()
                         logits = cp.unshard(cp_out.logits.detach())  # (B, L, V): the padding dropped
@@ -178,7 +179,7 @@ def exact_worker(rank: int, world: int, families: list[str], cases: list[str], c
                 if steps > 1:
                     cp_weights = dict(cp_model.named_parameters())
                     errors["weights"] = max(_rel(cp_weights[n].detach(), p.detach()) for n, p in ref.named_parameters())
-                out[f"{family}/{case}/{layout}/{strategy}"] = errors
+                out["/".join([family, case, layout, strategy, *memory])] = errors
     return out
 
 
@@ -193,9 +194,10 @@ def _judge(results: list[dict]) -> None:
 def test_every_family_matches_one_process_on_two_ranks(tmp_path):
     """catches: a mask built from the local shard instead of the global sequence (causal offsets, windows,
     packed documents, padding), rotary positions from local indices, labels shifted inside a shard, a loss
-    that is not the global mean, gradients not summed over the group, sinks or soft-capping lost."""
+    that is not the global mean, gradients not summed over the group, sinks or soft-capping lost, and the ring's
+    memory="low" backward not reaching the model's attention or losing a block's dK/dV."""
     _judge(_spawn("exact_worker", 2, tmp_path, families=list(FAMILIES), cases=["packed", "padding"],
-                  combos=[["zigzag", "ring"], ["contiguous", "all_to_all"]]))
+                  combos=[["zigzag", "ring"], ["contiguous", "all_to_all"], ["zigzag", "ring", "low"]]))
 
 
 def test_balanced_layout_and_rows_of_any_length(tmp_path):
@@ -499,6 +501,9 @@ def test_refusals_without_processes():
     with pytest.raises(ValueError, match="selfattn"), context_parallel(eager):
         pass
     with pytest.raises(ValueError, match="layout"), context_parallel(_model("llama"), layout="sideways"):
+        pass
+    with pytest.raises(ValueError, match="memory must be 'overlap' or 'low'"), context_parallel(_model("llama"),
+                                                                                               memory="least"):
         pass
 
 

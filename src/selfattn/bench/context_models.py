@@ -10,12 +10,15 @@ each). Every rank runs on gloo over 127.0.0.1 with one CPU thread. Two parts, ea
   the gradients summed over the ranks);
 - ``attention``: one layer's attention alone, as the model runs it under the context: forward + backward of
   ``selfattn.distributed.attention`` on this rank's (1, 8, L / W, 64) queries and (1, 2, L / W, 64)
-  keys/values with the row's document & causal mask (zigzag layout, ring).
+  keys/values with the row's document & causal mask (zigzag layout, ring), with each ``memory`` option
+  (``"overlap"``, the default, and ``"low"``).
 
-W = 1 is the model in one process without the context (the anchor): the ratios are against it. Each row
-reports the slowest rank's median time and the largest rank's peak extra memory (resident growth during
-the step, the warm-up step included). ``model-budget`` keeps the tokens per rank fixed (L = W x the given
-length) to show how the longest row that fits a per-rank memory budget grows with W. On a machine with
+W = 1 is the model in one process without the context (the anchor): the ratios are against it (for the
+attention part, against W = 1 with the default memory option). Each row reports the slowest rank's median
+time and the largest rank's peak extra memory (resident growth during the step, the warm-up step included;
+the ranks run with glibc's mmap threshold fixed, :data:`~selfattn.bench.memory.MALLOC_ENV`, so that it is
+the tensors' peak). ``model-budget`` keeps the tokens per rank fixed (L = W x the given length) to show
+how the longest row that fits a per-rank memory budget grows with W. On a machine with
 fewer cores than W the ranks share cores, so times at W = 4 measure that sharing as well; the memory per
 rank does not depend on it.
 
@@ -31,7 +34,7 @@ import torch.distributed as dist
 from rich.table import Table
 
 from .llama import HEADS, HIDDEN, KV_HEADS, LAYERS, VOCAB
-from .memory import Memory
+from .memory import MALLOC_ENV, Memory
 from .models import DOCS, _document_lengths, model_step
 from .spawn import run_ranks
 
@@ -41,6 +44,8 @@ NAME = "distributed-model"  # the rows' suite field
 
 PARTS = ["attention", "model"]
 WORLDS = [1, 2, 4]
+MEMORY = ["overlap", "low"]  # the attention part's memory options
+_PRIMER = 256  # tokens per rank of the step each rank runs before its measured one
 
 
 def _row(length: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +72,7 @@ def _model_step(length: int, world: int):
     return cp_step
 
 
-def _attention_step(length: int, world: int):
+def _attention_step(length: int, world: int, memory: str = "overlap"):
     """Forward + backward of one layer's attention on this rank's shard, with the row's global mask."""
     from .. import distributed as sad
     from .. import masks
@@ -82,7 +87,8 @@ def _attention_step(length: int, world: int):
     v = torch.randn(1, KV_HEADS, n, d, generator=g, requires_grad=True)
 
     def step() -> None:
-        out = sad.attention(q, k, v, layout="zigzag", strategy="ring", mask=mask, timeout=600)
+        out = sad.attention(q, k, v, layout="zigzag", strategy="ring", mask=mask, timeout=600,
+                            memory=memory)  # type: ignore[arg-type]
         assert isinstance(out, torch.Tensor)
         out.sum().backward()
         q.grad = k.grad = v.grad = None
@@ -90,9 +96,14 @@ def _attention_step(length: int, world: int):
 
 
 def _measure(rank: int, world: int, spec: dict) -> dict:
-    """One rank's median step time and peak extra memory (the warm-up step included in the peak)."""
-    length = spec["L"]
-    step = _model_step(length, world) if spec["part"] == "model" else _attention_step(length, world)
+    """One rank's median step time and peak extra memory (the warm-up step included in the peak). The same
+    step on a row of ``_PRIMER`` tokens runs first, outside the peak: what a process allocates once, whatever
+    the length (libraries' and kernels' lazy set-up, the process group's first transfers), is not the step's."""
+    length, memory = spec["L"], spec.get("memory", "overlap")
+    for size in (_PRIMER * world, length):
+        step = _model_step(size, world) if spec["part"] == "model" else _attention_step(size, world, memory)
+        if size != length:
+            step()
     mem = Memory("cpu")
     dist.barrier()
     mem.start()
@@ -112,7 +123,7 @@ def _measure(rank: int, world: int, spec: dict) -> dict:
 
 def run_point(spec: dict) -> dict:
     """One (part, L, W) point on W spawned processes: the slowest rank's time, the largest peak."""
-    ranks = run_ranks(_measure, spec, spec["W"], spec.get("limit_s", 3600), timeout_s=1800)
+    ranks = run_ranks(_measure, spec, spec["W"], spec.get("limit_s", 3600), timeout_s=1800, env=MALLOC_ENV)
     if isinstance(ranks, str):
         return {"status": "error", "note": ranks}
     return {"status": "ok", "time_s": max(r["time_s"] for r in ranks), "first_s": max(r["first_s"] for r in ranks),
@@ -120,9 +131,12 @@ def run_point(spec: dict) -> dict:
 
 
 def points(lengths: list[int] | None, quick: bool, repeats: int | None) -> list[dict]:
-    """Both parts at each length, W = 1, 2, 4 (L divisible by 2W: the zigzag layout)."""
-    return [dict(suite=NAME, part=part, L=length, W=world, repeats=repeats if repeats is not None else 1)
-            for length in lengths or ([2048] if quick else [16384]) for part in PARTS for world in WORLDS]
+    """Both parts at each length, W = 1, 2, 4 (L divisible by 2W: the zigzag layout); the attention part with
+    each memory option."""
+    return [dict(suite=NAME, part=part, L=length, W=world, repeats=repeats if repeats is not None else 1,
+                 **({"memory": memory} if part == "attention" else {}))
+            for length in lengths or ([2048] if quick else [16384]) for part in PARTS
+            for memory in (MEMORY if part == "attention" else [None]) for world in WORLDS]
 
 
 def budget_points(lengths: list[int] | None, quick: bool, repeats: int | None) -> list[dict]:
@@ -150,14 +164,16 @@ def tables(results: list[dict]) -> list[Table]:
                             "per rank; x = ratio to W=1 (one process, no context)")
         for col in ("part", "L", "W", "time s", "x", "peak MiB", "x", "<= 1.2/W"):
             table.add_column(col)
-        base = {(r["part"], r["L"]): r for r in fixed if r["W"] == 1 and r["status"] == "ok"}
+        base = {(r["part"], r["L"]): r for r in fixed if r["W"] == 1 and r["status"] == "ok"
+                and r.get("memory", "overlap") == "overlap"}  # one anchor: W = 1 moves no dK/dV either way
         for r in fixed:
+            part = r["part"] + (f" (memory={r['memory']})" if "memory" in r else "")
             if r["status"] != "ok":
-                table.add_row(r["part"], str(r["L"]), str(r["W"]), r["status"], "", r.get("note", ""), "", "")
+                table.add_row(part, str(r["L"]), str(r["W"]), r["status"], "", r.get("note", ""), "", "")
                 continue
             b = base.get((r["part"], r["L"]))
             ratio = r["peak_bytes"] / b["peak_bytes"] if b and b["peak_bytes"] >= 2**20 else None
-            table.add_row(r["part"], str(r["L"]), str(r["W"]), f"{r['time_s']:.2f}",
+            table.add_row(part, str(r["L"]), str(r["W"]), f"{r['time_s']:.2f}",
                           f"{r['time_s'] / b['time_s']:.2f}" if b else "", f"{max(0, r['peak_bytes']) / 2**20:.0f}",
                           "-" if ratio is None else f"{ratio:.2f}",
                           "-" if ratio is None else ("yes" if ratio <= 1.2 / r["W"] else "no"))

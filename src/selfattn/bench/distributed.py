@@ -5,7 +5,8 @@ For W = 1, 2, 4 processes (gloo on 127.0.0.1, one CPU thread each) every rank ru
 time, its peak extra memory during the step, and how much of its communication was hidden
 behind compute: ``hidden = 1 - exposed / alone``, where ``exposed`` is the time the step spent
 waiting for transfers and ``alone`` the time the same transfers take with no compute (all_to_all
-does not overlap, so its share is 0 by construction and ``alone`` is what it costs).
+does not overlap, so its share is 0 by construction and ``alone`` is what it costs). The ranks run with
+glibc's mmap threshold fixed (:data:`~selfattn.bench.memory.MALLOC_ENV`): the peak is the tensors'.
 
 With ``--cases model`` (and ``model-budget``) the suite also trains a transformers Llama
 context-parallel: :mod:`selfattn.bench.context_models`.
@@ -27,7 +28,7 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from . import context_models
-from .memory import Memory
+from .memory import MALLOC_ENV, Memory
 from .spawn import run_ranks
 
 __all__ = ["CASES", "IN_ALL", "NAME", "grid", "points", "run", "run_point", "tables"]
@@ -109,7 +110,7 @@ def _measure(rank: int, world: int, spec: dict) -> dict:
 def run_point(spec: dict) -> dict:
     """Run one point (case, L, W, layout, strategy, repeats) on W spawned processes; the slowest rank's
     time, the largest peak memory and the hidden share of communication."""
-    ranks = run_ranks(_measure, spec, spec["W"], spec.get("limit_s", 1800))
+    ranks = run_ranks(_measure, spec, spec["W"], spec.get("limit_s", 1800), env=MALLOC_ENV)
     if isinstance(ranks, str):
         return {"status": "error", "note": ranks}
     alone = max(r["alone_s"] for r in ranks)

@@ -6,7 +6,14 @@ import gc
 
 import torch
 
-__all__ = ["Memory"]
+__all__ = ["MALLOC_ENV", "Memory"]
+
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}
+"""The environment of the processes a suite spawns to measure memory on the CPU: glibc's mmap threshold
+fixed at 64 KiB, so that a freed tensor leaves the resident set at once and the resident peak is the
+tensors' peak (what ``max_memory_allocated`` gives on CUDA). With glibc's default the threshold rises to
+the largest block freed so far (up to 32 MiB), smaller blocks come from the heap, and the peak also holds
+what malloc keeps of freed tensors for reuse: a figure of the allocator's history, not of the code."""
 
 
 class Memory:

@@ -3,6 +3,7 @@ and a module's JSON worker in one fresh process (:func:`json_worker`)."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -63,16 +64,31 @@ def _rank_entry(rank: int, world: int, port: int, spec: dict, out: str, body: Ca
 
 
 def run_ranks(body: Callable[[int, int, dict], dict], spec: dict, world: int, limit_s: float,
-              timeout_s: float = 600) -> list[dict] | str:
+              timeout_s: float = 600, env: dict[str, str] | None = None) -> list[dict] | str:
     """``body(rank, world, spec)`` (a module-level function) on ``world`` spawned ranks of a gloo group whose
-    transfers wait at most ``timeout_s``: the ranks' results, or the first error (or "timed out" past
-    ``limit_s``)."""
-    with tempfile.TemporaryDirectory() as out:
+    transfers wait at most ``timeout_s``, with ``env`` added to their environment: the ranks' results, or the
+    first error (or "timed out" past ``limit_s``)."""
+    with tempfile.TemporaryDirectory() as out, _environment(env or {}):
         done = spawn_and_join(_rank_entry, (world, free_port(), spec, out, body, timeout_s), world, limit_s)
         errors = [Path(out, f"{r}.err").read_text() for r in range(world) if Path(out, f"{r}.err").exists()]
         if errors or not done:
             return (errors or ["timed out"])[0][:200]
         return [json.loads(Path(out, f"{r}.json").read_text()) for r in range(world)]
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set in this process while processes are spawned (they copy it), then put back."""
+    before = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def json_worker(module: str, spec: dict) -> dict:

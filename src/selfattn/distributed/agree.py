@@ -8,8 +8,8 @@ What is compared:
 
 - the shapes of this rank's q, k and v (batch, query heads, local length, head dims, k/v heads),
   their dtype (by name) and device type;
-- the layout, the strategy, the local backend (all_to_all), causal, scale and dropout_p (to 1e-9),
-  return_lse;
+- the layout, the strategy, the ring's memory option, the local backend (all_to_all), causal, scale and
+  dropout_p (to 1e-9), return_lse;
 - the mask, the score modifier and the sinks, each by a fingerprint (:func:`fingerprint`): their structure
   (types and the fields they declare: numbers, strings, dtypes; functions by module, qualified
   name, bytecode, constants, defaults and the values they close over) and their tensors (shape,
@@ -36,7 +36,7 @@ from .._fields import Declared
 from ..backends import REGISTRY
 from .group import Group
 from .layout import LAYOUTS, Sharding
-from .spec import STRATEGIES, Spec
+from .spec import MEMORY, STRATEGIES, Spec
 
 __all__ = ["agree", "fingerprint"]
 
@@ -141,6 +141,7 @@ def _signature(spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> list[_Field]:
             _named("dtype", str(q.dtype).removeprefix("torch."), dtype_names),
             _named("device type", q.device.type, ("cpu", "cuda", "xpu", "mps", "hpu", "meta")),
             _layout(spec.layout), _named("strategy", spec.strategy, STRATEGIES),
+            _named("memory", spec.memory, MEMORY),
             _named("backend", spec.backend, backends), _Field("causal", int(spec.causal), lambda x: str(bool(x))),
             _Field("scale", round(spec.scale * 1e9), lambda x: f"{x / 1e9:g}"),
             _Field("dropout_p", round(spec.dropout_p * 1e9), lambda x: f"{x / 1e9:g}"),

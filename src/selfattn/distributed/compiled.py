@@ -49,34 +49,34 @@ __all__ = ["compiled_attention", "cp_bwd", "cp_fwd", "register"]
 
 _REGISTRY: dict[str, tuple] = {}
 """key -> (group, layout, strategy, mask structure, score modifier structure, causal, backend, timeout,
-return_lse)."""
+return_lse, memory)."""
 
 
 @torch.compiler.assume_constant_result
 def register(group: object, layout: object, strategy: str, mask: tuple, score_mod: tuple, causal: object,
-             backend: str, timeout: object, return_lse: bool) -> str:
+             backend: str, timeout: object, return_lse: bool, memory: str) -> str:
     """Register a call's structure and return its key; under torch.compile it runs while dynamo traces the
     call, so the key is a constant of the graph and exists before the op runs."""
     pg = process_group(group)  # None (the default group), a ProcessGroup, or a one-dimensional DeviceMesh's
     text = (f"group={id(pg)}; layout={layout!r}; strategy={strategy}; mask={describe(mask)}; "
             f"score_mod={describe(score_mod)}; causal={causal!r}; backend={backend}; timeout={timeout!r}; "
-            f"return_lse={return_lse}")
+            f"return_lse={return_lse}; memory={memory}")
     key = hashlib.sha256(text.encode()).hexdigest()[:32]  # a Sharding's chunk lists make the text long
-    _REGISTRY[key] = (pg, layout, strategy, mask, score_mod, causal, backend, timeout, return_lse)
+    _REGISTRY[key] = (pg, layout, strategy, mask, score_mod, causal, backend, timeout, return_lse, memory)
     return key
 
 
 def _spec(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, tensors: list[Tensor], key: str,
           scale: float | None, dropout_p: float) -> tuple[object, Spec]:
     try:
-        group, layout, strategy, mask, mod, causal, backend, timeout, return_lse = _REGISTRY[key]
+        group, layout, strategy, mask, mod, causal, backend, timeout, return_lse, memory = _REGISTRY[key]
     except KeyError:
         raise RuntimeError(f"selfattn context-parallel op called with the unregistered key {key!r}: keys are "
                            "registered when selfattn.distributed.attention is traced; call the op only through "
                            "it") from None
     g = group_of(group, timeout)
     spec = validate(q, k, v, g, layout, strategy, rebuild(mask, tensors), causal, scale, dropout_p,
-                    rebuild(mod, tensors), return_lse, backend, sinks)
+                    rebuild(mod, tensors), return_lse, backend, sinks, memory)
     return g, spec
 
 
@@ -159,11 +159,11 @@ cp_fwd.register_autograd(_backward, setup_context=_setup_context)
 def compiled_attention(q: Tensor, k: Tensor, v: Tensor, *, group: object, layout: object, mask: object,
                        causal: object, scale: float | None, dropout_p: float, score_mod: object, return_lse: bool,
                        strategy: str, backend: str, timeout: float | None,
-                       sinks: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
+                       sinks: Tensor | None, memory: str = "overlap") -> Tensor | tuple[Tensor, Tensor]:
     """:func:`selfattn.distributed.attention` as one ``selfattn::cp_fwd`` call (see the module docstring)."""
     tensors: list[Tensor] = []
     key = register(group, layout, strategy, flatten(mask, tensors), flatten(score_mod, tensors), causal,
-                   backend, timeout, bool(return_lse))
+                   backend, timeout, bool(return_lse), memory)
     seed = torch.randint(0, 1 << 62, (1,)) if dropout_p > 0 else None
     out, lse, _ = cp_fwd(q, k, v, sinks, tensors, key, None if scale is None else specialized(scale),
                          specialized(dropout_p), seed)

@@ -14,7 +14,6 @@ n = L / W tokens per rank, c tokens per chunk, D/Dv head dims, R query rows of o
 
 from __future__ import annotations
 
-import math
 import operator
 import time
 from collections.abc import Iterator, Sequence
@@ -52,6 +51,7 @@ class Ring:
             pieces, merged by lse, so that its (B, H, R, keys) scores do not grow with the chunk).
         fine: classes of (sub x sub) tiles of the whole call, (L / sub, L / sub), or None.
         fused: blocks run in the fused kernel (else in plain math).
+        memory: "overlap" or "low", how the backward's dK/dV travel (see :func:`_backward`).
     """
 
     g: Group
@@ -64,6 +64,7 @@ class Ring:
     fine: Tensor | None
     fused: bool
     stats: Stats | None
+    memory: str = "overlap"
 
 
 def _classes(mask: Mask, length: int, tile: int, device: torch.device) -> Tensor:
@@ -93,7 +94,7 @@ def _ring(g: Group, spec: Spec, q: Tensor, v: Tensor) -> Ring:
     fused = (problem.dropout is None and (spec.score_mod is None or spec.score_mod.additive)
              and kernels.fused_available(q.device, d, v.shape[3]))
     keys = max(sub, _KEYS // sub * sub)
-    return Ring(g, problem, spec.layout, c, classes, sub, keys, fine, fused, current_stats())
+    return Ring(g, problem, spec.layout, c, classes, sub, keys, fine, fused, current_stats(), spec.memory)
 
 
 class _Visit(NamedTuple):
@@ -144,39 +145,28 @@ def _visit(ring: Ring, owner: int) -> Iterator[_Visit]:
 
 
 class _Pass:
-    """One ring hop in flight: send ``buf`` to the next rank, receive its twin from the previous one."""
+    """One ring hop in flight: send ``bufs`` to the next rank, receive their twins from the previous one."""
 
-    def __init__(self, ring: Ring, buf: Tensor, what: str) -> None:
+    def __init__(self, ring: Ring, bufs: Sequence[Tensor], what: str) -> None:
         g = ring.g
         self.ring, self.what = ring, what
         self.nxt, self.prv = (g.rank + 1) % g.world, (g.rank - 1) % g.world
-        self.incoming = torch.empty_like(buf)
-        # the send is waited for first: a next rank that is gone is then named even where the previous
+        self.incoming = [torch.empty_like(b) for b in bufs]
+        # the sends are waited for first: a next rank that is gone is then named even where the previous
         # rank, its own neighbour, failed in turn (and went away) before this rank looked
-        ops = [dist.P2POp(dist.isend, buf, g.peer(self.nxt), g.group),
-               dist.P2POp(dist.irecv, self.incoming, g.peer(self.prv), g.group)]
+        ops = [dist.P2POp(dist.isend, b, g.peer(self.nxt), g.group) for b in bufs]
+        ops += [dist.P2POp(dist.irecv, b, g.peer(self.prv), g.group) for b in self.incoming]
         self.works = dist.batch_isend_irecv(ops)
+        self.peers = [self.nxt] * len(bufs) + [self.prv] * len(bufs)  # of each op (a backend may coalesce them)
         if ring.stats is not None:
-            ring.stats.sent_bytes += buf.numel() * buf.element_size()
+            ring.stats.sent_bytes += sum(b.numel() * b.element_size() for b in bufs)
 
-    def result(self) -> Tensor:
-        waited = self.ring.g.wait(self.works, self.what, [self.nxt, self.prv])
+    def result(self) -> list[Tensor]:
+        waited = self.ring.g.wait(self.works, self.what, self.peers)
+        self.works = []  # a finished transfer holds its tensors: the sent buffers can go
         if self.ring.stats is not None:
             self.ring.stats.wait_s += waited
         return self.incoming
-
-
-def _pack(*ts: Tensor) -> Tensor:
-    return torch.cat([t.reshape(-1) for t in ts])
-
-
-def _unpack(buf: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
-    out, at = [], 0
-    for shape in shapes:
-        size = math.prod(shape)
-        out.append(buf[at:at + size].view(shape))
-        at += size
-    return out
 
 
 def _rows(rows: slice) -> operator.itemgetter:
@@ -189,11 +179,10 @@ def _forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) 
     ct = p.compute_dtype
     b, h, n, _ = q.shape
     merged = Merge.empty((b, h, n), v.shape[3], ct, q.device)
-    shapes = (k.shape, v.shape)
-    kv = _pack(k, v)
+    kv = [k.contiguous(), v.contiguous()]  # sent as they are: no packed copy of this rank's block
     for s in range(g.world):
         step = _Pass(ring, kv, "a K/V block") if s < g.world - 1 else None
-        kb, vb = _unpack(kv, shapes)
+        kb, vb = kv
         t0 = time.perf_counter()
         for vis in _visit(ring, (g.rank - s) % g.world):
             terms = p.terms(vis.block, q.device, partial=vis.partial, kernel_causal=ring.fused)
@@ -212,23 +201,28 @@ def _forward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None) 
 
 def _backward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
               dout: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv of this rank. At step s this rank adds its share of the dK/dV of the block it holds then
+    (owned by rank - s) to the accumulator the previous rank sends, and sends it on; after the last hop each
+    rank holds its own block's. ``ring.memory`` "overlap": this step's share goes to a buffer of its own
+    while the accumulator travels, then is added to it; "low": the accumulator is waited for first and the
+    blocks add into it (two K/V-sized buffers fewer; the hop's transfer is not hidden)."""
     p, g = ring.problem, ring.g
     ct = lse.dtype
     delta = kernels.rowsum_dout_out(dout, out, ct)  # (B, H, n)
     lse_b = kernels.lse_for_backward(lse)
     dq = torch.zeros(q.shape, dtype=ct, device=q.device)
-    shapes = (k.shape, v.shape)
-    kv = _pack(k, v)
-    kv_step = grad_step = None
-    mine = torch.zeros(kv.numel(), dtype=ct, device=q.device)  # this rank's share of a block's dK/dV
+    kv = [k.contiguous(), v.contiguous()]
+    overlap = ring.memory == "overlap"
+    grad_step: _Pass | None = None
+    acc: list[Tensor] = []
     for s in range(g.world):
+        if grad_step is None or overlap:  # a zeroed buffer of this step's own
+            acc = [torch.zeros(t.shape, dtype=ct, device=t.device) for t in (k, v)]
+        else:  # the dK/dV accumulated so far for this block, added to in place (waited for before the next
+            acc = grad_step.result()  # K/V hop is posted, so that the buffer it sent is gone first)
         kv_step = _Pass(ring, kv, "a K/V block (backward)") if s < g.world - 1 else None
-        kb, vb = _unpack(kv, shapes)
-        if s == 1:  # step 0's share went out as the accumulator itself: a new one, reused from here on
-            mine = torch.zeros_like(mine)
-        elif s > 1:
-            mine.zero_()
-        dk, dv = _unpack(mine, shapes)
+        kb, vb = kv
+        dk, dv = acc
         t0 = time.perf_counter()
         for vis in _visit(ring, (g.rank - s) % g.world):
             rows, keys = vis.rows, vis.keys
@@ -241,14 +235,15 @@ def _backward(ring: Ring, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Ten
             dv[:, :, keys] += gv
         if ring.stats is not None:
             ring.stats.compute_s += time.perf_counter() - t0
-        grads = mine if grad_step is None else grad_step.result().add_(mine)  # into the received buffer
-        if kv_step is not None:
-            kv = kv_step.result()
+        if overlap and grad_step is not None:  # this step's share into the received accumulator
+            acc = [got.add_(mine) for got, mine in zip(grad_step.result(), acc, strict=True)]
+        del dk, dv, kb, vb
+        kv = kv_step.result() if kv_step is not None else []  # after the last step no block is needed
         if g.world > 1:  # the accumulated dK/dV go on to the rank that computes with this block next
-            grad_step = _Pass(ring, grads, "a dK/dV block")
+            grad_step = _Pass(ring, acc, "a dK/dV block")
     if grad_step is not None:
-        grads = grad_step.result()  # after the last hop each rank holds its own block's dK/dV
-    dk, dv = _unpack(grads, shapes)
+        acc = grad_step.result()  # after the last hop each rank holds its own block's dK/dV
+    dk, dv = acc
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

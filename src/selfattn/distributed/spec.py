@@ -35,10 +35,12 @@ from ..scores import ScoreMod, learned_tensors
 from .group import Group
 from .layout import Sharding, check_layout, num_chunks
 
-__all__ = ["STRATEGIES", "Spec", "Strategy", "validate"]
+__all__ = ["MEMORY", "STRATEGIES", "Memory", "Spec", "Strategy", "validate"]
 
 Strategy = Literal["ring", "all_to_all"]
 STRATEGIES = ("ring", "all_to_all")
+Memory = Literal["overlap", "low"]
+MEMORY = ("overlap", "low")
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Spec:
     backend: str
     seed: int = 0
     sinks: Tensor | None = None  # (H,) attention sinks, one logit per query head
+    memory: str = "overlap"  # the ring backward's dK/dV: "overlap" (hidden hops) or "low" (two buffers fewer)
 
     def full_mask(self) -> Mask | None:
         """The mask with causal folded in (self-attention: both alignments are the same), on the padded
@@ -71,12 +74,15 @@ class Spec:
 
 def validate(q: object, k: object, v: object, g: Group, layout: object, strategy: object, mask: object,
              causal: object, scale: object, dropout_p: object, score_mod: object, return_lse: object,
-             backend: object, sinks: object = None) -> Spec:
+             backend: object, sinks: object = None, memory: object = "overlap") -> Spec:
     """The :class:`Spec` of a call, or the error ``selfattn.attention`` gives for the same argument."""
     q, k, v = check_qkv(q, k, v)
     check_layout(layout, g.world)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be 'ring' or 'all_to_all', got {strategy!r}")
+    if not isinstance(memory, str) or memory not in MEMORY:
+        raise ValueError(f"memory must be 'overlap' (the ring's dK/dV travel while blocks compute) or 'low' (two "
+                         f"K/V-sized buffers fewer per rank), got {memory!r}")
     b, h, n, d = q.shape
     if k.shape[2] != n:
         raise ValueError(f"context-parallel self-attention needs q (B, H, n, D), k (B, Hkv, n, D) and "
@@ -99,7 +105,7 @@ def validate(q: object, k: object, v: object, g: Group, layout: object, strategy
     spec = Spec(layout=layout, strategy=strategy, mask=m, causal=align is not None,  # type: ignore[arg-type]
                 scale=check_scale(scale, d), dropout_p=check_dropout(dropout_p),
                 return_lse=check_return_lse(return_lse), score_mod=check_score_mod(score_mod, h),
-                backend=check_backend(backend, REGISTRY), sinks=check_sinks(sinks, h, q.device))
+                backend=check_backend(backend, REGISTRY), sinks=check_sinks(sinks, h, q.device), memory=memory)
     if strategy == "ring" and backend != "auto":
         raise ValueError(f"backend={backend!r} applies to strategy='all_to_all', whose local attention runs "
                          "any backend; the ring computes its blocks itself: leave backend='auto'")

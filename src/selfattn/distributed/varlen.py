@@ -26,7 +26,7 @@ from .. import varlen as _varlen
 from ..masks.packed import check_cu_seqlens
 from .group import group_of
 from .layout import Layout, Sharding, check_layout, num_chunks
-from .spec import Strategy
+from .spec import Memory, Strategy
 
 __all__ = ["varlen_attention"]
 
@@ -55,8 +55,8 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *,
                      max_seqlen: int | None = None, causal: bool | Literal["bottom_right"] = False,
                      window: tuple[int, int] | None = None, scale: float | None = None, dropout_p: float = 0.0,
                      softcap: float | None = None, sinks: Tensor | None = None, return_lse: bool = False,
-                     strategy: Strategy = "ring", backend: str = "auto",
-                     timeout: float | None = None) -> Tensor | tuple[Tensor, Tensor]:
+                     strategy: Strategy = "ring", backend: str = "auto", timeout: float | None = None,
+                     memory: Memory = "overlap") -> Tensor | tuple[Tensor, Tensor]:
     """Packed variable-length self-attention over a row split across the ranks of ``group``
     (flash-attn's ``flash_attn_varlen_func`` under context parallelism).
 
@@ -85,6 +85,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *,
         strategy: "ring" or "all_to_all" (H and Hkv divisible by W).
         backend: the local backend of "all_to_all"; "auto" for "ring".
         timeout: seconds any transfer may wait for another rank (see :func:`selfattn.distributed.attention`).
+        memory: "overlap" or "low", how the ring's backward moves dK/dV (see :func:`selfattn.distributed.attention`).
 
     Returns:
         out (n, H, Dv) in q's dtype (contiguous), or (out, lse). The padding a :class:`Sharding` adds past
@@ -117,7 +118,7 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *,
     result = attention(q.unsqueeze(0).transpose(1, 2), k.unsqueeze(0).transpose(1, 2),
                        v.unsqueeze(0).transpose(1, 2), group=group, layout=layout, mask=mask, scale=scale,
                        dropout_p=dropout_p, score_mod=_varlen.softcap_mod(softcap), sinks=sinks,
-                       return_lse=return_lse, strategy=strategy, backend=backend, timeout=timeout)
+                       return_lse=return_lse, strategy=strategy, backend=backend, timeout=timeout, memory=memory)
     out4, lse4 = result if return_lse else (result, None)
     out = out4[0].transpose(0, 1).contiguous()
     return (out, lse4[0]) if lse4 is not None else out

@@ -72,6 +72,7 @@ class ContextParallel:
     strategy: str
     data_parallel_group: dist.ProcessGroup | None
     timeout: float | None
+    memory: str = "overlap"
     _documents: Tensor | None = field(default=None, repr=False)  # (B, L) global document ids, or None
     _padding: Tensor | None = field(default=None, repr=False)  # (B, L) bool, True = a real token, or None
     _length: int | None = field(default=None, repr=False)
@@ -233,7 +234,7 @@ class ContextParallel:
                             mask=self.mask_for(module, sliding_window, reads_documents), scale=scaling,
                             dropout_p=float(dropout),
                             score_mod=None if softcap is None else _scores.softcap(float(softcap)), sinks=s_aux,
-                            timeout=self.timeout)
+                            timeout=self.timeout, memory=self.memory)  # type: ignore[arg-type]
         return out.transpose(1, 2).contiguous()  # type: ignore[union-attr]
 
 
@@ -434,7 +435,7 @@ def _inner(model: nn.Module) -> nn.Module:
 def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None, layout: str = "zigzag",
                      strategy: str = "ring", data_parallel_group: dist.ProcessGroup | None = None,
                      timeout: float | None = None, mesh: DeviceMesh | None = None,
-                     mesh_dim: str | None = None) -> Iterator[ContextParallel]:
+                     mesh_dim: str | None = None, memory: str = "overlap") -> Iterator[ContextParallel]:
     """Run ``model`` (built with ``attn_implementation="selfattn"``) context-parallel over ``group``.
 
     Args:
@@ -454,6 +455,8 @@ def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None
             over another dimension of the same mesh (``fully_shard(model, mesh=mesh["dp"])``): FSDP's
             reduction of each backward's gradients then also sums them over the context group.
         mesh_dim: the context-parallel dimension of a multi-dimensional ``mesh``.
+        memory: "overlap" (default) or "low": how the ring's backward moves dK/dV, as
+            :func:`selfattn.distributed.attention` (low: two K/V-sized buffers fewer per rank and layer).
 
     Yields:
         A :class:`ContextParallel`: ``cp.shard(...)`` gives this rank's part of a global batch.
@@ -489,12 +492,14 @@ def context_parallel(model: nn.Module, *, group: dist.ProcessGroup | None = None
         raise ValueError(f"layout must be 'contiguous', 'zigzag' or 'balanced', got {layout!r}")
     if strategy not in ("ring", "all_to_all"):
         raise ValueError(f"strategy must be 'ring' or 'all_to_all', got {strategy!r}")
+    if memory not in ("overlap", "low"):
+        raise ValueError(f"memory must be 'overlap' or 'low', got {memory!r}")
     # The context rides on the model's own modules (an attribute each, not a global), so that attention
     # finds it under torch.compile too, and another model in the same process is left alone.
     owners = dict.fromkeys([model, *inner.modules()])
     if any(CONTEXT_ATTR in m.__dict__ for m in owners):
         raise ValueError("this model is already inside a context_parallel block: one at a time")
-    ctx = ContextParallel(model, group, layout, strategy, data_parallel_group, timeout, _owners=list(owners))
+    ctx = ContextParallel(model, group, layout, strategy, data_parallel_group, timeout, memory, _owners=list(owners))
     for m in owners:
         m.__dict__[CONTEXT_ATTR] = ctx
     handles = _reduce_gradients(model, group, data_parallel_group)
