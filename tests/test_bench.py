@@ -311,17 +311,19 @@ def test_distributed_model_points_and_their_tables():
 
     args = argparse.Namespace(cases=["model", "model-budget"], lengths=[1024], quick=False, repeats=None)
     todo = distributed.grid(args)
-    assert {(p["part"], p["L"], p["W"]) for p in todo if "per_rank" not in p} == {
-        (part, 1024, w) for part in ("attention", "model") for w in (1, 2, 4)}
+    assert {(p["part"], p.get("memory"), p["L"], p["W"]) for p in todo if "per_rank" not in p} == {
+        (part, memory, 1024, w) for part, memory in (("attention", "overlap"), ("attention", "low"), ("model", None))
+        for w in (1, 2, 4)}
     assert sorted((p["W"], p["L"]) for p in todo if "per_rank" in p) == [(1, 1024), (2, 2048), (4, 4096)]
     with pytest.raises(SystemExit, match="divisible"):
         distributed.grid(argparse.Namespace(cases=["model"], lengths=[1020], quick=False, repeats=None))
     mib = 2**20
     results = [{**p, "status": "ok", "time_s": 1.0 / p["W"], "first_s": 1.0, "peak_bytes": 100 * mib // p["W"]}
                for p in todo]
-    assert [t.row_count for t in distributed.tables(results)] == [6, 3]
+    assert [t.row_count for t in distributed.tables(results)] == [9, 3]
     text = markdown.blocks(results)["distributed-model"]
     assert "| model | 1024 | 4 | 0.2 s | 0.25x | 25 MiB | 0.25x | 0.30x |" in text
+    assert "| attention (memory=low) | 1024 | 2 | 0.5 s | 0.50x | 50 MiB | 0.50x | 0.60x |" in text
     assert "| 1024 | 4 | 4096 | 25 MiB | 0.25x |" in text
 
 

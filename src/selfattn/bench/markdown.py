@@ -49,7 +49,7 @@ def load(paths: Iterable[Path]) -> list[dict]:
         for r in data["results"]:
             key = tuple(sorted((k, str(v)) for k, v in r.items()
                                if k in ("suite", "case", "mode", "L", "B", "E", "H", "impl", "strategy", "W",
-                                        "part", "per_rank")))
+                                        "part", "per_rank", "memory")))
             rows[key] = {**r, "meta": data.get("meta", {})}
     return list(rows.values())
 
@@ -278,22 +278,25 @@ def _distributed_model(rows: list[dict]) -> str | None:
     if not any(r.get("status") == "ok" for r in every):
         return None
     body = []
-    for part, length in dict.fromkeys((r["part"], r["L"]) for r in rows):
-        one = _ok(rows, part=part, L=length, W=1)
-        for r in (x for x in rows if x["part"] == part and x["L"] == length):
+    for part, memory, length in dict.fromkeys((r["part"], r.get("memory"), r["L"]) for r in rows):
+        # one anchor per part and length: W = 1 with the default memory option (one process moves no dK/dV)
+        one = _ok(rows, part=part, L=length, W=1, memory=None if memory is None else "overlap")
+        label = part if memory is None else f"{part} (memory={memory})"
+        for r in (x for x in rows if x["part"] == part and x.get("memory") == memory and x["L"] == length):
             if r.get("status") != "ok":
-                body.append([part, str(length), str(r["W"]), r.get("status", "-"), r.get("note", ""), "", "", ""])
+                body.append([label, str(length), str(r["W"]), r.get("status", "-"), r.get("note", ""), "", "", ""])
                 continue
             time_x = f"{r['time_s'] / one['time_s']:.2f}x" if one else "-"
             mem = r["peak_bytes"] / one["peak_bytes"] if one and one["peak_bytes"] > 0 else None
-            body.append([part, str(length), str(r["W"]), _seconds(r["time_s"]), time_x,
+            body.append([label, str(length), str(r["W"]), _seconds(r["time_s"]), time_x,
                          f"{r['peak_bytes'] / 2**20:.0f} MiB", "-" if mem is None else f"{mem:.2f}x",
                          f"{1.2 / r['W']:.2f}x"])
     meta = every[0].get("meta", {})
     source = (f"_Written by `scripts/readme_tables.py` from `selfattn bench --suite distributed --cases model "
               f"model-budget --json` (torch {meta.get('torch', '?')}, {meta.get('cpus', '?')} CPUs, "
               f"{(meta.get('date') or '')[:10]}); per rank (the slowest rank's median step, the largest rank's peak "
-              "extra resident memory), one CPU thread per rank, x = ratio to W = 1 (one process, no context). "
+              "extra resident memory with glibc's mmap threshold fixed, after a primer step), one CPU thread per "
+              "rank, x = ratio to W = 1 (one process, no context). "
               "attention = one layer's distributed.attention, fwd+bwd; model = the whole training step._")
     text = source
     if body:
