@@ -1612,3 +1612,190 @@ def test_a_complex_rotary_buffer_survives_the_half_precision_copy():
     report = check(ComplexBuffer(32))
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
     assert set(report.inferred["half precision"]) == {"float16", "bfloat16"}
+
+
+class KeyMaskInChunks(_Fused):
+    """A (B, L) key padding mask, True = may attend, with the keys taken in chunks of 16 whose partial results merge
+    by their logsumexp (a memory-saving loop). ``bug``: "first chunk's mask" (every chunk reads the mask of keys
+    0..15: right up to 16 tokens), "long path" (a path for 32 tokens and more that drops the mask); "" is correct."""
+
+    def __init__(self, dim: int, bug: str = "") -> None:
+        super().__init__(dim)
+        self.bug = bug
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.split(x)
+        if mask is None or (self.bug == "long path" and x.shape[1] >= 32):
+            return self.merge(F.scaled_dot_product_attention(q, k, v))
+        outs, lses = [], []
+        for start in range(0, k.shape[2], 16):
+            stop = min(start + 16, k.shape[2])
+            keep = mask[:, :stop - start] if self.bug == "first chunk's mask" else mask[:, start:stop]
+            s = (q @ k[:, :, start:stop].transpose(-2, -1)) / math.sqrt(q.shape[-1])
+            s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+            lse = torch.logsumexp(s, -1, keepdim=True)
+            outs.append(torch.nan_to_num((s - lse).exp()) @ v[:, :, start:stop])
+            lses.append(lse)
+        total = torch.logsumexp(torch.stack(lses), 0)
+        return self.merge(sum(o * (lse - total).exp() for o, lse in zip(outs, lses, strict=True)))
+
+
+def test_a_key_mask_is_checked_past_the_lengths_where_code_takes_another_path():
+    """catches: a mask dropped on a path for 32 tokens and more, and key chunks that all read the first chunk's
+    mask, certified: the padding probe ran at the probe length and at 16 tokens only."""
+    assert check(KeyMaskInChunks(32)).verdict == "passed"
+    for bug in ("first chunk's mask", "long path"):
+        report = check(KeyMaskInChunks(32, bug=bug))
+        assert "mask-ignored" in report.ids, (bug, [(f.id, f.message) for f in report.findings])
+
+
+class NormalisedKeys(nn.Module):
+    """Correct, q and k each through a learned RMSNorm of their own before the scores (Qwen 3, OLMo 2, ViT-22B).
+    ``bug``: the keys go through the queries' norm, and k_norm is never used."""
+
+    def __init__(self, dim: int, heads: int = 4, bug: bool = False) -> None:
+        super().__init__()
+        self.heads, self.bug = heads, bug
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.q_norm, self.k_norm = nn.RMSNorm(dim // heads), nn.RMSNorm(dim // heads)
+        with torch.no_grad():  # trained norms, not ones
+            self.q_norm.weight.uniform_(0.5, 1.5)
+            self.k_norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (p(x).view(b, n, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.q_norm(q), (self.q_norm if self.bug else self.k_norm)(k)
+        return F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, e)
+
+
+def test_keys_normalised_by_the_queries_norm_are_named():
+    """catches: k = self.q_norm(k) certified: a parameter the call never touches was taken for an adapter's unused
+    part, and only Linear siblings named for a role were compared."""
+    assert check(NormalisedKeys(32)).verdict == "passed"
+    report = check(NormalisedKeys(32, bug=True))
+    assert "no-grad" in report.ids and "k_norm" in str(report.findings), [(f.id, f.message) for f in report.findings]
+
+
+class BiasFromAnMLP(_Fused):
+    """Correct, Swin v2's continuous position bias: a small ReLU MLP maps a fixed table of relative offsets to one
+    bias per head. Some of its hidden units are dead on that table (ReLU below zero for every offset)."""
+
+    def __init__(self, dim: int, length: int = 7) -> None:
+        super().__init__(dim)
+        offsets = torch.arange(length)[None, :] - torch.arange(length)[:, None]
+        self.register_buffer("offsets", torch.stack([offsets, offsets.abs()], -1).float() / length)
+        self.mlp = nn.Sequential(nn.Linear(2, 64), nn.ReLU(), nn.Linear(64, self.heads))
+        with torch.no_grad():
+            self.mlp[0].bias[::5] = -10.0  # every fifth unit never fires on the table
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        n = x.shape[1]
+        bias = self.mlp(self.offsets[:n, :n]).permute(2, 0, 1)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=bias))
+
+
+def test_dead_units_of_a_bias_mlp_are_not_an_unused_projection():
+    """catches: ReLU units of a position-bias MLP that are dead on its fixed table named no-grad ("part of a
+    projection never reaches the output"): unused outputs of a projection come in blocks, dead units one by one."""
+    report = check(BiasFromAnMLP(32), length=7)
+    assert "no-grad" not in report.ids, [(f.id, f.message) for f in report.findings]
+
+
+class BiasAccumulatedInPlace(_Fused):
+    """A learned-looking relative bias kept in a buffer, with the scores added into a view of it in place: the buffer
+    carries the call's autograd history (and drifts) from one call to the next."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.register_buffer("rel", torch.zeros(self.heads, 64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        n = x.shape[1]
+        s = self.rel[:, :n, :n]
+        s += ((q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])).mean(0)
+        return self.merge(s.softmax(-1) @ v)
+
+
+def test_a_module_that_keeps_autograd_history_in_its_state_is_named_not_a_doctor_error():
+    """catches: "backward through the graph a second time" from a module's own buffer filed as the doctor's error
+    (doctor_errors == ["gradients"]) instead of as the module's state-dependent failure."""
+    report = check(BiasAccumulatedInPlace(32))
+    assert not report.doctor_errors, report.not_verified
+    assert "state-dependent" in report.ids or "dropout-in-eval" in report.ids, [f.id for f in report.findings]
+
+
+class LearnedMemoryTokens(nn.Module):
+    """Correct, a published design (Perceiver's latents, memory tokens): learned vectors put before the tokens and
+    projected with them into keys and values, so each query sees L + M keys. ``scale``: the scores' scale."""
+
+    def __init__(self, dim: int, heads: int = 4, memory: int = 3, scale: float | None = None) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, scale if scale is not None else (dim // heads) ** -0.5
+        self.memory = nn.Parameter(torch.randn(memory, dim))
+        self.to_q, self.to_kv, self.out = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        context = torch.cat([self.memory.expand(b, -1, -1), x], 1)  # (B, M + L, E)
+        q = self.to_q(x).view(b, n, self.heads, -1).transpose(1, 2)
+        k, v = (t.view(b, -1, self.heads, e // self.heads).transpose(1, 2) for t in self.to_kv(context).chunk(2, -1))
+        w = (q @ k.transpose(-2, -1) * self.scale).softmax(-1)
+        return self.out((w @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class QueriesAsKeys(nn.Module):
+    """Correct, a published design (Reformer's shared-QK attention): one projection gives the queries and the keys;
+    there is no key projection, and the one there is is named for the queries. ``scaled``: False drops 1/sqrt(D)."""
+
+    def __init__(self, dim: int, heads: int = 4, scaled: bool = True) -> None:
+        super().__init__()
+        self.heads, self.scaled = heads, scaled
+        self.to_q, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, v = (p(x).view(b, n, self.heads, -1).transpose(1, 2) for p in (self.to_q, self.to_v))
+        s = q @ q.transpose(-2, -1)
+        w = (s / math.sqrt(q.shape[-1]) if self.scaled else s).softmax(-1)
+        return (w @ v).transpose(1, 2).reshape(b, n, e)
+
+
+def test_memory_tokens_and_shared_query_keys_are_designs():
+    """catches: learned memory tokens projected with the input into keys and values named definition-mismatch
+    ("weights over axes that are not the tokens"), and Reformer's shared-QK ("projections used in the wrong roles"):
+    published designs read as bugs, while a wrong scale in either is still named."""
+    for module in (LearnedMemoryTokens(32), QueriesAsKeys(32)):
+        report = check(module)
+        assert report.verdict == "passed", (type(module).__name__, [(f.id, f.message) for f in report.findings])
+    assert "wrong-scale" in check(LearnedMemoryTokens(32, scale=32 ** -0.5)).ids
+    assert {"missing-scale", "wrong-scale", "definition-mismatch"} & set(check(QueriesAsKeys(32, scaled=False)).ids)
+
+
+class DilatedWindows(_Fused):
+    """Correct, attention within 4 dilated windows (token t in window t % 4, as LongNet's dilated or MaxViT's grid
+    attention): the tokens are regrouped, attended per window and put back. ``bug``: put back without the
+    transpose, so that outputs land at other tokens' positions."""
+
+    def __init__(self, dim: int, bug: bool = False) -> None:
+        super().__init__(dim)
+        self.bug = bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        groups = 4
+        windows = x.view(b, n // groups, groups, e).transpose(1, 2).reshape(b * groups, n // groups, e)
+        q, k, v = self.split(windows)
+        o = self.merge(F.scaled_dot_product_attention(q, k, v)).view(b, groups, n // groups, e)
+        return o.reshape(b, n, e) if self.bug else o.transpose(1, 2).reshape(b, n, e)
+
+
+def test_outputs_put_back_at_other_positions_are_not_a_causal_leak():
+    """catches: windows put back without their permute named causal-leak on a module that is not causal ("queries
+    see some future keys and not others"): outputs that do not depend on their own token are misplaced outputs."""
+    assert check(DilatedWindows(32), length=8).verdict == "passed"
+    report = check(DilatedWindows(32, bug=True), length=8)
+    assert "definition-mismatch" in report.ids and "causal-leak" not in report.ids, \
+        [(f.id, f.message) for f in report.findings]

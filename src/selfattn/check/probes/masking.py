@@ -21,6 +21,7 @@ from torch import Tensor
 
 from ..findings import (
     CAUSAL_LEAK,
+    DEFINITION_MISMATCH,
     KEYS_HIDDEN,
     MASK_BROADCAST,
     MASK_CONVENTION,
@@ -54,7 +55,11 @@ from ..subject.context import (
     rel,
 )
 
-__all__ = ["band", "causality", "mask_convention", "masked_rows", "padding", "twin_reads_masks_alike"]
+__all__ = ["PADDING_LENGTHS", "band", "causality", "mask_convention", "masked_rows", "padding",
+           "twin_reads_masks_alike"]
+
+PADDING_LENGTHS = (16, 64)
+"""Lengths the padding probe also runs at: past the thresholds and chunk sizes where code takes another path."""
 
 
 def band(dep: Tensor) -> tuple[int, int] | None:
@@ -159,6 +164,12 @@ def causality(ctx: Context) -> Outcome[Tensor]:
         design = _local_design(dep)
         if design is not None:
             found.notes["window"] = design
+        elif not dep.diagonal().all():  # no mask hides a token from itself in a pattern that also shows the future
+            found.findings.append(Finding.of(DEFINITION_MISMATCH, "some outputs do not depend on their own token, in "
+                                             "no causal, window or block pattern: outputs land at other tokens' "
+                                             "positions (windows or heads put back without their permute)",
+                                             {"outputs that do not depend on their own token":
+                                              (~dep.diagonal()).nonzero().flatten().tolist()[:10]}))
         else:
             found.findings.append(Finding.of(CAUSAL_LEAK, "queries see some future keys and not others",
                                              {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
@@ -539,8 +550,9 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
 
     Each batch item has padding of its own length (2, 3, 2, ...: a module that applies item 0's mask to every
     item leaves others' padding visible); checked without and with autograd (a mask dropped on the training path
-    only), on one item alone (a batch-1 path), and again at 16 tokens when the probe input is shorter and the module
-    runs there (a long-sequence path that drops the mask).
+    only), on one item alone (a batch-1 path), and again at each of :data:`PADDING_LENGTHS` longer than the probe
+    input where the module runs (a long-sequence path that drops the mask, keys in chunks that reuse the first
+    chunk's mask).
 
     Args:
         ctx: the probe context.
@@ -555,11 +567,11 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
     found = Outcome[None](coverage={"padding": "verified"})
     shared = caller.spec is not None and caller.spec.shape in ("LL", "LL1")  # one mask for every item: one padding
     inputs = [x] + ([x[:1]] if x.shape[0] > 1 else [])  # one item alone too (a path for batch 1 that drops the mask)
-    if x.shape[1] < 16:
-        longer = ctx.randn(x.shape[0], 16, x.shape[2]).to(x.dtype)
+    for length in (n for n in PADDING_LENGTHS if n > x.shape[1]):
+        longer = ctx.randn(x.shape[0], length, x.shape[2]).to(x.dtype)
         try:
             with torch.no_grad():
-                caller(longer, caller.module_mask(_own_padding(x.shape[0], 16, shared)))
+                caller(longer, caller.module_mask(_own_padding(x.shape[0], length, shared)))
             inputs.append(longer)
         except Exception:  # the module runs at its own lengths only
             pass

@@ -18,8 +18,15 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..findings import HALF_PRECISION_MISMATCH, HALF_PRECISION_OVERFLOW, NO_GRAD, WRONG_GRADIENT, Finding
-from ..subject.building import name_role
+from ..findings import (
+    HALF_PRECISION_MISMATCH,
+    HALF_PRECISION_OVERFLOW,
+    NO_GRAD,
+    STATE_DEPENDENT,
+    WRONG_GRADIENT,
+    Finding,
+)
+from ..subject.building import name_role, norm_role
 from ..subject.caller import Caller
 from ..subject.context import Context, Outcome, empty_row_keep, padding_keep, raised_inside_doctor, rel
 
@@ -202,18 +209,32 @@ def _still_zero(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, 
     return [n for n in zero if (g := after.get(n)) is None or not g.any()]
 
 
+def _blocks(rows: Tensor) -> bool:
+    """Whether the True entries of a (N,) bool tensor are runs of one length, at least 2."""
+    runs, length = [], 0
+    for flag in [*rows.tolist(), False]:
+        if flag:
+            length += 1
+        elif length:
+            runs.append(length)
+            length = 0
+    return len(set(runs)) == 1 and runs[0] >= 2
+
+
 def _dead_rows(grads: Mapping[str, Tensor | None], linear: set[str]) -> dict[str, str]:
     """Weights of linear maps (names in ``linear``: an ``nn.Linear``'s, or a parameter F.linear was given) a block
     of whose rows (output features) gets exactly no gradient while the others do: name -> the rows. A projection's
     outputs that never reach the output (the values of a fused qkv projection when the keys are used in their
-    place). Tables such as embeddings, whose unused rows are by design, are not such weights."""
+    place) are blocks of rows, one or several of one length (a third, a head's features). Tables such as
+    embeddings, whose unused rows are by design, are not such weights, and neither are rows scattered one by one
+    (units of an MLP that its ReLU leaves dead on a fixed input, as Swin v2's position-bias MLP)."""
     out = {}
     for name, g in grads.items():
         if g is None or g.dim() != 2 or name not in linear:
             continue
         dead = (g.reshape(g.shape[0], -1) == 0).all(1)
         count = int(dead.sum())
-        if 0 < count < g.shape[0] and count >= max(2, g.shape[0] // 8):
+        if 0 < count < g.shape[0] and count >= max(2, g.shape[0] // 8) and _blocks(dead):
             rows = dead.nonzero().flatten().tolist()
             out[name] = f"{count} of {g.shape[0]} rows (output features) get no gradient, rows {rows[0]}-{rows[-1]}"
     return out
@@ -224,6 +245,11 @@ def _dead_rows(grads: Mapping[str, Tensor | None], linear: set[str]) -> dict[str
 # inference_mode (inference code such as nanoGPT forks with q.mul_(scale) on a split view)
 _IN_PLACE_REFUSALS = ("is being modified inplace", "is being used in an in-place operation",
                       "has been modified by an inplace operation")
+
+
+# autograd's error when a backward reaches a graph an earlier backward freed: in a module's own state, an earlier
+# call's history (a buffer updated in place from a value that requires grad)
+_KEPT_HISTORY = "backward through the graph a second time"
 
 
 def _autograd_refuses_in_place(err: RuntimeError) -> bool:
@@ -256,6 +282,30 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
     return sorted(idle)
 
 
+_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+
+
+def _is_norm(mod: nn.Module) -> bool:
+    """A normalisation layer with parameters: torch's, or one named so (a hand-written RMSNorm)."""
+    return (isinstance(mod, _NORMS) or "norm" in type(mod).__name__.lower()) and any(
+        p.requires_grad for p in mod.parameters(recurse=False))
+
+
+def _idle_norms(module: nn.Module, used: set[int]) -> list[str]:
+    """The q or k normalisations (``k_norm``, ``q_ln``) the call never used while it used their sibling named for the
+    other role: keys normalised by the queries' norm (``k = self.q_norm(k)``)."""
+    groups: dict[str, list[tuple[str, str, bool]]] = {}
+    for path, mod in module.named_modules():
+        if _is_norm(mod) and (role := norm_role(path)) is not None:
+            touched = any(id(p) in used for p in mod.parameters(recurse=False))
+            groups.setdefault(path.rpartition(".")[0], []).append((path, role, touched))
+    idle = []
+    for group in groups.values():
+        played = {role for _, role, touched in group if touched}
+        idle += [path for path, role, touched in group if not touched and played and role not in played]
+    return sorted(idle)
+
+
 def gradients(ctx: Context) -> Outcome[None]:
     """Every parameter the call uses and the input get a gradient (else: no-grad), and autograd's gradient
     equals the finite-difference derivative of the output along random directions (else: wrong-gradient).
@@ -264,6 +314,19 @@ def gradients(ctx: Context) -> Outcome[None]:
     otherwise on the module in its dtype, with a tolerance for its rounding. Parameters the call never
     touches (an adapter that runs one part of a larger module) are not required to get a gradient.
     """
+    try:
+        return _gradients(ctx)
+    except RuntimeError as err:
+        if _KEPT_HISTORY not in str(err):
+            raise
+        ctx.analysis.module.zero_grad(set_to_none=True)  # the module's state holds an earlier call's graph
+        return Outcome([Finding.of(STATE_DEPENDENT, "the module keeps autograd history in its own state across calls "
+                                   "(a buffer or attribute written in place from a value that requires grad), so the "
+                                   "backward of a later call fails", {"error": str(err)[:200]})],
+                       coverage={"gradients": "not verified: the module's backward fails after an earlier call"})
+
+
+def _gradients(ctx: Context) -> Outcome[None]:
     call, x0 = ctx.analysis, ctx.analysis_x
     m = call.module
     exact = x0.dtype == torch.float64
@@ -291,12 +354,13 @@ def gradients(ctx: Context) -> Outcome[None]:
     zero = [n for n, p in used if n in missing and p.grad is not None]
     if zero and not no_input_grad:  # a gradient of exactly 0 can be the draw's (a gate initialised at 0): try again
         missing = [n for n in missing if n not in zero] + _still_zero(call, x0, weights, used, zero, ctx.gen)
-    idle = _idle_projections(m, watch.ids)
+    idle = _idle_projections(m, watch.ids) + _idle_norms(m, watch.ids)
     if idle:
         m.zero_grad(set_to_none=True)
         return Outcome([Finding.of(NO_GRAD, "a projection is never used: its weights get no gradient while the "
                                    "projections beside it do (a key or value computed by another projection, e.g. "
-                                   "k = self.query(x))", {"projections never used": idle})],
+                                   "k = self.query(x), or keys normalised by the queries' norm)",
+                                   {"projections never used": idle})],
                        notes={"gradients": f"{len(used)} parameter tensors used by the call"})
     if missing or no_input_grad:
         m.zero_grad(set_to_none=True)

@@ -62,6 +62,20 @@ def name_role(name: str) -> str | None:
     return None
 
 
+_NORM_WORDS = frozenset({"norm", "ln", "layernorm", "rmsnorm", "rms", "layer", "normalization", "scale"})
+
+
+def norm_role(name: str) -> str | None:
+    """q or k when a normalisation layer's name says so (``q_norm``, ``k_ln``, ``norm_k``, ``key_layernorm``),
+    else None: its words are one role word and words for a norm."""
+    words = [w for w in re.split(r"[_\d]+", name.rsplit(".", 1)[-1].lower()) if w]
+    found = [r for w in words for r, spellings in _ROLE_WORDS.items() if w in spellings and r != "v"]
+    if len(found) == 1 and any(w in _NORM_WORDS for w in words) and all(
+            w in _NORM_WORDS or w in _ROLE_WORDS[found[0]] for w in words):
+        return found[0]
+    return None
+
+
 _HEAD_DIM_KEYS = ("head_dim", "dim_head", "d_head", "head_size", "kv_channels", "attention_head_size")
 _HEAD_KEYS = ("num_heads", "n_heads", "heads", "n_head", "nhead", "num_attention_heads", "h")
 # attributes a built module may carry its sizes in

@@ -647,6 +647,10 @@ def _roles_verdict(trace: Trace, ids: tuple[int, int, int], evidence: dict, fact
     if (roles[1] == ("q", "order") and roles[0][0] == "k or v") or named[:2] == ["k", "q"]:
         return Verdict(SOFTMAX_DIM, {"matches": "the scores are K Q^T (keys and queries swapped): the softmax runs "
                                       "over the queries", **evidence}, facts)
+    if named[:2] == ["q", "q"] and named[2] in ("v", None):  # no key projection ran: the keys are the queries'
+        facts["shared qk"] = ("the keys are the queries' projection (shared-QK attention, as in Reformer); a key "
+                              "projection the module has and never uses is the gradient probe's no-grad")
+        return None
     if any(r not in (want, None) for r, want in zip(named, ("q", "k", "v"), strict=True)):
         return Verdict(DEFINITION_MISMATCH, {"matches": f"softmax({named[0] or '?'} {named[1] or '?'}^T) "
                                                f"{named[2] or '?'}: the projections are used in the wrong roles",
@@ -911,6 +915,12 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     elif p.dim() >= 2 and p.shape[-2] == length and 1 <= p.shape[-1] < length and w.shape[-1] == p.shape[-1]:
         # keys and values from fewer positions than the queries
         facts["reduced keys"] = _reduced(p.shape[-1], length)
+        keep = None  # the run's (L, L) pattern does not apply to them
+    elif p.dim() >= 2 and p.shape[-2] == length and p.shape[-1] > length and w.shape[-1] == p.shape[-1]:
+        # keys and values from more positions than the tokens: learned memory or latents (Perceiver, num_mem_kv,
+        # Memorizing Transformers), or a cache of earlier tokens
+        facts["extra keys"] = (f"{p.shape[-1]} keys for {length} tokens: {p.shape[-1] - length} more (learned memory "
+                               "or latent tokens, or a cache)")
         keep = None  # the run's (L, L) pattern does not apply to them
     elif p.dim() < 2 or p.shape[-1] != length or p.shape[-2] != length:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights are {tuple(p.shape[-2:])} over axes that are "
