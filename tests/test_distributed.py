@@ -207,6 +207,18 @@ def sharding_worker(rank: int, world: int) -> dict:
                     "dq": _rel(dq[:, :, real], r_dq), "dk": _rel(dk[:, :, real], r_dk),
                     "dv": _rel(dv[:, :, real], r_dv),
                     "padding": float(out[:, :, ~real].abs().max()) if bool((~real).any()) else 0.0}
+    # dropout on a padded row: the single-process chunked pattern of the same seed (the padding draws nothing)
+    kw = dict(mask=masks.sliding_window(5), dropout_p=0.3)
+    torch.manual_seed(123)
+    ref = _single(q, k, v, gout, backend="chunked", **kw)
+    for lname, lay in layouts.items():
+        pos = lay.positions(rank)
+        real = pos < length
+        torch.manual_seed(123)
+        got = _sharded(q, k, v, gout, lay, "ring", **kw)
+        results[f"{lname}/ring/dropout"] = {
+            part: (_lse_err if part == "lse" else _rel)(a[:, :, real], b[:, :, pos[real]])
+            for part, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, ref, strict=True)}
     x, gx = torch.randn(batch, length, 5, dtype=torch.float64), torch.randn(batch, length, 5, dtype=torch.float64)
     for lname, lay in layouts.items():
         local = sad.shard(x, layout=lay, dim=1).requires_grad_()
@@ -549,8 +561,9 @@ def test_exact_every_mask_layout_strategy(exact_run):
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_any_length_and_balanced_layouts_are_exact(world, tmp_path):
     """catches: padding a row to the layout's multiple seen as keys (or its queries given output), a mask read past
-    the row's end, a balanced layout's chunks gathered or attended in the wrong order, and unshard returning the
-    padding or handing its gradient to the wrong rank."""
+    the row's end, a balanced layout's chunks gathered or attended in the wrong order, unshard returning the
+    padding or handing its gradient to the wrong rank, and dropout on a padded row drawing another pattern than the
+    unpadded call with the same seed (the grid's edge tiles were drawn at the call's clipped size)."""
     for rank, res in enumerate(_spawn("sharding_worker", world, tmp_path, limit=300)):
         for key, errs in res.items():
             bad = {n: e for n, e in errs.items() if e > (LSE_F32 if n == "lse" else F64_EXACT)}

@@ -39,17 +39,17 @@ class Dropout:
     p: float
     seed: int
 
-    def keep(self, rows: range, keys: range, sizes: tuple[int, int], lengths: tuple[int, int],
-             device: torch.device) -> Tensor:
-        """The keep-mask of query rows ``rows`` and keys ``keys`` of a call of ``sizes`` (B, Hq) and
-        ``lengths`` (Lq, Lk): bool (B, Hq, R, C), assembled from the grid's tiles."""
-        t, (lq, lk) = DROPOUT_TILE, lengths
+    def keep(self, rows: range, keys: range, sizes: tuple[int, int], device: torch.device) -> Tensor:
+        """The keep-mask of query rows ``rows`` and keys ``keys`` of a call of ``sizes`` (B, Hq): bool
+        (B, Hq, R, C), assembled from the grid's tiles. Every tile is drawn whole, also past the call's
+        end, so that a position's draw does not depend on the call's lengths (a context-parallel row
+        padded to the layout's multiple draws what the unpadded call draws)."""
+        t = DROPOUT_TILE
         strips = []
         for t0 in range(rows.start - rows.start % t, rows.stop, t):
             tiles = []
             for u0 in range(keys.start - keys.start % t, keys.stop, t):
-                shape = (*sizes, min(t0 + t, lq) - t0, min(u0 + t, lk) - u0)
-                tile = keep_mask(self.seed, shape, self.p, t0 // t, u0 // t, device)
+                tile = keep_mask(self.seed, (*sizes, t, t), self.p, t0 // t, u0 // t, device)
                 tiles.append(tile[..., max(keys.start, u0) - u0:min(keys.stop, u0 + t) - u0])
             strips.append(torch.cat(tiles, dim=-1)[:, :, max(rows.start, t0) - t0:min(rows.stop, t0 + t) - t0])
         return torch.cat(strips, dim=-2)
@@ -57,7 +57,7 @@ class Dropout:
 
 def dropout_pattern(seed: int, b: int, hq: int, lq: int, lk: int, p: float, device: torch.device) -> Tensor:
     """The whole keep-mask (B, Hq, Lq, Lk) that a call with this seed uses (for tests and debugging)."""
-    return Dropout(p, seed).keep(range(lq), range(lk), (b, hq), (lq, lk), torch.device(device))
+    return Dropout(p, seed).keep(range(lq), range(lk), (b, hq), torch.device(device))
 
 
 def draw_seed() -> int:

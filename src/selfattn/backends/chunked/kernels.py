@@ -161,7 +161,7 @@ class Problem:
         """The dropout keep-mask of a block, (b, Hq, R, C), from the call's grid; None without dropout."""
         if self.dropout is None:
             return None
-        keep = self.dropout.keep(block.rows, block.keys, (self.batch, self.heads), (self.lq, self.lk), device)
+        keep = self.dropout.keep(block.rows, block.keys, (self.batch, self.heads), device)
         return keep[block.items]
 
     def terms(self, block: Block, device: torch.device, *, partial: bool = True, bias: Tensor | None = None,
