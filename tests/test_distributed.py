@@ -390,6 +390,9 @@ def failure_worker(rank: int, world: int) -> dict:
     catch("layout_mismatch", lambda: sad.attention(local, local, local, layout="zigzag" if rank == 2 else "contiguous",
                                                    timeout=5))
     catch("heads_indivisible", lambda: sad.attention(local, local, local, strategy="all_to_all", timeout=5))
+    lay = sad.Sharding.of("zigzag", length=6 * world, world=world)
+    short = sad.shard(x, layout=lay)[:, :, : -2 if rank == 1 else None]  # rank 1's shard misses 2 tokens
+    catch("sharding_short", lambda: sad.attention(short, short, short, layout=lay, timeout=5))
     uneven = torch.randn(2, 4 + 2 * (rank == 1), 3)
     catch("unshard_shapes", lambda: sad.unshard(uneven, dim=1, timeout=5))
     if rank == world - 1:
@@ -616,8 +619,9 @@ def test_zigzag_balances_causal_work(exact_run):
 
 def test_failures_are_loud_not_hangs(tmp_path):
     """catches: a missing rank hanging the others forever, mismatched shapes or layouts across ranks
-    computing garbage (or deadlocking; unshard aborting one rank and giving another a wrong shape), and lengths
-    that do not split being silently truncated."""
+    computing garbage (or deadlocking; unshard aborting one rank and giving another a wrong shape), lengths
+    that do not split being silently truncated, and one rank whose shard does not fit a Sharding raising alone
+    while the others wait out the timeout."""
     world = 3
     res = _spawn("failure_worker", world, tmp_path, limit=90)
     for rank, seen in enumerate(res):
@@ -626,6 +630,8 @@ def test_failures_are_loud_not_hangs(tmp_path):
         assert seen["shape_mismatch"].startswith("ValueError") and "rank 1" in seen["shape_mismatch"]
         assert seen["layout_mismatch"].startswith("ValueError") and "layout" in seen["layout_mismatch"]
         assert "divisible by W" in seen["heads_indivisible"], seen["heads_indivisible"]
+        assert seen["sharding_short"].startswith("ValueError") and "local length" in seen["sharding_short"] and \
+            "rank 1" in seen["sharding_short"] and float(seen["sharding_short_s"]) < 2, seen
         assert seen["unshard_shapes"].startswith("ValueError") and "(2, 6, 3)" in seen["unshard_shapes"], seen
         if rank < world - 1:
             assert seen["dead_rank"].startswith("RuntimeError") and f"rank {world - 1}" in seen["dead_rank"]

@@ -72,7 +72,7 @@ from .all_to_all import all_to_all_attention
 from .group import DEFAULT_TIMEOUT_S, Stats, group_of, record
 from .layout import Layout, Sharding, balanced, pair_work, shard, unshard
 from .ring import ring_attention
-from .spec import Memory, Strategy, validate
+from .spec import Memory, Strategy, check_local_length, validate
 from .varlen import varlen_attention
 
 __all__ = ["DEFAULT_TIMEOUT_S", "Sharding", "Stats", "attention", "balanced", "pair_work", "record", "shard", "unshard",
@@ -142,6 +142,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup | Dev
     if spec.dropout_p > 0:  # drawn where the single-process chunked call draws it; every rank takes rank 0's
         spec = replace(spec, seed=draw_seed())
     spec = agree(g, spec, q, k, v)
+    check_local_length(spec.layout, q.shape[2], g.world)  # after the agreement: every rank raises alike
     if spec.strategy == "all_to_all":
         out, lse = all_to_all_attention(g, spec, q, k, v)
     else:

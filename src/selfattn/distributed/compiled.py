@@ -39,11 +39,11 @@ from ..backends._common import refuse_create_graph
 from ..backends.chunked import kernels
 from .agree import agree
 from .all_to_all import all_to_all_attention
-from .group import group_of, process_group
+from .group import Group, group_of, process_group
 from .ring import _backward as ring_backward
 from .ring import _forward as ring_forward
 from .ring import _ring
-from .spec import Spec, validate
+from .spec import Spec, check_local_length, validate
 
 __all__ = ["compiled_attention", "cp_bwd", "cp_fwd", "register"]
 
@@ -67,7 +67,7 @@ def register(group: object, layout: object, strategy: str, mask: tuple, score_mo
 
 
 def _spec(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, tensors: list[Tensor], key: str,
-          scale: float | None, dropout_p: float) -> tuple[object, Spec]:
+          scale: float | None, dropout_p: float) -> tuple[Group, Spec]:
     try:
         group, layout, strategy, mask, mod, causal, backend, timeout, return_lse, memory = _REGISTRY[key]
     except KeyError:
@@ -88,12 +88,13 @@ def cp_fwd(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, tensors: list[
     g, spec = _spec(q, k, v, sinks, tensors, key, scale, dropout_p)
     if seed is not None:
         spec = replace(spec, seed=int(seed.item()))
-    spec = agree(g, spec, q, k, v)  # type: ignore[arg-type]
+    spec = agree(g, spec, q, k, v)
+    check_local_length(spec.layout, q.shape[2], g.world)
     if spec.strategy == "all_to_all":
-        out, lse = all_to_all_attention(g, spec, q, k, v)  # type: ignore[arg-type]
+        out, lse = all_to_all_attention(g, spec, q, k, v)
         lse = q.new_empty(0, dtype=compute_dtype(q.dtype)) if lse is None else lse.to(compute_dtype(q.dtype))
     else:
-        out, lse = ring_forward(_ring(g, spec, q, v), q, k, v, spec.sinks)  # type: ignore[arg-type]
+        out, lse = ring_forward(_ring(g, spec, q, v), q, k, v, spec.sinks)
     return out.contiguous(), lse.contiguous(), torch.tensor([spec.seed], dtype=torch.int64)
 
 
@@ -120,13 +121,13 @@ def cp_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, sinks: Tensor | None, 
                 learned = spec.sinks.detach().requires_grad_()
                 spec = replace(spec, sinks=learned)
                 leaves.append(learned)
-            again, _ = all_to_all_attention(g, spec, *leaves[:3])  # type: ignore[arg-type]
+            again, _ = all_to_all_attention(g, spec, *leaves[:3])
             grads = torch.autograd.grad(again, leaves, dout)
         dsinks = grads[3] if len(grads) > 3 else q.new_empty(0)
         return grads[0].contiguous(), grads[1].contiguous(), grads[2].contiguous(), dsinks.contiguous()
     mod = spec.score_mod  # a non-additive modifier's derivative comes from autograd, which an op runs without
     with autograd_inside() if mod is not None and not mod.additive else contextlib.nullcontext():
-        dq, dk, dv = ring_backward(_ring(g, spec, q, v), q, k, v, out, lse, dout.contiguous())  # type: ignore[arg-type]
+        dq, dk, dv = ring_backward(_ring(g, spec, q, v), q, k, v, out, lse, dout.contiguous())
     dsinks = q.new_empty(0) if sinks is None else kernels.sinks_grad(dout, out, lse, sinks)
     # dK and dV come back as views of one received buffer: an op's outputs may not alias each other
     return dq.clone(), dk.clone(), dv.clone(), dsinks.clone()

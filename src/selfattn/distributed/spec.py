@@ -35,7 +35,7 @@ from ..scores import ScoreMod, learned_tensors
 from .group import Group
 from .layout import Sharding, check_layout, num_chunks
 
-__all__ = ["MEMORY", "STRATEGIES", "Memory", "Spec", "Strategy", "validate"]
+__all__ = ["MEMORY", "STRATEGIES", "Memory", "Spec", "Strategy", "check_local_length", "validate"]
 
 Strategy = Literal["ring", "all_to_all"]
 STRATEGIES = ("ring", "all_to_all")
@@ -72,6 +72,20 @@ class Spec:
         return mask
 
 
+def check_local_length(layout: str | Sharding, n: int, world: int) -> None:
+    """This rank's n tokens fit the layout. Called once the ranks agree (:func:`~selfattn.distributed.agree.agree`
+    compares their local lengths), so that a rank whose shard is wrong makes every rank raise the same error
+    instead of raising alone while the others wait for it."""
+    if isinstance(layout, Sharding):
+        if n != layout.per_rank:
+            raise ValueError(f"the Sharding gives each rank {layout.per_rank} tokens (a row of {layout.length}, padded "
+                             f"to {layout.padded}), but the ranks' q, k and v hold {n}: shard them with it")
+    elif n % (num_chunks(layout, world) // world):
+        raise ValueError(f"layout 'zigzag' needs L divisible by 2W = {2 * world}: each rank holds {n} tokens, "
+                         "an odd number, so the global length is not; pad the sequence to a multiple of 2W, or "
+                         "shard it with layout=Sharding.of('zigzag', length=L, world=W), which pads it")
+
+
 def validate(q: object, k: object, v: object, g: Group, layout: object, strategy: object, mask: object,
              causal: object, scale: object, dropout_p: object, score_mod: object, return_lse: object,
              backend: object, sinks: object = None, memory: object = "overlap") -> Spec:
@@ -88,14 +102,6 @@ def validate(q: object, k: object, v: object, g: Group, layout: object, strategy
         raise ValueError(f"context-parallel self-attention needs q (B, H, n, D), k (B, Hkv, n, D) and "
                          f"v (B, Hkv, n, Dv) with one local length n; got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}")
-    if isinstance(layout, Sharding):
-        if n != layout.per_rank:
-            raise ValueError(f"the Sharding gives each rank {layout.per_rank} tokens (a row of {layout.length}, padded "
-                             f"to {layout.padded}), but this rank's q, k and v hold {n}: shard them with it")
-    elif n % (num_chunks(layout, g.world) // g.world):  # type: ignore[arg-type]
-        raise ValueError(f"layout 'zigzag' needs L divisible by 2W = {2 * g.world}: this rank holds {n} tokens, "
-                         "an odd number, so the global length is not; pad the sequence to a multiple of 2W, or "
-                         "shard it with layout=Sharding.of('zigzag', length=L, world=W), which pads it")
     if strategy == "all_to_all" and (h % g.world or k.shape[1] % g.world):
         raise ValueError(f"strategy 'all_to_all' splits heads across the {g.world} ranks: q heads ({h}) and "
                          f"k/v heads ({k.shape[1]}) must be divisible by W = {g.world}; use strategy='ring'")
