@@ -127,8 +127,10 @@ def _layout(layout: str | Sharding) -> _Field:
     if isinstance(layout, str):
         return _named("layout", layout, LAYOUTS)
     h = hashlib.blake2b(repr((layout.kind, layout.length, layout.chunk, layout.owners)).encode(), digest_size=8)
-    return _Field("layout", int.from_bytes(h.digest(), "little") >> 1,
-                  lambda x: f"a {layout.kind} Sharding of {layout.length} tokens (fingerprint {x:016x})")
+    mine = int.from_bytes(h.digest(), "little") >> 1
+    # another rank's value is only a number here: its own kind and length are not known on this rank
+    return _Field("layout", mine, lambda x: f"a {layout.kind} Sharding of {layout.length} tokens (fingerprint {x:016x})"
+                  if x == mine else f"another layout (fingerprint {x:016x})")
 
 
 def _signature(spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> list[_Field]:
@@ -182,5 +184,6 @@ def agree(g: Group, spec: Spec, q: Tensor, k: Tensor, v: Tensor) -> Spec:
     if diffs:
         raise ValueError(f"selfattn.distributed.attention was called with different arguments on different "
                          f"ranks ({'; '.join(diffs)}); every rank must pass its shard of the same global tensors "
-                         "with the same layout, strategy, options, mask and score_mod")
+                         "with the same layout, strategy, options, mask and score_mod (of varlen_attention: "
+                         "cu_seqlens, causal and window make the mask, softcap the score_mod)")
     return replace(spec, seed=table[0][-1])
