@@ -319,6 +319,10 @@ def varlen_worker(rank: int, world: int) -> dict:
         except (TypeError, ValueError) as e:
             errors[name] = f"{type(e).__name__}: {e}"
     results["errors"] = errors
+    empty = torch.zeros(0, heads, 8, dtype=torch.float64)
+    out, lse = sad.varlen_attention(empty, empty[:, :hkv], empty[:, :hkv, :6], torch.zeros(3, dtype=torch.int32),
+                                    causal=True, return_lse=True, timeout=20)
+    results["empty row"] = {"shape": float(out.shape != (0, heads, 6) or lse.shape != (heads, 0))}
     return results
 
 
@@ -576,7 +580,8 @@ def test_any_length_and_balanced_layouts_are_exact(world, tmp_path):
 def test_varlen_rows_across_ranks_equal_one_process(tmp_path):
     """catches: the varlen (cu_seqlens) form of context parallelism reading cu_seqlens as local offsets, a sequence
     split over ranks seeing only its local part, a balanced layout's padding seen as keys, sinks or softcap lost on
-    the way, a graph break under compile, and a cu_seqlens that describes another row accepted silently."""
+    the way, a graph break under compile, a cu_seqlens that describes another row accepted silently, and a row of
+    empty sequences refused with the shape of a tensor the caller never passed."""
     for rank, res in enumerate(_spawn("varlen_worker", 2, tmp_path, limit=300)):
         errors = res.pop("errors")
         assert errors["other-row"].startswith("ValueError: cu_seqlens describes a row of"), errors

@@ -106,6 +106,10 @@ def varlen_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, *,
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"cu_seqlens must be an int32 tensor (N + 1,), got {type(cu_seqlens).__name__}; build it "
                         "with torch.tensor(..., dtype=torch.int32)")
+    if q.shape[0] == 0:  # a row of empty sequences: nothing to send, the single-process answer (zeros) and checks
+        return _varlen.varlen_attention(q, k, v, cu_seqlens, max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen,
+                                        causal=causal, window=window, scale=scale, dropout_p=dropout_p,
+                                        softcap=softcap, sinks=sinks, return_lse=return_lse)
     cu = check_cu_seqlens(cu_seqlens, "cu_seqlens")
     length = 0  # under compile the row's length is data, and the group is the op's (distributed.compiled)
     if not torch.compiler.is_compiling():
