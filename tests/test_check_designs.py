@@ -1799,3 +1799,62 @@ def test_outputs_put_back_at_other_positions_are_not_a_causal_leak():
     report = check(DilatedWindows(32, bug=True), length=8)
     assert "definition-mismatch" in report.ids and "causal-leak" not in report.ids, \
         [(f.id, f.message) for f in report.findings]
+
+
+class SequenceFirstCausal(SequenceFirstEinsum):
+    """Sequence-first causal attention with its own mask, as Transformer-XL builds it: ``triu(ones, diagonal)``,
+    True = masked, filled with -inf. ``diagonal=1`` is right; ``diagonal=0`` also hides each query's own token, so
+    the first query sees no key and its row is NaN."""
+
+    def __init__(self, dim: int, diagonal: int = 1) -> None:
+        super().__init__(dim)
+        self.diagonal = diagonal
+
+    def forward(self, x):
+        n, b, e = x.shape
+        q, k, v = self.qkv(x).reshape(n, b, 3, self.heads, e // self.heads).unbind(2)
+        s = torch.einsum("ibnd,jbnd->ijbn", q, k).mul(q.shape[-1] ** -0.5)
+        hidden = torch.triu(torch.ones(n, n, dtype=torch.bool), diagonal=self.diagonal)[:, :, None, None]
+        p = s.masked_fill(hidden, float("-inf")).softmax(dim=1)
+        return self.out(torch.einsum("ijbn,jbnd->ibnd", p, v).reshape(n, b, e))
+
+
+def test_a_causal_mask_that_hides_the_diagonal_is_named_in_a_sequence_first_module():
+    """catches: a sequence-first causal module whose mask hides the diagonal named softmax-dim (and batch-mixing):
+    the NaN of its first row made the layout test see a change where nothing changed, so the module was probed as
+    batch-first and its causal-leak was absorbed."""
+    assert check(SequenceFirstCausal(32), causal=True).verdict == "passed"
+    report = check(SequenceFirstCausal(32, diagonal=0), causal=True)
+    assert "causal-leak" in report.ids and not {"softmax-dim", "batch-mixing"} & set(report.ids), \
+        [(f.id, f.message) for f in report.findings]
+
+
+class PaddingByLengths(_Fused):
+    """Padding given as each item's length (B,), as speech toolkits take it (ESPnet's ilens, WeNet's lengths); the
+    key mask is built inside. ``off_by_one``: ``arange > lengths`` leaves the first padded key visible."""
+
+    def __init__(self, dim: int, off_by_one: bool = False) -> None:
+        super().__init__(dim)
+        self.off_by_one = off_by_one
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.split(x)
+        if lengths is None:
+            return self.merge(F.scaled_dot_product_attention(q, k, v))
+        at = torch.arange(x.shape[1])[None, :]
+        pad = at > lengths[:, None] if self.off_by_one else at >= lengths[:, None]
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=~pad[:, None, None, :]))
+
+
+def _lengths_call(m: nn.Module, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    return m(x) if keep is None else m(x, lengths=keep.sum(-1))
+
+
+def test_padding_given_as_lengths_is_not_certified_unseen():
+    """catches: a module that takes its padding as lengths (B,) certified with its mask "not applicable" although
+    an off-by-one there hides nothing it should: the doctor cannot send lengths, so it has not looked."""
+    for module in (PaddingByLengths(32), PaddingByLengths(32, off_by_one=True)):
+        report = check(module)
+        assert report.verdict == "inconclusive" and "lengths" in report.coverage["mask"], report.coverage
+    assert check(PaddingByLengths(32), call=_lengths_call, mask="keep (B,L)").verdict == "passed"
+    assert "mask-ignored" in check(PaddingByLengths(32, off_by_one=True), call=_lengths_call, mask="keep (B,L)").ids

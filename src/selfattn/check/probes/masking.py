@@ -55,8 +55,12 @@ from ..subject.context import (
     rel,
 )
 
-__all__ = ["PADDING_LENGTHS", "band", "causality", "mask_convention", "masked_rows", "padding",
+__all__ = ["LENGTH_NAMES", "PADDING_LENGTHS", "band", "causality", "mask_convention", "masked_rows", "padding",
            "twin_reads_masks_alike"]
+
+LENGTH_NAMES = ("lengths", "lens", "seq_lens", "seq_lengths", "seqlens", "input_lengths", "src_lengths",
+                "key_lengths", "ilens", "x_lens", "valid_lengths", "valid_lens", "text_lengths", "audio_lengths")
+"""Names of a forward argument that gives padding as each item's length (speech and text toolkits)."""
 
 PADDING_LENGTHS = (16, 64)
 """Lengths the padding probe also runs at: past the thresholds and chunk sizes where code takes another path."""
@@ -414,6 +418,11 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
         return _switch(ctx, switch, dep)
     if not accepted and not named and tried:  # every try raised, on an argument not named like a mask (a context)
         arg = next(iter({c.mask_arg or "positional" for c in candidates}))
+        if arg in LENGTH_NAMES:  # padding given as lengths: a mask the doctor cannot send, so nothing was looked at
+            why = (f"forward's argument '{arg}' is named like padding lengths (B,), a form the doctor does not send: "
+                   "give call= turning its keep-mask into lengths, with mask='keep (B,L)' (or make_mask)")
+            return Outcome(notes={"mask": f"not verified: {why}"},
+                           coverage={"mask": f"not verified: {why}", "padding": f"not verified: {why}"})
         return _no_mask(f"forward's argument '{arg}' is not named like a mask and takes none of the masks tried")
     if not accepted and tried and (ctx.spec is not None or ctx.call.make_mask is not None):
         return Outcome([Finding.of(MASK_ERROR, "the module raises whenever it is given the mask you stated",
