@@ -1858,3 +1858,80 @@ def test_padding_given_as_lengths_is_not_certified_unseen():
         assert report.verdict == "inconclusive" and "lengths" in report.coverage["mask"], report.coverage
     assert check(PaddingByLengths(32), call=_lengths_call, mask="keep (B,L)").verdict == "passed"
     assert "mask-ignored" in check(PaddingByLengths(32, off_by_one=True), call=_lengths_call, mask="keep (B,L)").ids
+
+
+class AddmmProjection(nn.Module):
+    """GPT-2's Conv1D as its code base writes it: the weight kept (in, out) and applied with addmm."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.nf)
+
+
+AddmmProjection.__name__ = AddmmProjection.__qualname__ = "Conv1D"  # the name GPT-2 code gives it
+
+
+class FusedConv1DAttention(nn.Module):
+    """Causal attention with a fused c_attn Conv1D, as GPT-2 writes it. ``values_as_keys``: the key slice of c_attn
+    is dropped and the values are used as keys (its key columns never reach the output)."""
+
+    def __init__(self, dim: int, heads: int = 4, values_as_keys: bool = False) -> None:
+        super().__init__()
+        self.heads, self.values_as_keys = heads, values_as_keys
+        self.c_attn, self.c_proj = AddmmProjection(3 * dim, dim), AddmmProjection(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.c_attn(x).split(e, dim=2))
+        k = v if self.values_as_keys else k
+        return self.c_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, e))
+
+
+def test_unused_columns_of_a_gpt2_conv1d_are_named():
+    """catches: values used as keys in a fused GPT-2 Conv1D certified: its weight is (in, out), so the unused key
+    features are columns, and only nn.Linear rows were read."""
+    assert check(FusedConv1DAttention(32), causal=True, embed_dim=32).verdict == "passed"
+    assert "no-grad" in check(FusedConv1DAttention(32, values_as_keys=True), causal=True, embed_dim=32).ids
+
+
+class HeadsAsTokens(_Fused):
+    """SDPA given (B, L, H, D) instead of (B, H, L, D): each token attends over its own heads. ``right``: the
+    transpose that makes it attention over the tokens."""
+
+    def __init__(self, dim: int, right: bool = False) -> None:
+        super().__init__(dim)
+        self.right = right
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1) for t in self.qkv(x).chunk(3, -1))
+        if self.right:
+            return self.merge(F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)))
+        return F.scaled_dot_product_attention(q, k, v).reshape(b, n, e)
+
+
+class GlobalKeys(_Fused):
+    """Correct, a published design (BigBird's ITC, Longformer): blocks of 2 tokens that see their own and the
+    neighbouring blocks, and the first block's keys seen by every query."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        block = torch.arange(x.shape[1]) // 2
+        keep = ((block[:, None] - block[None, :]).abs() <= 1) | (block[None, :] == 0)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+
+
+def test_attention_over_the_heads_and_global_keys_get_their_own_names():
+    """catches: SDPA over the heads (each token sees only itself) named causal-leak on a module no one called causal,
+    and a local pattern with global keys (BigBird) read as a causal leak."""
+    assert check(HeadsAsTokens(32, right=True)).verdict == "passed"
+    report = check(HeadsAsTokens(32))
+    assert "definition-mismatch" in report.ids and "causal-leak" not in report.ids, report.ids
+    report = check(GlobalKeys(32))
+    assert report.verdict == "passed" and "global tokens" in str(report.inferred), \
+        [(f.id, f.message) for f in report.findings]

@@ -94,6 +94,15 @@ def _local_design(dep: Tensor) -> str | None:
     if bool(dep.diagonal().all()) and torch.equal(dep, dep.T):
         return "local pattern: each query sees a symmetric set of keys, itself among them (blocks or windows; " \
                "bidirectional within each)"
+    # global tokens (Longformer, BigBird, ETC): keys every query sees, queries that see every key; the others local
+    seen_by_all, sees_all = dep.all(0), dep.all(1)
+    core = (~seen_by_all & ~sees_all).nonzero().flatten()  # tokens neither global key nor global query
+    rest = dep[core][:, core]
+    if (seen_by_all.any() or sees_all.any()) and bool(dep.diagonal().all()) and core.numel() > 2 and \
+            torch.equal(rest, rest.T) and not bool(rest.all()):
+        return (f"local pattern with global tokens: keys {seen_by_all.nonzero().flatten().tolist()} are seen by every "
+                f"query, queries {sees_all.nonzero().flatten().tolist()} see every key, the others a symmetric local "
+                "set (Longformer's or BigBird's global attention)")
     causal = ~future(length).to(dep.device) | eye
     for prefix in range(2, length):
         block = torch.zeros_like(dep)
@@ -148,9 +157,11 @@ def causality(ctx: Context) -> Outcome[Tensor]:
         if right < 0:
             found.findings.append(Finding.of(CAUSAL_LEAK, "the causal mask hides the diagonal: a query does not "
                                              "see its own token", {"each query sees": f"keys i - {left} .. i - 1"}))
-        elif left == 0 and right == 0:
-            found.findings.append(Finding.of(CAUSAL_LEAK, "each query sees only its own token: no attention "
-                                             "between tokens", {"each query sees": "key i only"}))
+        elif left == 0 and right == 0:  # a causal module hides too much; any other attends over another axis
+            found.findings.append(Finding.of(CAUSAL_LEAK if ctx.causal else DEFINITION_MISMATCH, "each query sees only "
+                                             "its own token: no attention between tokens" + (
+                                                 "" if ctx.causal else " (the softmax runs over another axis: the "
+                                                 "heads, or the features)"), {"each query sees": "key i only"}))
         elif right == 0 and left < whole:
             found.notes["window"] = f"sliding window: each query sees itself and the {left} previous tokens"
         elif left == whole and 0 < right < whole:

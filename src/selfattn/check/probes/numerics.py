@@ -209,6 +209,19 @@ def _still_zero(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, 
     return [n for n in zero if (g := after.get(n)) is None or not g.any()]
 
 
+def _is_conv1d(mod: nn.Module) -> bool:
+    """GPT-2's ``Conv1D`` (transformers', or a copy of it): a linear map whose weight is (in, out), applied as
+    ``addmm(bias, x, weight)``."""
+    weight = getattr(mod, "weight", None)
+    return type(mod).__name__ == "Conv1D" and isinstance(weight, Tensor) and weight.dim() == 2 and \
+        isinstance(getattr(mod, "nf", None), int) and weight.shape[1] == mod.nf
+
+
+def _as_rows(grads: Mapping[str, Tensor | None], columns: set[str]) -> dict[str, Tensor | None]:
+    """The gradients with each weight named in ``columns`` transposed, so that its output features are rows."""
+    return {n: g.T if n in columns and g is not None else g for n, g in grads.items()}
+
+
 def _blocks(rows: Tensor) -> bool:
     """Whether the True entries of a (N,) bool tensor are runs of one length, at least 2."""
     runs, length = [], 0
@@ -369,10 +382,12 @@ def _gradients(ctx: Context) -> Outcome[None]:
                        notes={"gradients": f"{len(used)} parameter tensors used by the call"})
     linear = {f"{path}.weight" if path else "weight" for path, mod in m.named_modules() if isinstance(mod, nn.Linear)}
     linear |= {n for n, p in used if id(p) in watch.mapped}  # F.linear(x, self.in_proj_weight): a projection too
-    dead = _dead_rows(grads, linear)
+    # GPT-2's Conv1D keeps its weight (in, out): its output features are columns
+    columns = {f"{path}.weight" if path else "weight" for path, mod in m.named_modules() if _is_conv1d(mod)}
+    dead = _dead_rows(_as_rows(grads, columns), linear | columns)
     if dead:  # only if it holds off the draw too
-        dead = {n: why for n, why in _dead_rows(_grads_after_noise(call, x0, weights, used, ctx.gen), linear).items()
-                if n in dead}
+        moved = _as_rows(_grads_after_noise(call, x0, weights, used, ctx.gen), columns)
+        dead = {n: why for n, why in _dead_rows(moved, linear | columns).items() if n in dead}
     if dead:
         m.zero_grad(set_to_none=True)
         return Outcome([Finding.of(NO_GRAD, "part of a projection never reaches the output: some of its output "
