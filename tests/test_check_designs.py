@@ -1935,3 +1935,30 @@ def test_attention_over_the_heads_and_global_keys_get_their_own_names():
     report = check(GlobalKeys(32))
     assert report.verdict == "passed" and "global tokens" in str(report.inferred), \
         [(f.id, f.message) for f in report.findings]
+
+
+class AxialGrid(nn.Module):
+    """Correct, one axial layer on a 4 x 4 grid of tokens (Ho et al. 2019, lucidrains' axial-attention): attention
+    along each column, added to the input. ``bug``: the columns' output put back without its permute."""
+
+    def __init__(self, dim: int, bug: bool = False) -> None:
+        super().__init__()
+        self.cols, self.bug = _Fused(dim), bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        side = math.isqrt(n)
+        columns = x.view(b, side, side, e).transpose(1, 2).reshape(b * side, side, e)  # (B * col, row, E)
+        q, k, v = self.cols.split(columns)
+        out = self.cols.merge(F.scaled_dot_product_attention(q, k, v)).view(b, side, side, e)
+        return x + (out.reshape(b, n, e) if self.bug else out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_axial_outputs_put_back_without_their_permute_are_not_a_causal_leak():
+    """catches: an axial layer whose output is put back without its permute named causal-leak ("queries see some
+    future keys and not others"): each output still sees its own token (the residual), but some past keys are
+    hidden too, which no causal mask does."""
+    assert check(AxialGrid(32), length=16).verdict == "passed"
+    report = check(AxialGrid(32, bug=True), length=16)
+    assert "definition-mismatch" in report.ids and "causal-leak" not in report.ids, \
+        [(f.id, f.message) for f in report.findings]

@@ -185,6 +185,13 @@ def causality(ctx: Context) -> Outcome[Tensor]:
                                              "positions (windows or heads put back without their permute)",
                                              {"outputs that do not depend on their own token":
                                               (~dep.diagonal()).nonzero().flatten().tolist()[:10]}))
+        elif (~dep & ~future(length)).any():  # no causal mask either: it would show every past key
+            found.findings.append(Finding.of(DEFINITION_MISMATCH, "queries see some future keys and miss some past "
+                                             "ones, in no causal, window, block or global pattern: outputs put back at "
+                                             "other tokens' positions, or a mask built wrong",
+                                             {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10],
+                                              "past (query, key) pairs hidden":
+                                                  (~dep & ~future(length)).nonzero().tolist()[:10]}))
         else:
             found.findings.append(Finding.of(CAUSAL_LEAK, "queries see some future keys and not others",
                                              {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
