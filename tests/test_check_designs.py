@@ -1962,3 +1962,28 @@ def test_axial_outputs_put_back_without_their_permute_are_not_a_causal_leak():
     report = check(AxialGrid(32, bug=True), length=16)
     assert "definition-mismatch" in report.ids and "causal-leak" not in report.ids, \
         [(f.id, f.message) for f in report.findings]
+
+
+class DocumentIds(_Fused):
+    """Correct, packed documents given as ids (B, L), as xformers' block-diagonal masks and flash-attn's varlen
+    calls are built from: a token sees the tokens of its own document. Padding is document -1."""
+
+    def forward(self, x: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.split(x)
+        if doc_ids is None:
+            return self.merge(F.scaled_dot_product_attention(q, k, v))
+        same = doc_ids[:, :, None] == doc_ids[:, None, :]
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=same[:, None]))
+
+
+def _documents_call(m: nn.Module, x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    return m(x) if keep is None else m(x, torch.where(keep, 0, -1))
+
+
+def test_document_ids_are_not_read_as_a_mask_that_leaks():
+    """catches: document ids (an argument not named like a mask) sent the doctor's bool masks, which a document
+    mask reads as two documents, and then named mask-ignored on a correct module: an input that reads no mask as a
+    mask does is not verified, and with a call that gives it ids it is checked."""
+    report = check(DocumentIds(32))
+    assert report.verdict == "inconclusive" and "doc_ids" in report.coverage["mask"], report.coverage
+    assert check(DocumentIds(32), call=_documents_call, mask="keep (B,L)").verdict == "passed"

@@ -411,6 +411,13 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                                    {"mask": _describe(inverted), "tried": tried})],
                        {"mask": _describe(inverted)}, None,
                        {"mask": "verified", "padding": "not verified: the mask acts the other way round"})
+    if leaky is not None and leaky.mask_arg not in MASK_NAMES and ctx.spec is None and ctx.call.make_mask is None \
+            and ctx.call.style != "adapter":  # an argument not named like a mask, read as no mask is: another input
+        why = (f"forward's argument '{leaky.mask_arg or 'positional'}' is not named like a mask, changes the output "
+               "and reads no mask the doctor sends the way a mask does (document or segment ids, positions?): give "
+               "call= turning the keep-mask into what it takes, with mask='keep (B,L)' (or make_mask)")
+        return Outcome(notes={"mask": {"not verified": why, "tried": tried}},
+                       coverage={"mask": f"not verified: {why}", "padding": f"not verified: {why}"})
     if leaky is not None:  # the mask acts, but leaks (e.g. applied after the softmax): padding and the white box tell
         return Outcome(notes={"mask": {**_describe(leaky), "note": "its effect matches no convention", "tried": tried}},
                        value=leaky, coverage={"mask": "verified"})

@@ -806,7 +806,12 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
         hidden = hidden.reshape(b, -1, *hidden.shape[-2:])
     except RuntimeError:
         return None
-    if hidden.shape[-2:] != want.shape[-2:] or torch.equal(hidden, want.expand_as(hidden)):
+    if hidden.shape[-2:] != want.shape[-2:]:
+        return None
+    # a key no query may see is padding: its own query's row is not an output anyone reads (packed documents give
+    # the padding a document of its own), so it is not compared
+    padded_rows = want.all(-2, keepdim=True).transpose(-1, -2)  # (B, 1, L, 1)
+    if torch.equal(torch.where(padded_rows, want, hidden), want.expand_as(hidden)):
         return None
     if want.any() and torch.equal(hidden, keep.expand_as(hidden)):
         return Verdict(MASK_INVERTED, {"matches": "the scores hide the keys the mask keeps", **evidence})
