@@ -301,6 +301,12 @@ def _no_mask(why: str) -> Outcome[Caller]:
                                                              "padding": f"not applicable: {why}"})
 
 
+def _mask_unseen(why: str, tried: dict[str, str]) -> Outcome[Caller]:
+    """A mask argument the doctor cannot send in the form it takes: the mask and padding are not verified."""
+    return Outcome(notes={"mask": {"not verified": why, "tried": tried}},
+                   coverage={"mask": f"not verified: {why}", "padding": f"not verified: {why}"})
+
+
 def _label(caller: Caller) -> str:
     return f"{caller.mask_arg or 'positional'} {caller.spec.kind if caller.spec else 'make_mask'} " \
            f"{caller.spec.shape if caller.spec else ''}".strip()
@@ -416,8 +422,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
         why = (f"forward's argument '{leaky.mask_arg or 'positional'}' is not named like a mask, changes the output "
                "and reads no mask the doctor sends the way a mask does (document or segment ids, positions?): give "
                "call= turning the keep-mask into what it takes, with mask='keep (B,L)' (or make_mask)")
-        return Outcome(notes={"mask": {"not verified": why, "tried": tried}},
-                       coverage={"mask": f"not verified: {why}", "padding": f"not verified: {why}"})
+        return _mask_unseen(why, tried)
     if leaky is not None:  # the mask acts, but leaks (e.g. applied after the softmax): padding and the white box tell
         return Outcome(notes={"mask": {**_describe(leaky), "note": "its effect matches no convention", "tried": tried}},
                        value=leaky, coverage={"mask": "verified"})
@@ -446,8 +451,7 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
         if arg in LENGTH_NAMES:  # padding given as lengths: a mask the doctor cannot send, so nothing was looked at
             why = (f"forward's argument '{arg}' is named like padding lengths (B,), a form the doctor does not send: "
                    "give call= turning its keep-mask into lengths, with mask='keep (B,L)' (or make_mask)")
-            return Outcome(notes={"mask": f"not verified: {why}"},
-                           coverage={"mask": f"not verified: {why}", "padding": f"not verified: {why}"})
+            return _mask_unseen(why, tried)
         return _no_mask(f"forward's argument '{arg}' is not named like a mask and takes none of the masks tried")
     if not accepted and tried and (ctx.spec is not None or ctx.call.make_mask is not None):
         return Outcome([Finding.of(MASK_ERROR, "the module raises whenever it is given the mask you stated",
