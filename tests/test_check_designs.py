@@ -1987,3 +1987,139 @@ def test_document_ids_are_not_read_as_a_mask_that_leaks():
     report = check(DocumentIds(32))
     assert report.verdict == "inconclusive" and "doc_ids" in report.coverage["mask"], report.coverage
     assert check(DocumentIds(32), call=_documents_call, mask="keep (B,L)").verdict == "passed"
+
+
+class KeyMaskReadAcrossItems(_Fused):
+    """A (B, L) key padding mask read through a transpose and a reshape (as code ported from a sequence-first
+    (L, B) layout does): each item gets a mix of the items' padding, a superset of its own here (the probe's
+    padding grows with the item), so no padded key is left visible while real keys are hidden."""
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.split(x)
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if key_padding_mask is not None:
+            b, n = key_padding_mask.shape
+            pad = key_padding_mask.t().reshape(b, n)
+            s = s.masked_fill(pad[:, None, None, :], float("-inf"))
+        return self.merge(s.softmax(-1) @ v)
+
+
+def test_a_key_mask_read_across_items_is_not_a_causal_leak():
+    """catches: keys hidden beyond a padding mask, differently in each item, named causal-leak on a module that has
+    no causal mask: the surplus follows the mask, so the mask is misread (mask-ignored)."""
+    report = check(KeyMaskReadAcrossItems(32))
+    assert "mask-ignored" in report.ids and "causal-leak" not in report.ids, report.ids
+
+
+class PartialRotary(_Fused):
+    """Rotary positions on the first quarter of each head's dims, the rest passed through (GPT-NeoX's rotary_pct,
+    Phi's partial_rotary_factor). ``bug``: "order" puts k's rotated part after its pass-through part (q's first),
+    "base" rotates k with another base than q; both leave each side a proper rotation, so only the scores show it."""
+
+    def __init__(self, dim: int, bug: str = "") -> None:
+        super().__init__(dim)
+        self.bug = bug
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        r = q.shape[-1] // 4
+        n = x.shape[1]
+        angle = torch.arange(n, dtype=x.dtype)[:, None] * 10000.0 ** (-torch.arange(0, r, 2, dtype=x.dtype) / r)
+        k_angle = angle * 0.5 if self.bug == "base" else angle
+        cos, sin = torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+        k_cos, k_sin = torch.cat([k_angle.cos()] * 2, -1), torch.cat([k_angle.sin()] * 2, -1)
+
+        def turn(t: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+            return t * c + torch.cat([-t[..., r // 2:], t[..., :r // 2]], -1) * s
+
+        q = torch.cat([turn(q[..., :r], cos, sin), q[..., r:]], -1)
+        k_rot, k_pass = turn(k[..., :r], k_cos, k_sin), k[..., r:]
+        k = torch.cat([k_pass, k_rot] if self.bug == "order" else [k_rot, k_pass], -1)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_q_and_k_rotated_differently_are_named():
+    """catches: rotary positions whose rotated and pass-through parts are concatenated in other orders for q and
+    k (or k rotated with other frequencies) certified, because each side on its own is a rotation: with one token
+    at every position the scores must depend on the distance between tokens only."""
+    assert check(PartialRotary(64), causal=True).verdict == "passed"
+    for bug in ("order", "base"):
+        report = check(PartialRotary(64, bug), causal=True)
+        assert "rotary-mismatch" in report.ids, (bug, report.ids)
+
+
+class SelfMaskedSharedQK(nn.Module):
+    """Correct, shared-QK attention (Reformer's full attention): the keys are the L2-normalised queries, and since a
+    query is nearest to itself, its own score is overwritten in place by -5e4 (finite, apart from the mask's fill),
+    so a token attends to itself only when nothing else is visible. ``like_the_mask``: the diagonal hidden by the
+    padding mask's own fill instead, which no design does."""
+
+    def __init__(self, dim: int, heads: int = 4, like_the_mask: bool = False) -> None:
+        super().__init__()
+        self.heads, self.like_the_mask = heads, like_the_mask
+        self.to_qk = nn.Linear(dim, dim, bias=False)
+        self.to_v = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, input_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = x.shape
+
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape(b, n, self.heads, -1).transpose(1, 2).reshape(b * self.heads, n, -1)
+
+        qk, v = heads(self.to_qk(x)), heads(self.to_v(x))
+        dots = torch.einsum("bie,bje->bij", qk, F.normalize(qk, dim=-1)) * qk.shape[-1] ** -0.5
+        at = torch.arange(n)
+        fill = -torch.finfo(dots.dtype).max
+        dots[:, at, at] = fill if self.like_the_mask else -5e4
+        if input_mask is not None:
+            dots.masked_fill_(~input_mask.repeat_interleave(self.heads, 0)[:, None, :], fill)
+        out = torch.einsum("bij,bje->bie", dots.softmax(-1), v)
+        return out.reshape(b, self.heads, n, -1).transpose(1, 2).reshape(b, n, e)
+
+
+def test_a_self_mask_written_in_place_is_a_design():
+    """catches: the scores' diagonal set in place (dots[:, i, i] = -5e4) stopped the white box ("the scores pass
+    through setitem()", definition-mismatch), and once read, the hidden diagonal was a causal-leak: a finite value of
+    its own is Reformer's self mask, a design; the diagonal hidden like the mask is still named."""
+    report = check(SelfMaskedSharedQK(32))
+    assert report.verdict == "passed" and "self mask" in report.inferred["design"], report.ids
+    assert check(SelfMaskedSharedQK(32, like_the_mask=True)).verdict == "failed"
+
+
+class DecomposedGridPositions(nn.Module):
+    """Correct, decomposed relative positions on a grid (ViTDet's and SAM's image encoders): the scores of the
+    (B * heads, L, L) product get q . R_h[row_q - row_k] broadcast over the key columns and q . R_w[col_q - col_k]
+    broadcast over the key rows. Input (B, side, side, E). ``merge_early``: heads merged with a reshape before
+    moving them back, the bug."""
+
+    def __init__(self, dim: int, heads: int = 4, side: int = 4, merge_early: bool = False) -> None:
+        super().__init__()
+        self.heads, self.merge_early = heads, merge_early
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.table_h = nn.Parameter(torch.randn(2 * side - 1, dim // heads) * 0.5)
+        self.table_w = nn.Parameter(torch.randn(2 * side - 1, dim // heads) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, hs, ws, e = x.shape
+        q, k, v = self.qkv(x).reshape(b, hs * ws, 3, self.heads, -1).permute(2, 0, 3, 1, 4) \
+            .reshape(3, b * self.heads, hs * ws, -1).unbind(0)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        rows, cols = torch.arange(hs), torch.arange(ws)
+        near_h = self.table_h[rows[:, None] - rows[None, :] + hs - 1]  # (hs, hs, D)
+        near_w = self.table_w[cols[:, None] - cols[None, :] + ws - 1]
+        grid_q = q.reshape(-1, hs, ws, q.shape[-1])
+        term_h = torch.einsum("nyxd,ykd->nyxk", grid_q, near_h)
+        term_w = torch.einsum("nyxd,xkd->nyxk", grid_q, near_w)
+        scores = (scores.view(-1, hs, ws, hs, ws) + term_h[..., None] + term_w[..., None, :]).view(-1, hs * ws,
+                                                                                                 hs * ws)
+        o = scores.softmax(-1) @ v
+        if self.merge_early:
+            return o.reshape(b, hs, ws, e)
+        return o.view(b, self.heads, hs, ws, -1).permute(0, 2, 3, 1, 4).reshape(b, hs, ws, e)
+
+
+def test_decomposed_grid_positions_broadcast_onto_the_scores_are_a_design():
+    """catches: position terms added to the scores broadcast over one key axis of a grid view (ViTDet, SAM) read as
+    no formula (definition-mismatch) on a correct module, which also hid its head-merge bug behind that name."""
+    assert check(DecomposedGridPositions(32)).verdict == "passed"
+    assert "head-merge" in check(DecomposedGridPositions(32, merge_early=True)).ids

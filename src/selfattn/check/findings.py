@@ -93,6 +93,10 @@ VALUES_CHANGED = _error("values-changed", "V reaches the product changed after i
 ROTARY_ONE_SIDE = _error("rotary-one-side", "rotary positions on q but not on k (or on k only)",
                          "Rotate q and k by the same positions: the scores then depend on the distance between "
                          "tokens only.", ("not-equivariant",))
+ROTARY_MISMATCH = _error("rotary-mismatch", "q and k rotated differently (their rotated and pass-through parts in "
+                         "other orders, other positions or frequencies): the scores depend on absolute positions",
+                         "Rotate q and k by the same cos/sin at their positions, on the same dims, and put the rotated "
+                         "and pass-through parts back in the same order for both.", ("not-equivariant",))
 MASK_IGNORED = _error("mask-ignored", "padded keys still change real tokens' outputs",
                       "Apply the mask to the scores before the softmax (scores.masked_fill(~visible, -inf)).")
 MASK_INVERTED = _error("mask-inverted", "the mask works the other way round (declared polarity, or an additive mask "
@@ -178,7 +182,8 @@ SHAPE_DEPENDENT = _error("shape-dependent", "the module runs only for some shape
 
 CATALOGUE: dict[str, Kind] = {k.id: k for k in (
     BATCH_MIXING, MISSING_SCALE, WRONG_SCALE, SOFTMAX_DIM, MATMUL_ORDER, HEAD_MERGE, VALUES_CHANGED, ROTARY_ONE_SIDE,
-    MASK_IGNORED, MASK_INVERTED, MASK_AFTER_SOFTMAX, MASK_BROADCAST, MASK_ERROR, CAUSAL_LEAK, KEYS_HIDDEN,
+    ROTARY_MISMATCH, MASK_IGNORED, MASK_INVERTED, MASK_AFTER_SOFTMAX, MASK_BROADCAST, MASK_ERROR, CAUSAL_LEAK,
+    KEYS_HIDDEN,
     NAN_ON_MASKED_ROW, NAN_ON_EMPTY_SEQUENCE, HALF_PRECISION_OVERFLOW, HALF_PRECISION_MISMATCH, WRONG_GRADIENT,
     MASK_CONVENTION, DEFINITION_MISMATCH, NON_FINITE, DROPOUT_IN_EVAL, NO_GRAD, NOT_EQUIVARIANT, MUTATES_INPUT,
     WRONG_OUTPUT_SHAPE, SHAPE_DEPENDENT, STATE_DEPENDENT)}
@@ -200,7 +205,7 @@ EXPLAINS: dict[str, frozenset[str]] = {
     fid: CATALOGUE[fid].explains | ({"definition-mismatch"} if fid != "definition-mismatch" else set())
     for fid in ("definition-mismatch", "mask-broadcast", "mask-inverted", "softmax-dim", "matmul-order",
                 "head-merge", "batch-mixing", "mask-after-softmax", "values-changed", "rotary-one-side",
-                "causal-leak", "dropout-in-eval")}
+                "rotary-mismatch", "causal-leak", "dropout-in-eval")}
 
 
 def kind(fid: str | Kind) -> Kind:

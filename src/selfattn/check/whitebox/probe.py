@@ -23,11 +23,11 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from ..findings import DEFINITION_MISMATCH, MISSING_SCALE, Finding
+from ..findings import DEFINITION_MISMATCH, MISSING_SCALE, ROTARY_MISMATCH, Finding
 from ..subject.building import num_heads_of
 from ..subject.caller import Caller
 from ..subject.context import Context, Outcome, padding_keep
-from .products import Unrecognised, Unseen, examine_cores, folded_scale
+from .products import Unrecognised, Unseen, examine_cores, folded_scale, relative_positions
 from .projections import AFTER, Capture, NoFormula, capture, identify, qkv_heads
 from .trace import record
 
@@ -190,6 +190,13 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
             facts["after the attention"] = evidence["compared with"]
         if label == "with a padding mask" and sent is not None:
             facts.update(_zeroed_rows(out, sent))
+    rotated = "rotary" in str(facts.get("positions", positions or ""))
+    if rotated and not any(f.severity == "error" for f in findings):
+        mismatch = _rotated_alike(module, caller, x)
+        if mismatch is not None:
+            findings.append(Finding.of(ROTARY_MISMATCH, f"q and k are not rotated alike: {mismatch}",
+                                       {"positions": facts.get("positions", positions)}))
+            results["one token everywhere"] = mismatch
     if x is not x0:
         results["input scale"] = f"x times {float(x.flatten()[0] / x0.flatten()[0]):.3g} (the scores were too " \
                                  "small to tell formulas apart)"
@@ -202,6 +209,17 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     cover = "verified" if not ctx.allow_nonstandard or all("matches" in r for r in results.values()) else \
         "not verified: --allow-nonstandard and no formula matched"
     return Outcome(findings, notes, positions, {"white_box": cover})
+
+
+def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor) -> str | None:
+    """Run the module on each item's first token repeated at every position: rotary scores then depend on the
+    distance between tokens only; why they do not, or None."""
+    same = x[:, :1].expand_as(x).clone()
+    try:
+        trace, _ = record(module, partial(caller, same))
+    except Exception:  # a module that rejects repeated tokens has been read on the probe input
+        return None
+    return relative_positions(trace, x.shape[1])
 
 
 def _by_projections(cap: Capture | str, out: Tensor, heads: list[int], keep: Tensor | None, raw: Tensor | None,

@@ -56,7 +56,7 @@ from .positions import (
 )
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
-__all__ = ["ROLE_PATTERNS", "Verdict", "examine_cores", "name_role"]
+__all__ = ["ROLE_PATTERNS", "Verdict", "examine_cores", "name_role", "relative_positions"]
 
 _SCALES = frozenset({"mul", "rmul", "mul_", "imul", "div", "truediv", "div_", "itruediv"})
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
@@ -304,6 +304,12 @@ def _relative_terms(trace: Trace, chain: _Chain, inputs: frozenset[int], shape: 
         if value.shape != shape:
             return []
         found.append((name, value, after))
+    for tid, after, spread in chain.spread:  # a broadcast term: only a position product counts (not a mask, ALiBi)
+        value = trace.value(tid)
+        name = _position_product(trace, tid, inputs) if value is not None else None
+        if name is None or value is None or math.prod(spread) != math.prod(shape) or axes is not None:
+            continue
+        found.append((name, value.double().expand(spread).reshape(shape), after))
     return found
 
 
@@ -330,6 +336,7 @@ class _Chain:
     temperatures: list[Tensor] = field(default_factory=list)
     added: list[tuple[int, float]] = field(default_factory=list)
     mixed: list[str] = field(default_factory=list)  # the operations that mix the heads' scores (talking heads)
+    spread: list[tuple[int, float, torch.Size]] = field(default_factory=list)  # added terms broadcast to a shape
 
 
 def _head_mix(op: Op) -> int | None:
@@ -394,6 +401,10 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
         elif number is not None or op.name in LAYOUT or op.name in ("tanh",):
             steps.append((op.name, number))
             nxt = op.main_input()
+        elif op.name in ("setitem", "index_put", "index_put_") and op.in_ids and len(op.args) >= 3 and \
+                (isinstance(op.args[2], (int, float)) or (isinstance(op.args[2], Tensor) and op.args[2].numel() == 1)):
+            steps.append(("masked_fill", None))  # scores at some indices set to a number: a mask written in place
+            nxt = op.in_ids[0]
         elif op.name in _TERMS or op.name == "cat":  # a term added; or sink logits set beside the scores
             steps.append((op.name, None))
             pairs = list(zip(op.in_ids, op.inputs, strict=False))
@@ -401,6 +412,10 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
             if op.name in ("add", "radd", "add_", "iadd") and len(pairs) == 2:
                 after = math.prod(x for _, x in steps if x is not None)
                 chain.added += [(i, after) for i, t in pairs if i != nxt and t.shape == pairs[0][1].shape]
+                if op.outputs:  # terms broadcast over the query or key axis (SAM's decomposed rel_h, rel_w)
+                    chain.spread += [(i, after, op.outputs[0].shape) for i, t in pairs if i != nxt and
+                                     t.shape != op.outputs[0].shape and t.dim() == op.outputs[0].dim() and
+                                     torch.broadcast_shapes(t.shape, op.outputs[0].shape) == op.outputs[0].shape]
         else:
             raise Unrecognised(f"the scores pass through {op.name}() between the product and the softmax")
         if nxt is None:
@@ -791,6 +806,27 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor,
     return None, "merge of the heads not recognised (the next operation reads something else)"
 
 
+def _self_mask(s: Tensor, hidden: Tensor) -> str | None:
+    """The design fact when every token's score with itself is set to one finite value that no other masked score
+    has (Reformer's shared-QK attention: a query is nearest to itself, so its own key is hidden by -1e5 and seen only
+    when nothing else is visible); else None. s, hidden: (..., L, L)."""
+    if s.dim() < 2 or s.shape[-1] != s.shape[-2] or s.shape[-1] < 2:
+        return None
+    diag = s.diagonal(dim1=-2, dim2=-1).double()
+    if not bool(hidden.diagonal(dim1=-2, dim2=-1).all()) or not bool(torch.isfinite(diag).all()):
+        return None
+    value = float(diag.max())
+    off = hidden & ~torch.eye(s.shape[-1], dtype=torch.bool, device=s.device)
+    masked = s.double()[off]
+    if bool((masked == value).any()):  # the diagonal hidden as the other masked scores are: a mask's bug
+        return None
+    own = diag == value  # the rest of the diagonal: the mask's own value (a padded key), written over it
+    if 2 * int(own.sum()) < own.numel() or not bool(torch.isin(diag[~own], masked).all()):
+        return None
+    return (f"each token's score with itself is set to {value:g}, apart from the mask: a token attends to itself only "
+            "when no other key is visible (shared-QK attention's self mask, as in Reformer)")
+
+
 def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdict | None:
     """Do the scores hide exactly the keys the mask the run sent (with the module's own structure) hides?
 
@@ -825,9 +861,18 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
             evidence["top-k"] = f"each query keeps its {k} highest scores among the keys the mask leaves (sparse " \
                                 "top-k attention)"
             return None
-    return Verdict(MASK_IGNORED if missed else CAUSAL_LEAK,
-                   {"matches": f"the scores hide other keys than the mask: {missed} hidden (query, key) pairs left "
-                               f"visible, {extra} visible ones hidden", **evidence})
+    matches = (f"the scores hide other keys than the mask: {missed} hidden (query, key) pairs left visible, {extra} "
+               "visible ones hidden")
+    if not missed:
+        # keys hidden beyond the mask: the same ones in every item are the module's own structure (a causal mask that
+        # hides the diagonal); ones that change with the item's padding are the mask read for other keys than it marks
+        # (a (B, L) mask transposed or reshaped across the batch)
+        surplus = hidden & ~want
+        if b > 1 and not torch.equal(surplus, surplus.any(0, keepdim=True) & ~want):
+            return Verdict(MASK_IGNORED, {"matches": matches + " (which keys are hidden changes with the item: the "
+                                                               "mask is read for other keys than it marks)",
+                                          **evidence})
+    return Verdict(MASK_IGNORED if missed else CAUSAL_LEAK, {"matches": matches, **evidence})
 
 
 def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
@@ -982,7 +1027,12 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         facts["temperature"] = (f"the scores are multiplied by a learned temperature (values "
                                 f"{float(temperature.min()):.4g} to {float(temperature.max()):.4g})")
     with_terms = any(n in _TERMS for n in names) or product.name == "baddbmm"
-    masked = _mask_verdict(~(torch.isfinite(s) & (s > _MASKED)), keep, evidence)
+    hidden = ~(torch.isfinite(s) & (s > _MASKED))
+    own = _self_mask(s, hidden)
+    if own is not None:
+        facts["self mask"] = own
+        hidden = hidden & ~torch.eye(length, dtype=torch.bool, device=hidden.device)
+    masked = _mask_verdict(hidden, keep, evidence)
     if "top-k" in evidence:
         facts["top-k"] = evidence.pop("top-k")
     if masked is not None:
@@ -1213,3 +1263,51 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
     if not verdicts:
         raise Unrecognised("no attention was found: no softmax feeding a product, no scaled_dot_product_attention")
     return verdicts
+
+
+def _query_key_last(r: Tensor, length: int) -> Tensor | None:
+    """Scores ``r`` with their two token axes (the only two of size L, the query's first) moved last, cut to the
+    first L keys (a cache's later keys hold nothing yet); None when the axes cannot be told."""
+    axes = [i for i, size in enumerate(r.shape) if size == length]
+    if len(axes) == 1 and r.dim() >= 2 and axes[0] == r.dim() - 2 and r.shape[-1] > length:
+        return r[..., :length]  # queries, then a cache's keys
+    if len(axes) != 2:
+        return None
+    return r.movedim(axes, (-2, -1))
+
+
+def relative_positions(trace: Trace, length: int) -> str | None:
+    """For a run on one token repeated at every position: where q and k of an attention core are not rotated alike
+    (the rotated part of k concatenated after its pass-through part while q's comes first, other frequencies, k
+    rotated at other positions than q); None when they are, or no core could be read.
+
+    With one token everywhere, q_i = R_i q and k_j = S_j k; rotated alike (S = R, any orthogonal R_i: 1-D or 2-D
+    rotary, xPos, a prefix kept unrotated), each token's score with itself is q . k, whatever its position: the
+    diagonal of Q K^T is constant."""
+    for op in trace.ops:
+        r: Tensor | None = None
+        try:
+            if op.name == "scaled_dot_product_attention" and len(op.inputs) >= 2:
+                q, k = op.inputs[0].double(), op.inputs[1].double()
+                if q.dim() == k.dim() >= 3 and q.shape[-3] != k.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
+                    k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)  # grouped keys
+                r = q @ k.transpose(-1, -2)
+            elif op.name in SOFTMAX:
+                product, _ = _score_chain(trace, op.in_ids[0])
+                pairs = _operands(product)
+                if len(pairs) >= 2:
+                    r = _contract(product, pairs[0][1], pairs[1][1])
+        except (Unseen, Unrecognised, RuntimeError):
+            continue
+        r = None if r is None else _query_key_last(r, length)
+        if r is None or length < 3:
+            continue
+        diag = r.diagonal(dim1=-2, dim2=-1)
+        spread = (diag - diag[..., :1]).abs()
+        size = 1 + float(r.abs().max())
+        if float(spread.max()) > 1e-4 * size:
+            at = int(spread.reshape(-1, length).amax(0).argmax())
+            return (f"with the same token at every position, its score with itself is {float(diag.flatten()[0]):.4g} "
+                    f"at position 0 but differs by {float(spread.max()):.3g} at position {at} (scores up to "
+                    f"{size - 1:.3g}): rotated alike, q_i . k_i would be q . k at every position")
+    return None
