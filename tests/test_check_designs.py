@@ -1852,10 +1852,9 @@ def _lengths_call(m: nn.Module, x: torch.Tensor, keep: torch.Tensor | None = Non
 
 def test_padding_given_as_lengths_is_not_certified_unseen():
     """catches: a module that takes its padding as lengths (B,) certified with its mask "not applicable" although
-    an off-by-one there hides nothing it should: the doctor cannot send lengths, so it has not looked."""
-    for module in (PaddingByLengths(32), PaddingByLengths(32, off_by_one=True)):
-        report = check(module)
-        assert report.verdict == "inconclusive" and "lengths" in report.coverage["mask"], report.coverage
+    an off-by-one there hides nothing it should: the doctor sends lengths to an argument named like them."""
+    assert check(PaddingByLengths(32)).verdict == "passed"  # lengths are sent as lengths
+    assert "mask-ignored" in check(PaddingByLengths(32, off_by_one=True)).ids
     assert check(PaddingByLengths(32), call=_lengths_call, mask="keep (B,L)").verdict == "passed"
     assert "mask-ignored" in check(PaddingByLengths(32, off_by_one=True), call=_lengths_call, mask="keep (B,L)").ids
 
@@ -2123,3 +2122,191 @@ def test_decomposed_grid_positions_broadcast_onto_the_scores_are_a_design():
     no formula (definition-mismatch) on a correct module, which also hid its head-merge bug behind that name."""
     assert check(DecomposedGridPositions(32)).verdict == "passed"
     assert "head-merge" in check(DecomposedGridPositions(32, merge_early=True)).ids
+
+
+class SplitWithoutTranspose(nn.Module):
+    """Three projections split into heads; ``bug``: "q" views q as (B, H, L, D) straight from (B, L, E) (the classic
+    split without its transpose), "v" does that to v only; "merge" puts the heads back with transpose(2, 3)."""
+
+    def __init__(self, dim: int, heads: int = 4, bug: str = "") -> None:
+        super().__init__()
+        self.heads, self.bug = heads, bug
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+
+        def split(t: torch.Tensor, wrong: bool) -> torch.Tensor:
+            return t.view(b, self.heads, n, -1) if wrong else t.view(b, n, self.heads, -1).transpose(1, 2)
+
+        q = split(self.q(x), self.bug == "q")
+        k = split(self.k(x), False)
+        v = split(self.v(x), self.bug == "v")
+        o = torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, dim=-1) @ v
+        o = o.transpose(2, 3) if self.bug == "merge" else o.transpose(1, 2)
+        return self.out(o.reshape(b, n, e))
+
+
+class FlattenedMap(nn.Module):
+    """Single-head attention over a (B, C, H, W) map with 1x1 convolutions after a GroupNorm (the diffusion
+    autoencoders' attention block); ``bug``: "in" flattens q with reshape(B, H*W, C) instead of reshape(B, C, H*W)
+    and a permute, "out" puts the (B, H*W, C) result back with a view to (B, C, H, W), no permute."""
+
+    def __init__(self, channels: int, bug: str = "") -> None:
+        super().__init__()
+        self.bug = bug
+        self.norm = nn.GroupNorm(8, channels)
+        self.q, self.k, self.v = (nn.Conv2d(channels, channels, 1) for _ in range(3))
+        self.proj = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, hs, ws = x.shape
+        h = self.norm(x)
+        q, k, v = self.q(h), self.k(h), self.v(h)
+        q = q.reshape(b, hs * ws, c) if self.bug == "in" else q.reshape(b, c, hs * ws).permute(0, 2, 1)
+        k, v = k.reshape(b, c, hs * ws), v.reshape(b, c, hs * ws).permute(0, 2, 1)
+        o = torch.softmax(torch.bmm(q, k) / math.sqrt(c), dim=-1) @ v  # (B, H*W, C)
+        o = o.view(b, c, hs, ws) if self.bug == "out" else o.permute(0, 2, 1).reshape(b, c, hs, ws)
+        return x + self.proj(o)
+
+
+def test_rows_that_mix_tokens_on_the_way_in_or_out_are_named():
+    """catches: heads split with view(B, H, L, D), a (B, C, H, W) map flattened without its permute, and heads or
+    a map put back across tokens, certified with only not-equivariant because the products themselves have the
+    right scale, softmax axis and order: swapping two tokens must move two rows of q, k and v, and each row read
+    after the values product must hold one token's features."""
+    assert check(SplitWithoutTranspose(32)).verdict == "passed"
+    assert check(FlattenedMap(32)).verdict == "passed"
+    for module, kind in ((SplitWithoutTranspose(32, bug="q"), "head-split"),
+                         (SplitWithoutTranspose(32, bug="v"), "head-split"), (FlattenedMap(32, "in"), "head-split"),
+                         (SplitWithoutTranspose(32, bug="merge"), "head-merge"),
+                         (FlattenedMap(32, "out"), "head-merge")):
+        report = check(module)
+        assert kind in report.ids and report.verdict == "failed", (type(module).__name__, module.bug, report.ids)
+
+
+class QueryAxisPaddingMask(_Fused):
+    """A torch-style ``key_padding_mask`` (True = padding) given to SDPA as ``~mask[:, None, :, None]``: on the query
+    axis, so padded keys stay visible (the bug; ``[:, None, None, :]`` is right)."""
+
+    def __init__(self, dim: int, on_queries: bool = True) -> None:
+        super().__init__(dim)
+        self.on_queries = on_queries
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.split(x)
+        if key_padding_mask is None:
+            return self.merge(F.scaled_dot_product_attention(q, k, v))
+        keep = ~key_padding_mask[:, None, :, None] if self.on_queries else ~key_padding_mask[:, None, None, :]
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+
+
+def test_a_padding_mask_on_the_query_axis_is_a_broadcast_in_either_polarity():
+    """catches: a True = padding key mask put on the query axis named mask-ignored (its polarity guessed as keep,
+    which matched nothing): the rows it changes are the kept ones, read as True = padding they are the queries."""
+    assert check(QueryAxisPaddingMask(32, on_queries=False)).verdict == "passed"
+    report = check(QueryAxisPaddingMask(32))
+    assert "mask-broadcast" in report.ids and "mask-ignored" not in report.ids, report.ids
+
+
+class ConfigDropoutAlwaysOn(nn.Module):
+    """nanoGPT's flash path with ``dropout_p=self.dropout`` passed in eval mode too (the bug), built from a config
+    dataclass whose dropout defaults to 0.1."""
+
+    def __init__(self, config: DropoutConfig) -> None:
+        super().__init__()
+        self.heads, self.dropout = config.n_head, config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.c_attn(x).split(e, dim=2))
+        o = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        return o.transpose(1, 2).reshape(b, n, e)
+
+
+class DropoutConfig:
+    def __init__(self, n_embd: int = 64, n_head: int = 4, dropout: float = 0.1) -> None:
+        self.n_embd, self.n_head, self.dropout = n_embd, n_head, dropout
+
+
+def test_a_config_dropout_is_kept_so_a_dropout_left_on_in_eval_is_seen():
+    """catches: the doctor zeroing a config's dropout (its default 0.1) when it built the module, which made the
+    classic dropout_p=self.dropout in eval mode unreachable: a dropout field with a default keeps it."""
+    report = check(ConfigDropoutAlwaysOn, causal=True)
+    assert "dropout-in-eval" in report.ids, report.ids
+
+
+def _masked_softmax(scores: torch.Tensor, valid_lens: torch.Tensor) -> torch.Tensor:
+    """Softmax over the keys, each row's keys from its valid length on set to -1e6 (d2l.ai's masked_softmax; the
+    assignment turns -1e6 into -inf in float16, where masked_fill would raise)."""
+    keys = torch.arange(scores.shape[-1], device=scores.device)
+    hidden = (keys[None, None, :] >= valid_lens[:, None, None]).expand_as(scores)
+    scores = scores.clone()
+    scores[hidden] = -1e6
+    return torch.softmax(scores, dim=-1)
+
+
+class ValidLengths(nn.Module):
+    """Correct, padding given as each item's valid length, required (d2l.ai's MultiHeadAttention): heads folded
+    into the batch, the lengths repeated per head with repeat_interleave. ``tiled``: with repeat, so head rows of
+    item b read item (b mod B)'s length (the bug)."""
+
+    def __init__(self, num_hiddens: int, num_heads: int, tiled: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.tiled = num_heads, tiled
+        self.W_q, self.W_k, self.W_v, self.W_o = (nn.Linear(num_hiddens, num_hiddens, bias=False) for _ in range(4))
+
+    def fold(self, t: torch.Tensor) -> torch.Tensor:
+        b, n, _ = t.shape
+        return t.reshape(b, n, self.num_heads, -1).permute(0, 2, 1, 3).reshape(b * self.num_heads, n, -1)
+
+    def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                valid_lens: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.fold(self.W_q(queries)), self.fold(self.W_k(keys)), self.fold(self.W_v(values))
+        lens = valid_lens.repeat(self.num_heads) if self.tiled else valid_lens.repeat_interleave(self.num_heads)
+        o = torch.bmm(_masked_softmax(torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1]), lens), v)
+        b = queries.shape[0]
+        return self.W_o(o.reshape(b, self.num_heads, o.shape[1], -1).permute(0, 2, 1, 3).reshape(b, o.shape[1], -1))
+
+
+def test_padding_given_as_required_lengths_is_sent_as_lengths():
+    """catches: a forward that requires valid lengths (B,) (d2l.ai's MultiHeadAttention, the most read teaching
+    code) could not run at all (its width named num_hiddens, its lengths not a mask the doctor sends). Its one
+    finding is its -1e6 fill, which float16 turns into -inf: an empty row is finite in float32, NaN in float16."""
+    report = check(ValidLengths)
+    assert report.ids == {"half-precision-overflow"}, [(f.id, f.message) for f in report.findings]
+    assert report.inferred["mask"]["kind"] == "lengths" and report.coverage["padding"] == "verified"
+    assert "mask-ignored" in check(ValidLengths, init={"num_hiddens": 64, "num_heads": 4, "tiled": True}).ids
+
+
+class ColumnsThenRows(nn.Module):
+    """Correct, two-step axial attention on a 4 x 4 grid of tokens: each column, then each row (CCNet's and axial
+    transformers' factorised attention); together the steps reach every token, each alone a few."""
+
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__()
+        self.cols, self.rows = _Fused(dim, heads), _Fused(dim, heads)
+
+    @staticmethod
+    def _attend(block: _Fused, t: torch.Tensor) -> torch.Tensor:
+        q, k, v = block.split(t)
+        return block.merge(torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        side = math.isqrt(n)
+        grid = x.view(b, side, side, e)
+        cols = self._attend(self.cols, grid.transpose(1, 2).reshape(b * side, side, e))
+        grid = cols.view(b, side, side, e).transpose(1, 2)
+        rows = self._attend(self.rows, grid.reshape(b * side, side, e))
+        return rows.view(b, n, e)
+
+
+def test_two_axial_steps_are_read_as_windows():
+    """catches: a correct two-step axial block named definition-mismatch ("the attention runs over an axis of 4,
+    not the 16 tokens"): after both steps every token depends on every other, so the steps were not read as local;
+    several cores over parts of the tokens are windows, and a split that mixes tokens is head-split's to name."""
+    report = check(ColumnsThenRows(32), length=16)
+    assert report.verdict == "passed" and report.coverage["white_box"] == "verified", report.ids

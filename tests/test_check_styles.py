@@ -59,7 +59,7 @@ def test_config_class_in_the_checked_file_builds_with_and_without_init():
     plain = _cli(f"{GPT}:CausalSelfAttention")
     assert plain.returncode == 0 and "Traceback" not in plain.stderr, plain.stdout + plain.stderr
     built = json.loads(plain.stdout)["inferred"]["built as"]
-    assert built.startswith("CausalSelfAttention(GPTConfig(") and "'n_embd': 64" in built and "'dropout': 0.0" in built
+    assert built.startswith("CausalSelfAttention(GPTConfig(") and "'n_embd': 64" in built and "'dropout'" not in built
     init = _cli(f"{GPT}:CausalSelfAttention", "--init", '{"n_embd": 48, "n_head": 4, "dropout": 0.0}')
     styles = _cli(f"{STYLES}:CausalSelfAttention")  # the config class imported next to a subclass
     assert styles.returncode == 0, styles.stdout + styles.stderr

@@ -97,6 +97,12 @@ ROTARY_MISMATCH = _error("rotary-mismatch", "q and k rotated differently (their 
                          "other orders, other positions or frequencies): the scores depend on absolute positions",
                          "Rotate q and k by the same cos/sin at their positions, on the same dims, and put the rotated "
                          "and pass-through parts back in the same order for both.", ("not-equivariant",))
+HEAD_SPLIT = _error("head-split", "q, k or v split into heads (or a (B, C, H, W) map flattened into tokens) by a view "
+                    "that puts one token's features on the rows of others",
+                    "Split heads with x.view(B, L, H, D).transpose(1, 2), not x.view(B, H, L, D); flatten a (B, C, H, "
+                    "W) map with x.flatten(2).transpose(1, 2), not x.reshape(B, H * W, C).",
+                    ("not-equivariant", "causal-leak", "mask-ignored", "mask-inverted", "head-merge", "softmax-dim",
+                     "matmul-order"))
 MASK_IGNORED = _error("mask-ignored", "padded keys still change real tokens' outputs",
                       "Apply the mask to the scores before the softmax (scores.masked_fill(~visible, -inf)).")
 MASK_INVERTED = _error("mask-inverted", "the mask works the other way round (declared polarity, or an additive mask "
@@ -182,8 +188,8 @@ SHAPE_DEPENDENT = _error("shape-dependent", "the module runs only for some shape
 
 CATALOGUE: dict[str, Kind] = {k.id: k for k in (
     BATCH_MIXING, MISSING_SCALE, WRONG_SCALE, SOFTMAX_DIM, MATMUL_ORDER, HEAD_MERGE, VALUES_CHANGED, ROTARY_ONE_SIDE,
-    ROTARY_MISMATCH, MASK_IGNORED, MASK_INVERTED, MASK_AFTER_SOFTMAX, MASK_BROADCAST, MASK_ERROR, CAUSAL_LEAK,
-    KEYS_HIDDEN,
+    ROTARY_MISMATCH, HEAD_SPLIT, MASK_IGNORED, MASK_INVERTED, MASK_AFTER_SOFTMAX, MASK_BROADCAST, MASK_ERROR,
+    CAUSAL_LEAK, KEYS_HIDDEN,
     NAN_ON_MASKED_ROW, NAN_ON_EMPTY_SEQUENCE, HALF_PRECISION_OVERFLOW, HALF_PRECISION_MISMATCH, WRONG_GRADIENT,
     MASK_CONVENTION, DEFINITION_MISMATCH, NON_FINITE, DROPOUT_IN_EVAL, NO_GRAD, NOT_EQUIVARIANT, MUTATES_INPUT,
     WRONG_OUTPUT_SHAPE, SHAPE_DEPENDENT, STATE_DEPENDENT)}
@@ -203,7 +209,7 @@ SEVERITY: dict[str, Severity] = {fid: k.severity for fid, k in CATALOGUE.items()
 # error diagnosis also explains definition-mismatch (no formula found is a symptom of every named bug).
 EXPLAINS: dict[str, frozenset[str]] = {
     fid: CATALOGUE[fid].explains | ({"definition-mismatch"} if fid != "definition-mismatch" else set())
-    for fid in ("definition-mismatch", "mask-broadcast", "mask-inverted", "softmax-dim", "matmul-order",
+    for fid in ("definition-mismatch", "head-split", "mask-broadcast", "mask-inverted", "softmax-dim", "matmul-order",
                 "head-merge", "batch-mixing", "mask-after-softmax", "values-changed", "rotary-one-side",
                 "rotary-mismatch", "causal-leak", "dropout-in-eval")}
 

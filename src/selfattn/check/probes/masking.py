@@ -34,6 +34,7 @@ from ..findings import (
 )
 from ..subject.building import num_heads_of
 from ..subject.caller import (
+    LENGTH_NAMES,
     MASK_NAMES,
     MASK_SHAPES,
     Caller,
@@ -58,9 +59,6 @@ from ..subject.context import (
 __all__ = ["LENGTH_NAMES", "PADDING_LENGTHS", "band", "causality", "mask_convention", "masked_rows", "padding",
            "twin_reads_masks_alike"]
 
-LENGTH_NAMES = ("lengths", "lens", "seq_lens", "seq_lengths", "seqlens", "input_lengths", "src_lengths",
-                "key_lengths", "ilens", "x_lens", "valid_lengths", "valid_lens", "text_lengths", "audio_lengths")
-"""Names of a forward argument that gives padding as each item's length (speech and text toolkits)."""
 
 PADDING_LENGTHS = (16, 64)
 """Lengths the padding probe also runs at: past the thresholds and chunk sizes where code takes another path."""
@@ -220,7 +218,9 @@ def _candidates(ctx: Context) -> list[Caller]:
         shapes = ("B1LL", *(s for s in SHAPE_ORDER if s != "B1LL"))  # the heads) would read as per-item
     if ctx.call.layout == "sequence-first":  # its own shapes: a (L, L, B) mask, a (B, L) key mask (torch's
         shapes = ("LLB", "BL", "LL", "LL1")   # MultiheadAttention), one (L, L) or (L, L, 1) for every item
-    return [ctx.call.with_mask(MaskSpec(kind, shape), arg) for arg in args for shape in shapes for kind in kinds]
+    lengths = [ctx.call.with_mask(MaskSpec("lengths", "B"), arg) for arg in args if arg in LENGTH_NAMES]
+    return lengths + [ctx.call.with_mask(MaskSpec(kind, shape), arg) for arg in args for shape in shapes
+                      for kind in kinds]
 
 
 def twin_reads_masks_alike(ctx: Context) -> bool:
@@ -230,7 +230,7 @@ def twin_reads_masks_alike(ctx: Context) -> bool:
         return True
     b, length, _ = ctx.x.shape
     for native in _candidates(ctx):
-        keep = probe_keep(b, length, native.key_only)
+        keep = probe_keep(b, length, native.key_only, native.at_end)
         try:
             with torch.no_grad():
                 out = native(ctx.x, native.module_mask(keep))
@@ -356,7 +356,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                                       (caller.mask_arg, caller.spec.shape) == (leaky.mask_arg, leaky.spec.shape)):
             continue  # once a mask acts, only its additive reading may still fit exactly: no more shapes
         label = _label(caller)
-        keep = probe_keep(b, length, caller.key_only)
+        keep = probe_keep(b, length, caller.key_only, caller.at_end)
         try:
             if caller.spec is not None and not caller.key_only and not bool(dep.all()) and \
                     _replaces_its_own(caller, x, plain, dep):
@@ -409,6 +409,9 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             continue
         if caller.key_only and _hides_queries(masked_out, plain, k0[0]):
             return _broadcast_finding(native, k0[0])
+        if caller.key_only and caller.spec is not None and caller.spec.kind == "keep" and ctx.spec is None and \
+                not ctx.declared and _hides_queries(masked_out, plain, ~k0[0]):  # True = padding, on the queries
+            return _broadcast_finding(native.with_mask(MaskSpec("ignore", caller.spec.shape)), ~k0[0])
         tried[label] = "accepted; its effect matches no convention"
         leaky = leaky or native
     if inverted is not None:
@@ -417,7 +420,8 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                                    {"mask": _describe(inverted), "tried": tried})],
                        {"mask": _describe(inverted)}, None,
                        {"mask": "verified", "padding": "not verified: the mask acts the other way round"})
-    if leaky is not None and leaky.mask_arg not in MASK_NAMES and ctx.spec is None and ctx.call.make_mask is None \
+    if leaky is not None and leaky.mask_arg not in MASK_NAMES and not leaky.at_end and ctx.spec is None and \
+            ctx.call.make_mask is None \
             and ctx.call.style != "adapter":  # an argument not named like a mask, read as no mask is: another input
         why = (f"forward's argument '{leaky.mask_arg or 'positional'}' is not named like a mask, changes the output "
                "and reads no mask the doctor sends the way a mask does (document or segment ids, positions?): give "
@@ -509,7 +513,7 @@ def _broadcast_finding(caller: Caller, kv: Tensor, how: str = "") -> Outcome[Cal
 def _other_shapes(ctx: Context, found: Caller, candidates: list[Caller], plain: Tensor) -> Outcome[Caller] | None:
     """Every other shape of the found argument and kind that the module accepts must read a key mask the same
     way (a (B, 1, 1, L) mask put on the query axis while (B, 1, L, L) works is a mask-broadcast)."""
-    if found.spec is None:
+    if found.spec is None or found.at_end:  # lengths are the one form of their argument
         return None
     x = ctx.analysis_x
     b, length, _ = x.shape

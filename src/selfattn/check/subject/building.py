@@ -16,6 +16,7 @@ import re
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import MISSING as _MISSING
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -30,7 +31,8 @@ __all__ = ["CannotRun", "Sizes", "build", "embed_dim_of", "load_class", "load_fi
 # constructor and config parameters the doctor fills with the embed dim / the head count
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
                "channels", "query_dim", "width", "n_state", "num_channels", "in_channels", "model_dim", "d_embed",
-               "embed_size", "n_embed", "embedding_size", "hidden_channels", "inner_dim", "hid_dim")
+               "embed_size", "n_embed", "embedding_size", "hidden_channels", "inner_dim", "hid_dim",
+               "num_hiddens", "n_hidden", "d_hidden")
 # q, k, v projections by name
 ROLE_PATTERNS = {  # matched against the last part of a module's dotted name, whole
     "q": re.compile(r"(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q|linear_q|q_linear|qlinear)"),
@@ -190,9 +192,23 @@ def _guess(name: str, sizes: Sizes) -> object:
         return sizes.embed_dim // sizes.heads
     if low in ("intermediate_size", "ffn_dim", "d_ff", "n_inner", "mlp_dim", "dim_feedforward", "ffn_hidden_size"):
         return 2 * sizes.embed_dim
-    if "dropout" in low or "pdrop" in low or low in ("drop", "attn_drop", "proj_drop", "p"):
-        return 0.0
+    if _is_dropout(name):  # the module runs in eval mode, where a dropout that obeys it is off
+        return 0.1
     return _UNKNOWN
+
+
+def _is_dropout(name: str) -> bool:
+    low = name.lower()
+    return "dropout" in low or "pdrop" in low or low in ("drop", "attn_drop", "proj_drop", "p")
+
+
+def _defaults(config_cls: type[Any]) -> set[str]:
+    """The config's fields that have a default (its __init__'s, or a dataclass field's)."""
+    found = {n for n, p in _signature(config_cls.__init__).items() if p.default is not p.empty}
+    for n, f in getattr(config_cls, "__dataclass_fields__", {}).items():
+        if getattr(f, "default", None) is not _MISSING or getattr(f, "default_factory", None) is not _MISSING:
+            found.add(n)
+    return found
 
 
 _UNKNOWN = object()
@@ -216,7 +232,8 @@ def _config_kwargs(config_cls: type[Any], sizes: Sizes) -> dict:
     heads = next((k for k in _HEAD_KEYS if k in fields), "num_attention_heads" if takes_any else None)
     if heads is not None:
         kwargs[heads] = sizes.heads
-    for name in sorted(fields):
+    kept = {n for n in _defaults(config_cls) if _is_dropout(n)}  # a config's own dropout stays: eval turns it off,
+    for name in sorted(fields - kept):  # and a dropout that ignores eval mode is then seen (dropout-in-eval)
         if name not in kwargs and (name not in _EMBED_KEYS and name not in _HEAD_KEYS):
             value = _guess(name, sizes)
             if value is not _UNKNOWN:

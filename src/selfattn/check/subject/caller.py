@@ -25,6 +25,7 @@ from .._seams import untraced
 from .building import param_device, param_dtype
 
 __all__ = [
+    "LENGTH_NAMES",
     "MASK_KINDS",
     "MASK_NAMES",
     "MASK_SHAPES",
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 MASK_SHAPES: dict[str, str] = {"BLL": "(B, L, L)", "B1LL": "(B, 1, L, L)", "BL": "(B, L)", "B11L": "(B, 1, 1, L)",
-                               "LL": "(L, L)", "LLB": "(L, L, B)", "LL1": "(L, L, 1)"}
+                               "LL": "(L, L)", "LLB": "(L, L, B)", "LL1": "(L, L, 1)", "B": "(B,)"}
 # (L, L, B) and (L, L, 1): sequence-first modules' masks (Transformer-XL's (Lq, Lk, B) or (Lq, Lk, 1)), tried
 # only on them; batch-first (B, L, L) and (B, 1, L, L) are not tried there (a module that reads neither is right)
 # kind -> how it reads: the values the doctor sends for "may attend" / "hidden"
@@ -53,10 +54,16 @@ MASK_KINDS: dict[str, str] = {
     "keep-int": "integer 1 = may attend, 0 = masked",
     "keep-float": "float 1.0 = may attend, 0.0 = masked",
     "additive": "additive float, 0 = may attend, large negative (-inf, -10000, finfo.min) = masked",
+    "lengths": "integer lengths: item b may attend to its first lengths[b] keys, the rest is padding",
 }
+# lengths (B,) are the one kind of shape (B,), and the one form of a forward argument named like lengths (d2l's
+# valid_lens, ESPnet's ilens): they can say only "the last keys of each item are padding"
 ADDITIVE_FILL = -10000.0  # what the doctor puts in an additive mask for "masked"
 MASK_NAMES = ("mask", "attn_mask", "attention_mask", "key_padding_mask", "padding_mask", "src_mask", "masks",
               "input_mask", "pad_mask", "src_key_padding_mask", "key_mask", "attn_masks", "seq_mask")
+LENGTH_NAMES = ("lengths", "lens", "seq_lens", "seq_lengths", "seqlens", "input_lengths", "src_lengths",
+                "key_lengths", "ilens", "x_lens", "valid_lengths", "valid_lens", "text_lengths", "audio_lengths")
+"""Names of a forward argument that gives padding as each item's length (speech and text toolkits)."""
 # bool arguments that switch a causal mask on (SDPA's is_causal and its cousins)
 SWITCH_NAMES = ("is_causal", "causal", "use_causal_mask", "causal_attention")
 
@@ -71,7 +78,7 @@ class MaskSpec:
     @property
     def key_only(self) -> bool:
         """True for (B, L) and (B, 1, 1, L) masks: one flag per key, the same for every query."""
-        return self.shape in ("BL", "B11L")
+        return self.shape in ("BL", "B11L", "B")
 
     def describe(self) -> str:
         """E.g. "additive float, 0 = may attend, ... of shape (B, 1, 1, L)"."""
@@ -91,7 +98,14 @@ class MaskSpec:
             if not torch.equal(keep, keep[:, :1].expand_as(keep)):
                 raise ValueError("a key-only mask (B, L) or (B, 1, 1, L) cannot express a per-query mask")
             keep = keep[:, :1]  # (B, 1, L)
+        if (self.kind == "lengths") != (self.shape == "B"):
+            raise ValueError("lengths are given as shape (B,), and shape (B,) holds lengths only")
         m: Tensor
+        if self.kind == "lengths":
+            counts = keep[:, 0].sum(-1)
+            if not torch.equal(keep[:, 0], torch.arange(keep.shape[-1], device=keep.device)[None, :] < counts[:, None]):
+                raise ValueError("lengths can only hide the last keys of each item (padding at the end)")
+            return counts
         if self.kind == "keep":
             m = keep
         elif self.kind == "ignore":
@@ -110,14 +124,16 @@ class MaskSpec:
 def parse_mask(text: str) -> MaskSpec:
     """``"additive (B,1,1,L)"``, ``"keep (B,L)"``, ``"ignore (L, L)"`` -> a :class:`MaskSpec`.
 
-    Kinds: keep, ignore, keep-int, keep-float, additive. Shapes: (L,L), (B,L,L), (B,1,L,L), (B,1,1,L), (B,L), and for
-    sequence-first modules (L,L,B) and (L,L,1).
+    Kinds: keep, ignore, keep-int, keep-float, additive, and lengths (shape (B,) only). Shapes: (L,L), (B,L,L),
+    (B,1,L,L), (B,1,1,L), (B,L), and for sequence-first modules (L,L,B) and (L,L,1).
     """
     match = re.fullmatch(r"\s*([a-z-]+)\s*\(([^)]*)\)\s*", text)
     shape = "".join(match.group(2).replace(",", " ").split()) if match else ""
-    if not match or match.group(1) not in MASK_KINDS or shape not in MASK_SHAPES:
+    if not match or match.group(1) not in MASK_KINDS or shape not in MASK_SHAPES or \
+            (match.group(1) == "lengths") != (shape == "B"):
         raise ValueError(f"mask must read 'KIND (SHAPE)' with KIND one of {', '.join(MASK_KINDS)} and SHAPE one of "
-                         f"{', '.join(MASK_SHAPES.values())}; got {text!r} (e.g. 'additive (B,1,1,L)')")
+                         f"{', '.join(MASK_SHAPES.values())} (lengths: (B,) only); got {text!r} (e.g. 'additive "
+                         "(B,1,1,L)')")
     return MaskSpec(match.group(1), shape)
 
 
@@ -272,6 +288,11 @@ class Caller:
         """The module's mask can only hide keys (the same for every query)."""
         return self.spec is not None and self.spec.key_only
 
+    @property
+    def at_end(self) -> bool:
+        """The module's mask is lengths: it can only hide the last keys of each item."""
+        return self.spec is not None and self.spec.kind == "lengths"
+
     def module_mask(self, keep: Tensor, dtype: torch.dtype | None = None) -> object:
         """Turn a keep-mask (B, L, L) (True = may attend) into what this module takes.
 
@@ -341,7 +362,8 @@ def required_mask_parameter(module: nn.Module, style: str) -> str | None:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][skip:]
     required = [p for p in positional + [p for p in params if p.kind == p.KEYWORD_ONLY]
                 if p.default is p.empty]
-    if len(required) == 1 and (required[0].name in MASK_NAMES or "mask" in required[0].name.lower()):
+    if len(required) == 1 and (required[0].name in MASK_NAMES or required[0].name in LENGTH_NAMES or
+                               "mask" in required[0].name.lower()):
         return required[0].name
     return None
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from ..findings import BATCH_MIXING, SHAPE_DEPENDENT, STATE_DEPENDENT, WRONG_OUTPUT_SHAPE, Finding
 from .building import CannotRun, Sizes, num_heads_of
 from .caller import (
+    LENGTH_NAMES,
     MASK_NAMES,
     UNSET,
     Caller,
@@ -58,26 +59,28 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
     b, length, _ = x.shape
     off = ~torch.eye(length, dtype=torch.bool)
     first: Caller | None = None
-    for shape in SHAPE_ORDER:
-        for kind in KIND_ORDER:
-            c = Caller(module, style, arg, MaskSpec(kind, shape), adapter=adapter, required=True)
-            keep = probe_keep(b, length, c.key_only)
-            try:
-                with torch.no_grad():
-                    mask = c.module_mask(keep)
-                    if c(x, mask).shape != x.shape or c(x).shape != x.shape:
-                        continue
-                    seen = dependency(partial(c, mask=mask), x)
-                    full = dependency(c, x)
-            except Exception:  # not this shape or kind
-                continue
-            first = first or c
-            k0 = keep[0]
-            rows = (k0 & full & off).any(-1) & (~k0 & full & off).any(-1)
-            if torch.equal((seen & off)[rows], (k0 & full & off)[rows]):
-                return c
-            if kind == "keep" and torch.equal((seen & off)[rows], (~k0 & full & off)[rows]):
-                return c.with_mask(MaskSpec("ignore", shape), arg)
+    forms = [(shape, kind) for shape in SHAPE_ORDER for kind in KIND_ORDER]
+    if arg in LENGTH_NAMES:  # padding given as lengths (d2l's valid_lens)
+        forms.insert(0, ("B", "lengths"))
+    for shape, kind in forms:
+        c = Caller(module, style, arg, MaskSpec(kind, shape), adapter=adapter, required=True)
+        keep = probe_keep(b, length, c.key_only, c.at_end)
+        try:
+            with torch.no_grad():
+                mask = c.module_mask(keep)
+                if c(x, mask).shape != x.shape or c(x).shape != x.shape:
+                    continue
+                seen = dependency(partial(c, mask=mask), x)
+                full = dependency(c, x)
+        except Exception:  # not this shape or kind
+            continue
+        first = first or c
+        k0 = keep[0]
+        rows = (k0 & full & off).any(-1) & (~k0 & full & off).any(-1)
+        if torch.equal((seen & off)[rows], (k0 & full & off)[rows]):
+            return c
+        if kind == "keep" and torch.equal((seen & off)[rows], (~k0 & full & off)[rows]):
+            return c.with_mask(MaskSpec("ignore", shape), arg)
     return first
 
 

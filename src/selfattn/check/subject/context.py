@@ -162,9 +162,13 @@ def empty_row_keep(b: int, length: int, key_only: bool) -> Tensor:
     return keep
 
 
-def probe_keep(b: int, length: int, key_only: bool) -> Tensor:
-    """(B, L, L) keep-mask no module has built in: a band (key-only: a different set of hidden keys per item)."""
+def probe_keep(b: int, length: int, key_only: bool, at_end: bool = False) -> Tensor:
+    """(B, L, L) keep-mask no module has built in: a band (key-only: a different set of hidden keys per item;
+    ``at_end``, for masks given as lengths: the last 1 + b % 3 keys of item b)."""
     i = torch.arange(length)
+    if at_end:
+        counts = length - 1 - torch.arange(b) % 3
+        return (i[None, :] < counts[:, None])[:, None, :].expand(b, length, length)
     if not key_only:
         band = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - 2)
         return band.expand(b, length, length)

@@ -23,13 +23,14 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from ..findings import DEFINITION_MISMATCH, MISSING_SCALE, ROTARY_MISMATCH, Finding
+from ..findings import DEFINITION_MISMATCH, HEAD_SPLIT, MISSING_SCALE, ROTARY_MISMATCH, Finding
 from ..subject.building import num_heads_of
 from ..subject.caller import Caller
 from ..subject.context import Context, Outcome, padding_keep
 from .products import Unrecognised, Unseen, examine_cores, folded_scale, relative_positions
 from .projections import AFTER, Capture, NoFormula, capture, identify, qkv_heads
-from .trace import record
+from .tokens import mixed_rows
+from .trace import Trace, record
 
 __all__ = ["declared_scale", "white_box"]
 
@@ -62,7 +63,7 @@ def declared_scale(module: nn.Module) -> tuple[Callable[[int], float | None], st
 def _raw(caller: Caller, mask: object, keep: Tensor) -> Tensor | None:
     """The mask the module received, as float64 (B, 1, L, L), for formulas that use its values."""
     m = mask if isinstance(mask, Tensor) else None
-    if m is None or caller.spec is None:
+    if m is None or caller.spec is None or caller.at_end:  # lengths carry no values a formula uses
         return None
     m = m.double().cpu()
     b, length = keep.shape[0], keep.shape[-1]
@@ -144,6 +145,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     if stated_where or ctx.scale is not None:
         facts["scale"] = f"{'--scale' if ctx.scale is not None else stated_where} (not 1/sqrt(D))"
     skipped = 0
+    plain: Trace | None = None
     for label, sent, keep in _runs(ctx, masked, dep):
         run_caller = ctx.exact_of(masked) if sent is not None and masked is not None else caller
         mask = run_caller.module_mask(sent) if sent is not None and masked is not None else None
@@ -152,6 +154,8 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
             return run_caller(x, mask) if mask is not None else caller(x)
 
         trace, out = record(module, call)
+        if sent is None:
+            plain = trace
         k4 = None if keep is None else keep.reshape(-1, 1, *keep.shape[-2:])
         raw = _raw(run_caller, mask, k4) if mask is not None and k4 is not None else None
         cap = capture(trace, module, x)
@@ -190,6 +194,10 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
             facts["after the attention"] = evidence["compared with"]
         if label == "with a padding mask" and sent is not None:
             facts.update(_zeroed_rows(out, sent))
+    mixed = None if plain is None else _rows_of_one_token(module, caller, x, plain)
+    if mixed is not None:
+        findings.append(Finding.of(HEAD_SPLIT, mixed, {"swapped tokens": [x.shape[1] // 2 - 1, x.shape[1] // 2]}))
+        results["two tokens swapped"] = mixed
     rotated = "rotary" in str(facts.get("positions", positions or ""))
     if rotated and not any(f.severity == "error" for f in findings):
         mismatch = _rotated_alike(module, caller, x)
@@ -209,6 +217,21 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     cover = "verified" if not ctx.allow_nonstandard or all("matches" in r for r in results.values()) else \
         "not verified: --allow-nonstandard and no formula matched"
     return Outcome(findings, notes, positions, {"white_box": cover})
+
+
+def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trace) -> str | None:
+    """Run the module with two neighbouring tokens swapped in every item: where a layout operation on the way to q,
+    k or v spreads them over the rows of others (:mod:`.tokens`), or None."""
+    t, u = x.shape[1] // 2, x.shape[1] // 2 - 1
+    if u < 0:
+        return None
+    other = x.clone()
+    other[:, [t, u]] = x[:, [u, t]]
+    try:
+        trace, _ = record(module, partial(caller, other))
+    except Exception:  # a module that rejects this input has been read on the probe's own
+        return None
+    return mixed_rows(plain, trace, x.shape[1], (u, t))
 
 
 def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor) -> str | None:

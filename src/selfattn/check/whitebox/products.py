@@ -56,7 +56,7 @@ from .positions import (
 )
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
-__all__ = ["ROLE_PATTERNS", "Verdict", "examine_cores", "name_role", "relative_positions"]
+__all__ = ["ROLE_PATTERNS", "Verdict", "core_operands", "examine_cores", "name_role", "relative_positions"]
 
 _SCALES = frozenset({"mul", "rmul", "mul_", "imul", "div", "truediv", "div_", "itruediv"})
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
@@ -794,6 +794,9 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor,
             cands["correct"] = o4.transpose(1, 2).reshape(bh // h, length, h * d)
             cands["sequence-first"] = o4.permute(2, 0, 1, 3).reshape(length, bh // h, h * d)
             cands[HEAD_MERGE] = o.reshape(bh // h, length, h * d)
+    if _tokens_kept(o, m) is False:
+        return HEAD_MERGE, ("each row the next operation reads holds features of several query tokens: the heads (or "
+                            "the tokens of a map) are put back with a view, reshape or transpose that mixes tokens")
     if not cands or m.numel() != next(iter(cands.values())).numel():
         return None, "merge of the heads not checked (the next operation reads another shape)"
     flat = m.double().reshape(-1)
@@ -804,6 +807,35 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor,
                 return HEAD_MERGE, "heads merged with view/reshape before the transpose back"
             return None, "heads merged side by side"
     return None, "merge of the heads not recognised (the next operation reads something else)"
+
+
+def _tokens_kept(o: Tensor, m: Tensor) -> bool | None:
+    """Does every row of ``m`` (the tensor read after the values product, along an axis of one token's feature count)
+    hold the features of one query token of ``o`` (..., L, D), in any order? None when no axis of ``m`` can be one
+    token's features. A merge in any head order keeps each token's values together; a view before the transpose
+    back, or a transpose of the wrong axes, spreads them over other rows."""
+    if o.dim() < 2 or o.numel() != m.numel() or o.is_complex() or m.is_complex():
+        return None
+    length, d = o.shape[-2], o.shape[-1]
+    lead = o.numel() // (length * d)
+    verdict = None
+    for a in range(m.dim()):
+        f = m.shape[a]
+        if f % d or lead % (f // d) or f == 1:
+            continue
+        h, b = f // d, lead // (f // d)
+        rows_m = m.double().movedim(a, -1).reshape(-1, f).sort(-1).values
+        rows_m = rows_m[torch.isfinite(rows_m).all(1)]  # a row with no visible key (NaN) is in no order
+        for o4 in (o.double().reshape(b, h, length, d), o.double().reshape(h, b, length, d).transpose(0, 1)):
+            rows_o = o4.permute(0, 2, 1, 3).reshape(-1, f).sort(-1).values
+            rows_o = rows_o[torch.isfinite(rows_o).all(1)]
+            if not len(rows_o) or not len(rows_m):
+                return None
+            tol = 1e-7 * (1 + float(rows_o.abs().max())) * math.sqrt(f)
+            if bool((torch.cdist(rows_m, rows_o).min(1).values <= tol).all()):
+                return True
+        verdict = False
+    return verdict
 
 
 def _self_mask(s: Tensor, hidden: Tensor) -> str | None:
@@ -1253,6 +1285,8 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
             where it stopped); or no core was found.
     """
     verdicts = []
+    cores = sum(op.name == "scaled_dot_product_attention" or op.name in SOFTMAX for op in trace.ops)
+    local = local or cores > 1  # steps that each see part of the tokens and together all (axial: rows, then columns)
     for op in trace.ops:
         if op.name == "scaled_dot_product_attention":
             verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep, local))
@@ -1311,3 +1345,51 @@ def relative_positions(trace: Trace, length: int) -> str | None:
                     f"at position 0 but differs by {float(spread.max()):.3g} at position {at} (scores up to "
                     f"{size - 1:.3g}): rotated alike, q_i . k_i would be q . k at every position")
     return None
+
+
+def _axes(op: Op, position: int, role: str) -> tuple[int, int] | None:
+    """(token axis, feature axis) of the operand at ``position`` of the product ``op``: of q and k in the score
+    product, of v in the product with the weights; None when the layout cannot be told."""
+    eq = _equation(op)
+    if eq is None:
+        if op.name == "baddbmm":
+            return None
+        return {"q": (-2, -1), "k": (-1, -2), "v": (-2, -1)}[role]
+    (sa, sb), out = eq
+    mine, other = (sa, sb) if position == 0 else (sb, sa)
+    if role in "qk":
+        token = [c for c in mine if c in out and c not in other]
+        feature = [c for c in mine if c in other and c not in out]
+    else:
+        token = [c for c in mine if c in other and c not in out]
+        feature = [c for c in mine if c in out and c not in other]
+    if len(token) != 1 or len(feature) != 1:
+        return None
+    return mine.index(token[0]) - len(mine), mine.index(feature[0]) - len(mine)
+
+
+def core_operands(trace: Trace) -> list[tuple[str, int, tuple[int, int]]]:
+    """(role, identity, (token axis, feature axis)) of the q, k and v operands of every attention core in the record
+    (the score product's two operands and the values of the product after the softmax; an SDPA call's first
+    three); a core the record cannot follow gives none."""
+    found: list[tuple[str, int, tuple[int, int]]] = []
+    for op in trace.ops:
+        if op.name == "scaled_dot_product_attention":
+            found += [(role, tid, (-2, -1)) for role, tid in zip("qkv", op.in_ids, strict=False)]
+        elif op.name in SOFTMAX:
+            try:
+                product, _ = _score_chain(trace, op.in_ids[0])
+            except Unrecognised:
+                continue
+            pairs = _operands(product)
+            for position, role in enumerate("qk"[:len(pairs)]):
+                axes = _axes(product, position, role)
+                if axes is not None:
+                    found.append((role, pairs[position][0], axes))
+            after = _product_after(trace, op.out_ids[0])
+            if after is not None:
+                values = [(position, tid) for position, (tid, _) in enumerate(_operands(after[0])) if tid != after[1]]
+                axes = _axes(after[0], values[0][0], "v") if values else None
+                if axes is not None:
+                    found.append(("v", values[0][1], axes))
+    return found

@@ -1,0 +1,104 @@
+"""Which token each row of q, k and v holds: a run with two tokens swapped must change two rows of each.
+
+The module is run twice, on the probe input and on a copy with two neighbouring tokens swapped in every item
+(a swap leaves statistics over the tokens, as a GroupNorm's, as they were), and the two records are read side by
+side (the same code on the same shapes records the same operations). Along the way from the input to each score
+and value operand, a tensor is *by token* when its changes lie on at most two indices of an axis of the
+sequence's length (or of each of two axes whose sizes multiply to it: a (B, C, H, W) grid), and *mixed* when they
+do not. A view, reshape, transpose or permute that turns rows by token into mixed rows put features of one token on the
+rows of others: heads split with ``view(B, H, L, D)`` instead of ``view(B, L, H, D).transpose(1, 2)``, a
+(B, C, H, W) map flattened to (B, H*W, C) without its permute. Products, convolutions and pools that mix tokens
+are designs (Linformer's projected keys, CvT's convolutional projections, PVT's reduction) and are not judged.
+
+Shape legend: B batch, H heads, L length, D head dim.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from .products import core_operands
+from .trace import LAYOUT, Trace
+
+__all__ = ["mixed_rows"]
+
+
+def _state(changed: Tensor, length: int) -> bool | None:
+    """True: the changes lie on the two swapped tokens (at most two indices of an axis of size L, or of each of two
+    axes whose sizes multiply to L); False: on more along every such axis; None: nothing changed, or no such
+    axis."""
+    if not bool(changed.any()):
+        return None
+    dims = range(changed.dim())
+    hit = [int(changed.movedim(a, 0).reshape(changed.shape[a], -1).any(1).sum()) for a in dims]
+    axes = [a for a in dims if changed.shape[a] == length]
+    if axes:
+        return any(hit[a] <= 2 for a in axes)
+    pairs = [(a, b) for a in dims for b in dims if a < b and changed.shape[a] > 1 and changed.shape[b] > 1 and
+             changed.shape[a] * changed.shape[b] == length]
+    if pairs:
+        return any(hit[a] <= 2 and hit[b] <= 2 for a, b in pairs)
+    return None
+
+
+def mixed_rows(first: Trace, second: Trace, length: int, tokens: tuple[int, int]) -> str | None:
+    """Where a layout operation on the way to a q, k or v operand spreads one token's features over the rows of
+    other tokens, comparing the record ``first`` with ``second`` (the same run with ``tokens`` swapped); None
+    when none does or the records differ in their operations."""
+    if len(first.ops) != len(second.ops) or any(a.name != b.name for a, b in zip(first.ops, second.ops,
+                                                                                 strict=True)):
+        return None
+    at = {id(op): i for i, op in enumerate(first.ops)}
+
+    def changed(a: Tensor, b: Tensor) -> Tensor | None:
+        if not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.shape != b.shape or a.is_complex() or \
+                not a.is_floating_point():
+            return None
+        diff = (a.double() - b.double()).abs()
+        return diff > 1e-6 * (1 + float(a.double().abs().max()))
+
+    for role, tid, (token_axis, feature_axis) in core_operands(first):
+        own = first.maker(tid)
+        if own is None:
+            continue
+        mine = changed(own[0].outputs[own[1]], second.ops[at[id(own[0])]].outputs[own[1]]) \
+            if own[1] < len(second.ops[at[id(own[0])]].outputs) else None
+        if mine is None or mine.dim() < 2 or not _spread(mine, token_axis, feature_axis):
+            continue  # the operand holds each token on one row of its token axis (per head, window, item)
+        cur: int | None = tid
+        for _ in range(40):
+            found = None if cur is None else first.maker(cur)
+            if found is None:
+                break
+            op, index = found
+            other = second.ops[at[id(op)]]
+            main = op.main_input()
+            if main is None or main not in op.in_ids or index >= len(other.outputs):
+                break
+            k = op.in_ids.index(main)
+            if op.name in LAYOUT and k < len(other.inputs):
+                out = changed(op.outputs[index], other.outputs[index])
+                into = changed(op.inputs[k], other.inputs[k])
+                if out is not None and into is not None and _state(out, length) is False and \
+                        _state(into, length) is True:
+                    return (f"{role}'s rows mix tokens: swapping tokens {tokens[0]} and {tokens[1]} changes their own "
+                            f"rows before a {op.name}() on the way to {role} and {_rows_changed(out, length)} after "
+                            f"it: that "
+                            f"{op.name}() puts one token's features on the rows of others (heads split with view(B, "
+                            "H, L, D) instead of view(B, L, H, D).transpose(1, 2), or a (B, C, H, W) map flattened "
+                            "without its permute)")
+            cur = main
+    return None
+
+
+def _spread(changed: Tensor, token_axis: int, feature_axis: int) -> bool:
+    """Does some row of the operand's other axes (an item, head or window) hold the two swapped tokens on more than
+    two positions of its token axis?"""
+    rows = changed.movedim((token_axis, feature_axis), (-2, -1)).any(-1)  # (..., positions)
+    return bool((rows.reshape(-1, rows.shape[-1]).sum(-1) > 2).any())
+
+
+def _rows_changed(changed: Tensor, length: int) -> str:
+    counts = [int(changed.movedim(a, 0).reshape(changed.shape[a], -1).any(1).sum())
+              for a in range(changed.dim()) if changed.shape[a] == length]
+    return f"{min(counts)} of its {length} token rows" if counts else "the rows of more than two tokens"
