@@ -2253,10 +2253,11 @@ class ValidLengths(nn.Module):
     into the batch, the lengths repeated per head with repeat_interleave. ``tiled``: with repeat, so head rows of
     item b read item (b mod B)'s length (the bug)."""
 
-    def __init__(self, num_hiddens: int, num_heads: int, tiled: bool = False) -> None:
+    def __init__(self, num_hiddens: int, num_heads: int, tiled: bool = False, lazy: bool = False) -> None:
         super().__init__()
         self.num_heads, self.tiled = num_heads, tiled
-        self.W_q, self.W_k, self.W_v, self.W_o = (nn.Linear(num_hiddens, num_hiddens, bias=False) for _ in range(4))
+        self.W_q, self.W_k, self.W_v, self.W_o = (nn.LazyLinear(num_hiddens, bias=False) if lazy else  # as d2l.ai
+                                                  nn.Linear(num_hiddens, num_hiddens, bias=False) for _ in range(4))
 
     def fold(self, t: torch.Tensor) -> torch.Tensor:
         b, n, _ = t.shape
@@ -2273,12 +2274,15 @@ class ValidLengths(nn.Module):
 
 def test_padding_given_as_required_lengths_is_sent_as_lengths():
     """catches: a forward that requires valid lengths (B,) (d2l.ai's MultiHeadAttention, the most read teaching
-    code) could not run at all (its width named num_hiddens, its lengths not a mask the doctor sends). Its one
-    finding is its -1e6 fill, which float16 turns into -inf: an empty row is finite in float32, NaN in float16."""
+    code) could not run at all (its width named num_hiddens, its lengths not a mask the doctor sends, its
+    nn.LazyLinear read as a width of 0). Its one finding is its -1e6 fill, which float16 turns into -inf: an empty
+    row is finite in float32, NaN in float16."""
     report = check(ValidLengths)
     assert report.ids == {"half-precision-overflow"}, [(f.id, f.message) for f in report.findings]
     assert report.inferred["mask"]["kind"] == "lengths" and report.coverage["padding"] == "verified"
     assert "mask-ignored" in check(ValidLengths, init={"num_hiddens": 64, "num_heads": 4, "tiled": True}).ids
+    lazy = check(ValidLengths, init={"num_hiddens": 64, "num_heads": 4, "lazy": True})  # E from no Linear's size
+    assert lazy.ids == {"half-precision-overflow"} and lazy.inferred["embed_dim"] == 64, lazy.ids
 
 
 class ColumnsThenRows(nn.Module):
@@ -2310,3 +2314,162 @@ def test_two_axial_steps_are_read_as_windows():
     several cores over parts of the tokens are windows, and a split that mixes tokens is head-split's to name."""
     report = check(ColumnsThenRows(32), length=16)
     assert report.verdict == "passed" and report.coverage["white_box"] == "verified", report.ids
+
+
+class PairedRotaryTables(_Fused):
+    """Rotary positions on interleaved pairs (x0, x1), (x2, x3), ... ``tables``: "interleaved" lays each
+    frequency's cos/sin out for its pair (repeat_interleave), correct; "halves" lays them out as two halves
+    (repeat), as rotate-half code does, so the two entries of a pair turn by different angles: no rotation (the bug
+    V-JEPA 2's video rotary shipped with)."""
+
+    def __init__(self, dim: int, tables: str = "interleaved") -> None:
+        super().__init__(dim)
+        self.tables = tables
+
+    def turn(self, t: torch.Tensor) -> torch.Tensor:
+        n, d = t.shape[-2], t.shape[-1]
+        angle = torch.arange(n, dtype=t.dtype)[:, None] / 10000.0 ** (torch.arange(d // 2, dtype=t.dtype) / (d // 2))
+        spread = (lambda a: a.repeat_interleave(2, -1)) if self.tables == "interleaved" else (lambda a: a.repeat(1, 2))
+        pairs = t.unflatten(-1, (-1, 2))
+        swapped = torch.stack((-pairs[..., 1], pairs[..., 0]), -1).flatten(-2)
+        return t * spread(angle.cos()) + swapped * spread(angle.sin())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        return self.merge(F.scaled_dot_product_attention(self.turn(q), self.turn(k), v))
+
+
+def test_a_rotary_whose_tables_do_not_pair_with_its_rotation_is_named():
+    """catches: cos/sin tables laid out for rotate-half on an interleaved-pairs rotation certified as rotary
+    positions: the map is no rotation, so each token's score with itself changes with its position."""
+    assert check(PairedRotaryTables(32)).verdict == "passed"
+    assert "rotary-mismatch" in check(PairedRotaryTables(32, "halves")).ids
+
+
+class PerHeadOutput(nn.Module):
+    """Correct, Mesh-TensorFlow / T5X style: projections are (E, H, D) einsums and the output projection contracts
+    the heads and their dims directly ("bhnd,hde->bne"), so the heads are never merged into one tensor."""
+
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__()
+        d = dim // heads
+        self.w_q, self.w_k, self.w_v = (nn.Parameter(torch.randn(dim, heads, d) / math.sqrt(dim)) for _ in range(3))
+        self.w_o = nn.Parameter(torch.randn(heads, d, dim) / math.sqrt(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (torch.einsum("bne,ehd->bhnd", x, w) for w in (self.w_q, self.w_k, self.w_v))
+        weights = torch.einsum("bhid,bhjd->bhij", q, k).div(math.sqrt(q.shape[-1])).softmax(-1)
+        return torch.einsum("bhnd,hde->bne", torch.einsum("bhij,bhjd->bhid", weights, v), self.w_o)
+
+
+def test_heads_contracted_by_the_output_projection_are_not_a_merge():
+    """catches: an output projection that contracts the heads and their dims of the (B, H, L, D) result as it is
+    named head-merge: its input was compared flat with a reshape that has the same memory."""
+    assert check(PerHeadOutput(64)).verdict == "passed"
+
+
+class CausalChunks(_Fused):
+    """Correct, chunked attention (Llama 4's local layers): tokens attend causally within chunks of 4, the last
+    chunk padded; ``open_chunks``: each chunk sees its own future too (the bug, for a decoder)."""
+
+    def __init__(self, dim: int, open_chunks: bool = False) -> None:
+        super().__init__(dim)
+        self.open_chunks = open_chunks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        pad = -n % 4
+        q, k, v = self.split(F.pad(x, (0, 0, 0, pad)))  # (B, H, L + pad, D)
+
+        def chunks(t: torch.Tensor) -> torch.Tensor:
+            return t.unflatten(2, (-1, 4))  # (B, H, chunks, 4, D)
+
+        o = F.scaled_dot_product_attention(chunks(q), chunks(k), chunks(v), is_causal=not self.open_chunks)
+        return self.merge(o.flatten(2, 3))[:, :n]
+
+
+def test_causal_chunks_are_a_design():
+    """catches: chunked causal attention (past chunks hidden on purpose) named causal-leak ("hides past keys in no
+    window"), and its padded last chunk read as a head split that mixes tokens."""
+    for length in (7, 8):
+        report = check(CausalChunks(32), causal=True, length=length)
+        assert report.verdict == "passed" and "chunks" in report.inferred["window"], (length, report.ids)
+    assert "causal-leak" in check(CausalChunks(32, open_chunks=True), causal=True, length=8).ids
+
+
+class TokensBeforeHeadsRotary(nn.Module):
+    """Rotary positions applied in the (B, L, H, D) layout before the heads move forward (GPT-J's and Mesh
+    Transformer JAX's order), interleaved pairs on the first half of each head; ``k_base``: k rotated with another
+    base than q (the bug)."""
+
+    def __init__(self, dim: int, heads: int = 4, k_base: float = 10000.0) -> None:
+        super().__init__()
+        self.heads, self.k_base = heads, k_base
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+
+    @staticmethod
+    def turn(t: torch.Tensor, base: float) -> torch.Tensor:  # t: (B, L, H, D)
+        r = t.shape[-1] // 2
+        angle = torch.arange(t.shape[1], dtype=t.dtype)[:, None] / base ** (torch.arange(0, r, 2, dtype=t.dtype) / r)
+        cos, sin = (f(angle).repeat_interleave(2, -1)[None, :, None, :] for f in (torch.cos, torch.sin))
+        part = t[..., :r]
+        swapped = torch.stack((-part[..., 1::2], part[..., ::2]), -1).flatten(-2)
+        return torch.cat((part * cos + swapped * sin, t[..., r:]), -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (p(x).view(b, n, self.heads, -1) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.turn(q, 10000.0), self.turn(k, self.k_base)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return o.transpose(1, 2).reshape(b, n, e)
+
+
+def test_rotary_applied_with_tokens_before_heads_is_found_and_checked():
+    """catches: rotary positions applied on (B, L, H, D) not found (the positions were looked for on the axis
+    before the head dim only), so q and k rotated with different bases were certified."""
+    report = check(TokensBeforeHeadsRotary(32), causal=True)
+    assert report.verdict == "passed" and "rotary" in report.inferred["design"]["positions"], report.inferred
+    assert "rotary-mismatch" in check(TokensBeforeHeadsRotary(32, k_base=1000.0), causal=True).ids
+
+
+class CrossStripes(nn.Module):
+    """Correct, CSWin-style cross-shaped windows on a 4 x 4 grid: half the channels attend within stripes of width
+    one along the rows, half along the columns (each stripe's layout has an axis of one position)."""
+
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads // 2
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def stripes(self, t: torch.Tensor, tall: bool) -> torch.Tensor:  # (B, L, C) -> (B * stripes, H, side, D)
+        b, n, c = t.shape
+        side = math.isqrt(n)
+        grid = t.transpose(-2, -1).contiguous().view(b, c, side, side)
+        sh, sw = (side, 1) if tall else (1, side)
+        w = grid.view(b, c, side // sh, sh, side // sw, sw).permute(0, 2, 4, 3, 5, 1).contiguous()
+        w = w.reshape(-1, sh * sw, c)
+        return w.reshape(-1, sh * sw, self.heads, c // self.heads).permute(0, 2, 1, 3).contiguous()
+
+    def back(self, o: torch.Tensor, tall: bool, b: int, n: int) -> torch.Tensor:
+        side = math.isqrt(n)
+        sh, sw = (side, 1) if tall else (1, side)
+        o = o.transpose(1, 2).reshape(b, side // sh, side // sw, sh, sw, -1)
+        return o.permute(0, 1, 3, 2, 4, 5).reshape(b, n, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, c).permute(2, 0, 1, 3)
+        outs = []
+        for tall, part in ((True, slice(0, c // 2)), (False, slice(c // 2, c))):
+            q, k, v = (self.stripes(t[..., part], tall) for t in qkv)
+            w = ((q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)).softmax(-1)
+            outs.append(self.back(w @ v, tall, b, n))
+        return self.proj(torch.cat(outs, -1))
+
+
+def test_an_axis_of_one_position_is_not_rotary():
+    """catches: a copy along an axis of one position read as rotary positions (a rotation at position 0 is the
+    identity), which reported positions the module does not have and would run the rotary checks on it."""
+    report = check(CrossStripes(64), length=16)
+    assert report.verdict == "passed" and "positions" not in report.inferred.get("design", {}), report.inferred

@@ -93,10 +93,13 @@ VALUES_CHANGED = _error("values-changed", "V reaches the product changed after i
 ROTARY_ONE_SIDE = _error("rotary-one-side", "rotary positions on q but not on k (or on k only)",
                          "Rotate q and k by the same positions: the scores then depend on the distance between "
                          "tokens only.", ("not-equivariant",))
-ROTARY_MISMATCH = _error("rotary-mismatch", "q and k rotated differently (their rotated and pass-through parts in "
-                         "other orders, other positions or frequencies): the scores depend on absolute positions",
-                         "Rotate q and k by the same cos/sin at their positions, on the same dims, and put the rotated "
-                         "and pass-through parts back in the same order for both.", ("not-equivariant",))
+ROTARY_MISMATCH = _error("rotary-mismatch", "q and k not rotated alike (rotated and pass-through parts in other "
+                         "orders, other positions or frequencies), or by a map that is no rotation (cos/sin laid out "
+                         "for another pairing): the scores depend on absolute positions",
+                         "Rotate q and k by the same cos/sin at their positions, on the same dims, with the rotated "
+                         "and pass-through parts in the same order; lay cos/sin out for the pairing the rotation uses "
+                         "(repeat_interleave for interleaved pairs, cat((f, f)) for rotate-half).",
+                         ("not-equivariant",))
 HEAD_SPLIT = _error("head-split", "q, k or v split into heads (or a (B, C, H, W) map flattened into tokens) by a view "
                     "that puts one token's features on the rows of others",
                     "Split heads with x.view(B, L, H, D).transpose(1, 2), not x.view(B, H, L, D); flatten a (B, C, H, "

@@ -168,6 +168,9 @@ def causality(ctx: Context) -> Outcome[Tensor]:
                                                                                                   f"{right}"}))
         elif 0 < right and left < whole:
             found.notes["window"] = f"local window: each query sees the {left} previous and {right} next tokens"
+    elif causal and _causal_chunks(dep) is not None:
+        found.notes["window"] = (f"causal within chunks of {_causal_chunks(dep)} tokens: each query sees the tokens "
+                                 "of its chunk up to itself (chunked attention, as Llama 4's local layers)")
     elif causal and (~dep & ~future(length)).any():
         pairs = (~dep & ~future(length)).nonzero().tolist()[:10]
         found.findings.append(Finding.of(CAUSAL_LEAK, "the causal mask hides more than the future (the diagonal "
@@ -472,6 +475,17 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
                    coverage={"mask": "not verified: no mask argument, shape or kind the doctor tries was accepted; "
                                      "state it with --mask, give --call, or say --no-mask",
                              "padding": "not verified: no mask understood"})
+
+
+def _causal_chunks(dep: Tensor) -> int | None:
+    """The chunk size c (1 < c < L) when ``dep`` is causal within consecutive chunks of c tokens and hides every
+    other chunk; else None."""
+    length = dep.shape[0]
+    i = torch.arange(length)
+    for c in range(2, length):
+        if torch.equal(dep, (i[None, :] <= i[:, None]) & (i[None, :] // c == i[:, None] // c)):
+            return c
+    return None
 
 
 def _switch(ctx: Context, name: str, dep: Tensor) -> Outcome[Caller]:

@@ -346,6 +346,8 @@ def embed_dim_of(module: nn.Module, default: int) -> int:
     if found:
         return found
     for m in module.modules():
+        if isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params():
+            continue  # nn.LazyLinear: no size until its first call
         if isinstance(m, nn.Linear):
             return m.in_features
         if isinstance(m, (nn.Conv1d, nn.Conv2d)) and m.groups == 1:

@@ -52,15 +52,16 @@ def rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
         if t.dim() < 2 or t.shape[-1] % 2 or t.is_complex():
             continue
         for _, source in near[index + 1:]:
-            if source.shape != t.shape or source.is_complex():
-                continue
-            for base in ROPE_BASES:
-                for interleaved in (False, True):
-                    if torch.allclose(rope(source, base, interleaved), t.double(), rtol=1e-4, atol=1e-5):
-                        part = "" if t.shape[-1] == value.shape[-1] else \
-                            f", on {t.shape[-1]} of {value.shape[-1]} dims"
-                        return f"rotary positions ({'interleaved pairs' if interleaved else 'rotate-half'}, " \
-                               f"base {base:g}{part})"
+            if source.shape != t.shape or source.is_complex() or torch.allclose(source.double(), t.double()):
+                continue  # a copy is no rotation (positions 0 only: windows of one row)
+            # the positions on the second-to-last axis, or on the third ((B, L, H, D), as GPT-J's)
+            for axis, base, interleaved in ((a, b, i) for a in (-2, -3)[:t.dim() - 1] for b in ROPE_BASES
+                                            for i in (False, True)):
+                turned = rope(source.movedim(axis, -2), base, interleaved).movedim(-2, axis)
+                if torch.allclose(turned, t.double(), rtol=1e-4, atol=1e-5):
+                    part = "" if t.shape[-1] == value.shape[-1] else f", on {t.shape[-1]} of {value.shape[-1]} dims"
+                    return f"rotary positions ({'interleaved pairs' if interleaved else 'rotate-half'}, " \
+                           f"base {base:g}{part})"
     return None
 
 

@@ -202,7 +202,8 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     if rotated and not any(f.severity == "error" for f in findings):
         mismatch = _rotated_alike(module, caller, x)
         if mismatch is not None:
-            findings.append(Finding.of(ROTARY_MISMATCH, f"q and k are not rotated alike: {mismatch}",
+            findings.append(Finding.of(ROTARY_MISMATCH, f"q and k are not rotated alike (or not by a rotation): "
+                                       f"{mismatch}",
                                        {"positions": facts.get("positions", positions)}))
             results["one token everywhere"] = mismatch
     if x is not x0:

@@ -38,6 +38,7 @@ from ..findings import (
     MASK_INVERTED,
     MATMUL_ORDER,
     MISSING_SCALE,
+    ROTARY_MISMATCH,
     ROTARY_ONE_SIDE,
     SOFTMAX_DIM,
     VALUES_CHANGED,
@@ -775,6 +776,8 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor,
         if value.shape == out.shape and nxt.out_ids and nxt.outputs[0].shape == out.shape:
             tid, out = nxt.out_ids[0], nxt.outputs[0]  # still in the heads' layout: follow it
             continue
+        if value.shape == out.shape and nxt.name in PRODUCTS and _contracts_heads(nxt, read[1], out):
+            return None, "heads read by the output projection as they are (it contracts the heads and their dims)"
         m = value
         break
     o = out.double() if canon is None or out.dim() != len(canon) else out.double().permute(canon)
@@ -807,6 +810,20 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor,
                 return HEAD_MERGE, "heads merged with view/reshape before the transpose back"
             return None, "heads merged side by side"
     return None, "merge of the heads not recognised (the next operation reads something else)"
+
+
+def _contracts_heads(op: Op, read: int, out: Tensor) -> bool:
+    """Does the product ``op`` contract two axes of the values product's output ``out``, read as it is, the head
+    dim among them (a per-head output projection: Mesh-TF's einsum "bhnd,hde->bne", or "bnhd,hde->bne")?"""
+    eq = _equation(op)
+    if eq is None or out.dim() != 4 or read not in op.in_ids:
+        return False
+    (sa, sb), result = eq
+    mine = sa if op.in_ids.index(read) == 0 else sb
+    if len(mine) != 4:
+        return False
+    contracted = [c for c in mine if c not in result]
+    return len(contracted) == 2 and mine[-1] in contracted and mine[0] in result  # (heads, dims) in any order
 
 
 def _tokens_kept(o: Tensor, m: Tensor) -> bool | None:
@@ -984,7 +1001,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         p, s, w, dim = (p.movedim(axes, (-2, -1)), s.movedim(axes, (-2, -1)), p.movedim(axes, (-2, -1)),
                         p.dim() - 1)
     window = local and p.dim() >= 2 and p.shape[-1] == p.shape[-2] and 1 < p.shape[-1] < length and \
-        length % p.shape[-1] == 0
+        _tiles(length, p.shape[-1], tuple(p.shape[:-2]))
     blocks = local and not window and p.dim() >= 3 and 1 < p.shape[-2] < length < p.shape[-3] * p.shape[-2] + \
         p.shape[-2] and p.shape[-1] > p.shape[-2] and p.shape[-1] % p.shape[-2] == 0
     if window:  # attention within windows (Swin's on an image): the weights' axes are a window's tokens
@@ -1149,7 +1166,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         problems = (rotation_problem(trace, aid, a), rotation_problem(trace, bid, b))
         problem = problems[0] or problems[1]
         if problem:
-            return Verdict(DEFINITION_MISMATCH, {"matches": problem, **evidence}, facts)
+            return Verdict(ROTARY_MISMATCH, {"matches": problem, **evidence}, facts)
         if "" in problems:
             facts["positions"] = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
     value_term = _value_position_term(trace, sm, pv, inputs)
@@ -1191,13 +1208,19 @@ def _sdpa_hidden(op: Op, length: int) -> Tensor:
     return hidden
 
 
+def _tiles(length: int, size: int, lead: tuple[int, ...]) -> bool:
+    """Do windows of ``size`` tile the L tokens: L a multiple of it, or an axis of ``lead`` counting the windows of
+    the L tokens padded to a multiple (chunked attention pads its last chunk)?"""
+    return length % size == 0 or any(n * size >= length > (n - 1) * size for n in lead)
+
+
 def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
                expected: Callable[[int], float | None], keep: Tensor | None = None, local: bool = False) -> Verdict:
     q, k = op.inputs[0], op.inputs[1]
     d = q.shape[-1]
     facts: dict = {}
     window = local and q.dim() >= 2 and q.shape[-2] == k.shape[-2] and 1 < q.shape[-2] < length and \
-        length % q.shape[-2] == 0
+        _tiles(length, q.shape[-2], q.shape[:-2])
     if window:  # attention within windows (Twins' locally grouped attention): each window's call on its own
         facts["windows"] = f"attention within windows of {q.shape[-2]} tokens (the module sees a local pattern)"
         length, keep = q.shape[-2], None
@@ -1248,7 +1271,7 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     problems = (None, None) if turned else (rotation_problem(trace, op.in_ids[0], q),
                                             rotation_problem(trace, op.in_ids[1], k))
     if problems[0] or problems[1]:
-        return Verdict(DEFINITION_MISMATCH, {"matches": problems[0] or problems[1], **evidence})
+        return Verdict(ROTARY_MISMATCH, {"matches": problems[0] or problems[1], **evidence})
     if "" in problems:
         turned = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
     if turned:

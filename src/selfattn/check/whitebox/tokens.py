@@ -2,13 +2,15 @@
 
 The module is run twice, on the probe input and on a copy with two neighbouring tokens swapped in every item
 (a swap leaves statistics over the tokens, as a GroupNorm's, as they were), and the two records are read side by
-side (the same code on the same shapes records the same operations). Along the way from the input to each score
-and value operand, a tensor is *by token* when its changes lie on at most two indices of an axis of the
-sequence's length (or of each of two axes whose sizes multiply to it: a (B, C, H, W) grid), and *mixed* when they
-do not. A view, reshape, transpose or permute that turns rows by token into mixed rows put features of one token on the
-rows of others: heads split with ``view(B, H, L, D)`` instead of ``view(B, L, H, D).transpose(1, 2)``, a
-(B, C, H, W) map flattened to (B, H*W, C) without its permute. Products, convolutions and pools that mix tokens
-are designs (Linformer's projected keys, CvT's convolutional projections, PVT's reduction) and are not judged.
+side (the same code on the same shapes records the same operations). Each score and value operand must then
+change on at most two positions of its token axis within each item, head or window. Where one changes on more,
+the way back from it is followed: a tensor is *by token* when its changes lie on at most two indices of an axis of
+the sequence's length (or of each of two axes whose sizes multiply to it: a (B, C, H, W) grid), and *mixed* when
+they do not. A view, reshape, transpose or permute that turns a tensor by token into a mixed one put features of
+one token on the rows of others: heads split with ``view(B, H, L, D)`` instead of ``view(B, L, H, D).transpose(1,
+2)``, a (B, C, H, W) map flattened to (B, H*W, C) without its permute. Products, convolutions and pools that mix
+tokens are designs (Linformer's projected keys, CvT's convolutional projections, PVT's reduction) and are not
+judged.
 
 Shape legend: B batch, H heads, L length, D head dim.
 """
@@ -83,10 +85,9 @@ def mixed_rows(first: Trace, second: Trace, length: int, tokens: tuple[int, int]
                         _state(into, length) is True:
                     return (f"{role}'s rows mix tokens: swapping tokens {tokens[0]} and {tokens[1]} changes their own "
                             f"rows before a {op.name}() on the way to {role} and {_rows_changed(out, length)} after "
-                            f"it: that "
-                            f"{op.name}() puts one token's features on the rows of others (heads split with view(B, "
-                            "H, L, D) instead of view(B, L, H, D).transpose(1, 2), or a (B, C, H, W) map flattened "
-                            "without its permute)")
+                            f"it: that {op.name}() puts one token's features on the rows of others (heads split with "
+                            "view(B, H, L, D) instead of view(B, L, H, D).transpose(1, 2), or a (B, C, H, W) map "
+                            "flattened without its permute)")
             cur = main
     return None
 
