@@ -2473,3 +2473,141 @@ def test_an_axis_of_one_position_is_not_rotary():
     identity), which reported positions the module does not have and would run the rotary checks on it."""
     report = check(CrossStripes(64), length=16)
     assert report.verdict == "passed" and "positions" not in report.inferred.get("design", {}), report.inferred
+
+
+class GatedHeads(_Fused):
+    """Correct, a sigmoid gate per head on the attention's output, shaped with ``view_as`` on the (B, L, H, D) result
+    (as gated-attention models write it): the walk from the values product reaches the gate through view_as."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__(dim)
+        self.gate = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        o = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).contiguous()  # (B, L, H, D)
+        g = self.gate(x).view_as(o)
+        return (o * torch.sigmoid(g)).reshape(x.shape)
+
+
+def test_a_gate_shaped_like_the_result_is_not_a_merge():
+    """catches: the rows of a gate (read after the values product through its view_as) compared with the query
+    tokens' features and named head-merge: only a tensor that holds the product's values is a merge."""
+    assert check(GatedHeads(32)).verdict == "passed"
+
+
+class PooledKeysPerHead(_Fused):
+    """Correct, keys and values pooled per head on the token grid by a strided depthwise convolution (MViT's
+    pooling attention), on 16 tokens with a head dim of 16: a (B * H, D, h, w) map whose channel axis has the
+    sequence's length."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__(dim)
+        d = dim // self.heads
+        self.pool_k, self.pool_v = (nn.Conv2d(d, d, 3, stride=2, padding=1, groups=d, bias=False) for _ in range(2))
+
+    def pooled(self, t: torch.Tensor, pool: nn.Conv2d) -> torch.Tensor:
+        b, h, n, d = t.shape
+        side = math.isqrt(n)
+        grid = pool(t.reshape(b * h, side, side, d).permute(0, 3, 1, 2))  # (B * H, D, side / 2, side / 2)
+        return grid.reshape(b, h, d, -1).transpose(2, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        k, v = self.pooled(k, self.pool_k), self.pooled(v, self.pool_v)
+        return self.merge(F.scaled_dot_product_attention(q, k, v))
+
+
+def test_keys_pooled_on_a_map_whose_channels_have_the_sequences_length_are_not_a_split():
+    """catches: head-split on MViT-style pooled keys because the (B * H, D, h, w) map's channel axis has the
+    sequence's length and was read as its token axis: a tensor is by token when any reading of its axes says so."""
+    assert check(PooledKeysPerHead(64), length=16).verdict == "passed"
+
+
+class SdpaAdditive(_Fused):
+    """Correct, an additive (L, L) mask handed to SDPA as it is (SDPA wants a float mask in the query's dtype)."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.split(x)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_a_float_mask_from_make_mask_is_made_in_the_probes_dtype():
+    """catches: half-precision-overflow on a correct module whose float mask came from the user's make_mask, which
+    builds it in float32 whatever the probe's dtype: a float mask it returns is cast as the doctor's own are."""
+    def additive(keep: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(keep.shape[-2:]).masked_fill(~keep[0], -100.0)
+
+    assert check(SdpaAdditive(32), mask="additive (L,L)", make_mask=additive).verdict == "passed"
+
+
+class RequiredMaskRewritten(_Fused):
+    """Correct, ESPnet-style: a required (B, L, L) keep-mask rewritten in place into the hidden positions
+    (``mask.unsqueeze_(1).eq_(0)``); ``grad_scale``: a custom backward whose gradient is 15% off (the bug)."""
+
+    def __init__(self, dim: int, grad_scale: float = 1.0) -> None:
+        super().__init__(dim)
+        self.grad_scale = grad_scale
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        hidden = mask.unsqueeze_(1).eq_(0)
+        s = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).masked_fill(hidden, float("-inf"))
+        return self.merge(_ScaledBackward.apply(s.softmax(-1) @ v, self.grad_scale))
+
+
+class _ScaledBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+def test_a_required_mask_rewritten_in_place_still_gets_its_gradients_checked():
+    """catches: the gradient probe switched off ("autograd refuses an in-place operation") on a module whose
+    required mask it rewrites in place: the doctor put the mask back in place after the call, which bumped the
+    version of a tensor autograd had saved; a mask made for one call is no longer put back."""
+    report = check(RequiredMaskRewritten(32))
+    assert report.coverage["gradients"] == "verified" and "mutates-input" in report.ids, report.coverage
+    assert "wrong-gradient" in check(RequiredMaskRewritten(32, grad_scale=1.15)).ids
+
+
+class SpeechToolkitAttention(nn.Module):
+    """ESPnet / WeNet style: ``MultiHeadedAttention(n_head, n_feat, dropout_rate)``, ``forward(query, key, value,
+    mask)`` with a required (B, 1, T) or (B, T, T) keep-mask read as ``mask.unsqueeze(1).eq(0)``. ``after``: the mask
+    applied only to the weights after the softmax (the bug)."""
+
+    def __init__(self, n_head: int, n_feat: int, dropout_rate: float, after: bool = False) -> None:
+        super().__init__()
+        self.h, self.d_k, self.after = n_head, n_feat // n_head, after
+        self.linear_q, self.linear_k, self.linear_v, self.linear_out = (nn.Linear(n_feat, n_feat) for _ in range(4))
+        self.dropout = nn.Dropout(p=dropout_rate)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: torch.Tensor) -> torch.Tensor:
+        b = query.size(0)
+        q, k, v = (lin(t).view(b, -1, self.h, self.d_k).transpose(1, 2)
+                   for lin, t in ((self.linear_q, query), (self.linear_k, key), (self.linear_v, value)))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)
+        hidden = mask.unsqueeze(1).eq(0)
+        if self.after:
+            attn = torch.softmax(scores, dim=-1).masked_fill(hidden, 0.0)
+        else:
+            attn = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).masked_fill(hidden, 0.0)
+        x = (self.dropout(attn) @ v).transpose(1, 2).contiguous().view(b, -1, self.h * self.d_k)
+        return self.linear_out(x)
+
+
+def test_a_speech_toolkits_required_mask_module_is_built_and_called():
+    """catches: ESPnet's constructor (n_feat) not built without --init, and a required mask found in a convention
+    whose "hide nothing" hides everything (an additive 0 read as mask.eq(0)), so the module with its mask applied
+    after the softmax ran constant and the doctor exited 2, with or without the convention stated."""
+    assert check(SpeechToolkitAttention).verdict == "passed"
+    for stated in (None, "keep (B,L,L)"):
+        report = check(SpeechToolkitAttention, init={"n_head": 4, "n_feat": 64, "dropout_rate": 0.1, "after": True},
+                       mask=stated)
+        assert "mask-after-softmax" in report.ids, (stated, report.ids)

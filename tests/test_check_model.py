@@ -320,3 +320,123 @@ def test_an_attention_over_an_image_map_is_found_and_checked():
     model = nn.Sequential(nn.Linear(32, 32), ChannelsLastImageAttention(32))
     report = check_model(model, torch.randn(2, 4, 4, 32))
     assert list(report.layers) == ["1"] and report.verdict == "passed", report.to_json()
+
+
+class _KeepMaskAttention(nn.Module):
+    """Attention taking a bool mask; ``reads``: "keep" (True = may attend, as its model means it) or "ignore"
+    (True = masked: correct on its own, wrong for a model that passes True = token), or "minus" for a float mask
+    (the additive mask subtracted)."""
+
+    def __init__(self, e: int, h: int, reads: str = "keep") -> None:
+        super().__init__()
+        self.h, self.reads = h, reads
+        self.qkv = nn.Linear(e, 3 * e)
+
+    def forward(self, x, mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if mask is not None and mask.dtype == torch.bool:
+            s = s.masked_fill(mask if self.reads == "ignore" else ~mask, float("-inf"))
+        elif mask is not None:
+            s = s - mask if self.reads == "minus" else s + mask
+        return (s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e)
+
+
+class _PaddedEncoder(nn.Module):
+    """An encoder that turns transformers' attention_mask (1 = token) into a (B, 1, 1, L) mask once, bool or
+    additive, and passes it to every layer; ``reads`` is its second layer's reading."""
+
+    def __init__(self, reads: str = "keep", additive: bool = False) -> None:
+        super().__init__()
+        self.additive = additive
+        self.emb = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(_KeepMaskAttention(32, 4, reads if i == 1 else "keep") for i in range(3))
+
+    def forward(self, ids, attention_mask):
+        x = self.emb(ids)
+        keep = attention_mask[:, None, None, :].bool()
+        mask = (~keep).float() * -10000.0 if self.additive else keep
+        for layer in self.layers:
+            x = x + layer(x, mask=mask)
+        return x
+
+
+def test_a_layer_that_reads_the_models_mask_the_other_way_is_named():
+    """catches: a layer certified although it reads the mask its model passes the other way round (a bool
+    keep-mask read as True = masked, an additive mask subtracted): each layer's own convention was found and checked
+    with the doctor's masks, never with the model's. The layer's call is replayed with the model's own mask and
+    its padded tokens changed: the real tokens' outputs must not move."""
+    ids = _ids()
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, 4:] = 0
+    for model, inputs in ((_PaddedEncoder(), {"ids": ids, "attention_mask": padding}),
+                          (_PaddedEncoder(additive=True), (ids, padding))):
+        report = check_model(model, inputs)
+        assert report.verdict == "passed", report.summary()
+    for model, inputs in ((_PaddedEncoder("ignore"), {"ids": ids, "attention_mask": padding}),
+                          (_PaddedEncoder("minus", additive=True), (ids, padding))):
+        rows = {row["layer"]: row for row in check_model(model, inputs).summary()}
+        assert "mask-inverted" in rows["layers.1"]["findings"], rows
+        assert rows["layers.0"]["verdict"] == rows["layers.2"]["verdict"] == "passed", rows
+
+
+class _CachedAttention(nn.Module):
+    """Meta's reference Llama attention in short: preallocated cache buffers written in place at ``start_pos``,
+    the keys read back from them; the model passes a causal (L, L) additive mask."""
+
+    def __init__(self, e: int = 32, h: int = 4, max_batch: int = 4, max_len: int = 16) -> None:
+        super().__init__()
+        self.h = h
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(e, e, bias=False) for _ in range(4))
+        self.register_buffer("cache_k", torch.zeros(max_batch, max_len, h, e // h))
+        self.register_buffer("cache_v", torch.zeros(max_batch, max_len, h, e // h))
+
+    def forward(self, x, start_pos: int, mask=None):
+        b, n, e = x.shape
+        q, k, v = (w(x).view(b, n, self.h, -1) for w in (self.wq, self.wk, self.wv))
+        self.cache_k[:b, start_pos:start_pos + n] = k
+        self.cache_v[:b, start_pos:start_pos + n] = v
+        keys, values = (c[:b, :start_pos + n].transpose(1, 2) for c in (self.cache_k, self.cache_v))
+        s = q.transpose(1, 2) @ keys.transpose(-1, -2) / math.sqrt(keys.shape[-1])
+        if mask is not None:
+            s = s + mask
+        return self.wo((s.softmax(-1) @ values).transpose(1, 2).reshape(b, n, e))
+
+
+class _CachedDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(_CachedAttention() for _ in range(3))
+
+    def forward(self, ids, start_pos: int = 0):
+        x = self.emb(ids)
+        n = ids.shape[1]
+        mask = torch.full((n, n), float("-inf")).triu(1)
+        for layer in self.layers:
+            x = x + layer(x, start_pos, mask)
+        return x
+
+
+def test_layers_whose_cache_the_models_run_wrote_are_checked_as_the_model_holds_them():
+    """catches: identical cached layers getting different verdicts (inconclusive, state-dependent) because the
+    doctor's own run of the model, with autograd on, left its history in the cache buffers written in place; the
+    run now gives every buffer its value back, without history."""
+    report = check_model(_CachedDecoder(), (_ids(),))
+    assert [row["verdict"] for row in report.summary()] == ["passed"] * 3, report.summary()
+
+
+def test_gpt2_layers_scaled_by_their_index_are_a_stated_scale():
+    """catches: GPT-2 with scale_attn_by_inverse_layer_idx (a transformers config option) named wrong-scale on
+    every layer but the first: the scores' extra 1 / (layer_idx + 1) is read from the config, as
+    scale_attn_weights is. A model whose padding mask is given checks the layers' reading of it too."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_head=4, n_layer=3, n_positions=32, vocab_size=64,
+                                     scale_attn_by_inverse_layer_idx=True)
+    config._attn_implementation = "eager"
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, 5:] = 0
+    report = check_model(transformers.GPT2Model(config).eval(), {"input_ids": _ids() % 64, "attention_mask": padding})
+    assert [row["verdict"] for row in report.summary()] == ["passed"] * 3, report.summary()

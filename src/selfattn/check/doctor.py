@@ -317,7 +317,8 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         start = time.perf_counter()
         for i, e in enumerate(dims):
             try:
-                found = calling(module, Sizes(e, sizes.heads, sizes.batch, sizes.lengths), gen, adapter, dtype, device)
+                found = calling(module, Sizes(e, sizes.heads, sizes.batch, sizes.lengths), gen, adapter, dtype, device,
+                                stated=spec)
                 break
             except CannotRun:
                 if i == len(dims) - 1:

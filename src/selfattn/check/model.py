@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from .doctor import check
+from .findings import MASK_INVERTED, Finding
 from .report import Report, render
 from .subject.building import CannotRun
 from .subject.caller import MASK_NAMES, SWITCH_NAMES
@@ -251,6 +252,9 @@ def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
     watch = _Watch(stack)
     args, kwargs = _inputs(example_inputs)
     was_training = model.training
+    # the run writes into buffers in place (a KV cache filled by the prefill), with autograd on: each layer is checked
+    # as the model holds it, so every buffer gets its value back, without the run's autograd history
+    kept = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         model.eval()
         with watch:  # with autograd on: torch's fused inference paths (nn.TransformerEncoderLayer's) stay off
@@ -261,6 +265,15 @@ def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
         for h in hooks:
             h.remove()
         model.train(was_training)
+        with torch.no_grad():
+            for buffer, value in kept:
+                if buffer.grad_fn is not None or buffer.requires_grad:
+                    try:
+                        buffer.detach_()
+                    except RuntimeError:  # a view of another tensor: that one's history is its own
+                        continue
+                if buffer.shape == value.shape:
+                    buffer.copy_(value)
     order = list(calls)
     layers: dict[str, Layer] = {}
     for inner in watch.found:
@@ -300,6 +313,62 @@ def _not_self_attention(layer: Layer) -> str | None:
         layer.module.train(was_training)
     return ("its output rows do not depend on the other tokens of its input: a cross-attention over another "
             "sequence, or a mixture of per-token parts (a router)")
+
+
+def _padding(kwargs: dict) -> Tensor | None:
+    """(B, L) bool, True = padding, from a padding mask among the model's keyword inputs (``attention_mask`` 1 =
+    token, as transformers takes it; ``key_padding_mask`` / ``padding_mask`` True = padding), when it pads some
+    positions of some item and not all; else None."""
+    for key, value in kwargs.items():
+        if key not in MASK_NAMES or not isinstance(value, Tensor) or value.dim() != 2:
+            continue
+        pad = value.bool() if "padding" in key else ~value.bool()
+        if bool(pad.any()) and bool((~pad).any(-1).all()):
+            return pad
+    return None
+
+
+def _reads_the_models_padding(layer: Layer, pad: Tensor) -> Finding | None:
+    """Replay the layer's recorded call as the model made it (its own mask, in its own dtype and values) with the
+    hidden states of the padded positions changed: the real tokens' outputs must not change. A layer whose own mask
+    convention is right reads the model's mask the other way round when they do (a bool keep-mask read as True =
+    masked, an additive mask subtracted)."""
+    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    given = next((v for k, v in [*enumerate(layer.args), *layer.kwargs.items()] if k == layer.mask), None)
+    if not isinstance(given, Tensor) or tuple(hidden.shape[:2]) != tuple(pad.shape) or hidden.dim() != 3:
+        return None  # no mask passed to this layer (a model that pads nothing here), or not the model's tokens
+
+    def run(x: Tensor) -> Tensor | None:
+        args = [x if i in layer.x else a for i, a in enumerate(layer.args)]
+        kwargs = {k: x if k in layer.x else v for k, v in layer.kwargs.items()}
+        return _first_tensor(layer.module(*args, **kwargs))
+
+    was_training = layer.module.training
+    try:
+        layer.module.eval()
+        with torch.no_grad():
+            base = run(hidden)
+            noise = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(3)).to(hidden)
+            moved = run(torch.where(pad.to(hidden.device)[..., None], hidden + noise * hidden.std(), hidden))
+    except Exception:  # the layer's own report says what fails
+        return None
+    finally:
+        layer.module.train(was_training)
+    if base is None or moved is None or base.shape != hidden.shape or moved.shape != hidden.shape:
+        return None
+    real = ~pad.to(base.device)[..., None] & torch.isfinite(base) & torch.isfinite(moved)  # a row with no key: NaN
+    if not bool(real.any()):
+        return None
+    change = float((moved - base)[real].abs().max())
+    scale = float(base[real].abs().max())
+    if not change > 1e-4 * (1 + scale):
+        return None
+    what = f"{given.dtype} {tuple(given.shape)}"
+    return Finding.of(MASK_INVERTED, "called as the model calls it, the layer lets the padded tokens change the real "
+                      "tokens' outputs: it reads the mask the model passes the other way round (its own convention "
+                      "differs from the model's: polarity or sign)",
+                      {"mask the model passes": what, "largest change of a real token's output": change,
+                       "output scale": scale})
 
 
 def _inputs(example_inputs: object) -> tuple[tuple, dict]:
@@ -412,6 +481,12 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                              f"{', '.join(layer.name for layer in found)}")
         found = [layer for layer in found if layer.name in wanted]
     report = ModelReport()
+    args, kwargs = _inputs(example_inputs)
+    try:  # the model's inputs by name, positional ones too
+        named = dict(inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments)
+    except (TypeError, ValueError):
+        named = kwargs
+    pad = _padding(named)
     for layer in found:
         report.classes[layer.name] = type(layer.module).__name__
         if layer.name in crossing:
@@ -426,6 +501,11 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                 given = {k: v for k, v in options.items() if v is not None or k not in sized}
                 report.layers[layer.name] = check(layer.module, call=layer.adapter(), **{**sized, **given})
                 report.could_not_run.pop(layer.name, None)
+                misread = None if pad is None else _reads_the_models_padding(layer, pad)
+                done = report.layers[layer.name]
+                if misread is not None and all(f.id != MASK_INVERTED.id for f in done.findings):
+                    report.layers[layer.name] = Report.of(done.inferred, [*done.findings, misread], done.not_verified,
+                                                          done.coverage, done.seconds)
                 break
             except CannotRun as err:
                 report.could_not_run.setdefault(layer.name, str(err))

@@ -32,7 +32,7 @@ __all__ = ["CannotRun", "Sizes", "build", "embed_dim_of", "load_class", "load_fi
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
                "channels", "query_dim", "width", "n_state", "num_channels", "in_channels", "model_dim", "d_embed",
                "embed_size", "n_embed", "embedding_size", "hidden_channels", "inner_dim", "hid_dim",
-               "num_hiddens", "n_hidden", "d_hidden")
+               "num_hiddens", "n_hidden", "d_hidden", "n_feat", "adim", "attention_dim")
 # q, k, v projections by name
 ROLE_PATTERNS = {  # matched against the last part of a module's dotted name, whole
     "q": re.compile(r"(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q|linear_q|q_linear|qlinear)"),

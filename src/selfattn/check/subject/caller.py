@@ -226,7 +226,8 @@ class Caller:
     keep_state: bool = False  # leave what a call replaces in the module as the call left it
 
     def __call__(self, x: Tensor, mask: object = None) -> Tensor:
-        if mask is None and self.required:
+        made_here = mask is None and self.required
+        if made_here:
             mask = self.module_mask(torch.ones(x.shape[0], x.shape[1], x.shape[1], dtype=torch.bool))
         given = to_layout(x, self.layout)
         # The module may change its input in place: it gets a copy (recorded by a trace, so that what the module
@@ -247,8 +248,10 @@ class Caller:
                     restore(state, self.replaced)
                 if kept is not None and isinstance(mask, Tensor) and _changed(mask, kept):
                     self.mutated.add("its mask argument")
-                    # data and shape (mask.unsqueeze_(1) changes the caller's tensor too)
-                    mask.set_(kept.untyped_storage(), kept.storage_offset(), kept.size(), kept.stride())
+                    # data and shape (mask.unsqueeze_(1) changes the caller's tensor too); a mask made for this
+                    # call alone is not put back: autograd saved it as it was left, for the backward
+                    if not made_here:
+                        mask.set_(kept.untyped_storage(), kept.storage_offset(), kept.size(), kept.stride())
         with untraced():
             if _changed(t, given):
                 self.mutated.add("its input")
@@ -312,6 +315,8 @@ class Caller:
             raise ValueError(f"a causal switch ({self.switch}) cannot express this mask")
         if self.make_mask is not None:
             m = self.make_mask((keep[:, 0] if self.key_only else keep).to(device))
+            if isinstance(m, Tensor) and m.is_floating_point():  # made in float32: in the probe's dtype, as encoded
+                m = m.to(device=device, dtype=dtype or param_dtype(self.module))  # masks are
             return _own(m)
         if self.spec is None:
             raise ValueError("this caller passes no mask")

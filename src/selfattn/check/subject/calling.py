@@ -52,7 +52,7 @@ def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, dev
 
 
 def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Tensor,
-                          adapter: Callable | None = None) -> Caller | None:
+                          adapter: Callable | None = None, stated: MaskSpec | None = None) -> Caller | None:
     """A caller for a forward (or an adapter) that requires its mask: the first (shape, kind) whose band mask
     hides exactly the band's complement (bool masks read either way), else the first that runs; None if none
     runs."""
@@ -62,6 +62,8 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
     forms = [(shape, kind) for shape in SHAPE_ORDER for kind in KIND_ORDER]
     if arg in LENGTH_NAMES:  # padding given as lengths (d2l's valid_lens)
         forms.insert(0, ("B", "lengths"))
+    if stated is not None:  # the convention the user stated is the one the module is called with
+        forms = [(stated.shape, stated.kind)]
     for shape, kind in forms:
         c = Caller(module, style, arg, MaskSpec(kind, shape), adapter=adapter, required=True)
         keep = probe_keep(b, length, c.key_only, c.at_end)
@@ -74,12 +76,14 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
                 full = dependency(c, x)
         except Exception:  # not this shape or kind
             continue
+        if not bool(full.any()):  # its "hide nothing" mask hides everything (an additive 0 read as a bool)
+            continue
         first = first or c
         k0 = keep[0]
         rows = (k0 & full & off).any(-1) & (~k0 & full & off).any(-1)
         if torch.equal((seen & off)[rows], (k0 & full & off)[rows]):
             return c
-        if kind == "keep" and torch.equal((seen & off)[rows], (~k0 & full & off)[rows]):
+        if kind == "keep" and stated is None and torch.equal((seen & off)[rows], (~k0 & full & off)[rows]):
             return c.with_mask(MaskSpec("ignore", shape), arg)
     return first
 
@@ -122,7 +126,7 @@ def _positions_adapter(module: nn.Module) -> tuple[Callable, str] | None:
     return call, f"{names} given the positions of the tokens, from 0; the mask to {masks[0]}"
 
 
-def _caller_for(module: nn.Module, x: Tensor) -> tuple[Caller | None, str]:
+def _caller_for(module: nn.Module, x: Tensor, stated: MaskSpec | None = None) -> tuple[Caller | None, str]:
     style, why = find_call_style(module, x)
     if style:
         return Caller(module, style), ""
@@ -130,7 +134,7 @@ def _caller_for(module: nn.Module, x: Tensor) -> tuple[Caller | None, str]:
         named = [a for a in mask_parameters(module, style) if a in MASK_NAMES]
         arg = required_mask_parameter(module, style) or (named[0] if named else None)
         if arg is not None:
-            found = _required_mask_caller(module, style, arg, x)
+            found = _required_mask_caller(module, style, arg, x, stated=stated)
             if found is not None:
                 return found, ""
     return None, why or ""
@@ -262,8 +266,8 @@ def _discover_batch(module: nn.Module, adapter: Callable | None, errors: list[st
 
 
 def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Callable | None = None,
-            dtype: torch.dtype = torch.float32,
-            device: torch.device | None = None) -> Outcome[tuple[Caller, Tensor]]:
+            dtype: torch.dtype = torch.float32, device: torch.device | None = None,
+            stated: MaskSpec | None = None) -> Outcome[tuple[Caller, Tensor]]:
     """Find how the module is called and which shapes it runs for; pick the probe input.
 
     Args:
@@ -272,6 +276,7 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         gen: the probes' random generator (first draws).
         adapter: the user's ``call(module, x[, mask])``, used instead of guessing.
         dtype, device: the module's parameter dtype and device; the probe input is made in them.
+        stated: the mask convention the user stated: a mask the forward requires is made in it.
 
     Returns:
         Findings wrong-output-shape, batch-mixing (runs only when sizes coincide) or shape-dependent
@@ -300,14 +305,15 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     for b, n in shapes:
         shape = (b, n, e)
         if call is None:
-            call, why = _caller_for(module, _randn(gen, shape, dtype, device))
+            call, why = _caller_for(module, _randn(gen, shape, dtype, device), stated)
             if call is None:
                 failed.append((shape, why))
                 errors.append(why)
                 continue
         why = _runs(call, shape, gen, dtype, device)
         if why is not None and adapter is not None and call.takes_mask and not call.required and not ran:
-            needs = _required_mask_caller(module, "adapter", None, _randn(gen, shape, dtype, device), adapter)
+            needs = _required_mask_caller(module, "adapter", None, _randn(gen, shape, dtype, device), adapter,
+                                          stated)
             if needs is not None:  # the adapter's module cannot run without a mask: send the one hiding nothing
                 call = needs
                 why = _runs(call, shape, gen, dtype, device)

@@ -55,7 +55,13 @@ def declared_scale(module: nn.Module) -> tuple[Callable[[int], float | None], st
     multiplier = getattr(config, "attention_multiplier", None)
     if isinstance(multiplier, (int, float)) and not isinstance(multiplier, bool) and multiplier > 0:
         return (lambda d: float(multiplier)), f"config.attention_multiplier = {multiplier}"
-    if getattr(config, "scale_attn_weights", True) is False:
+    plain = getattr(config, "scale_attn_weights", True) is not False
+    layer = getattr(module, "layer_idx", None)
+    if getattr(config, "scale_attn_by_inverse_layer_idx", False) is True and isinstance(layer, int):
+        # GPT-2's option (Mistral's stability trick): the scores also divided by the layer's index + 1
+        return ((lambda d: d ** -0.5 / (layer + 1)) if plain else (lambda d: 1.0 / (layer + 1)),
+                f"config.scale_attn_by_inverse_layer_idx = True, layer_idx = {layer}")
+    if not plain:
         return (lambda d: 1.0), "config.scale_attn_weights = False"
     return (lambda d: None), None
 

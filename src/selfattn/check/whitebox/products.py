@@ -833,6 +833,10 @@ def _tokens_kept(o: Tensor, m: Tensor) -> bool | None:
     back, or a transpose of the wrong axes, spreads them over other rows."""
     if o.dim() < 2 or o.numel() != m.numel() or o.is_complex() or m.is_complex():
         return None
+    every_o, every_m = o.double().flatten().sort().values, m.double().flatten().sort().values
+    finite = torch.isfinite(every_o) & torch.isfinite(every_m)
+    if not torch.allclose(every_o[finite], every_m[finite], rtol=1e-6, atol=1e-9):
+        return None  # not the product's values moved about (a gate the walk reached through its view_as)
     length, d = o.shape[-2], o.shape[-1]
     lead = o.numel() // (length * d)
     verdict = None

@@ -33,14 +33,13 @@ def _state(changed: Tensor, length: int) -> bool | None:
         return None
     dims = range(changed.dim())
     hit = [int(changed.movedim(a, 0).reshape(changed.shape[a], -1).any(1).sum()) for a in dims]
-    axes = [a for a in dims if changed.shape[a] == length]
-    if axes:
-        return any(hit[a] <= 2 for a in axes)
+    axes = [a for a in dims[:-1] if changed.shape[a] == length]  # the last axis holds features (a head dim of L)
     pairs = [(a, b) for a in dims for b in dims if a < b and changed.shape[a] > 1 and changed.shape[b] > 1 and
              changed.shape[a] * changed.shape[b] == length]
-    if pairs:
-        return any(hit[a] <= 2 and hit[b] <= 2 for a, b in pairs)
-    return None
+    if not axes and not pairs:
+        return None
+    # by token when any reading says so: an axis of size L may be channels ((B, C, H, W) with C = L)
+    return any(hit[a] <= 2 for a in axes) or any(hit[a] <= 2 and hit[b] <= 2 for a, b in pairs)
 
 
 def mixed_rows(first: Trace, second: Trace, length: int, tokens: tuple[int, int]) -> str | None:
