@@ -11,6 +11,10 @@ module's own visibility pattern, a causal mask or a window, applied on top) is r
    against the head dim of the captured q, the softmax axis, the weights' orientation, the roles of
    q, k, v and the merge of the heads.
 
+Two more runs read what the operands hold: with two tokens swapped, q, k and v must change on two rows each
+(:mod:`.tokens`: head-split); with rotary positions, one token at every position must score the same with
+itself everywhere (rotary-mismatch).
+
 Shape legend: B batch, L length, E embed dim, H heads, D head dim.
 """
 
@@ -242,8 +246,8 @@ def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trac
 
 
 def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor) -> str | None:
-    """Run the module on each item's first token repeated at every position: rotary scores then depend on the
-    distance between tokens only; why they do not, or None."""
+    """Run the module on each item's first token repeated at every position: with q and k rotated alike, each
+    token's score with itself is then the same at every position; where it is not (:mod:`.products`), or None."""
     same = x[:, :1].expand_as(x).clone()
     try:
         trace, _ = record(module, partial(caller, same))
