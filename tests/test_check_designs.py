@@ -2611,3 +2611,37 @@ def test_a_speech_toolkits_required_mask_module_is_built_and_called():
         report = check(SpeechToolkitAttention, init={"n_head": 4, "n_feat": 64, "dropout_rate": 0.1, "after": True},
                        mask=stated)
         assert "mask-after-softmax" in report.ids, (stated, report.ids)
+
+
+class QueryAndKeySequences(nn.Module):
+    """Correct, OpenFold's ``Attention``: ``forward(q_x, kv_x, biases=None)`` takes the queries' and the keys'
+    sequences (the same one for self-attention) and a list of additive biases, with a sigmoid gate on the output.
+    ``double_scale``: q scaled twice (the bug)."""
+
+    def __init__(self, c_q: int, c_hidden: int = 16, no_heads: int = 4, double_scale: bool = False) -> None:
+        super().__init__()
+        self.c_hidden, self.no_heads, self.double_scale = c_hidden, no_heads, double_scale
+        self.linear_q, self.linear_k, self.linear_v = (nn.Linear(c_q, c_hidden * no_heads, bias=False)
+                                                       for _ in range(3))
+        self.linear_g, self.linear_o = nn.Linear(c_q, c_hidden * no_heads), nn.Linear(c_hidden * no_heads, c_q)
+
+    def forward(self, q_x: torch.Tensor, kv_x: torch.Tensor, biases: list[torch.Tensor] | None = None) -> torch.Tensor:
+        def heads(t: torch.Tensor) -> torch.Tensor:
+            return t.view(*t.shape[:-1], self.no_heads, self.c_hidden).transpose(-2, -3)
+
+        q, k, v = heads(self.linear_q(q_x)), heads(self.linear_k(kv_x)), heads(self.linear_v(kv_x))
+        q = q / math.sqrt(self.c_hidden) ** (2 if self.double_scale else 1)
+        a = q @ k.transpose(-1, -2)
+        for b in biases or []:
+            a = a + b
+        o = (a.softmax(-1) @ v).transpose(-2, -3).reshape(*q_x.shape[:-1], -1)
+        return self.linear_o(o * torch.sigmoid(self.linear_g(q_x)))
+
+
+def test_a_forward_of_query_and_key_sequences_is_called_with_both():
+    """catches: OpenFold's forward(q_x, kv_x, biases=None) called as forward(q, k, v), the input going to the
+    biases too, so a correct module was batch-mixing and a buggy one exited 2: two sequence arguments get x
+    twice."""
+    report = check(QueryAndKeySequences(64))
+    assert report.verdict == "passed" and report.inferred["call"].startswith("forward(q, kv)"), report.ids
+    assert "wrong-scale" in check(QueryAndKeySequences(64, double_scale=True)).ids

@@ -25,6 +25,7 @@ from .._seams import untraced
 from .building import param_device, param_dtype
 
 __all__ = [
+    "ARITY",
     "LENGTH_NAMES",
     "MASK_KINDS",
     "MASK_NAMES",
@@ -43,6 +44,7 @@ __all__ = [
     "switch_parameter",
 ]
 
+ARITY = {"x": 1, "qk": 2, "qkv": 3}  # how many times a call style passes the input: forward(x), (x, x), (x, x, x)
 MASK_SHAPES: dict[str, str] = {"BLL": "(B, L, L)", "B1LL": "(B, 1, L, L)", "BL": "(B, L)", "B11L": "(B, 1, 1, L)",
                                "LL": "(L, L)", "LLB": "(L, L, B)", "LL1": "(L, L, 1)", "B": "(B,)"}
 # (L, L, B) and (L, L, 1): sequence-first modules' masks (Transformer-XL's (Lq, Lk, B) or (Lq, Lk, 1)), tried
@@ -261,7 +263,7 @@ class Caller:
         if self.adapter is not None:
             out = self.adapter(self.module, t) if not self.takes_mask else self.adapter(self.module, t, mask)
         else:
-            args = (t,) if self.style == "x" else (t, t, t)
+            args = (t,) * ARITY[self.style]
             if mask is None:
                 out = self.module(*args)
             elif self.switch is not None:
@@ -339,7 +341,7 @@ def mask_parameters(module: nn.Module, style: str) -> list[str | None]:
     if named:
         return named
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    rest = positional[1 if style == "x" else 3:]
+    rest = positional[ARITY.get(style, 3):]
     if rest and rest[0].kind == rest[0].POSITIONAL_OR_KEYWORD and _mask_like(rest[0]) and \
             rest[0].name not in SWITCH_NAMES:
         return [rest[0].name]
@@ -363,7 +365,7 @@ def required_mask_parameter(module: nn.Module, style: str) -> str | None:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return None
-    skip = 1 if style == "x" else 3
+    skip = ARITY.get(style, 3)
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][skip:]
     required = [p for p in positional + [p for p in params if p.kind == p.KEYWORD_ONLY]
                 if p.default is p.empty]
@@ -373,16 +375,32 @@ def required_mask_parameter(module: nn.Module, style: str) -> str | None:
     return None
 
 
+def _takes_two_sequences(module: nn.Module) -> bool:
+    """Does forward take the queries' and the keys' sequences as its first two arguments, and no values
+    (OpenFold's ``forward(q_x, kv_x, biases=None)``)?"""
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    if len(params) < 2 or any(p.default is not p.empty for p in params[:2]) or \
+            (len(params) > 2 and params[2].default is params[2].empty):
+        return False
+    second = params[1].name.lower()
+    return second.startswith(("kv", "key", "k_", "context", "memory", "source")) or second.endswith("kv") or \
+        second in ("k", "y", "x2")
+
+
 def find_call_style(module: nn.Module, x: Tensor) -> tuple[str, str | None]:
-    """('x' or 'qkv', None) if the module runs on x; ("", both errors) otherwise."""
+    """('x', 'qk' or 'qkv', None) if the module runs on x; ("", the errors) otherwise."""
     errors = []
-    for style in ("x", "qkv"):
+    for style in ("x", "qk", "qkv") if _takes_two_sequences(module) else ("x", "qkv"):
         try:
             with torch.no_grad():
                 Caller(module, style)(x)
             return style, None
         except Exception as e:
-            errors.append(f"forward({'x' if style == 'x' else 'q, k, v'}): {type(e).__name__}: {e}")
+            errors.append(f"forward({', '.join(('x',) if style == 'x' else style)}): {type(e).__name__}: {e}")
     return "", "; ".join(errors)
 
 

@@ -368,7 +368,7 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         raise CannotRun(f"the module failed on every input shape tried ({', '.join(str(s) for s, _ in failed)}): "
                         f"{last[:300]}. If it runs only at some sizes, state them with --length (e.g. --length 49), "
                         "--batch and --embed-dim; if it needs other arguments, give --call")
-    how = {"x": "forward(x)", "qkv": "forward(q, k, v) with q = k = v = x",
+    how = {"x": "forward(x)", "qk": "forward(q, kv) with q = kv = x", "qkv": "forward(q, k, v) with q = k = v = x",
            "adapter": "your call(module, x, mask)" if call.takes_mask else "your call(module, x) (no mask)"}
     if call.required:
         how[call.style] += ", with the mask it requires" + (f" ({call.mask_arg})" if call.mask_arg else "")
