@@ -317,8 +317,8 @@ class Caller:
             raise ValueError(f"a causal switch ({self.switch}) cannot express this mask")
         if self.make_mask is not None:
             m = self.make_mask((keep[:, 0] if self.key_only else keep).to(device))
-            if isinstance(m, Tensor) and m.is_floating_point():  # made in float32: in the probe's dtype, as encoded
-                m = m.to(device=device, dtype=dtype or param_dtype(self.module))  # masks are
+            if isinstance(m, Tensor) and m.is_floating_point():  # a float mask made in float32 goes in the
+                m = m.to(device=device, dtype=dtype or param_dtype(self.module))  # probe's dtype, as encoded ones do
             return _own(m)
         if self.spec is None:
             raise ValueError("this caller passes no mask")
