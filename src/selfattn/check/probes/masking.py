@@ -168,8 +168,8 @@ def causality(ctx: Context) -> Outcome[Tensor]:
                                                                                                   f"{right}"}))
         elif 0 < right and left < whole:
             found.notes["window"] = f"local window: each query sees the {left} previous and {right} next tokens"
-    elif causal and _causal_chunks(dep) is not None:
-        found.notes["window"] = (f"causal within chunks of {_causal_chunks(dep)} tokens: each query sees the tokens "
+    elif causal and (chunk := _causal_chunks(dep)) is not None:
+        found.notes["window"] = (f"causal within chunks of {chunk} tokens: each query sees the tokens "
                                  "of its chunk up to itself (chunked attention, as Llama 4's local layers)")
     elif causal and (~dep & ~future(length)).any():
         pairs = (~dep & ~future(length)).nonzero().tolist()[:10]
