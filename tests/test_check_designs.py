@@ -2645,3 +2645,265 @@ def test_a_forward_of_query_and_key_sequences_is_called_with_both():
     report = check(QueryAndKeySequences(64))
     assert report.verdict == "passed" and report.inferred["call"].startswith("forward(q, kv)"), report.ids
     assert "wrong-scale" in check(QueryAndKeySequences(64, double_scale=True)).ids
+
+
+class KeysAssembledInPlace(nn.Module):
+    """Correct, in the style of latent-attention inference code: rotary on a part of q and of a single shared key
+    head, the keys assembled by copying their parts into an empty tensor (``k[..., :n].copy_(k_pass)``).
+    ``k_unrotated``: the shared key part copied in before its rotation (the bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, nope: int = 8, rope: int = 8, k_unrotated: bool = False) -> None:
+        super().__init__()
+        self.heads, self.nope, self.rope, self.k_unrotated = heads, nope, rope, k_unrotated
+        self.q = nn.Linear(dim, heads * (nope + rope), bias=False)
+        self.kv = nn.Linear(dim, heads * (nope + nope) + rope, bias=False)  # per-head k_pass and v, one k_rot
+        self.o = nn.Linear(heads * nope, dim, bias=False)
+        inv = 1.0 / 10000 ** (torch.arange(0, rope, 2).double() / rope)
+        self.register_buffer("inv", inv.float(), persistent=False)
+
+    def rotate(self, t: torch.Tensor) -> torch.Tensor:  # (B, h, L, rope), interleaved pairs
+        angles = torch.arange(t.shape[-2], dtype=t.dtype)[:, None] * self.inv.to(t.dtype)
+        cos, sin = angles.cos(), angles.sin()
+        even, odd = t[..., 0::2], t[..., 1::2]
+        return torch.stack((even * cos - odd * sin, even * sin + odd * cos), -1).flatten(-2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, -1).transpose(1, 2)
+        q_pass, q_rot = q.split((self.nope, self.rope), -1)
+        q = torch.cat((q_pass, self.rotate(q_rot)), -1)
+        kv, k_rot = self.kv(x).split((self.heads * 2 * self.nope, self.rope), -1)
+        k_pass, v = kv.view(b, n, self.heads, -1).transpose(1, 2).split((self.nope, self.nope), -1)
+        k_rot = k_rot.view(b, 1, n, self.rope)
+        k_rot = (k_rot if self.k_unrotated else self.rotate(k_rot)).expand(b, self.heads, n, self.rope)
+        k = k_pass.new_empty(b, self.heads, n, self.nope + self.rope)
+        k[..., : self.nope].copy_(k_pass)
+        k[..., self.nope:].copy_(k_rot)
+        w = (q @ k.transpose(-1, -2) / math.sqrt(self.nope + self.rope)).softmax(-1)
+        return self.o((w @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+def test_keys_assembled_by_writes_into_views_are_read_through_them():
+    """catches: keys made by ``new_empty`` and ``copy_`` into slices of it were read as the empty tensor, so the
+    rotation written into them was not seen and a correct module was rotary-one-side (DeepSeek V3 in the
+    whole-model sweep); a rotation whose halves are stacked and flattened into pairs was not read as one."""
+    assert check(KeysAssembledInPlace()).verdict == "passed", check(KeysAssembledInPlace()).ids
+    assert "rotary-one-side" in check(KeysAssembledInPlace(k_unrotated=True)).ids
+
+
+class TinyCausal(nn.Module):
+    """Correct causal attention whose weights are drawn at a tiny scale (std 1e-10, as some configs initialise a
+    tower before its weights are loaded): every output and every change of one is tiny."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        for p in self.parameters():
+            nn.init.normal_(p, std=1e-10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_which_keys_a_row_sees_is_read_relative_to_tiny_outputs():
+    """catches: a change of an output row counted only above 1e-10 absolute, so with weights at 1e-10 the past
+    keys seemed hidden and a correct causal module was causal-leak."""
+    report = check(TinyCausal())
+    assert report.verdict == "passed" and report.inferred["causal"], report.ids
+
+
+class DecodeStep(nn.Module):
+    """Correct, a decode step of inference code with a cache of ``max_batch`` slots filled before the call (a prompt
+    of ``start`` tokens per slot): ``forward(x, start_pos)`` attends to the slot's prompt and, causally, to the
+    new tokens, then writes them after the prompt. ``first_slot``: every row reads slot 0's prompt (the bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, max_batch: int = 8, max_seq: int = 48, start: int = 5,
+                 first_slot: bool = False) -> None:
+        super().__init__()
+        self.heads, self.first_slot = heads, first_slot
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        g = torch.Generator().manual_seed(3)
+        self.register_buffer("cache_k", torch.randn(max_batch, max_seq, heads, dim // heads, generator=g))
+        self.register_buffer("cache_v", torch.randn(max_batch, max_seq, heads, dim // heads, generator=g))
+        self.cache_k[:, start:].zero_()
+        self.cache_v[:, start:].zero_()
+
+    def forward(self, x: torch.Tensor, start_pos: int) -> torch.Tensor:
+        bsz, n, _ = x.shape
+        xq, xk, xv = (w(x).view(bsz, n, self.heads, -1) for w in (self.wq, self.wk, self.wv))
+        self.cache_k[:bsz, start_pos:start_pos + n] = xk
+        self.cache_v[:bsz, start_pos:start_pos + n] = xv
+        rows = slice(0, 1) if self.first_slot else slice(0, bsz)
+        keys = self.cache_k[rows, : start_pos + n].expand(bsz, -1, -1, -1).transpose(1, 2)
+        values = self.cache_v[rows, : start_pos + n].expand(bsz, -1, -1, -1).transpose(1, 2)
+        scores = xq.transpose(1, 2) @ keys.transpose(2, 3) / math.sqrt(xq.shape[-1])
+        future = torch.full((n, n), float("-inf")).triu(1)
+        scores = scores + torch.cat([torch.zeros(n, start_pos), future], dim=1).type_as(scores)
+        out = (scores.softmax(-1) @ values).transpose(1, 2).reshape(bsz, n, -1)
+        return self.wo(out)
+
+
+class BatchFirstTable(nn.Module):
+    """A sinusoid table laid out sequence-first, (max_len, 1, E) as in the PyTorch tutorial, added to batch-first
+    input by ``x.size(0)``: the batch row's entry, not the token's (the bug), before correct attention."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, max_len: int = 64) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        position = torch.arange(max_len)[:, None]
+        div = torch.exp(torch.arange(0, dim, 2) * (-math.log(10000.0) / dim))
+        pe = torch.zeros(max_len, 1, dim)
+        pe[:, 0, 0::2], pe[:, 0, 1::2] = torch.sin(position * div), torch.cos(position * div)
+        self.register_buffer("pe", pe)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.pe[: x.size(0)]
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_a_decode_step_reads_its_rows_cache_and_a_term_by_batch_row_is_still_mixing():
+    """catches: at a decode step (a per-slot cache filled before the call) an item alone reads slot 0's prompt, so a
+    correct module was batch-mixing; an output that follows the batch row is a fact only when the call writes a
+    per-row state, so a position table read by batch row stays batch-mixing."""
+    call = "lambda m, x: m(x, 5)"
+    report = check(DecodeStep(), call=call, causal=True)
+    assert report.verdict == "passed" and "state per batch row" in report.inferred, report.ids
+    assert "batch-mixing" in check(DecodeStep(first_slot=True), call=call, causal=True).ids
+    assert "batch-mixing" in check(BatchFirstTable()).ids
+
+
+class FlaxStyle(nn.Module):
+    """Correct, a port of Flax's attention: kernels (E, H, D) applied by einsum, scores "...qhd,...khd->...hqk" with
+    an ellipsis, a bool mask (True = attend) combined with the module's causal one by ``&`` and applied by
+    ``torch.where`` with finfo.min. ``causal``: the module's own causal mask; ``transposed``: that mask built as
+    key >= query (the bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, causal: bool = False, transposed: bool = False) -> None:
+        super().__init__()
+        self.causal, self.transposed = causal, transposed
+        self.query, self.key, self.value = (nn.Parameter(torch.randn(dim, heads, dim // heads) * dim ** -0.5)
+                                            for _ in range(3))
+        self.out = nn.Parameter(torch.randn(heads, dim // heads, dim) * dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = (torch.einsum("...e,ehd->...hd", x, w) for w in (self.query, self.key, self.value))
+        q = q / math.sqrt(q.shape[-1])
+        w = torch.einsum("...qhd,...khd->...hqk", q, k)
+        if self.causal:
+            i = torch.arange(x.shape[-2])
+            own = (i[None, :] >= i[:, None]) if self.transposed else (i[:, None] >= i[None, :])
+            mask = own[None, None] if mask is None else own[None, None] & mask
+        if mask is not None:
+            w = torch.where(mask, w, torch.finfo(w.dtype).min)
+        o = torch.einsum("...hqk,...khd->...qhd", w.softmax(-1), v)
+        return torch.einsum("...hd,hde->...e", o, self.out)
+
+
+def test_einsums_with_an_ellipsis_are_read_and_a_transposed_causal_mask_is_named():
+    """catches: an einsum spelled with "..." read as a matmul of its operands, so the white box raised inside the
+    doctor (inconclusive); with the module's causal mask and the doctor's, the scores whose every row saw one key
+    were read as scaled by 0 (wrong-scale); a causal mask built key >= query read as a local window."""
+    assert check(FlaxStyle).verdict == "passed", check(FlaxStyle).ids
+    report = check(FlaxStyle(causal=True))
+    assert report.verdict == "passed" and report.inferred["causal"], report.ids
+    assert check(FlaxStyle(causal=True, transposed=True)).ids == {"causal-leak"}
+
+
+class StreamingChunks(nn.Module):
+    """Correct, a streaming speech encoder's self-attention: ``forward(x, mask)`` with a chunk mask made inside
+    (each frame sees its whole chunk of ``chunk`` frames and ``left`` chunks before it), combined with the caller's
+    (B, 1, L) padding mask (True = frame). ``transposed``: the chunk mask built the other way round (the bug)."""
+
+    def __init__(self, n_feat: int = 64, n_head: int = 4, chunk: int = 3, left: int = 1,
+                 transposed: bool = False) -> None:
+        super().__init__()
+        self.h, self.chunk, self.left, self.transposed = n_head, chunk, left, transposed
+        self.linear_q, self.linear_k, self.linear_v, self.linear_out = (nn.Linear(n_feat, n_feat) for _ in range(4))
+
+    def chunk_mask(self, size: int) -> torch.Tensor:
+        ret = torch.zeros(size, size, dtype=torch.bool)
+        for i in range(size):
+            start = max((i // self.chunk - self.left) * self.chunk, 0)
+            ret[i, start:min((i // self.chunk + 1) * self.chunk, size)] = True
+        return ret.T if self.transposed else ret
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, _ = x.shape
+        q, k, v = (lin(x).view(b, n, self.h, -1).transpose(1, 2) for lin in (self.linear_q, self.linear_k,
+                                                                           self.linear_v))
+        keep = self.chunk_mask(n)[None]
+        if mask is not None:
+            keep = keep & mask
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])).masked_fill(~keep[:, None], float("-inf"))
+        return self.linear_out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+def test_streaming_chunk_masks_are_a_design_and_their_transpose_a_leak():
+    """catches: a streaming encoder's chunk mask (its own chunk whole, some chunks before) was causal-leak, and the
+    same mask transposed (later chunks seen, earlier ones not) was certified."""
+    report = check(StreamingChunks)
+    assert report.verdict == "passed" and "streaming chunks" in report.inferred.get("window", ""), report.ids
+    assert "causal-leak" in check(StreamingChunks(transposed=True)).ids
+
+
+def _rotate_seq_first(t: torch.Tensor, rot: int, interleaved: bool) -> torch.Tensor:
+    """Rotary positions on the first ``rot`` dims of t (S, B, H, D), the positions on dim 0."""
+    part, rest = t[..., :rot], t[..., rot:]
+    inv = 1.0 / 10000 ** (torch.arange(0, rot, 2, dtype=torch.float32) / rot)
+    ang = (torch.arange(t.shape[0], dtype=torch.float32)[:, None] * inv)[:, None, None].to(t.dtype)  # (S, 1, 1, r/2)
+    if interleaved:
+        a, b = part[..., 0::2], part[..., 1::2]
+        part = torch.stack((a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin()), -1).flatten(-2)
+    else:
+        cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+        half = torch.cat((-part[..., rot // 2:], part[..., : rot // 2]), -1)
+        part = part * cos + half * sin
+    return torch.cat((part, rest), -1)
+
+
+class SequenceFirstCore(nn.Module):
+    """Correct, Megatron-style: hidden states [s, b, h], a fused QKV split per head, rotary on a quarter of the head
+    dim (sequence first), scores by ``baddbmm(beta=0, alpha=1/sqrt(hn))``, and a *required* attention mask
+    [b, 1, s, s] where True = masked (filled with -10000). ``key_pass_first``: k's rotated part concatenated after
+    its pass-through part while q's comes first (the bug); ``interleaved_q``: q rotated by interleaved pairs, k by
+    halves (the bug)."""
+
+    def __init__(self, hidden_size: int = 64, num_attention_heads: int = 4, key_pass_first: bool = False,
+                 interleaved_q: bool = False) -> None:
+        super().__init__()
+        self.np, self.hn = num_attention_heads, hidden_size // num_attention_heads
+        self.key_pass_first, self.interleaved_q = key_pass_first, interleaved_q
+        self.query_key_value, self.dense = nn.Linear(hidden_size, 3 * hidden_size), nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, None]:
+        sq, b, _ = hidden_states.shape
+        mixed = self.query_key_value(hidden_states).view(sq, b, self.np, 3 * self.hn)
+        q, k, v = torch.split(mixed, self.hn, dim=3)
+        rot = self.hn // 4
+        q = _rotate_seq_first(q, rot, self.interleaved_q)
+        k = _rotate_seq_first(k, rot, False)
+        if self.key_pass_first:
+            k = torch.cat((k[..., rot:], k[..., :rot]), -1)
+        q, k, v = (t.reshape(sq, b * self.np, self.hn) for t in (q, k, v))
+        scores = torch.empty(b * self.np, sq, sq, dtype=q.dtype)
+        scores = torch.baddbmm(scores, q.transpose(0, 1), k.transpose(0, 1).transpose(1, 2), beta=0.0,
+                               alpha=1.0 / math.sqrt(self.hn)).view(b, self.np, sq, sq)
+        probs = scores.masked_fill(attention_mask, -10000.0).softmax(-1).view(b * self.np, sq, sq)
+        context = torch.bmm(probs, v.transpose(0, 1)).view(b, self.np, sq, self.hn)
+        context = context.permute(2, 0, 1, 3).reshape(sq, b, self.np * self.hn)
+        return self.dense(context), None
+
+
+def test_sequence_first_modules_with_a_required_mask_and_rotary_are_read():
+    """catches: a sequence-first forward whose [b, 1, s, s] mask is required was tried batch first only, so it ran
+    only where batch, length and width line up and was batch-mixing (30 s); rotary positions on the first axis were
+    not found, so q and k rotated differently were certified."""
+    report = check(SequenceFirstCore)
+    assert report.verdict == "passed" and report.inferred["layout"].startswith("sequence-first"), report.ids
+    assert "rotary" in str(report.inferred.get("design", {}).get("positions")), report.inferred.get("design")
+    assert "rotary-mismatch" in check(SequenceFirstCore(key_pass_first=True)).ids
+    assert "rotary-mismatch" in check(SequenceFirstCore(interleaved_q=True)).ids

@@ -99,12 +99,54 @@ def batch_independence(ctx: Context, out: Tensor) -> Outcome[None]:
                                    f"{type(err).__name__}: {err})"[:240])
     mixed = not _close_or_both_nan(out2[1:], out[1:], ctx.rtol)
     alone = single is not None and not _close_or_both_nan(single, out[1:2], ctx.rtol)
+    if alone and not mixed and single is not None and _follows_its_row(ctx, single):
+        notes["state per batch row"] = (
+            "an item's output depends on its row in the batch, not on the other items: the module keeps a state "
+            "per row that the call writes (a cache with a slot per batch row, filled before this call), so an item "
+            "alone reads row 0's state")
+        return Outcome(notes=notes)
+    if alone and not mixed and getattr(ctx.call.adapter, "rows_from_the_start", False):
+        with torch.no_grad():  # the call gives an item alone the first item's arguments: the first item is compared
+            first = ctx.call(x[0:1])
+        if _close_or_both_nan(first, out[0:1], ctx.rtol):
+            notes["an item alone"] = ("checked on the first item: the call's per-item arguments are cut to the "
+                                      "batch from the first row")
+            return Outcome(notes=notes)
     if not mixed and not alone:
         return Outcome(notes=notes)
     evidence = {"change in other items": rel(out2[1:], out[1:]),
                 **({"item alone vs in batch": rel(single, out[1:2])} if single is not None else {})}
     return Outcome([Finding.of(BATCH_MIXING, "changing one batch item changes the output of another" if mixed else
                                "an item alone gives another output than in the batch", evidence)], notes=notes)
+
+
+def _per_row_state(ctx: Context) -> list[Tensor]:
+    """The module's tensors (buffers or plain attributes) of three or more dims with a first dim of at least the
+    probe's batch: where a cache with a slot per batch row would be."""
+    batch = ctx.x.shape[0]
+    found: dict[int, Tensor] = {}
+    for sub in ctx.module.modules():
+        for t in [*sub.buffers(recurse=False), *(v for v in vars(sub).values() if isinstance(v, Tensor))]:
+            if t.dim() >= 3 and t.shape[0] >= batch and not isinstance(t, torch.nn.Parameter):
+                found[id(t)] = t
+    return list(found.values())
+
+
+def _follows_its_row(ctx: Context, single: Tensor) -> bool:
+    """Does an item's output follow its row in the batch and not the other items: with items 0 and 1 swapped,
+    item 1 at row 0 gives what item 1 alone gave, and the module wrote into a per-row state while it ran (a
+    cache filled before the call, as at a decode step)? A term indexed by the batch row that the call does not
+    write (a position table read along the wrong axis) is no such state."""
+    state = _per_row_state(ctx)
+    if not state:
+        return False
+    versions = [t._version for t in state]
+    order = torch.arange(ctx.x.shape[0])
+    order[0], order[1] = 1, 0
+    with torch.no_grad():
+        swapped = ctx.call(ctx.x[order])
+    written = any(t._version != v for t, v in zip(state, versions, strict=True))
+    return written and _close_or_both_nan(swapped[0:1], single, ctx.rtol)
 
 
 def equivariance(ctx: Context, out: Tensor, dep: Tensor, positions: str | None) -> Outcome[None]:

@@ -83,6 +83,35 @@ def band(dep: Tensor) -> tuple[int, int] | None:
     return -visible[0], visible[-1]
 
 
+def _transposed(dep: Tensor) -> str | None:
+    """What causal design ``dep`` is the transpose of (a causal mask, a sliding window, streaming chunks, causal
+    chunks), when ``dep`` itself is not symmetric: the mask was built or applied the other way round."""
+    flipped = dep.T
+    if torch.equal(dep, flipped):
+        return None
+    shape = band(flipped)
+    if shape is not None and shape[1] == 0 and shape[0] > 0:
+        return "causal mask" if shape[0] == dep.shape[0] - 1 else f"sliding window of {shape[0]} tokens"
+    if _streaming_chunks(flipped) is not None and _streaming_chunks(dep) is None:
+        return "streaming chunk mask"
+    if _causal_chunks(flipped) is not None:
+        return "chunked causal mask"
+    return None
+
+
+def _streaming_chunks(dep: Tensor) -> tuple[int, int] | None:
+    """(chunk size, chunks seen before its own) when each query sees exactly the whole of its own chunk and some
+    chunks before it (a streaming encoder's chunk mask), else None."""
+    length = dep.shape[0]
+    i = torch.arange(length, device=dep.device)
+    for size in range(2, length):
+        behind = i[:, None] // size - i[None, :] // size  # query's chunk - key's chunk
+        for left in range(0, (length - 1) // size + 1):
+            if torch.equal(dep, (behind >= 0) & (behind <= left)):
+                return size, left
+    return None
+
+
 def _local_design(dep: Tensor) -> str | None:
     """The published pattern a dependency matrix that sees some future keys follows, or None: symmetric with the
     diagonal seen (blocks, windows of an image, shifted windows: each pair of tokens sees each other or neither), or
@@ -101,6 +130,12 @@ def _local_design(dep: Tensor) -> str | None:
         return (f"local pattern with global tokens: keys {seen_by_all.nonzero().flatten().tolist()} are seen by every "
                 f"query, queries {sees_all.nonzero().flatten().tolist()} see every key, the others a symmetric local "
                 "set (Longformer's or BigBird's global attention)")
+    chunks = _streaming_chunks(dep)
+    if chunks is not None:
+        size, left = chunks
+        before = "every chunk" if left >= (length - 1) // size else f"{left} chunk(s)" if left else "no chunk"
+        return (f"streaming chunks: each query sees its own chunk of {size} tokens (later tokens of the chunk "
+                f"too) and {before} before it (the chunk masks of streaming speech encoders, WeNet's or ESPnet's)")
     causal = ~future(length).to(dep.device) | eye
     for prefix in range(2, length):
         block = torch.zeros_like(dep)
@@ -143,7 +178,14 @@ def causality(ctx: Context) -> Outcome[Tensor]:
     if not ctx.normalised and shape is None and not moved:
         moved = ("the weights go through no softmax (ReLU^2, sigmoid or linear attention): a key a row does not "
                  "depend on may be a zero of its scores, not a mask")
-    if moved and shape is None:  # what is seen is certain, what is not may be a zero of the values
+    flipped = None if causal or moved else _transposed(dep)
+    if flipped is not None:
+        found.findings.append(Finding.of(CAUSAL_LEAK, f"queries see later keys and miss earlier ones: the pattern is "
+                                         f"a {flipped} read the other way round (the mask transposed)",
+                                         {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10],
+                                          "past (query, key) pairs hidden":
+                                              (~dep & ~future(length)).nonzero().tolist()[:10]}))
+    elif moved and shape is None:  # what is seen is certain, what is not may be a zero of the values
         found.notes["keys seen"] = moved
         ahead = {j - i for i, j in seen_future.nonzero().tolist()}
         if ahead == {1} and length > 2:

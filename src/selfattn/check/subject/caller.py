@@ -511,7 +511,7 @@ class MaskWatch(TorchFunctionMode):
 def dependency(fn: Callable[[Tensor], Tensor], x: Tensor, item: int = 0, rtol: float = 1e-5, seed: int = 0) -> Tensor:
     """(L, L) bool: does output row i of batch item ``item`` change when input token j changes?
 
-    A change counts when it exceeds ``rtol`` times (1 + the largest finite output): pick it above the
+    A change counts when it exceeds ``rtol`` times the largest finite output (1 when all are 0): pick it above the
     dtype's rounding (the probes run this on a float64 copy of the module when it has one). A NaN that stays
     NaN is no change (a row with no visible key, as a causal mask that hides the diagonal makes the first one);
     a value that turns NaN or changes from NaN is one. ``seed`` varies the tokens drawn in place of each.
@@ -521,7 +521,9 @@ def dependency(fn: Callable[[Tensor], Tensor], x: Tensor, item: int = 0, rtol: f
         length = x.shape[1]
         dep = torch.zeros(length, length, dtype=torch.bool)
         g = torch.Generator().manual_seed(1234 + seed)
-        size = 1 + float(base.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max()) if base.numel() else 1.0
+        # relative to the output's size, however small (weights initialised at 1e-10, as BLIP's vision tower)
+        size = float(base.abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max()) if base.numel() else 1.0
+        size = size if size > 0 else 1.0
         for j in range(length):
             x2 = x.clone()
             x2[:, j] = torch.randn(x.shape[0], x.shape[2], generator=g, dtype=x.dtype).to(x.device)

@@ -54,8 +54,8 @@ def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, dev
 def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Tensor,
                           adapter: Callable | None = None, stated: MaskSpec | None = None) -> Caller | None:
     """A caller for a forward (or an adapter) that requires its mask: the first (shape, kind) whose band mask
-    hides exactly the band's complement (bool masks read either way), else the first that runs; None if none
-    runs."""
+    hides exactly the band's complement (bool masks read either way), batch first or else sequence first (a
+    Megatron-style [s, b, h] forward with its [b, 1, s, s] mask), else the first that runs; None if none runs."""
     b, length, _ = x.shape
     off = ~torch.eye(length, dtype=torch.bool)
     first: Caller | None = None
@@ -64,8 +64,9 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
         forms.insert(0, ("B", "lengths"))
     if stated is not None:  # the convention the user stated is the one the module is called with
         forms = [(stated.shape, stated.kind)]
-    for shape, kind in forms:
-        c = Caller(module, style, arg, MaskSpec(kind, shape), adapter=adapter, required=True)
+    layouts = ("batch-first",) if adapter is not None else ("batch-first", "sequence-first")
+    for layout, (shape, kind) in ((lay, form) for lay in layouts for form in forms):
+        c = Caller(module, style, arg, MaskSpec(kind, shape), adapter=adapter, required=True, layout=layout)
         keep = probe_keep(b, length, c.key_only, c.at_end)
         try:
             with torch.no_grad():
@@ -396,7 +397,8 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     x = _randn(gen, (b, n, e), dtype, device)
     if call.layout == "batch-first" and _sequence_first(call, x, gen, tolerance(dtype)):
         call.layout = "sequence-first"
-        found.notes["layout"] = _SEQUENCE_FIRST
+    if call.layout == "sequence-first":
+        found.notes.setdefault("layout", _SEQUENCE_FIRST)
     found.notes["probe shape"] = (b, n, e)
     found.value = (call, x)
     return found

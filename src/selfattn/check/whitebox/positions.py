@@ -37,7 +37,7 @@ def rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
     None if none does."""
     near: list[tuple[int, Tensor]] = []  # the operand and the tensors it was made from, nearest first
     todo, seen = [tid], {tid}
-    while todo and len(near) < 24:
+    while todo and len(near) < 48:
         cur = todo.pop(0)
         got = value if cur == tid else trace.value(cur)
         if got is not None:
@@ -54,9 +54,10 @@ def rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
         for _, source in near[index + 1:]:
             if source.shape != t.shape or source.is_complex() or torch.allclose(source.double(), t.double()):
                 continue  # a copy is no rotation (positions 0 only: windows of one row)
-            # the positions on the second-to-last axis, or on the third ((B, L, H, D), as GPT-J's)
-            for axis, base, interleaved in ((a, b, i) for a in (-2, -3)[:t.dim() - 1] for b in ROPE_BASES
-                                            for i in (False, True)):
+            # the positions on the second-to-last axis, on the third ((B, L, H, D), as GPT-J's), or on any other
+            # (sequence first, (L, B, H, D), as Megatron's and ChatGLM's)
+            axes = [a for a in range(-2, -t.dim() - 1, -1) if t.shape[a] > 1]
+            for axis, base, interleaved in ((a, b, i) for a in axes for b in ROPE_BASES for i in (False, True)):
                 turned = rope(source.movedim(axis, -2), base, interleaved).movedim(-2, axis)
                 if torch.allclose(turned, t.double(), rtol=1e-4, atol=1e-5):
                     part = "" if t.shape[-1] == value.shape[-1] else f", on {t.shape[-1]} of {value.shape[-1]} dims"
@@ -166,14 +167,20 @@ _SUMS = frozenset({"add", "sub", "add_", "sub_", "iadd", "isub"})
 
 def _made_like_a_rotation(trace: Trace, op: Op) -> bool:
     """Was ``op``'s output made the way rotary code makes it: t * cos + f(t) * sin (a sum), those halves
-    concatenated or stacked, written into t in place (``t[..., :d] = ...``), or a complex product turned real
-    (``view_as_real(view_as_complex(t) * freqs)``)?"""
+    concatenated or stacked (and the stack flattened into pairs), written into t in place (``t[..., :d] = ...``),
+    or a complex product turned real (``view_as_real(view_as_complex(t) * freqs)``)?"""
     for _ in range(3):
         if op.name in _SUMS and len(op.in_ids) == 2:
             return True
         if op.name in ("cat", "stack", "setitem", "copy_") and op.in_ids:
             inner = trace.maker(op.in_ids[-1] if op.name in ("setitem", "copy_") else op.in_ids[0])
             if inner is None:
+                return False
+            op = inner[0]
+            continue
+        if op.name in ("flatten", "view", "reshape") and op.in_ids:  # halves stacked, then flattened into pairs
+            inner = trace.maker(op.in_ids[0])
+            if inner is None or inner[0].name != "stack":
                 return False
             op = inner[0]
             continue

@@ -23,6 +23,7 @@ Shape legend: B batch, H heads, L length, D head dim.
 from __future__ import annotations
 
 import math
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -99,13 +100,30 @@ def _operands(op: Op) -> list[tuple[int, Tensor]]:
 
 
 def _equation(op: Op) -> tuple[list[str], str] | None:
+    """An einsum's operand subscripts and output subscripts, an ellipsis spelled out in letters of its own
+    (Flax-style "...qhd,...khd->...hqk" on (B, L, H, D) operands: "aqhd,akhd->ahqk"); None for another operation
+    or an implicit output."""
     if op.name != "einsum" or not isinstance(op.args[0], str):
         return None
     eq = op.args[0].replace(" ", "")
-    if "->" not in eq or "." in eq:
+    if "->" not in eq:
         return None
     lhs, out = eq.split("->")
-    return lhs.split(","), out
+    terms = lhs.split(",")
+    if "." not in eq:
+        return terms, out
+    tensors = op.inputs
+    if len(tensors) != len(terms) or any(term.count("...") > 1 for term in terms):
+        return None
+    spans = [t.dim() - len(term.replace("...", "")) if "..." in term else 0
+             for t, term in zip(tensors, terms, strict=True)]
+    n = max(spans)
+    free = [c for c in string.ascii_letters if c not in eq][:n]
+    if min(spans) < 0 or len(free) < n:
+        return None
+    fill = "".join(free)
+    terms = [term.replace("...", fill[n - span:]) for term, span in zip(terms, spans, strict=True)]
+    return terms, out.replace("...", fill)
 
 
 def _contract(op: Op, a: Tensor, b: Tensor) -> Tensor:
@@ -543,7 +561,9 @@ def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool) -> tuple[float, Ten
     sr, rr = centred(s, -1), centred(r, -1)  # a constant per row (a row max subtracted) changes nothing
     ds, dr = (centred(sr, 0), centred(rr, 0)) if with_terms and batch > 1 else (sr, rr)
     denominator = float((dr * dr).sum())
-    c = float((ds * dr).sum()) / denominator if denominator > 0 else 0.0
+    if not denominator > 0:  # every row sees one key (or the product is constant along rows): no multiple to read
+        raise Unrecognised("no row of the scores has two visible entries that differ: their scale cannot be read")
+    c = float((ds * dr).sum()) / denominator
     return c, torch.where(joint, sr - c * rr, 0), joint
 
 

@@ -164,10 +164,30 @@ class Trace(TorchFunctionMode):
         name = _name(func)
         read = [*_tensors(args), *_tensors(kwargs)]
         at = [version(t) for t in read]
-        values = [t.detach().clone() for t in read] if _in_place(name, kwargs) else None  # before it writes
+        in_place = _in_place(name, kwargs)
+        values = [t.detach().clone() for t in read] if in_place else None  # before it writes
+        base = read[0]._base if in_place and read and isinstance(read[0]._base, Tensor) else None
+        base_before = base.detach().clone() if base is not None else None
         out = func(*args, **kwargs)
         self.add(name, args, kwargs, out, read_at=at, read_values=values)
+        if base is not None and base_before is not None:
+            self._written_through_view(base, base_before, read[0], at[0])
         return out
+
+    def _written_through_view(self, base: Tensor, before: Tensor, view: Tensor, at: int) -> None:
+        """An in-place write into a view of ``base`` (``k[..., :d].copy_(k_pass)``, ``cache[:, pos].copy_(k)``)
+        changed ``base`` too: recorded as a ``setitem`` that made its new version from its old one and the view
+        written, so that a walk back from ``base`` finds what was written into it."""
+        written = self.ops[-1]
+        if not written.out_ids or version(base) == at:
+            return
+        self._alive.append(base)
+        op = Op("setitem", (before, "view", written.outputs[0]), {}, [base.detach().clone()],
+                [key(base, at), written.out_ids[0]], [key(base)])
+        self.ops.append(op)
+        entries = self.made_by.setdefault(id(base), [])
+        if all(e[0] != version(base) for e in entries):
+            entries.append((version(base), len(self.ops) - 1, 0))
 
     def add(self, name: str, args: tuple, kwargs: dict, out: object, module: str = "",
             read_at: list[int] | None = None, read_values: list[Tensor] | None = None) -> None:
