@@ -440,3 +440,70 @@ def test_gpt2_layers_scaled_by_their_index_are_a_stated_scale():
     padding[1, 5:] = 0
     report = check_model(transformers.GPT2Model(config).eval(), {"input_ids": _ids() % 64, "attention_mask": padding})
     assert [row["verdict"] for row in report.summary()] == ["passed"] * 3, report.summary()
+
+
+class ReducedKeys(nn.Module):
+    """Attention with keys and values from a strided convolution over the feature map, in the style of pyramid
+    vision backbones: ``forward(x, feat_size)`` takes the map's (H, W) as numbers."""
+
+    def __init__(self, dim: int, heads: int, sr: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.kv, self.proj = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
+        self.sr = nn.Conv2d(dim, dim, sr, sr)
+
+    def forward(self, x: torch.Tensor, feat_size: list[int]) -> torch.Tensor:
+        b, n, c = x.shape
+        q = self.q(x).view(b, n, self.heads, -1).transpose(1, 2)
+        m = self.sr(x.transpose(1, 2).reshape(b, c, *feat_size)).flatten(2).transpose(1, 2)
+        k, v = self.kv(m).view(b, -1, 2, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v)
+        return self.proj(o.transpose(1, 2).reshape(b, n, c))
+
+
+class WindowTable(nn.Module):
+    """Attention within fixed windows of ``window`` tokens with a learned (heads, window, window) bias: it runs only
+    at its window's length."""
+
+    def __init__(self, dim: int, heads: int, window: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.bias = nn.Parameter(torch.randn(heads, window, window) * 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+        return self.proj(o.transpose(1, 2).reshape(b, n, c))
+
+
+class Pyramid(nn.Module):
+    """Two stages on a 16 x 16 image: an 8 x 8 map of width 64 (64 tokens, as many as the width), reduced keys; then
+    windows of 2 x 2 = 4 tokens with 4 heads (as many tokens as heads), then an 4 x 4 map of width 32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed1, self.embed2 = nn.Conv2d(3, 64, 2, 2), nn.Conv2d(64, 32, 2, 2)
+        self.stage1, self.windows, self.stage2 = ReducedKeys(64, 4), WindowTable(64, 4, 4), ReducedKeys(32, 2)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        x = self.embed1(image)  # (B, 64, 8, 8)
+        b, c, h, w = x.shape
+        t = x.flatten(2).transpose(1, 2)
+        t = t + self.stage1(t, [h, w])
+        win = t.view(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, 4, c)
+        win = win + self.windows(win)
+        t = win.view(b, h // 2, w // 2, 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h * w, c)
+        x = self.embed2(t.transpose(1, 2).reshape(b, c, h, w))
+        t = x.flatten(2).transpose(1, 2)
+        return t + self.stage2(t, [4, 4])
+
+
+def test_a_layer_tied_to_its_recorded_length_is_probed_there():
+    """catches: layers called with their feature map's (H, W), or with a fixed window, probed only at the doctor's
+    own lengths: the one that lined up with the width (64 tokens) was batch-mixing, the one that lined up with the
+    heads (4 tokens) shape-dependent, the others could not run; the model's own call shows the layer's length."""
+    torch.manual_seed(0)
+    report = check_model(Pyramid().eval(), torch.randn(2, 3, 16, 16))
+    assert report.verdict == "passed" and len(report.layers) == 3, report.summary()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -29,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from .doctor import check
-from .findings import MASK_INVERTED, Finding
+from .findings import BATCH_MIXING, MASK_INVERTED, SHAPE_DEPENDENT, Finding
 from .report import Report, render
 from .subject.building import CannotRun
 from .subject.caller import MASK_NAMES, SWITCH_NAMES
@@ -67,6 +68,7 @@ class Layer:
     mask: str | int | None
     batch: int
     length: int
+    tokens: int = 0  # the recorded hidden states' token count: L, or H * W for an image (B, H, W, E)
 
     @property
     def extras(self) -> list[Tensor]:
@@ -77,6 +79,17 @@ class Layer:
             if key not in skip:
                 tree_map(lambda t: found.append(t) if isinstance(t, Tensor) else None, value)
         return found
+
+    @property
+    def sizes(self) -> bool:
+        """Does the recorded call carry numbers besides the tensors (a feature map's (H, W), a token count), which
+        may tie the layer to the recorded length?"""
+        skip = {*self.x, self.mask}
+        found: list[int] = []
+        for key, value in [*enumerate(self.args), *self.kwargs.items()]:
+            if key not in skip:
+                tree_map(lambda v: found.append(v) if isinstance(v, int) and not isinstance(v, bool) else None, value)
+        return bool(found)
 
     def adapter(self) -> Callable:
         """``call(module, x[, mask])`` replaying the recorded call (with a mask argument when the layer takes one)."""
@@ -92,9 +105,12 @@ class Layer:
                 kwargs[self.mask] = mask
             return module(*args, **kwargs)
 
-        if self.mask is None:
-            return lambda module, x: replay(module, x)
-        return replay
+        call = (lambda module, x: replay(module, x)) if self.mask is None else replay
+        # the recorded per-item tensors (a residual of scores, a text sequence) are cut to x's batch from the
+        # first row: an item alone is given the first item's, which the batch probe must know
+        rows = any(t.dim() > 1 and t.shape[0] == self.batch for t in self.extras)
+        setattr(call, "rows_from_the_start", rows)  # noqa: B010 (an attribute of a function)
+        return call
 
 
 def _fitter(x: Tensor, batch: int, length: int) -> Callable[[object], object]:
@@ -207,7 +223,8 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object)
         mask_slot = mask
     kwargs = {k: (None if _is_cache(v) else v) for k, v in kwargs.items()}
     args = tuple(None if _is_cache(a) else a for a in args)
-    return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[0], hidden.shape[1])
+    return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[0], hidden.shape[1],
+                 math.prod(hidden.shape[1:-1]))
 
 
 def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
@@ -493,13 +510,26 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
             report.not_self_attention[layer.name] = crossing[layer.name]
             continue
         # a call that carries tensors of the recorded sizes is replayed at them: (B, L), or (L, B) for a layer
-        # the model calls sequence first (XLNet's)
-        tries = [{"batch": layer.batch, "length": layer.length}, {"batch": layer.length, "length": layer.batch}] \
-            if layer.extras else [{}]
+        # the model calls sequence first (XLNet's); one that carries numbers (a feature map's (H, W)) at the
+        # recorded length first, so that a size that lines up with them by chance is not a shape limit; any
+        # other at the doctor's own sizes, then at the recorded ones
+        recorded = {"length": layer.tokens or layer.length}
+        if layer.extras:
+            tries = [{"batch": layer.batch, "length": layer.length}, {"batch": layer.length, "length": layer.batch}]
+        elif layer.sizes:
+            tries = [recorded, {}]
+        else:
+            tries = [{}, recorded]
         for sized in tries:
             try:
                 given = {k: v for k, v in options.items() if v is not None or k not in sized}
-                report.layers[layer.name] = check(layer.module, call=layer.adapter(), **{**sized, **given})
+                done = check(layer.module, call=layer.adapter(), **{**sized, **given})
+                if "length" not in sized and options.get("length") is None and _shape_limited(done):
+                    # it runs only at sizes that line up with its heads or width, and the model called it at one
+                    # of them: the recorded length is the layer's own (a fixed window), as --length states it
+                    retry = check(layer.module, call=layer.adapter(), **{**given, **recorded})
+                    done = retry if not _shape_limited(retry) else done
+                report.layers[layer.name] = done
                 report.could_not_run.pop(layer.name, None)
                 misread = None if pad is None else _reads_the_models_padding(layer, pad)
                 done = report.layers[layer.name]
@@ -510,6 +540,12 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
             except CannotRun as err:
                 report.could_not_run.setdefault(layer.name, str(err))
     return report
+
+
+def _shape_limited(report: Report) -> bool:
+    """Did the layer run only at some of the sizes tried (a shape-dependent or batch-mixing finding with the
+    sizes it failed for)?"""
+    return any(f.id in (SHAPE_DEPENDENT.id, BATCH_MIXING.id) and "fails for" in f.evidence for f in report.findings)
 
 
 def render_model(report: ModelReport, console: Console) -> None:
