@@ -153,10 +153,50 @@ def tiny_config(family: str, overrides: dict | None = None):
                 if sub_kwargs:
                     kwargs[name] = sub_cls(**sub_kwargs)
             kwargs.update({k: v for k, v in (overrides or {}).items() if k not in sub})
-            return _shrink_sub_configs(config_cls(**kwargs), skip)
+            config = _shrink_sub_configs(config_cls(**kwargs), skip)
         except Exception as e:  # the next, less tiny, try
             errors.append(f"{type(e).__name__}: {e}")
+            continue
+        if vocab and _token_ids_beyond(config, SMALL_VOCAB["vocab_size"]):
+            errors.append("a special token id is beyond the small vocabulary")
+            continue
+        return _fit_latent_attention(config)
     raise CannotBuild(f"{config_cls.__name__}(tiny sizes) failed: {errors[0]}"[:300])
+
+
+def _configs(config) -> Iterator:
+    """The config and every sub-config in it (a composite model's text, vision, audio configs)."""
+    from transformers import PretrainedConfig
+
+    yield config
+    for value in vars(config).values():
+        if isinstance(value, PretrainedConfig):
+            yield from _configs(value)
+
+
+def _token_ids_beyond(config, vocab: int) -> bool:
+    """A special token id (pad, bos, ...) that the small vocabulary would not hold: its embedding would fail."""
+    return any(isinstance(v, int) and not isinstance(v, bool) and v >= vocab
+               for c in _configs(config) for k, v in vars(c).items() if k.endswith("token_id"))
+
+
+def _fit_latent_attention(config):
+    """Multi-head latent attention (a ``kv_lora_rank``) makes keys for every head: its kv heads are its heads."""
+    for c in _configs(config):
+        if getattr(c, "kv_lora_rank", None) and getattr(c, "num_key_value_heads", None) is not None:
+            c.num_key_value_heads = c.num_attention_heads
+    return config
+
+
+def fit_rope_sections(config, half: int) -> None:
+    """Multimodal rotary (``mrope_section``: the rotary frequencies split between time, height and width) in the
+    default's proportions 1/4, 3/8, 3/8 of ``half`` frequencies, for each (sub-)config with rope parameters."""
+    quarter = max(half // 4, 1)
+    sections = [quarter, (half - quarter) // 2, half - quarter - (half - quarter) // 2]
+    for c in _configs(config):
+        params = getattr(c, "rope_parameters", None)
+        if isinstance(params, dict):
+            params["mrope_section"] = sections
 
 
 def _shrink_sub_configs(config, skip: set[str]):
@@ -369,38 +409,92 @@ def _recording_arguments(module) -> Iterator[dict[int, tuple[tuple, dict]]]:
             cls.__init__ = init
 
 
-def build_model(family: str, seed: int = 0) -> tuple[nn.Module, dict]:
-    """The family's whole model from the same tiny random config (seeded, eager attention), with example inputs
-    its forward takes: token ids (2, 7) (and decoder token ids for an encoder-decoder), or pixel values for a
-    vision model. No per-family table: what ``selfattn.check_model`` needs is what the model gives its layers.
+def _uses_rope_sections(model_cls: type) -> bool:
+    source = inspect.getsource(importlib.import_module(model_cls.__module__))
+    return "mrope_section" in source
 
-    Raises:
-        CannotBuild: with the reason (config, model, inputs the forward needs that are not tokens or pixels).
-    """
-    try:
-        config, model_cls = _tiny_class(family)
-        torch.manual_seed(seed)
-        model = model_cls(config).eval()
-    except CannotBuild:
-        raise
-    except Exception as e:
-        raise CannotBuild(f"{type(e).__name__}: {e}"[:300]) from e
+
+def _example_inputs(model: nn.Module, config, seed: int) -> Iterator[dict]:
+    """Candidate example inputs for the model's forward, by what it takes: token ids (2, 7) (and decoder ids, and
+    an all-ones attention mask); then each other input it takes (pixels, a video's frames, audio samples, audio
+    features), with the ids (a model of text and images or sound) and alone."""
     params = inspect.signature(model.forward).parameters
     gen = torch.Generator().manual_seed(seed)
-    vocab = getattr(config, "vocab_size", None) or getattr(getattr(config, "text_config", None), "vocab_size", None)
-    inputs: dict = {}
+    configs = list(_configs(config))
+
+    def first(*names: str) -> object:
+        return next((getattr(c, n) for c in configs for n in names if getattr(c, n, None) is not None), None)
+
+    vocab = first("vocab_size")
+    top = min(vocab, 1000) if isinstance(vocab, int) else 100  # a config without a vocabulary (bytes, code points)
+    decoder = {"decoder_input_ids": torch.randint(0, top, (2, 5), generator=gen)} \
+        if "decoder_input_ids" in params else {}
+    texts: list[dict] = []
     if "input_ids" in params:
-        top = min(vocab, 1000) if isinstance(vocab, int) else 100  # a config without a vocabulary (bytes, code points)
-        inputs["input_ids"] = torch.randint(0, top, (2, 7), generator=gen)
-        if "decoder_input_ids" in params:
-            inputs["decoder_input_ids"] = torch.randint(0, top, (2, 5), generator=gen)
-    elif "pixel_values" in params:
+        ids = {"input_ids": torch.randint(0, top, (2, 7), generator=gen)}
+        texts.append(ids)
+        if "attention_mask" in params:  # a model that makes its mask from a padding id the config does not set
+            texts.append({**ids, "attention_mask": torch.ones(2, 7, dtype=torch.long)})
+    others: list[dict] = []
+    if "pixel_values" in params:
         # a patch model takes its own image size; a convolutional backbone (DETR's, stride 32) gets 128 pixels,
         # so that its attention still sees 16 tokens
-        size = getattr(config, "image_size", None) if getattr(config, "patch_size", None) else None
+        size = first("image_size") if first("patch_size") else None
         size = (size[0] if isinstance(size, (list, tuple)) else size) or 128
-        channels = getattr(config, "num_channels", 3)
-        inputs["pixel_values"] = torch.randn(2, channels, size, size, generator=gen)
-    else:
-        raise CannotBuild(f"{model_cls.__name__}.forward takes neither input_ids nor pixel_values")
-    return model, inputs
+        channels = first("num_channels") or 3
+        others.append({"pixel_values": torch.randn(2, channels, size, size, generator=gen)})
+        frames = first("num_frames")
+        if isinstance(frames, int):
+            others.append({"pixel_values": torch.randn(2, frames, channels, size, size, generator=gen)})
+    if "input_values" in params:
+        others.append({"input_values": torch.randn(2, 4000, generator=gen)})
+    if "input_features" in params:
+        bins = first("num_mel_bins", "feature_size", "input_feat_per_channel") or 80
+        frames = 2 * (first("max_source_positions") or 50)
+        others.append({"input_features": torch.randn(2, bins, frames, generator=gen)})
+    for inputs in [*texts, *({**t, **o} for o in others for t in texts[:1]), *others]:
+        yield {**inputs, **decoder}
+
+
+def build_model(family: str, seed: int = 0) -> tuple[nn.Module, dict]:
+    """The family's whole model from the same tiny random config (seeded, eager attention), with example inputs
+    its forward runs on: token ids (2, 7) (and decoder token ids for an encoder-decoder), ids and pixels, pixel
+    values (a video's frames), audio samples or features, the first of these the model runs on. When the one-layer
+    model does not run (a hybrid whose only layer is not attention), it is built with eight layers.
+    No per-family table: what ``selfattn.check_model`` needs is what the model gives its layers.
+
+    Raises:
+        CannotBuild: with the reason (config, model, no inputs the model runs on).
+    """
+    errors: list[str] = []
+    layers = {k: 8 for k in _LAYER_KEYS if k in _defaults(_config_class(family))}
+    for overrides in (None, layers):  # eight layers: a hybrid's first attention layer is within them
+        try:
+            config, model_cls = _tiny_class(family, overrides)
+        except CannotBuild as e:
+            errors.append(str(e))
+            continue
+        head_dim = getattr(config, "head_dim", None) or D
+        halves = [head_dim // 2, head_dim // 4] if _uses_rope_sections(model_cls) else [None]
+        for half in halves:
+            if half is not None:
+                fit_rope_sections(config, half)
+            try:
+                torch.manual_seed(seed)
+                model = model_cls(config).eval()
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+                continue
+            candidates = list(_example_inputs(model, config, seed))
+            if not candidates:
+                raise CannotBuild(f"{model_cls.__name__}.forward takes none of input_ids, pixel_values, "
+                                  "input_values, input_features")
+            for inputs in candidates:
+                try:
+                    with torch.no_grad():
+                        model(**inputs)
+                except Exception as e:
+                    errors.append(f"the model failed on {', '.join(inputs)}: {type(e).__name__}: {e}")
+                    continue
+                return model, inputs
+    raise CannotBuild(errors[-1][:300] if errors else "no config")  # the last: the fullest inputs tried
