@@ -507,3 +507,161 @@ def test_a_layer_tied_to_its_recorded_length_is_probed_there():
     torch.manual_seed(0)
     report = check_model(Pyramid().eval(), torch.randn(2, 3, 16, 16))
     assert report.verdict == "passed" and len(report.layers) == 3, report.summary()
+
+
+class Attend(nn.Module):
+    """The attention core alone, as x-transformers splits it: q (B, H, L, D) with keys and values that carry learned
+    memory slots and fewer heads (grouped), and talking heads (a 1 x 1 convolution over the heads of the weights)."""
+
+    def __init__(self, heads: int, groups: int, over_queries: bool = False) -> None:
+        super().__init__()
+        self.groups, self.over_queries = groups, over_queries
+        self.talk = nn.Conv2d(heads, heads, 1, bias=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        weights = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-2 if self.over_queries else -1)
+        return self.talk(weights) @ v
+
+
+class MemoryAttention(nn.Module):
+    """Grouped-query attention with two learned memory key/value slots, calling its core with q, k, v."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, groups: int = 2, over_queries: bool = False) -> None:
+        super().__init__()
+        self.heads, self.groups, self.d = heads, groups, dim // heads
+        self.to_q, self.to_kv = nn.Linear(dim, dim, bias=False), nn.Linear(dim, 2 * groups * self.d, bias=False)
+        self.mem_k, self.mem_v = (nn.Parameter(torch.randn(groups, 2, self.d)) for _ in range(2))
+        self.attend, self.out = Attend(heads, groups, over_queries), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.to_q(x).view(b, n, self.heads, self.d).transpose(1, 2)
+        k, v = self.to_kv(x).view(b, n, 2, self.groups, self.d).permute(2, 0, 3, 1, 4)
+        k = torch.cat((self.mem_k.expand(b, -1, -1, -1), k), dim=2)
+        v = torch.cat((self.mem_v.expand(b, -1, -1, -1), v), dim=2)
+        return self.out(self.attend(q, k, v).transpose(1, 2).reshape(b, n, -1))
+
+
+class MemoryModel(nn.Module):
+    def __init__(self, over_queries: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 64)
+        self.layers = nn.ModuleList(MemoryAttention(over_queries=over_queries) for _ in range(2))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def test_the_layer_around_a_core_with_memory_and_grouped_keys_is_checked():
+    """catches: a core called with memory keys or grouped keys (q, k and v of different shapes) taken for the layer,
+    so the layer was never checked (inconclusive, and a bug in it not named); weights mixed across heads by a
+    convolution before the values product (talking heads) hid the layer."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (2, 7))
+    report = check_model(MemoryModel().eval(), ids)
+    assert report.verdict == "passed" and list(report.layers) == ["layers.0", "layers.1"], report.summary()
+    buggy = check_model(MemoryModel(over_queries=True).eval(), ids)
+    assert all("softmax-dim" in r.ids for r in buggy.layers.values()) and len(buggy.layers) == 2, buggy.summary()
+
+
+class ZeroGainAttention(nn.Module):
+    """Attention whose output goes through a norm with its gain initialised at 0 (as LeViT's and some residual
+    branches do, so that a fresh block is the identity): at initialisation the layer's output is constant."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, over_queries: bool = False) -> None:
+        super().__init__()
+        self.heads, self.over_queries = heads, over_queries
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        nn.init.zeros_(self.norm.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        w = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-2 if self.over_queries else -1)
+        return self.norm(self.proj((w @ v).transpose(1, 2).reshape(b, n, e)))
+
+
+def test_a_layer_silenced_by_a_zero_gain_is_still_found_and_checked():
+    """catches: a layer whose zero-initialised gain makes its output constant was set aside as not self-attention
+    before its zeros were drawn at random, so a bug in it was never named (the whole model certified)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(ZeroGainAttention(), ZeroGainAttention(over_queries=True)).eval()
+    report = check_model(model, torch.randn(2, 7, 64))
+    assert report.layers["0"].verdict == "passed" and "softmax-dim" in report.layers["1"].ids, report.summary()
+
+
+def test_cli_factory_may_import_a_file_beside_it_when_called(tmp_path):
+    """catches: the target's folder was importable only while its file was imported, so a factory importing a
+    sibling file inside its body (a model built from a module chosen by name) exited 2 with ModuleNotFoundError."""
+    (tmp_path / "blocks.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Attn(nn.Module):
+            def __init__(self, e):
+                super().__init__()
+                self.qkv, self.o = nn.Linear(e, 3 * e), nn.Linear(e, e)
+            def forward(self, x):
+                q, k, v = self.qkv(x).chunk(3, -1)
+                return self.o(torch.softmax(q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5, -1) @ v)
+        """))
+    src = tmp_path / "net.py"
+    src.write_text(textwrap.dedent("""
+        import importlib
+        import torch
+
+        def make():
+            blocks = importlib.import_module("blocks")
+            return blocks.Attn(16), torch.randn(2, 5, 16)
+        """))
+    run = [sys.executable, "-m", "selfattn.cli", "check", "--model", "--json", f"{src}:make"]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=300, cwd="/")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+class DistanceBias(nn.Module):
+    """A learned bias per head and clipped distance, shared by every layer and passed to each in its call."""
+
+    def __init__(self, heads: int = 4, reach: int = 8) -> None:
+        super().__init__()
+        self.reach, self.table = reach, nn.Embedding(2 * reach + 1, heads)
+
+    def forward(self, n: int) -> torch.Tensor:
+        i = torch.arange(n, device=self.table.weight.device)
+        return self.table((i[None, :] - i[:, None]).clamp(-self.reach, self.reach) + self.reach).permute(2, 0, 1)
+
+
+class BiasedAttention(nn.Module):
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, rel_pos: nn.Module) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + rel_pos(n)
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class SharedBiasModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rel, self.layers = DistanceBias(), nn.ModuleList(BiasedAttention() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x, rel_pos=self.rel)
+        return x
+
+
+def test_a_module_the_model_passes_to_its_layers_follows_the_probes_dtype():
+    """catches: a bias module the model passes in its call (x-transformers' rel_pos) replayed in float32 beside the
+    layer's half-precision copy, so its correct layers were half-precision-overflow."""
+    torch.manual_seed(0)
+    report = check_model(SharedBiasModel().eval(), torch.randn(2, 7, 64))
+    assert report.verdict == "passed" and len(report.layers) == 2, report.summary()

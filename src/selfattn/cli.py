@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 
@@ -126,6 +127,9 @@ def _check(args: argparse.Namespace) -> int:
                "causal": args.causal, "bidirectional": args.bidirectional, "scale": args.scale,
                "allow_nonstandard": args.allow_nonstandard,
                "seed": args.seed}
+    # the target file's folder stays importable while the command runs: its factory, class or model may import a
+    # file beside it when called, not only when the file is imported
+    sys.path.insert(0, str(Path(args.target.rpartition(":")[0] or ".").resolve().parent))
     if args.model:
         return _check_model(args, options, console)
     if args.mutate:

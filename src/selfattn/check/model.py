@@ -17,6 +17,7 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import math
@@ -44,8 +45,10 @@ _SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax"})
 _KERNELS = frozenset({"scaled_dot_product_attention", "flex_attention", "_scaled_dot_product_attention_math",
                       "multi_head_attention_forward"})  # a mode sees the call, not the operations inside
 _PRODUCTS = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "einsum", "baddbmm"})
-# what weights pass through on their way to the product (dropout, a cast, a mask put on after the softmax)
+# what weights pass through on their way to the product (dropout, a cast, a mask put on after the softmax, a 1 x 1
+# convolution or a linear map mixing the heads: talking heads)
 _PASSING = frozenset({"dropout", "to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous",
+                      "conv1d", "conv2d", "linear",
                       "masked_fill", "masked_fill_", "mul", "__mul__", "where", "nan_to_num", "clone", "view",
                       "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand", "detach",
                       "__getitem__"})
@@ -93,8 +96,10 @@ class Layer:
 
     def adapter(self) -> Callable:
         """``call(module, x[, mask])`` replaying the recorded call (with a mask argument when the layer takes one)."""
+        copies: dict = {}  # the modules the call passes, cast to the probe's dtype (a half-precision run)
+
         def replay(module: nn.Module, x: Tensor, mask: object = None) -> object:
-            fit = _fitter(x, self.batch, self.length)
+            fit = _fitter(x, self.batch, self.length, copies)
             args = [x if i in self.x else (mask if i == self.mask else tree_map(fit, a))
                     for i, a in enumerate(self.args)]
             kwargs = {k: x if k in self.x else (mask if k == self.mask else tree_map(fit, v))
@@ -113,12 +118,22 @@ class Layer:
         return call
 
 
-def _fitter(x: Tensor, batch: int, length: int) -> Callable[[object], object]:
+def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None) -> Callable[[object], object]:
     """Cut a recorded tensor to x's batch (dim 0 of size ``batch``) and length (every other dim of size ``length``),
-    in x's floating dtype and on its device; other values pass as they are."""
+    in x's floating dtype and on its device; a module the model passes (a shared position-bias module) as a copy in
+    x's floating dtype, kept in ``copies``; other values pass as they are."""
     b, n = x.shape[0], x.shape[1]
 
     def fit(t: object) -> object:
+        if isinstance(t, nn.Module) and copies is not None and x.is_floating_point() and \
+                any(p.is_floating_point() and p.dtype != x.dtype for p in [*t.parameters(), *t.buffers()]):
+            key = (id(t), x.dtype)
+            if key not in copies:
+                try:
+                    copies[key] = copy.deepcopy(t).to(x.dtype)
+                except Exception:  # a module that cannot be copied goes as it is
+                    copies[key] = t
+            return copies[key]
         if not isinstance(t, Tensor):
             return t
         batch_dim = t.dim() > 1 and t.shape[0] == batch and batch != length
@@ -209,8 +224,10 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object)
     if hidden is None:
         return None
     x = tuple(k for k, a in slots if a is hidden)
-    if y.dim() == 4 and any(isinstance(a, Tensor) and a.shape == y.shape and a is not hidden for _, a in slots):
-        return None  # q, k and v of one shape, (B, H, L, D): an attention core, checked through its parent
+    if y.dim() == 4 and any(isinstance(a, Tensor) and a is not hidden and a.dim() == 4 and a.shape[0] == y.shape[0]
+                            and a.shape[-1] == y.shape[-1] for _, a in slots):
+        return None  # q, k and v (B, H, L, D), k and v with more keys (memory) or fewer heads (grouped): an
+        # attention core, checked through its parent
     try:
         params = list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
@@ -307,29 +324,48 @@ def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
 
 def _not_self_attention(layer: Layer) -> str | None:
     """Why the layer is not self-attention (its output rows do not depend on the other tokens of its input: a
-    cross-attention over a sequence the model passes in), or None."""
+    cross-attention over a sequence the model passes in), or None. A layer whose all-zero parameters (a norm's
+    weight initialised at 0, as LeViT's) silence its output is judged on a copy with them drawn at random."""
+    if not _rows_independent(layer, layer.module):
+        return None
+    zeros = [p for p in layer.module.parameters() if p.numel() and not p.any()]
+    if zeros:
+        module = copy.deepcopy(layer.module)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in module.parameters():
+                if p.numel() and not p.any():
+                    p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
+        if not _rows_independent(layer, module):
+            return None
+    return ("its output rows do not depend on the other tokens of its input: a cross-attention over another "
+            "sequence, or a mixture of per-token parts (a router)")
+
+
+def _rows_independent(layer: Layer, module: nn.Module) -> bool:
+    """Does each output row of ``module`` (the layer or a copy of it), called as the model called the layer, stay
+    the same when another token of its input changes?"""
     hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
     if hidden.shape[1] < 2:
-        return None
+        return False
     call = layer.adapter()
-    was_training = layer.module.training
+    was_training = module.training
     try:
-        layer.module.eval()  # dropout on would make every run differ
+        module.eval()  # dropout on would make every run differ
         with torch.no_grad():
-            a = _first_tensor(call(layer.module, hidden))
+            a = _first_tensor(call(module, hidden))
             for dim in (1, 0):  # the tokens on dim 1 (batch first) or dim 0 (sequence first, as torch's default)
                 changed = hidden.clone()
                 changed.select(dim, 0).add_(1.0)
-                b = _first_tensor(call(layer.module, changed))
+                b = _first_tensor(call(module, changed))
                 if a is None or b is None or a.shape != b.shape or \
                         not torch.equal(a.narrow(dim, 1, a.shape[dim] - 1), b.narrow(dim, 1, b.shape[dim] - 1)):
-                    return None
+                    return False
     except Exception:  # the doctor's own run will say what fails
-        return None
+        return False
     finally:
-        layer.module.train(was_training)
-    return ("its output rows do not depend on the other tokens of its input: a cross-attention over another "
-            "sequence, or a mixture of per-token parts (a router)")
+        module.train(was_training)
+    return True
 
 
 def _padding(kwargs: dict) -> Tensor | None:
