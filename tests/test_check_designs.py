@@ -2907,3 +2907,193 @@ def test_sequence_first_modules_with_a_required_mask_and_rotary_are_read():
     assert "rotary" in str(report.inferred.get("design", {}).get("positions")), report.inferred.get("design")
     assert "rotary-mismatch" in check(SequenceFirstCore(key_pass_first=True)).ids
     assert "rotary-mismatch" in check(SequenceFirstCore(interleaved_q=True)).ids
+
+
+class TopKSparse(nn.Module):
+    """Correct, explicit sparse attention: each query keeps its ``topk`` largest scores (the others filled with the
+    most negative number), with the caller's (B, L) key mask (True = attend) applied the same way."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, topk: int = 3) -> None:
+        super().__init__()
+        self.heads, self.topk = heads, topk
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.to_qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        sim = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        floor = -torch.finfo(sim.dtype).max
+        if mask is not None:
+            sim = sim.masked_fill(~mask[:, None, None, :], floor)
+        if self.topk < n:
+            kth = sim.topk(self.topk, dim=-1).values[..., -1:]
+            sim = sim.masked_fill(sim < kth, floor)
+        return self.to_out((sim.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_top_k_that_keeps_other_keys_in_each_item_is_read_with_a_mask():
+    """catches: with a padding mask, the scores were fitted only where every batch item sees the key, and a top-k
+    keeps other keys in each item, so no row had two such entries: definition-mismatch (wrong-scale before)."""
+    for seed in range(4):
+        report = check(TopKSparse, seed=seed)
+        assert report.verdict == "passed", (seed, report.ids)
+
+
+class XPos(nn.Module):
+    """Correct, xPos: rotate-half rotary positions with q scaled per frequency by zeta^(n / 512) and k by
+    zeta^(-n / 512) (the scores stay relative, and decay with distance). ``same_sign``: k scaled by zeta^(n / 512)
+    like q (the bug: the scores then depend on the positions themselves)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, same_sign: bool = False) -> None:
+        super().__init__()
+        self.heads, self.same_sign = heads, same_sign
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        d = dim // heads
+        self.register_buffer("zeta", (torch.arange(0, d, 2) + 0.4 * d) / (1.4 * d), persistent=False)
+        self.register_buffer("inv", 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), persistent=False)
+
+    def rotate(self, t: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
+        n = t.shape[-2]
+        ang = torch.arange(n, dtype=t.dtype)[:, None] * self.inv.to(t.dtype)
+        scale = (self.zeta.to(t.dtype)[None] ** power[:, None]).repeat(1, 2)  # (L, D)
+        cos, sin = torch.cat((ang, ang), -1).cos() * scale, torch.cat((ang, ang), -1).sin() * scale
+        a, b = t.chunk(2, -1)
+        return t * cos + torch.cat((-b, a), -1) * sin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        power = torch.arange(n, dtype=x.dtype) / 512
+        q, k = self.rotate(q, power), self.rotate(k, power if self.same_sign else -power)
+        w = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
+        return self.out((w @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_xpos_scaling_is_a_design_and_the_same_scale_on_both_a_mismatch():
+    """catches: xPos (q scaled by zeta^n, k by zeta^-n, each beside its rotation) read as rotary that is no rotation
+    (rotary-mismatch, x-transformers' rotary_xpos); with both changed in norm, the run on one token everywhere
+    decides, and names k scaled like q."""
+    report = check(XPos)
+    assert report.verdict == "passed" and "xPos" in str(report.inferred.get("design")), report.ids
+    assert "rotary-mismatch" in check(XPos(same_sign=True)).ids
+
+
+class PooledKeys(nn.Module):
+    """Correct, Next-ViT's efficient attention: keys and values from the tokens average-pooled by 4 (a sequence
+    reduction), queries from every token."""
+
+    def __init__(self, dim: int = 64, head_dim: int = 16, sr_ratio: int = 2) -> None:
+        super().__init__()
+        self.heads = dim // head_dim
+        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
+        self.sr, self.norm = nn.AvgPool1d(sr_ratio ** 2, sr_ratio ** 2), nn.BatchNorm1d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q = self.q(x).reshape(b, n, self.heads, -1).transpose(1, 2)
+        pooled = self.norm(self.sr(x.transpose(1, 2))).transpose(1, 2)
+        k, v = (f(pooled).reshape(b, -1, self.heads, c // self.heads).transpose(1, 2) for f in (self.k, self.v))
+        w = (q @ k.transpose(-1, -2) * (c // self.heads) ** -0.5).softmax(-1)
+        return self.proj((w @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_keys_pooled_from_the_tokens_are_probed_at_a_length_that_keeps_several():
+    """catches: probed at 7 tokens, keys pooled by 4 left one key: every weight was 1, q and k got no gradient and
+    the scale could not be read (no-grad, wrong-scale); a module that pools its tokens is probed at 16."""
+    report = check(PooledKeys().eval())
+    assert report.verdict == "passed" and report.inferred["probe shape"][1] == 16, report.ids
+
+
+class ExclusiveAttention(nn.Module):
+    """Correct, exclusive self-attention with a gate per head: each head's output loses its projection on the token's
+    own normalised value, ``out - (out . v_hat) v_hat``, is gated, and the heads are merged by permute and reshape.
+    ``merged_early``: merged with reshape before the permute (the bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, merged_early: bool = False) -> None:
+        super().__init__()
+        self.heads, self.merged_early = heads, merged_early
+        self.to_qkv, self.to_gate = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, heads, bias=False)
+        self.to_out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).permute(0, 2, 1, 3) for t in self.to_qkv(x).chunk(3, -1))
+        out = F.scaled_dot_product_attention(q, k, v)
+        v_hat = F.normalize(v, dim=-1)
+        out = out - (out * v_hat).sum(dim=-1, keepdim=True) * v_hat
+        out = out * self.to_gate(x).sigmoid().permute(0, 2, 1)[..., None]
+        merged = out.reshape(b, n, e) if self.merged_early else out.permute(0, 2, 1, 3).reshape(b, n, e)
+        return self.to_out(merged)
+
+
+def test_a_side_branch_on_the_heads_output_is_not_read_as_its_merge():
+    """catches: the first read of the values product was followed, into a sum over the head dim (exclusive
+    self-attention's projection on v), and that read, in the heads' layout, was taken for a merge by reshape:
+    head-merge on a correct module."""
+    assert check(ExclusiveAttention).verdict == "passed", check(ExclusiveAttention).ids
+    assert "head-merge" in check(ExclusiveAttention(merged_early=True)).ids
+
+
+class ContinuousBias(nn.Module):
+    """Correct, Swin v2's continuous position bias: a small MLP (its first bias initialised at 0, then a ReLU) of
+    the log-spaced relative coordinates of a window's tokens; at coordinate (0, 0) every pre-activation is exactly
+    0, a kink of the ReLU at the point itself."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, side: int = 3) -> None:
+        super().__init__()
+        self.heads, self.side = heads, side
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.cpb = nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, heads, bias=False))
+        nn.init.zeros_(self.cpb[0].bias)
+        yx = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")).flatten(1)
+        rel = (yx[:, :, None] - yx[:, None, :]).permute(1, 2, 0).float()  # (L, L, 2)
+        self.register_buffer("coords", torch.sign(rel) * torch.log2(rel.abs() + 1.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        bias = 16 * torch.sigmoid(self.cpb(self.coords.to(x.dtype)).permute(2, 0, 1))
+        w = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias).softmax(-1)
+        return self.proj((w @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_relu_kink_at_the_point_itself_is_no_wrong_gradient():
+    """catches: ReLUs of pre-activations that are exactly 0 (a zero bias on the (0, 0) coordinate) sit on their
+    kink at the point itself, where no finite difference, however small its step, sees the one-sided derivative
+    autograd takes: a correct module was wrong-gradient; the gradient is compared off the point too."""
+    for seed in (1, 2):  # draws where the kink's share of the derivative is above the finite difference's noise
+        torch.manual_seed(seed)
+        report = check(ContinuousBias(), length=9)
+        assert report.verdict == "passed", (seed, report.ids)
+
+
+class ZeroesEmptyRows(nn.Module):
+    """Correct, as x-transformers' core: a (B, L) key mask (True = attend) hides keys, and a query whose row the mask
+    empties gets an output of 0. ``inverted``: the scores filled where the mask is True (the bug), while the rows
+    are still judged by ``mask.any``."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, inverted: bool = False) -> None:
+        super().__init__()
+        self.heads, self.inverted = heads, inverted
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.to_qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        sim = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        if mask is not None:
+            keep = mask[:, None, None, :]
+            sim = sim.masked_fill(keep if self.inverted else ~keep, -torch.finfo(sim.dtype).max)
+        out = sim.softmax(-1) @ v
+        if mask is not None:
+            out = out.masked_fill(~mask.any(-1)[:, None, None, None], 0.0)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_stated_convention_read_inverted_is_named_when_empty_rows_are_zeroed():
+    """catches: with the convention stated, a module reading its mask inverted but zeroing the rows ``mask.any``
+    finds empty gave the unmasked output neither with a mask hiding nothing nor with one hiding everything, so no
+    mask was understood: inconclusive (or mask-error with the shape stated) instead of mask-inverted."""
+    for stated in ({"mask_convention": "keep"}, {"mask": "keep (B,L)"}):
+        assert check(ZeroesEmptyRows, **stated).verdict == "passed", stated
+        assert "mask-inverted" in check(ZeroesEmptyRows(inverted=True), **stated).ids, stated

@@ -414,8 +414,12 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             if masked_out.shape != x.shape:
                 raise ValueError(f"output shape {tuple(masked_out.shape)} with this mask")
             with torch.no_grad():
-                if caller.spec is not None and not any(close(caller(x, caller.module_mask(k)), plain) for k in (
-                        torch.ones_like(keep), torch.zeros_like(keep))):  # zeros: a module reading the mask inverted
+                # zeros: a module reading the mask inverted; a convention the user stated is read as stated (a module
+                # that zeroes the rows its mask empties, reading the mask inverted, matches neither)
+                stated = ctx.declared is not None or ctx.spec is not None
+                if caller.spec is not None and not stated and not any(
+                        close(caller(x, caller.module_mask(k)), plain) for k in (torch.ones_like(keep),
+                                                                                 torch.zeros_like(keep))):
                     dropped = _drops_its_causal_mask(ctx, caller, keep, mask, dep) if caller.key_only else None
                     if dropped is not None:
                         finding, flipped = dropped

@@ -202,6 +202,31 @@ def _grads_after_noise(call: Caller, x: Tensor, weights: Tensor, used: list[tupl
         call.module.zero_grad(set_to_none=True)
 
 
+def _off_the_point(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]], on_input: bool,
+                   step: float, gen: torch.Generator) -> tuple[float, float, float]:
+    """:func:`_directional` (on the input, or on the parameters) with every used parameter moved by a little noise,
+    autograd's gradient taken there too; the parameters are restored. Where pre-activations are exactly 0 (a bias
+    initialised at 0 on a zero input), no finite difference sees the one-sided derivative autograd takes."""
+    saved = [p.detach().clone() for _, p in used]
+    try:
+        with torch.no_grad():
+            for _, p in used:
+                p.add_(1e-3 * (1 + p.abs().max()) * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
+        call.module.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_()
+        (call(xg).double() * weights).sum().backward()
+        if on_input:
+            dx = xg.grad.detach().clone() if xg.grad is not None else torch.zeros_like(x)
+            return _directional(call, x, weights, dx, [], step, gen)
+        params = [(p, p.grad.detach().clone()) for _, p in used if p.grad is not None]
+        return _directional(call, x, weights, None, params, step, gen)
+    finally:
+        with torch.no_grad():
+            for (_, p), s in zip(used, saved, strict=True):
+                p.copy_(s)
+        call.module.zero_grad(set_to_none=True)
+
+
 def _still_zero(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]], zero: list[str],
                 gen: torch.Generator) -> list[str]:
     """Of the parameters ``zero`` whose gradient was exactly 0, those that still get 0 off the draw."""
@@ -420,6 +445,12 @@ def _gradients(ctx: Context) -> Outcome[None]:
                              "ReLU's, inside the first step)")
                 del wrong[k]
                 break
+        else:  # kinks at the point itself (ReLUs of pre-activations that are exactly 0: a bias initialised at 0
+            again = _off_the_point(call, x0, weights, used, k == "input", step, ctx.gen)  # on a zero input)
+            if not differs(*again):
+                notes[k] += (f"; with the parameters moved by a little noise: autograd {again[0]:.6g}, finite "
+                             f"difference {again[1]:.6g} (kinks, as ReLUs of exact zeros, at the point itself)")
+                del wrong[k]
     found = Outcome[None](notes={"gradients": {**notes, "dtype": str(x0.dtype)[6:]}})
     if wrong:
         found.findings.append(Finding.of(WRONG_GRADIENT, "autograd's gradient differs from the finite-difference "

@@ -59,7 +59,9 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
     b, length, _ = x.shape
     off = ~torch.eye(length, dtype=torch.bool)
     first: Caller | None = None
-    forms = [(shape, kind) for shape in SHAPE_ORDER for kind in KIND_ORDER]
+    # a bool mask read either way is found by "keep", unless its "hide nothing" hides everything (True = masked,
+    # an (L, L) triu mask that a from-scratch model builds for its blocks): then "ignore" is sent as such
+    forms = [(shape, kind) for shape in SHAPE_ORDER for kind in (*KIND_ORDER, "ignore")]
     if arg in LENGTH_NAMES:  # padding given as lengths (d2l's valid_lens)
         forms.insert(0, ("B", "lengths"))
     if stated is not None:  # the convention the user stated is the one the module is called with
@@ -394,6 +396,8 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         b, n, _ = min(good, key=lambda s: (s[0] < 2, s[1] < 16, s[1], s[0]))
     else:
         b, n, _ = (3, 7, e) if (3, 7, e) in good else min(good, key=lambda s: (s[0] < 2, s[1] > 64, s[0], s[1]))
+        if _pools_tokens(module) and n < 16 and sizes.lengths is None and runs_at(call, b, 16, e, gen, dtype, device):
+            n = 16  # keys pooled from the tokens (a 1-d pooling or a strided convolution): 16 tokens keep several
     x = _randn(gen, (b, n, e), dtype, device)
     if call.layout == "batch-first" and _sequence_first(call, x, gen, tolerance(dtype)):
         call.layout = "sequence-first"
@@ -402,6 +406,18 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     found.notes["probe shape"] = (b, n, e)
     found.value = (call, x)
     return found
+
+
+def _pools_tokens(module: nn.Module) -> bool:
+    """Has the module a pooling or a strided convolution (a sequence reduction: keys and values from fewer positions
+    than the queries, as PVT's, Next-ViT's or CvT's), which a short probe would leave with one key?"""
+    for m in module.modules():
+        if isinstance(m, (nn.AvgPool1d, nn.MaxPool1d, nn.AvgPool2d, nn.MaxPool2d, nn.AdaptiveAvgPool1d,
+                          nn.AdaptiveAvgPool2d)):
+            return True
+        if isinstance(m, (nn.Conv1d, nn.Conv2d)) and any(st > 1 for st in m.stride):
+            return True
+    return False
 
 
 def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, gen: torch.Generator,

@@ -64,6 +64,9 @@ _SCALES = frozenset({"mul", "rmul", "mul_", "imul", "div", "truediv", "div_", "i
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
                     "where"})
 _MASKED = -1e3  # a score below this is a masked one (masks fill -inf, finfo.min, -10000, ...)
+# q and k both made like rotary positions and both changed in norm row by row: xPos scales q by s^i and k by s^-i
+# (the scores stay relative), a rotation with a sign lost does not; which one, the run on one token everywhere tells
+_SCALED_ROTARY = "rotary positions that also scale q and k row by row (xPos's decay: q by s^i, k by s^-i)"
 
 
 class Unrecognised(LookupError):
@@ -543,14 +546,16 @@ def _residual_head_mix(trace: Trace, op: Op) -> int | None:
 
 
 def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool) -> tuple[float, Tensor, Tensor]:
-    """Fit s = c * r + t + a constant per row (the softmax ignores one) over the entries no batch item masks:
-    (c, t (batch, X, Lq, Lk), those entries). t is 0 without terms, else a term per (head, query, key)
-    position: it may not vary between batch items, which the caller checks."""
+    """Fit s = c * r + t + a constant per row (the softmax ignores one) over the visible entries (with terms: those
+    no batch item masks): (c, t (batch, X, Lq, Lk), those entries). t is 0 without terms, else a term per (head,
+    query, key) position: it may not vary between batch items, which the caller checks."""
     lq, lk = r.shape[-2:]
     r = r.double().reshape(batch, -1, lq, lk)
     s = s.double().reshape(r.shape)
     seen = torch.isfinite(s) & (s > _MASKED) & torch.isfinite(r)
-    joint = seen.all(0, keepdim=True).expand_as(seen)
+    # a term shared by the items is fitted where every item sees the key; without one each item's own visible
+    # scores will do (a top-k that keeps other keys in each item, beside a padding mask)
+    joint = seen.all(0, keepdim=True).expand_as(seen) if with_terms else seen
     if not joint.any():
         raise Unrecognised("every score is masked in some batch item")
 
@@ -561,6 +566,8 @@ def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool) -> tuple[float, Ten
     sr, rr = centred(s, -1), centred(r, -1)  # a constant per row (a row max subtracted) changes nothing
     ds, dr = (centred(sr, 0), centred(rr, 0)) if with_terms and batch > 1 else (sr, rr)
     denominator = float((dr * dr).sum())
+    if not denominator > 0 and with_terms:  # the items see different keys (a top-k per item): no shared term to fit
+        return _fit(s, r, batch, False)
     if not denominator > 0:  # every row sees one key (or the product is constant along rows): no multiple to read
         raise Unrecognised("no row of the scores has two visible entries that differ: their scale cannot be read")
     c = float((ds * dr).sum()) / denominator
@@ -783,23 +790,17 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor,
     """Check that the tensor read after the weights-times-values product puts the heads side by side (operations
     that keep the heads' layout, such as zeroing padded rows, are followed first). ``canon``: the permutation that
     makes the product's output (B, H, L, D) when its layout is another (an einsum's "ibhd")."""
-    tid, m = op.out_ids[0], final
-    for _ in range(4):
-        read = next(iter(trace.consumers(tid)), None)
-        if read is None:
-            m = final
-            break
+    m = final
+    found = _main_line(trace, op.out_ids[0], out)
+    if found is not None:
+        out, read = found
         value = trace.value(read[1])
         if value is None:
             return None, "merge of the heads not checked (the product is read directly)"
         nxt = read[0]
-        if value.shape == out.shape and nxt.out_ids and nxt.outputs[0].shape == out.shape:
-            tid, out = nxt.out_ids[0], nxt.outputs[0]  # still in the heads' layout: follow it
-            continue
         if value.shape == out.shape and nxt.name in PRODUCTS and _contracts_heads(nxt, read[1], out):
             return None, "heads read by the output projection as they are (it contracts the heads and their dims)"
         m = value
-        break
     o = out.double() if canon is None or out.dim() != len(canon) else out.double().permute(canon)
     cands: dict[str, Tensor] = {}
     if o.dim() == 4:
@@ -830,6 +831,24 @@ def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor,
                 return HEAD_MERGE, "heads merged with view/reshape before the transpose back"
             return None, "heads merged side by side"
     return None, "merge of the heads not recognised (the next operation reads something else)"
+
+
+def _main_line(trace: Trace, tid: int, out: Tensor, depth: int = 4) -> tuple[Tensor, tuple[Op, int]] | None:
+    """From the values product's output ``tid`` (value ``out``), the first operation that reads it, or what an
+    operation keeping its layout made of it (zeroing padded rows, a gate, ``out - (out . v) v``), in another shape:
+    (the value read, (that operation, the key it read)); reads that lead nowhere else in the heads' layout (a sum
+    over the head dim, a side branch) are passed over. None when nothing reads it (the module returns it)."""
+    for nxt, key in trace.consumers(tid):
+        value = trace.value(key)
+        same = value is not None and value.shape == out.shape
+        if same and nxt.out_ids and nxt.outputs[0].shape == out.shape:
+            if depth > 0 and (found := _main_line(trace, nxt.out_ids[0], nxt.outputs[0], depth - 1)) is not None:
+                return found  # still in the heads' layout: follow it
+            continue
+        if same and nxt.name not in PRODUCTS and nxt.outputs and nxt.outputs[0].numel() < out.numel():
+            continue  # a reduction over the head dim (a side branch)
+        return out, (nxt, key)
+    return None
 
 
 def _contracts_heads(op: Op, read: int, out: Tensor) -> bool:
@@ -1187,9 +1206,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if turned is not None:
         facts["positions"] = turned
     else:
-        problems = (rotation_problem(trace, aid, a), rotation_problem(trace, bid, b))
+        problems = (_rotation_problem(trace, aid, a), _rotation_problem(trace, bid, b))
         problem = problems[0] or problems[1]
-        if problem:
+        if problems[0] and problems[1]:  # both: xPos's decay, or a rotation that is not one; the run on one token
+            facts["positions"] = _SCALED_ROTARY  # everywhere tells
+        elif problem:
             return Verdict(ROTARY_MISMATCH, {"matches": problem, **evidence}, facts)
         if "" in problems:
             facts["positions"] = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
@@ -1202,6 +1223,15 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     return Verdict(None, {"formula": f"softmax({'capped ' if 'tanh' in names else ''}c Q K^T"
                                      f"{' + T' if 'position term' in facts else ''}) V from the operands of its "
                                      f"products; {said}", **evidence}, facts)
+
+
+def _rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:
+    """:func:`rotation_problem` of a score operand, or of the tensor it is a layout of (k^T: k)."""
+    found = rotation_problem(trace, tid, value)
+    origin = trace.origin(tid).id
+    if found is None and origin != tid and (before := trace.value(origin)) is not None:
+        return rotation_problem(trace, origin, before)
+    return found
 
 
 def _one_side(trace: Trace, qid: int, kid: int, evidence: dict, facts: dict) -> Verdict | None:
@@ -1292,8 +1322,10 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     if one_side is not None:
         return one_side
     turned = rotary(trace, op.in_ids[0], q)
-    problems = (None, None) if turned else (rotation_problem(trace, op.in_ids[0], q),
-                                            rotation_problem(trace, op.in_ids[1], k))
+    problems = (None, None) if turned else (_rotation_problem(trace, op.in_ids[0], q),
+                                            _rotation_problem(trace, op.in_ids[1], k))
+    if problems[0] and problems[1]:
+        turned, problems = _SCALED_ROTARY, (None, None)
     if problems[0] or problems[1]:
         return Verdict(ROTARY_MISMATCH, {"matches": problems[0] or problems[1], **evidence})
     if "" in problems:
