@@ -665,3 +665,72 @@ def test_a_module_the_model_passes_to_its_layers_follows_the_probes_dtype():
     torch.manual_seed(0)
     report = check_model(SharedBiasModel().eval(), torch.randn(2, 7, 64))
     assert report.verdict == "passed" and len(report.layers) == 2, report.summary()
+
+
+class ScratchAttention(nn.Module):
+    """From-scratch grouped-query attention: ``forward(x, mask, cos, sin)``, the (L, L) bool mask required and True
+    where a key is hidden (the model builds it with triu), rotary from the model's tables."""
+
+    def __init__(self, d: int = 64, heads: int = 4, groups: int = 2) -> None:
+        super().__init__()
+        self.heads, self.groups, self.hd = heads, groups, d // heads
+        self.W_query = nn.Linear(d, d, bias=False)
+        self.W_key, self.W_value = (nn.Linear(d, groups * self.hd, bias=False) for _ in range(2))
+        self.out_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.W_query(x).view(b, n, self.heads, self.hd).transpose(1, 2)
+        k, v = (w(x).view(b, n, self.groups, self.hd).transpose(1, 2) for w in (self.W_key, self.W_value))
+        q, k = _rotate(q, cos[:, :n], sin[:, :n]), _rotate(k, cos[:, :n], sin[:, :n])
+        k, v = (t.repeat_interleave(self.heads // self.groups, dim=1) for t in (k, v))
+        scores = (q @ k.transpose(2, 3)).masked_fill(mask, -torch.inf)
+        w = torch.softmax(scores / self.hd ** 0.5, dim=-1)
+        return self.out_proj((w @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+class ScratchModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.blocks = nn.Embedding(100, 64), nn.ModuleList(ScratchAttention() for _ in range(2))
+        cos, sin = _rope(32, 16)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        mask = torch.triu(torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool), diagonal=1)
+        for block in self.blocks:
+            x = x + block(x, mask, self.cos, self.sin)
+        return x
+
+
+def test_a_required_mask_that_hides_where_true_is_sent_so():
+    """catches: a layer whose (L, L) bool mask is required and True where hidden: its "hide nothing" mask made in
+    the keep convention hid everything, no other was tried, and every layer could not run (from-scratch LLMs)."""
+    torch.manual_seed(0)
+    report = check_model(ScratchModel().eval(), torch.randint(0, 100, (2, 9)))
+    assert report.verdict == "passed" and len(report.layers) == 2, report.summary()
+
+
+class SequenceFirstLM(nn.Module):
+    """PyTorch's language-model tutorial: token ids (L, B), an nn.TransformerEncoder with batch_first=False and the
+    square subsequent mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    def forward(self, src: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(src.shape[0])
+        return self.encoder(self.emb(src), mask=mask, is_causal=True)
+
+
+def test_layers_a_model_calls_sequence_first_are_replayed_so():
+    """catches: a layer the model calls with (L, B, E) (batch_first=False) probed batch first, its (L, L) mask cut
+    on the batch's axis: every layer could not run."""
+    torch.manual_seed(0)
+    report = check_model(SequenceFirstLM().eval(), torch.randint(0, 100, (10, 2)))
+    assert report.verdict == "passed" and len(report.layers) == 2, report.summary()

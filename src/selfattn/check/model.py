@@ -72,6 +72,7 @@ class Layer:
     batch: int
     length: int
     tokens: int = 0  # the recorded hidden states' token count: L, or H * W for an image (B, H, W, E)
+    sequence_first: bool = False  # the model calls it with (L, B, E) (torch's batch_first=False layers)
 
     @property
     def extras(self) -> list[Tensor]:
@@ -100,6 +101,8 @@ class Layer:
 
         def replay(module: nn.Module, x: Tensor, mask: object = None) -> object:
             fit = _fitter(x, self.batch, self.length, copies)
+            if self.sequence_first:
+                x = x.transpose(0, 1)
             args = [x if i in self.x else (mask if i == self.mask else tree_map(fit, a))
                     for i, a in enumerate(self.args)]
             kwargs = {k: x if k in self.x else (mask if k == self.mask else tree_map(fit, v))
@@ -108,7 +111,14 @@ class Layer:
                 kwargs.update({k: False for k, v in kwargs.items() if k in SWITCH_NAMES and v is True})  # goes off
             if isinstance(self.mask, str) and self.mask not in kwargs and mask is not None:
                 kwargs[self.mask] = mask
-            return module(*args, **kwargs)
+            if not self.sequence_first:
+                return module(*args, **kwargs)
+            out = module(*args, **kwargs)  # the doctor's (B, L, E) went in as (L, B, E): the output comes back so
+            if isinstance(out, Tensor):
+                return out.transpose(0, 1)
+            if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
+                return (out[0].transpose(0, 1), *out[1:])
+            return out
 
         call = (lambda module, x: replay(module, x)) if self.mask is None else replay
         # the recorded per-item tensors (a residual of scores, a text sequence) are cut to x's batch from the
@@ -214,8 +224,11 @@ def _mask_parameter(module: nn.Module, kwargs: dict, taken: set) -> str | None:
     return (names or [None])[0]
 
 
-def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object) -> Layer | None:
-    """The layer for this recorded call, when it maps hidden states (B, L, E) to an output of that shape."""
+def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
+           batch: int | None = None) -> Layer | None:
+    """The layer for this recorded call, when it maps hidden states (B, L, E) to an output of that shape. Hidden
+    states (L, B, E), passed sequence first, are told by the module's ``batch_first = False`` (torch's layers) or
+    by ``batch``, the model's batch, on their second dim."""
     y = _first_tensor(out)
     if y is None or y.dim() not in (3, 4) or not y.is_floating_point():  # (B, L, E), or an image (B, H, W, E)
         return None
@@ -240,6 +253,10 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object)
         mask_slot = mask
     kwargs = {k: (None if _is_cache(v) else v) for k, v in kwargs.items()}
     args = tuple(None if _is_cache(a) else a for a in args)
+    if hidden.dim() == 3 and (getattr(module, "batch_first", None) is False or
+                              (batch is not None and hidden.shape[1] == batch != hidden.shape[0])):
+        return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[1], hidden.shape[0], hidden.shape[0],
+                     sequence_first=True)
     return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[0], hidden.shape[1],
                  math.prod(hidden.shape[1:-1]))
 
@@ -309,12 +326,14 @@ def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
                 if buffer.shape == value.shape:
                     buffer.copy_(value)
     order = list(calls)
+    first = next((t for t in [*args, *kwargs.values()] if isinstance(t, Tensor) and t.dim() >= 1), None)
+    batch = None if first is None else first.shape[0]  # the model's batch: token ids (B, L), pixels (B, C, H, W)
     layers: dict[str, Layer] = {}
     for inner in watch.found:
         name: str | None = inner
         while name is not None:
             if name in calls:
-                layer = _layer(name, model.get_submodule(name), *calls[name])
+                layer = _layer(name, model.get_submodule(name), *calls[name], batch=batch)
                 if layer is not None:
                     layers.setdefault(name, layer)
                     break
