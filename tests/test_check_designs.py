@@ -3097,3 +3097,105 @@ def test_a_stated_convention_read_inverted_is_named_when_empty_rows_are_zeroed()
     for stated in ({"mask_convention": "keep"}, {"mask": "keep (B,L)"}):
         assert check(ZeroesEmptyRows, **stated).verdict == "passed", stated
         assert "mask-inverted" in check(ZeroesEmptyRows(inverted=True), **stated).ids, stated
+
+
+class GroupedScratch(nn.Module):
+    """Correct, grouped-query attention written from scratch: 4 query heads, 2 kv heads repeated with
+    ``repeat_interleave``. ``values_tiled``: the values repeated with ``repeat`` (heads 0, 1, 0, 1) while the keys
+    are interleaved (0, 0, 1, 1): a query head's keys and values come from different kv heads (the bug)."""
+
+    def __init__(self, d: int = 64, heads: int = 4, groups: int = 2, values_tiled: bool = False) -> None:
+        super().__init__()
+        self.heads, self.groups, self.hd, self.values_tiled = heads, groups, d // heads, values_tiled
+        self.W_query = nn.Linear(d, d, bias=False)
+        self.W_key, self.W_value = (nn.Linear(d, groups * (d // heads), bias=False) for _ in range(2))
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.W_query(x).view(b, n, self.heads, self.hd).transpose(1, 2)
+        k, v = (w(x).view(b, n, self.groups, self.hd).transpose(1, 2) for w in (self.W_key, self.W_value))
+        r = self.heads // self.groups
+        k = k.repeat_interleave(r, dim=1)
+        v = v.repeat(1, r, 1, 1) if self.values_tiled else v.repeat_interleave(r, dim=1)
+        w = torch.softmax(q @ k.transpose(2, 3) / self.hd ** 0.5, dim=-1)
+        return self.out_proj((w @ v).transpose(1, 2).reshape(b, n, -1))
+
+
+def test_keys_and_values_repeated_from_different_kv_heads_are_named():
+    """catches: grouped keys repeated by repeat_interleave and values by repeat, so query heads 1 and 2 took keys and
+    values from different kv heads: certified (a from-scratch Llama 3 with real weights then goes wrong)."""
+    assert check(GroupedScratch).verdict == "passed", check(GroupedScratch).ids
+    assert "group-mismatch" in check(GroupedScratch(values_tiled=True)).ids
+    sdpa = check(GroupedSdpa(values_tiled=True))
+    assert "group-mismatch" in sdpa.ids and check(GroupedSdpa()).verdict == "passed", sdpa.ids
+
+
+class GroupedSdpa(GroupedScratch):
+    """The same through scaled_dot_product_attention."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        q = self.W_query(x).view(b, n, self.heads, self.hd).transpose(1, 2)
+        k, v = (w(x).view(b, n, self.groups, self.hd).transpose(1, 2) for w in (self.W_key, self.W_value))
+        r = self.heads // self.groups
+        k = k.repeat_interleave(r, dim=1)
+        v = v.repeat(1, r, 1, 1) if self.values_tiled else v.repeat_interleave(r, dim=1)
+        return self.out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, -1))
+
+
+class SwitchedCausal(nn.Module):
+    """Correct, Stable Diffusion's ``SelfAttention``: ``forward(x, causal_mask=False)``, the causal mask built with
+    ``triu(1)`` when the switch is on. ``tril``: built with ``tril(-1)`` (the bug: it hides the past and the
+    diagonal and shows the future)."""
+
+    def __init__(self, d_embed: int = 64, n_heads: int = 4, tril: bool = False) -> None:
+        super().__init__()
+        self.n_heads, self.tril = n_heads, tril
+        self.in_proj, self.out_proj = nn.Linear(d_embed, 3 * d_embed), nn.Linear(d_embed, d_embed)
+
+    def forward(self, x: torch.Tensor, causal_mask: bool = False) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.n_heads, -1).transpose(1, 2) for t in self.in_proj(x).chunk(3, dim=-1))
+        weight = q @ k.transpose(-1, -2)
+        if causal_mask:
+            ones = torch.ones_like(weight, dtype=torch.bool)
+            weight = weight.masked_fill(ones.tril(-1) if self.tril else ones.triu(1), -torch.inf)
+        weight = F.softmax(weight / math.sqrt(e // self.n_heads), dim=-1)
+        return self.out_proj((weight @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_causal_switch_named_otherwise_is_still_tried():
+    """catches: a bool switch named ``causal_mask`` was not read as a causal switch, so the path behind it never
+    ran and a causal mask built with tril(-1) was certified."""
+    report = check(SwitchedCausal)
+    assert report.verdict == "passed" and report.inferred["mask"]["argument"] == "causal_mask", report.ids
+    assert "causal-leak" in check(SwitchedCausal(tril=True)).ids
+
+
+class KeepsItsWeights(nn.Module):
+    """Correct, in d2l.ai's style: the module keeps its last attention weights as an attribute (with their autograd
+    history after a forward) and a staticmethod object as a class-level helper held by the instance; neither can
+    be deep-copied."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.attention_weights: torch.Tensor | None = None
+        self.helper = staticmethod(math.sqrt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        self.attention_weights = (q @ k.transpose(-1, -2) / self.helper.__func__(q.shape[-1])).softmax(-1)
+        return self.out((self.attention_weights @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_module_that_cannot_be_deep_copied_is_still_copied_for_the_probes():
+    """catches: a module holding a tensor with autograd history (its last weights, after one forward) or a
+    staticmethod object could not be deep-copied, so its half-precision and float64 copies were never made: the
+    half-precision probe was not verified and the module inconclusive."""
+    module = KeepsItsWeights()
+    module(torch.randn(2, 5, 64))  # the weights it keeps now carry autograd history
+    report = check(module)
+    assert report.verdict == "passed" and report.inferred["analysed in"] == "a float64 copy", report.ids

@@ -17,7 +17,6 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -31,6 +30,7 @@ from .findings import (
     CAUSAL_LEAK,
     DEFINITION_MISMATCH,
     DROPOUT_IN_EVAL,
+    GROUP_MISMATCH,
     HALF_PRECISION_MISMATCH,
     HALF_PRECISION_OVERFLOW,
     HEAD_MERGE,
@@ -70,6 +70,7 @@ from .subject.building import (
     CannotRun,
     Sizes,
     build,
+    copy_module,
     embed_dims_of,
     load_file,
     param_device,
@@ -124,7 +125,8 @@ PROBES: tuple[Probe, ...] = (
     Probe("gradients", gradients, frozenset({NO_GRAD, WRONG_GRADIENT, STATE_DEPENDENT}), "gradients"),
     Probe("white box", white_box,
           frozenset({MISSING_SCALE, WRONG_SCALE, SOFTMAX_DIM, MATMUL_ORDER, HEAD_MERGE, VALUES_CHANGED,
-                     ROTARY_ONE_SIDE, ROTARY_MISMATCH, HEAD_SPLIT, MASK_AFTER_SOFTMAX, MASK_INVERTED, MASK_IGNORED,
+                     ROTARY_ONE_SIDE, ROTARY_MISMATCH, HEAD_SPLIT, GROUP_MISMATCH, MASK_AFTER_SOFTMAX, MASK_INVERTED,
+                     MASK_IGNORED,
                      CAUSAL_LEAK, DEFINITION_MISMATCH}),
           "white_box", ("masked", "dep"), gives="positions"),
     Probe("permutation equivariance", equivariance, frozenset({NOT_EQUIVARIANT}), "equivariance",
@@ -219,7 +221,7 @@ def _float64_twin(call: Caller, x: Tensor, out: Tensor) -> Caller | None:
     if x.dtype == torch.float64 or not x.dtype.is_floating_point:
         return None
     try:
-        copied = copy.deepcopy(call.module).double()
+        copied = copy_module(call.module).double()
         copied.eval()  # not chained: some modules' train() returns None
         twin = call.for_module(copied)
         with torch.no_grad():
@@ -254,7 +256,7 @@ def _constant(call: Caller, x: Tensor, out: Tensor) -> bool:
 def _with_zeros_drawn(call: Caller, x: Tensor, gen: torch.Generator) -> tuple[nn.Module, Caller, Tensor, list[str]]:
     """A copy of the module whose all-zero parameters are drawn from N(0, 0.02^2) (weights of the scale real
     models initialise), its caller and output; CannotRun when there is none to draw or the output stays constant."""
-    module = copy.deepcopy(call.module)
+    module = copy_module(call.module)
     drawn = []
     with torch.no_grad():
         for name, p in module.named_parameters():

@@ -106,6 +106,11 @@ HEAD_SPLIT = _error("head-split", "q, k or v split into heads (or a (B, C, H, W)
                     "W) map with x.flatten(2).transpose(1, 2), not x.reshape(B, H * W, C).",
                     ("not-equivariant", "causal-leak", "mask-ignored", "mask-inverted", "head-merge", "softmax-dim",
                      "matmul-order"))
+GROUP_MISMATCH = _error("group-mismatch", "with grouped keys and values (GQA, MQA), a query head takes its keys from "
+                        "one kv head and its values from another",
+                        "Repeat k and v alike: k.repeat_interleave(H // G, dim=1) and v.repeat_interleave(H // G, "
+                        "dim=1) (or both with expand and reshape); not repeat_interleave for one and repeat for the "
+                        "other.", ("not-equivariant",))
 MASK_IGNORED = _error("mask-ignored", "padded keys still change real tokens' outputs",
                       "Apply the mask to the scores before the softmax (scores.masked_fill(~visible, -inf)).")
 MASK_INVERTED = _error("mask-inverted", "the mask works the other way round (declared polarity, or an additive mask "
@@ -191,8 +196,8 @@ SHAPE_DEPENDENT = _error("shape-dependent", "the module runs only for some shape
 
 CATALOGUE: dict[str, Kind] = {k.id: k for k in (
     BATCH_MIXING, MISSING_SCALE, WRONG_SCALE, SOFTMAX_DIM, MATMUL_ORDER, HEAD_MERGE, VALUES_CHANGED, ROTARY_ONE_SIDE,
-    ROTARY_MISMATCH, HEAD_SPLIT, MASK_IGNORED, MASK_INVERTED, MASK_AFTER_SOFTMAX, MASK_BROADCAST, MASK_ERROR,
-    CAUSAL_LEAK, KEYS_HIDDEN,
+    ROTARY_MISMATCH, HEAD_SPLIT, GROUP_MISMATCH, MASK_IGNORED, MASK_INVERTED, MASK_AFTER_SOFTMAX, MASK_BROADCAST,
+    MASK_ERROR, CAUSAL_LEAK, KEYS_HIDDEN,
     NAN_ON_MASKED_ROW, NAN_ON_EMPTY_SEQUENCE, HALF_PRECISION_OVERFLOW, HALF_PRECISION_MISMATCH, WRONG_GRADIENT,
     MASK_CONVENTION, DEFINITION_MISMATCH, NON_FINITE, DROPOUT_IN_EVAL, NO_GRAD, NOT_EQUIVARIANT, MUTATES_INPUT,
     WRONG_OUTPUT_SHAPE, SHAPE_DEPENDENT, STATE_DEPENDENT)}
@@ -214,7 +219,7 @@ EXPLAINS: dict[str, frozenset[str]] = {
     fid: CATALOGUE[fid].explains | ({"definition-mismatch"} if fid != "definition-mismatch" else set())
     for fid in ("definition-mismatch", "head-split", "mask-broadcast", "mask-inverted", "softmax-dim", "matmul-order",
                 "head-merge", "batch-mixing", "mask-after-softmax", "values-changed", "rotary-one-side",
-                "rotary-mismatch", "causal-leak", "dropout-in-eval")}
+                "rotary-mismatch", "group-mismatch", "causal-leak", "dropout-in-eval")}
 
 
 def kind(fid: str | Kind) -> Kind:

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 from .doctor import check
 from .findings import BATCH_MIXING, MASK_INVERTED, SHAPE_DEPENDENT, Finding
 from .report import Report, render
-from .subject.building import CannotRun
+from .subject.building import CannotRun, copy_module
 from .subject.caller import MASK_NAMES, SWITCH_NAMES
 
 if TYPE_CHECKING:
@@ -349,7 +349,7 @@ def _not_self_attention(layer: Layer) -> str | None:
         return None
     zeros = [p for p in layer.module.parameters() if p.numel() and not p.any()]
     if zeros:
-        module = copy.deepcopy(layer.module)
+        module = copy_module(layer.module)
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for p in module.parameters():

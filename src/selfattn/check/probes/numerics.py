@@ -11,7 +11,6 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 
 import torch
@@ -26,7 +25,7 @@ from ..findings import (
     WRONG_GRADIENT,
     Finding,
 )
-from ..subject.building import name_role, norm_role
+from ..subject.building import copy_module, name_role, norm_role
 from ..subject.caller import Caller
 from ..subject.context import Context, Outcome, empty_row_keep, padding_keep, raised_inside_doctor, rel
 
@@ -103,7 +102,7 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
         # as module.half() / .bfloat16() cast it: floating-point tensors only (.to(dtype) would also cast a complex
         # buffer, such as rotary's freqs_cis, to a real one and drop its imaginary part)
         m = ctx.module if ctx.x.dtype == dtype else \
-            _eval(copy.deepcopy(ctx.module)._apply(lambda t, dt=dtype: t.to(dt) if t.is_floating_point() else t))
+            _eval(copy_module(ctx.module)._apply(lambda t, dt=dtype: t.to(dt) if t.is_floating_point() else t))
         tol = HALF_ULPS * torch.finfo(dtype).eps
         base_err = None
         for suffix, ref in refs.items():

@@ -9,6 +9,7 @@ Shape legend: E embed dim, H heads.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import inspect
 import math
@@ -23,10 +24,10 @@ from types import ModuleType
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["CannotRun", "Sizes", "build", "embed_dim_of", "load_class", "load_file", "num_heads_of", "param_device",
-           "param_dtype", "user_callable"]
+__all__ = ["CannotRun", "Sizes", "build", "copy_module", "embed_dim_of", "load_class", "load_file", "num_heads_of",
+           "param_device", "param_dtype", "user_callable"]
 
 # constructor and config parameters the doctor fills with the embed dim / the head count
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
@@ -380,6 +381,26 @@ def num_heads_of(module: nn.Module) -> int | None:
     # a block around one attention (a norm and nn.MultiheadAttention): the heads its attention layers agree on
     inner = {_int_attr(m, _HEAD_KEYS) for m in module.modules() if m is not module} - {None, 0}
     return inner.pop() if len(inner) == 1 else None
+
+
+def copy_module(module: nn.Module) -> nn.Module:
+    """``copy.deepcopy(module)``; when that fails, a copy in which what cannot be copied is shared: a tensor the
+    module keeps with autograd history (d2l's ``attention_weights`` after a forward) goes detached, any other
+    attribute deepcopy refuses (a staticmethod object, a lock) goes as it is."""
+    try:
+        return copy.deepcopy(module)
+    except Exception:
+        memo: dict[int, object] = {}
+        for sub in module.modules():
+            for value in vars(sub).values():
+                if isinstance(value, Tensor) and not isinstance(value, nn.Parameter) and value.grad_fn is not None:
+                    memo[id(value)] = value.detach().clone()
+                elif not isinstance(value, (Tensor, nn.Module, dict, list, tuple)):
+                    try:
+                        copy.deepcopy(value)
+                    except Exception:
+                        memo[id(value)] = value
+        return copy.deepcopy(module, memo)
 
 
 def param_dtype(module: nn.Module) -> torch.dtype:

@@ -351,12 +351,14 @@ def mask_parameters(module: nn.Module, style: str) -> list[str | None]:
 
 
 def switch_parameter(module: nn.Module) -> str | None:
-    """The name of a bool causal switch of forward (``is_causal=False`` and the like), or None."""
+    """The name of a bool causal switch of forward (``is_causal=False`` and the like: a parameter named for
+    causality whose default is a bool, as Stable Diffusion's ``causal_mask=False``), or None."""
     try:
         params = inspect.signature(module.forward).parameters.values()
     except (TypeError, ValueError):
         return None
-    return next((p.name for p in params if p.name in SWITCH_NAMES and isinstance(p.default, bool)), None)
+    return next((p.name for p in params if (p.name in SWITCH_NAMES or "causal" in p.name.lower()) and
+                 isinstance(p.default, bool)), None)
 
 
 def required_mask_parameter(module: nn.Module, style: str) -> str | None:

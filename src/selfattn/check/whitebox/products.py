@@ -33,6 +33,7 @@ from torch import Tensor
 from ..findings import (
     CAUSAL_LEAK,
     DEFINITION_MISMATCH,
+    GROUP_MISMATCH,
     HEAD_MERGE,
     MASK_AFTER_SOFTMAX,
     MASK_IGNORED,
@@ -683,6 +684,46 @@ def _softmax_over_keys(trace: Trace, sm: Op, dim: int) -> bool:
     return side == keys
 
 
+def _kv_heads(trace: Trace, tid: int) -> list[int] | None:
+    """For a key or value operand with grouped heads repeated to the query heads: which kv head each of its heads
+    is, read off the tensor of fewer heads it was repeated from (a few operations back: one axis H there G, H a
+    multiple of G, the other axes alike); None when there is none or a head matches no kv head exactly."""
+    chain = [(cur, trace.value(cur)) for cur in (tid, *trace.ancestors(tid, limit=24))]  # k^T, k, k before repeat
+    tensors = [t for _, t in chain if t is not None and t.dim() >= 3 and not t.is_complex()]
+    for i, value in enumerate(tensors):
+        for before in tensors[i + 1:]:
+            if before.dim() != value.dim():
+                continue
+            axes = [a for a in range(value.dim()) if before.shape[a] != value.shape[a]]
+            if len(axes) != 1:
+                continue
+            axis = axes[0]
+            heads, groups = value.shape[axis], before.shape[axis]
+            if not 1 < groups < heads or heads % groups:
+                continue
+            found = []
+            for h in range(heads):
+                match = [g for g in range(groups) if torch.equal(value.select(axis, h), before.select(axis, g))]
+                if len(match) != 1:
+                    return None
+                found.append(match[0])
+            return found
+    return None
+
+
+def _groups_verdict(trace: Trace, kid: int, vid: int, evidence: dict, facts: dict) -> Verdict | None:
+    """group-mismatch when k and v are both repeated from fewer kv heads (GQA, MQA) but a query head takes its keys
+    from one kv head and its values from another (repeat_interleave for one, repeat for the other); else None."""
+    k_heads, v_heads = _kv_heads(trace, kid), _kv_heads(trace, vid)
+    if k_heads is None or v_heads is None or len(k_heads) != len(v_heads):
+        return None
+    if k_heads == v_heads:
+        facts["grouped heads"] = f"{len(k_heads)} query heads share {len(set(k_heads))} kv heads: {k_heads}"
+        return None
+    return Verdict(GROUP_MISMATCH, {"matches": f"query heads take their keys from kv heads {k_heads} and their "
+                                               f"values from kv heads {v_heads}", **evidence}, facts)
+
+
 def _roles_verdict(trace: Trace, ids: tuple[int, int, int], evidence: dict, facts: dict) -> Verdict | None:
     """A verdict when the score and value operands come from projections in the wrong roles, else None."""
     roles = [_role(trace, i) for i in ids]
@@ -1184,7 +1225,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if fid is not None:
         return Verdict(fid, {"matches": said, **evidence}, facts)
     wrong = _roles_verdict(trace, (aid, bid, vid), evidence, facts) or \
-        _values_verdict(trace, vid, evidence, facts, inputs)
+        _values_verdict(trace, vid, evidence, facts, inputs) or _groups_verdict(trace, bid, vid, evidence, facts)
     if wrong is not None:
         return wrong
     canon = _canonical_output(pv, position, axes[0] if axes is not None else w.dim() - 2, batch)
@@ -1309,7 +1350,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
             merge_fid, merged = _merge(trace, op, op.outputs[0], final)  # a wrong merge distorts the pattern
             return Verdict(merge_fid, {"matches": merged, **evidence}) if merge_fid is not None else masked
     wrong = _roles_verdict(trace, (op.in_ids[0], op.in_ids[1], op.in_ids[2]), evidence, {}) or \
-        _values_verdict(trace, op.in_ids[2], evidence, {})
+        _values_verdict(trace, op.in_ids[2], evidence, {}) or \
+        _groups_verdict(trace, op.in_ids[1], op.in_ids[2], evidence, facts)
     if wrong is not None:
         return wrong
     merge_fid, merged = _merge(trace, op, op.outputs[0], final)
