@@ -3199,3 +3199,29 @@ def test_a_module_that_cannot_be_deep_copied_is_still_copied_for_the_probes():
     module(torch.randn(2, 5, 64))  # the weights it keeps now carry autograd history
     report = check(module)
     assert report.verdict == "passed" and report.inferred["analysed in"] == "a float64 copy", report.ids
+
+
+class SinksAndWindow(nn.Module):
+    """Correct, StreamingLLM's pattern: each query sees the first ``sinks`` tokens and a causal window of ``window``
+    tokens ending at itself."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, sinks: int = 2, window: int = 3) -> None:
+        super().__init__()
+        self.heads, self.sinks, self.window = heads, sinks, window
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        i = torch.arange(n)
+        keep = (i[None, :] <= i[:, None]) & ((i[None, :] < self.sinks) | (i[:, None] - i[None, :] < self.window))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.out(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_attention_sinks_beside_a_causal_window_are_a_design():
+    """catches: the first tokens kept visible beside a causal sliding window (StreamingLLM) read as a causal mask
+    hiding past keys in no window: causal-leak on a correct module."""
+    for causal in (False, True):
+        report = check(SinksAndWindow, causal=causal)
+        assert report.verdict == "passed" and "sinks" in report.inferred.get("window", ""), (causal, report.ids)

@@ -99,6 +99,19 @@ def _transposed(dep: Tensor) -> str | None:
     return None
 
 
+def _sinks_and_window(dep: Tensor) -> tuple[int, int] | None:
+    """(sink tokens s, window w) when each query i sees exactly the keys j <= i with j < s or i - j < w (the first
+    tokens kept as attention sinks beside a causal sliding window, as StreamingLLM keeps them), else None."""
+    length = dep.shape[0]
+    i = torch.arange(length, device=dep.device)
+    causal, behind = i[None, :] <= i[:, None], i[:, None] - i[None, :]
+    for window in range(1, length - 1):
+        for sinks in range(1, length - window):
+            if torch.equal(dep, causal & ((i[None, :] < sinks) | (behind < window))):
+                return sinks, window
+    return None
+
+
 def _streaming_chunks(dep: Tensor) -> tuple[int, int] | None:
     """(chunk size, chunks seen before its own) when each query sees exactly the whole of its own chunk and some
     chunks before it (a streaming encoder's chunk mask), else None."""
@@ -210,6 +223,9 @@ def causality(ctx: Context) -> Outcome[Tensor]:
                                                                                                   f"{right}"}))
         elif 0 < right and left < whole:
             found.notes["window"] = f"local window: each query sees the {left} previous and {right} next tokens"
+    elif causal and (sinks := _sinks_and_window(dep)) is not None:
+        found.notes["window"] = (f"attention sinks and a sliding window: each query sees the first {sinks[0]} "
+                                 f"token(s) and itself with the {sinks[1] - 1} previous ones (StreamingLLM)")
     elif causal and (chunk := _causal_chunks(dep)) is not None:
         found.notes["window"] = (f"causal within chunks of {chunk} tokens: each query sees the tokens "
                                  "of its chunk up to itself (chunked attention, as Llama 4's local layers)")
