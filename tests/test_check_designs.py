@@ -3225,3 +3225,89 @@ def test_attention_sinks_beside_a_causal_window_are_a_design():
     for causal in (False, True):
         report = check(SinksAndWindow, causal=causal)
         assert report.verdict == "passed" and "sinks" in report.inferred.get("window", ""), (causal, report.ids)
+
+
+class PackedVarlen(nn.Module):
+    """Correct, in flash-attn's ``MHA`` style: a packed qkv (B, S, 3, H, D), rotary on q and k of the pack (the pack
+    rebuilt with ``torch.stack([q, k, v], 2)``, read back with ``unbind``), and under a (B, S) key padding mask
+    (True = token) the real tokens gathered, attention run sequence by sequence from ``cu_seqlens``, and scattered
+    back. ``offset``: each sequence after the first read one token early (the bug: it takes the previous one's last
+    token and loses its own last)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, offset: bool = False) -> None:
+        super().__init__()
+        self.heads, self.offset = heads, offset
+        self.Wqkv, self.out_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.register_buffer("inv", 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8), persistent=False)
+
+    def rotary(self, t: torch.Tensor) -> torch.Tensor:  # (B, S, H, D), the first 8 dims
+        ang = torch.arange(t.shape[1], dtype=t.dtype)[:, None] * self.inv.to(t.dtype)
+        cos, sin = torch.cat((ang, ang), -1).cos()[:, None], torch.cat((ang, ang), -1).sin()[:, None]
+        part = t[..., :8]
+        turned = part * cos + torch.cat((-part[..., 4:], part[..., :4]), -1) * sin
+        return torch.cat((turned, t[..., 8:]), -1)
+
+    @staticmethod
+    def attend(qkv: torch.Tensor) -> torch.Tensor:  # (b, s, 3, H, D) -> (b, s, H, D)
+        q, k, v = qkv.unbind(dim=2)
+        scores = torch.einsum("bthd,bshd->bhts", q, k / math.sqrt(q.shape[-1]))
+        return torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, s, e = x.shape
+        qkv = self.Wqkv(x).view(b, s, 3, self.heads, -1)
+        qkv = torch.stack([self.rotary(qkv[:, :, 0]), self.rotary(qkv[:, :, 1]), qkv[:, :, 2]], dim=2)
+        if key_padding_mask is None:
+            return self.out_proj(self.attend(qkv).reshape(b, s, e))
+        indices = torch.nonzero(key_padding_mask.flatten()).flatten()
+        lengths = key_padding_mask.sum(-1)
+        cu = F.pad(torch.cumsum(lengths, 0), (1, 0))
+        packed = qkv.reshape(b * s, *qkv.shape[2:])[indices]
+        starts = [int(cu[i]) - (int(self.offset) if i else 0) for i in range(b)]
+        outs = [self.attend(packed[start:start + int(n)][None])[0] for start, n in zip(starts, lengths, strict=True)]
+        out = torch.zeros(b * s, self.heads, e // self.heads, dtype=x.dtype)
+        out[indices] = torch.cat(outs)
+        return self.out_proj(out.view(b, s, e))
+
+
+def test_a_packed_qkv_and_a_varlen_path_under_a_padding_mask_are_read():
+    """catches: v read back from the pack the rotated q and k were stacked into was values-changed; the padded run,
+    attention over each sequence's real tokens, was definition-mismatch (and an einsum over one sequence a doctor
+    error); with the mask on, a cu_seqlens that lets one sequence reach the next was certified."""
+    report = check(PackedVarlen, mask="keep (B,L)")
+    assert report.verdict == "passed", report.ids
+    assert "batch-mixing" in check(PackedVarlen(offset=True), mask="keep (B,L)").ids
+
+
+class PrefixKeptInPlace(nn.Module):
+    """Correct, as CogVideoX keeps its text tokens unrotated: the first ``prefix`` tokens pass, the others' q and k
+    are rotated (frequencies of its own, base 100) and written back in place, ``q[:, :, p:] = rope(q[:, :, p:])``.
+    ``shifted``: k's rotated part taken from the wrong tokens, ``rope(k[:, :, :-p])`` (the bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, prefix: int = 2, shifted: bool = False) -> None:
+        super().__init__()
+        self.heads, self.prefix, self.shifted = heads, prefix, shifted
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    @staticmethod
+    def rope(t: torch.Tensor) -> torch.Tensor:
+        d = t.shape[-1]
+        ang = torch.arange(t.shape[-2], dtype=t.dtype)[:, None] / 100 ** (torch.arange(0, d, 2, dtype=t.dtype) / d)
+        cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+        return t * cos + torch.cat((-t[..., d // 2:], t[..., : d // 2]), -1) * sin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = (t.clone() for t in self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4))
+        p = self.prefix
+        q[:, :, p:] = self.rope(q[:, :, p:])
+        k[:, :, p:] = self.rope(k[:, :, :-p] if self.shifted else k[:, :, p:])
+        o = F.scaled_dot_product_attention(q, k, v)
+        return self.out(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_rotary_written_in_place_on_part_of_the_tokens_is_checked():
+    """catches: rotary positions written into the tokens after a kept prefix, in place, were not read as rotary at
+    all, so the run on one token everywhere never ran and k rotated from the wrong tokens was certified."""
+    assert check(PrefixKeptInPlace).verdict == "passed", check(PrefixKeptInPlace).ids
+    assert "rotary-mismatch" in check(PrefixKeptInPlace(shifted=True)).ids

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from ..findings import (
+    BATCH_MIXING,
     CAUSAL_LEAK,
     DEFINITION_MISMATCH,
     KEYS_HIDDEN,
@@ -722,6 +723,19 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
                                                                          a[i, :length - pads[i]]),
                                                   "items whose real tokens change": moved}))
                 return found
+    if x.shape[0] > 1:  # with the mask on, an item's tokens must not reach another item (packed sequences cut at
+        b, length, _ = x.shape  # the wrong offsets: a varlen path whose cu_seqlens are off)
+        mask = caller.module_mask(_own_padding(b, length, shared))
+        x2 = x.clone()
+        x2[0] = ctx.randn(length, x.shape[2]).to(x.dtype)
+        with torch.no_grad():
+            a, c = caller(x, mask), caller(x2, mask)
+        pads = [2 if shared else 2 + i % 2 for i in range(b)]
+        moved = [i for i in range(1, b) if not close(c[i, :length - pads[i]], a[i, :length - pads[i]])]
+        if moved:
+            found.findings.append(Finding.of(BATCH_MIXING, "with a padding mask, changing one batch item changes the "
+                                             "real tokens of another (sequences packed or cut at the wrong offsets?)",
+                                             {"items whose real tokens change": moved}))
     return found
 
 

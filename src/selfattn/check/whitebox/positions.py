@@ -75,6 +75,8 @@ def rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:
     found = trace.maker(tid)
     if found is not None and found[0].name == "cat" and found[0].in_ids:
         found = trace.maker(found[0].in_ids[0])  # partial rotary: the rotated part comes first
+    elif found is not None and found[0].name in ("setitem", "copy_") and found[0].in_ids:
+        found = trace.maker(found[0].in_ids[-1])  # written into a part of the tokens in place (CogVideoX's image part)
     if found is None or found[0].name not in ("add", "sub") or len(found[0].in_ids) != 2:
         return None
     if any(p is None or p[0].name != "mul" for p in (trace.maker(i) for i in found[0].in_ids)):

@@ -175,6 +175,10 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
                                         local=not bool(dep.all()))
             if verdict is not None and verdict[0] == DEFINITION_MISMATCH:  # no formula: the same as none found
                 why, verdict = verdict[1]["matches"], None
+        if verdict is None and label == "with a padding mask" and _unpadded(trace, x.shape[1]):
+            # the module computes the real tokens only (unpad, attention per sequence, pad back: flash-attn's varlen
+            # path): the run is not read; the padding probe judges what the mask does
+            verdict, why = None, "not seen: the module computes the real tokens only under a padding mask (unpadded)"
         if verdict is None:
             results[label] = why
             if (isinstance(cap, str) and why.startswith("not followed")) or why.startswith("not seen"):
@@ -243,6 +247,18 @@ def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trac
     except Exception:  # a module that rejects this input has been read on the probe's own
         return None
     return mixed_rows(plain, trace, x.shape[1], (u, t))
+
+
+def _unpadded(trace: Trace, length: int) -> bool:
+    """Did the run's softmaxes or attention kernels see no more queries than the ``length`` tokens and some fewer, one
+    call per sequence (the real tokens only: a varlen path under a padding mask, an item without padding whole)?"""
+    sizes = []
+    for op in trace.ops:
+        if op.name == "scaled_dot_product_attention" and op.inputs and op.inputs[0].dim() >= 2:
+            sizes.append(op.inputs[0].shape[-2])
+        elif op.name in ("softmax", "_softmax") and op.outputs and op.outputs[0].dim() >= 2:
+            sizes.append(op.outputs[0].shape[-2])
+    return any(n < length for n in sizes) and all(n <= length for n in sizes)
 
 
 def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor) -> str | None:

@@ -551,6 +551,8 @@ def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool) -> tuple[float, Ten
     no batch item masks): (c, t (batch, X, Lq, Lk), those entries). t is 0 without terms, else a term per (head,
     query, key) position: it may not vary between batch items, which the caller checks."""
     lq, lk = r.shape[-2:]
+    if r.numel() % (batch * lq * lk):  # a product over one item's tokens (a loop over the sequences of a batch)
+        batch = 1
     r = r.double().reshape(batch, -1, lq, lk)
     s = s.double().reshape(r.shape)
     seen = torch.isfinite(s) & (s > _MASKED) & torch.isfinite(r)
@@ -625,8 +627,21 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
     embedding the model passes in), is a design: a fact."""
     origin = trace.origin(vid)
     op = origin.op
+    while op is not None and op.name == "setitem" and len(op.args) > 1 and op.args[1] == "view":
+        # a write into another view of the tensor V is read from (rotary applied in place to the q and k parts of
+        # a packed qkv): V's own part is the tensor before the write
+        origin = trace.origin(op.in_ids[0])
+        op = origin.op
     if op is None:
         return None
+    if op.name == "stack" and origin.part is not None and origin.parts == len(op.in_ids) and depth > 0:
+        return _values_verdict(trace, op.in_ids[origin.part], evidence, facts, inputs, depth - 1)  # unbind(stack)
+    if op.name in ("stack", "cat") and origin.part is None and depth > 0 and (now := trace.value(vid)) is not None:
+        flat = now.flatten().sort().values  # V taken out of a packed tensor (torch.stack([q, k, v], 2)[:, :, 2]):
+        for pid, piece in zip(op.in_ids, op.inputs, strict=False):  # the part it holds is what V is
+            if piece.numel() == now.numel() and piece.dtype == now.dtype and \
+                    torch.equal(piece.flatten().sort().values, flat):
+                return _values_verdict(trace, pid, evidence, facts, inputs, depth - 1)
     if rotated_from(trace, origin.id) is not None:  # also a rotation written as a cat, a stack or in place
         return Verdict(VALUES_CHANGED, {"matches": "the values are rotated like q and k (rotary positions applied to "
                                           "v) before the product with the weights", **evidence}, facts)
