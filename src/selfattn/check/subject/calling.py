@@ -329,8 +329,10 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
             errors.append(why)
     # an image module given (B, L, E) fails, or broadcasts it into another shape (a norm over dim 1), or runs only
     # where L = E (a channels-first block reads dim 1 as its channels)
+    as_images = ""
     if not ran or (adapter is None and all(s[1] == e for s in ran)):
         image = _image_layout(module, adapter, sizes, e, gen, dtype, device)
+        as_images = " (and as images: channels first (B, E, L) and (B, E, H, W), channels last (B, H, W, E))"
         if image is not None and (not ran or any(s[1] != e for s in image[1])):
             call, ran = image
             failed, errors, wrong = [], [], []
@@ -368,7 +370,8 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
                                             device)
     if call is None or (not ran and not wrong):
         last = errors[-1] if errors else (failed[-1][1] if failed else "no shape tried")
-        raise CannotRun(f"the module failed on every input shape tried ({', '.join(str(s) for s, _ in failed)}): "
+        raise CannotRun(f"the module failed on every input shape tried ({', '.join(str(s) for s, _ in failed)})"
+                        f"{as_images}: "
                         f"{last[:300]}. If it runs only at some sizes, state them with --length (e.g. --length 49), "
                         "--batch and --embed-dim; if it needs other arguments, give --call")
     how = {"x": "forward(x)", "qk": "forward(q, kv) with q = kv = x", "qkv": "forward(q, k, v) with q = k = v = x",
