@@ -878,6 +878,7 @@ def test_doctor_seams_are_where_they_were():
     t.add_(1)
     t[0] = 2.0
     assert _seams.version(t) == before + 2
+    assert _seams.base_of(t[1:]) is t and _seams.base_of(t) is None
 
     class Counting(TorchFunctionMode):
         calls = 0

@@ -10,7 +10,16 @@ import contextlib
 import torch
 from torch import Tensor
 
-__all__ = ["untraced", "version"]
+__all__ = ["base_of", "untraced", "version"]
+
+
+def base_of(t: Tensor) -> Tensor | None:
+    """The tensor ``t`` is a view of (the one an in-place write into ``t`` changes too), or None.
+
+    torch 2.13: ``Tensor._base``, set on every view; there is no public equivalent.
+    """
+    base = t._base
+    return base if isinstance(base, Tensor) else None
 
 
 def version(t: Tensor) -> int:

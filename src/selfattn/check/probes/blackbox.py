@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
+from .._seams import version
 from ..findings import BATCH_MIXING, DROPOUT_IN_EVAL, NON_FINITE, NOT_EQUIVARIANT, Finding
 from ..subject.context import Context, Outcome, close, rel
 
@@ -140,12 +141,12 @@ def _follows_its_row(ctx: Context, single: Tensor) -> bool:
     state = _per_row_state(ctx)
     if not state:
         return False
-    versions = [t._version for t in state]
+    versions = [version(t) for t in state]
     order = torch.arange(ctx.x.shape[0])
     order[0], order[1] = 1, 0
     with torch.no_grad():
         swapped = ctx.call(ctx.x[order])
-    written = any(t._version != v for t, v in zip(state, versions, strict=True))
+    written = any(version(t) != v for t, v in zip(state, versions, strict=True))
     return written and _close_or_both_nan(swapped[0:1], single, ctx.rtol)
 
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from .._seams import version
+from .._seams import base_of, version
 
 __all__ = ["LAYOUT", "PRODUCTS", "SOFTMAX", "Linear", "Op", "Origin", "Trace", "key", "linears", "normalises", "record"]
 
@@ -166,7 +166,7 @@ class Trace(TorchFunctionMode):
         at = [version(t) for t in read]
         in_place = _in_place(name, kwargs)
         values = [t.detach().clone() for t in read] if in_place else None  # before it writes
-        base = read[0]._base if in_place and read and isinstance(read[0]._base, Tensor) else None
+        base = base_of(read[0]) if in_place and read else None
         base_before = base.detach().clone() if base is not None else None
         out = func(*args, **kwargs)
         self.add(name, args, kwargs, out, read_at=at, read_values=values)
