@@ -3312,3 +3312,35 @@ def test_rotary_written_in_place_on_part_of_the_tokens_is_checked():
     all, so the run on one token everywhere never ran and k rotated from the wrong tokens was certified."""
     assert check(PrefixKeptInPlace).verdict == "passed", check(PrefixKeptInPlace).ids
     assert "rotary-mismatch" in check(PrefixKeptInPlace(shifted=True)).ids
+
+
+class YarnScaled(nn.Module):
+    """Correct, latent-attention style with YaRN: the softmax scale is 1/sqrt(D) times mscale^2, mscale from the
+    config's ``rope_parameters`` (``mscale_all_dim``, ``factor``), as transformers' ``yarn_apply_mscale`` folds it
+    in. ``stated``: whether the module carries that config."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, stated: bool = True) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.heads = heads
+        rope = {"rope_type": "yarn", "factor": 40.0, "mscale_all_dim": 1.0}
+        if stated:
+            self.config = SimpleNamespace(rope_parameters=rope)
+        m = 0.1 * math.log(rope["factor"]) + 1.0
+        self.scaling = (dim // heads) ** -0.5 * m * m
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        w = (q @ k.transpose(-1, -2) * self.scaling).softmax(-1)
+        return self.out((w @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_yarn_mscale_in_the_config_is_a_stated_scale():
+    """catches: the softmax scale with YaRN's mscale_all_dim folded in (Mistral 4, DeepSeek) was wrong-scale; the
+    same scale without a config stating it still is."""
+    report = check(YarnScaled())
+    assert report.verdict == "passed" and "mscale" in str(report.inferred.get("design", {}).get("scale")), report.ids
+    assert "wrong-scale" in check(YarnScaled(stated=False)).ids
