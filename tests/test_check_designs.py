@@ -3317,7 +3317,7 @@ def test_rotary_written_in_place_on_part_of_the_tokens_is_checked():
 class YarnScaled(nn.Module):
     """Correct, latent-attention style with YaRN: the softmax scale is 1/sqrt(D) times mscale^2, mscale from the
     config's ``rope_parameters`` (``mscale_all_dim``, ``factor``), as transformers' ``yarn_apply_mscale`` folds it
-    in. ``stated``: whether the module carries that config."""
+    into latent attention (a ``kv_lora_rank``). ``stated``: whether the module carries that config."""
 
     def __init__(self, dim: int = 64, heads: int = 4, stated: bool = True) -> None:
         super().__init__()
@@ -3326,7 +3326,7 @@ class YarnScaled(nn.Module):
         self.heads = heads
         rope = {"rope_type": "yarn", "factor": 40.0, "mscale_all_dim": 1.0}
         if stated:
-            self.config = SimpleNamespace(rope_parameters=rope)
+            self.config = SimpleNamespace(rope_parameters=rope, kv_lora_rank=32)
         m = 0.1 * math.log(rope["factor"]) + 1.0
         self.scaling = (dim // heads) ** -0.5 * m * m
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)

@@ -42,8 +42,8 @@ __all__ = ["declared_scale", "white_box"]
 def declared_scale(module: nn.Module) -> tuple[Callable[[int], float | None], str | None]:
     """The score scale the module's config states instead of 1/sqrt(head dim), as a function of the head dim,
     and where it was read (``query_pre_attn_scalar``, ``qk_scale_factor``, ``attention_multiplier``,
-    ``scale_attn_weights``, YaRN's ``mscale_all_dim`` in the rope parameters; diffusers' ``scale_qk=False`` on the
-    module)."""
+    ``scale_attn_weights``, YaRN's ``mscale_all_dim`` in the rope parameters of latent attention; diffusers'
+    ``scale_qk=False`` on the module)."""
     config = getattr(module, "config", None)
     if getattr(module, "scale_qk", True) is False:  # diffusers' Attention: scale_qk=False multiplies by its scale
         stated = getattr(module, "scale", 1.0)
@@ -62,8 +62,10 @@ def declared_scale(module: nn.Module) -> tuple[Callable[[int], float | None], st
         return (lambda d: float(multiplier)), f"config.attention_multiplier = {multiplier}"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     if isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) != "default" and \
-            rope.get("mscale_all_dim") and isinstance(rope.get("factor"), (int, float)) and rope["factor"] > 1:
-        # YaRN's mscale_all_dim folded into the softmax scale (DeepSeek's and Mistral 4's latent attention)
+            rope.get("mscale_all_dim") and isinstance(rope.get("factor"), (int, float)) and rope["factor"] > 1 and \
+            getattr(config, "kv_lora_rank", None):
+        # YaRN's mscale_all_dim folded into the softmax scale of latent attention (DeepSeek's, Mistral 4's); other
+        # attention keeps 1/sqrt(D) and scales through the rotary tables
         m = 0.1 * float(rope["mscale_all_dim"]) * math.log(float(rope["factor"])) + 1.0
         return (lambda d: d ** -0.5 * m * m), (f"config rope: YaRN mscale_all_dim = {rope['mscale_all_dim']}, "
                                                f"factor = {rope['factor']} (1/sqrt(D) times mscale^2 = {m * m:.4g})")
