@@ -3344,3 +3344,35 @@ def test_yarn_mscale_in_the_config_is_a_stated_scale():
     report = check(YarnScaled())
     assert report.verdict == "passed" and "mscale" in str(report.inferred.get("design", {}).get("scale")), report.ids
     assert "wrong-scale" in check(YarnScaled(stated=False)).ids
+
+
+class NormedQK(nn.Module):
+    """Correct, q/k LayerNorm over the head dim (Hunyuan, CogVideoX). ``over_tokens``: the norm applied after the
+    tokens were moved onto the last axis, (B, H, D, L), so that it normalises over the tokens (the bug: each row's
+    q and k then depend on every token; a swap of two tokens leaves those statistics as they were)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, length: int = 7, over_tokens: bool = False) -> None:
+        super().__init__()
+        self.heads, self.over_tokens = heads, over_tokens
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        width = length if over_tokens else dim // heads
+        self.q_norm, self.k_norm = nn.LayerNorm(width), nn.LayerNorm(width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if self.over_tokens:
+            q = self.q_norm(q.transpose(-1, -2)).transpose(-1, -2)
+            k = self.k_norm(k.transpose(-1, -2)).transpose(-1, -2)
+        else:
+            q, k = self.q_norm(q), self.k_norm(k)
+        o = F.scaled_dot_product_attention(q, k, v)
+        return self.out(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_qk_norm_over_the_tokens_is_named():
+    """catches: a q/k LayerNorm applied with the tokens on its last axis normalises over them; a swap of two tokens
+    keeps the statistics, so it was certified: one token changed must change one row of q and k."""
+    assert check(NormedQK, length=7).verdict == "passed"
+    report = check(NormedQK(over_tokens=True), length=7)
+    assert "definition-mismatch" in report.ids and "normalises over the tokens" in str(report.findings), report.ids

@@ -33,7 +33,7 @@ from ..subject.caller import Caller
 from ..subject.context import Context, Outcome, padding_keep
 from .products import Unrecognised, Unseen, examine_cores, folded_scale, relative_positions
 from .projections import AFTER, Capture, NoFormula, capture, identify, qkv_heads
-from .tokens import mixed_rows
+from .tokens import mixed_rows, normed_over_tokens
 from .trace import Trace, record
 
 __all__ = ["declared_scale", "white_box"]
@@ -222,6 +222,10 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     if mixed is not None:
         findings.append(Finding.of(HEAD_SPLIT, mixed, {"swapped tokens": [x.shape[1] // 2 - 1, x.shape[1] // 2]}))
         results["two tokens swapped"] = mixed
+    normed = None if plain is None or mixed is not None else _normed_over_tokens(module, caller, x, plain)
+    if normed is not None:
+        findings.append(Finding.of(DEFINITION_MISMATCH, normed, {"changed token": x.shape[1] // 2}))
+        results["one token changed"] = normed
     rotated = "rotary" in str(facts.get("positions", positions or ""))
     if rotated and not any(f.severity == "error" for f in findings):
         mismatch = _rotated_alike(module, caller, x)
@@ -257,6 +261,19 @@ def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trac
     except Exception:  # a module that rejects this input has been read on the probe's own
         return None
     return mixed_rows(plain, trace, x.shape[1], (u, t))
+
+
+def _normed_over_tokens(module: nn.Module, caller: Caller, x: Tensor, plain: Trace) -> str | None:
+    """Run the module with one token changed in every item: where a layer or RMS norm on the way to q, k or v
+    normalises over the tokens (:mod:`.tokens`), or None."""
+    t = x.shape[1] // 2
+    other = x.clone()
+    other[:, t] = torch.flip(x[:, t], dims=(-1,)) + 1.0
+    try:
+        trace, _ = record(module, partial(caller, other))
+    except Exception:  # a module that rejects this input has been read on the probe's own
+        return None
+    return normed_over_tokens(plain, trace, x.shape[1], t)
 
 
 def _unpadded(trace: Trace, length: int) -> bool:

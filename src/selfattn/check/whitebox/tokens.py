@@ -17,15 +17,17 @@ Shape legend: B batch, H heads, L length, D head dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from torch import Tensor
 
 from .products import core_operands
-from .trace import LAYOUT, Trace
+from .trace import LAYOUT, Op, Trace
 
-__all__ = ["mixed_rows"]
+__all__ = ["mixed_rows", "normed_over_tokens"]
 
 
-def _state(changed: Tensor, length: int) -> bool | None:
+def _state(changed: Tensor, length: int, last: bool = False) -> bool | None:
     """True: the changes lie on the two swapped tokens (at most two indices of an axis of size L, or of each of two
     axes whose sizes multiply to L); False: on more along every such axis; None: nothing changed, or no such
     axis."""
@@ -33,7 +35,8 @@ def _state(changed: Tensor, length: int) -> bool | None:
         return None
     dims = range(changed.dim())
     hit = [int(changed.movedim(a, 0).reshape(changed.shape[a], -1).any(1).sum()) for a in dims]
-    axes = [a for a in dims[:-1] if changed.shape[a] == length]  # the last axis holds features (a head dim of L)
+    # the last axis holds features (a head dim of L), unless ``last``: a norm's input, its tokens moved last
+    axes = [a for a in (dims if last else dims[:-1]) if changed.shape[a] == length]
     pairs = [(a, b) for a in dims for b in dims if a < b and changed.shape[a] > 1 and changed.shape[b] > 1 and
              changed.shape[a] * changed.shape[b] == length]
     if not axes and not pairs:
@@ -46,6 +49,35 @@ def mixed_rows(first: Trace, second: Trace, length: int, tokens: tuple[int, int]
     """Where a layout operation on the way to a q, k or v operand spreads one token's features over the rows of
     other tokens, comparing the record ``first`` with ``second`` (the same run with ``tokens`` swapped); None
     when none does or the records differ in their operations."""
+    def said(role: str, op: Op, out: Tensor) -> str:
+        return (f"{role}'s rows mix tokens: swapping tokens {tokens[0]} and {tokens[1]} changes their own rows "
+                f"before a {op.name}() on the way to {role} and {_rows_changed(out, length)} after it: that "
+                f"{op.name}() puts one token's features on the rows of others (heads split with view(B, H, L, D) "
+                "instead of view(B, L, H, D).transpose(1, 2), or a (B, C, H, W) map flattened without its permute)")
+
+    return _first_spread(first, second, length, lambda op: op.name in LAYOUT, said)
+
+
+def normed_over_tokens(first: Trace, second: Trace, length: int, token: int) -> str | None:
+    """Where a layer or RMS norm on the way to a q, k or v operand normalises over the tokens (its statistics mix
+    every token's features into each row), comparing the record ``first`` with ``second`` (the same run with one
+    ``token`` changed: a swap keeps statistics over the tokens as they were); None when none does."""
+    def said(role: str, op: Op, out: Tensor) -> str:
+        return (f"{role}'s rows mix tokens: changing token {token} changes its own row before a {op.name}() on the "
+                f"way to {role} and {_rows_changed(out, length)} after it: that {op.name}() normalises over the "
+                "tokens (a q/k norm applied after the heads or tokens were moved onto its last axis)")
+
+    return _first_spread(first, second, length, lambda op: op.name in _NORMS, said, last=True)
+
+
+_NORMS = frozenset({"layer_norm", "rms_norm"})
+
+
+def _first_spread(first: Trace, second: Trace, length: int, judged: Callable[[Op], bool],
+                  said: Callable[[str, Op, Tensor], str], last: bool = False) -> str | None:
+    """The first operation ``judged`` on the way back from a q, k or v operand that turns a tensor changed on the
+    changed tokens' rows only into one changed on the rows of others, described by ``said``; None when none does
+    or the records differ in their operations. ``last``: the tokens may be on the judged input's last axis."""
     if len(first.ops) != len(second.ops) or any(a.name != b.name for a, b in zip(first.ops, second.ops,
                                                                                  strict=True)):
         return None
@@ -77,16 +109,12 @@ def mixed_rows(first: Trace, second: Trace, length: int, tokens: tuple[int, int]
             if main is None or main not in op.in_ids or index >= len(other.outputs):
                 break
             k = op.in_ids.index(main)
-            if op.name in LAYOUT and k < len(other.inputs):
+            if judged(op) and k < len(other.inputs):
                 out = changed(op.outputs[index], other.outputs[index])
                 into = changed(op.inputs[k], other.inputs[k])
-                if out is not None and into is not None and _state(out, length) is False and \
-                        _state(into, length) is True:
-                    return (f"{role}'s rows mix tokens: swapping tokens {tokens[0]} and {tokens[1]} changes their own "
-                            f"rows before a {op.name}() on the way to {role} and {_rows_changed(out, length)} after "
-                            f"it: that {op.name}() puts one token's features on the rows of others (heads split with "
-                            "view(B, H, L, D) instead of view(B, L, H, D).transpose(1, 2), or a (B, C, H, W) map "
-                            "flattened without its permute)")
+                if out is not None and into is not None and _state(out, length, last) is False and \
+                        _state(into, length, last) is True:
+                    return said(role, op, out)
             cur = main
     return None
 
