@@ -11,7 +11,8 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -182,23 +183,31 @@ class _UsedParameters(TorchFunctionMode):
         return out
 
 
-def _grads_after_noise(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]],
-                       gen: torch.Generator) -> dict[str, Tensor | None]:
-    """The used parameters' gradients once every one is moved by a little noise (a gate that starts at 0 blocks
-    its neighbours' gradients only at that point); the parameters are restored."""
+@contextlib.contextmanager
+def _moved(call: Caller, used: list[tuple[str, nn.Parameter]], size: float, gen: torch.Generator) -> Iterator[None]:
+    """Every used parameter moved by noise of ``size`` relative to its largest entry while the block runs; the
+    parameters are restored and the gradients cleared after it."""
     saved = [p.detach().clone() for _, p in used]
     try:
         with torch.no_grad():
             for _, p in used:
-                p.add_(1e-2 * (1 + p.abs().max()) * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
+                p.add_(size * (1 + p.abs().max()) * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
         call.module.zero_grad(set_to_none=True)
-        (call(x).double() * weights).sum().backward()
-        return {n: None if p.grad is None else p.grad.detach().clone() for n, p in used}
+        yield
     finally:
         with torch.no_grad():
             for (_, p), s in zip(used, saved, strict=True):
                 p.copy_(s)
         call.module.zero_grad(set_to_none=True)
+
+
+def _grads_after_noise(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]],
+                       gen: torch.Generator) -> dict[str, Tensor | None]:
+    """The used parameters' gradients once every one is moved by a little noise (a gate that starts at 0 blocks
+    its neighbours' gradients only at that point); the parameters are restored."""
+    with _moved(call, used, 1e-2, gen):
+        (call(x).double() * weights).sum().backward()
+        return {n: None if p.grad is None else p.grad.detach().clone() for n, p in used}
 
 
 def _off_the_point(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]], on_input: bool,
@@ -206,12 +215,7 @@ def _off_the_point(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[st
     """:func:`_directional` (on the input, or on the parameters) with every used parameter moved by a little noise,
     autograd's gradient taken there too; the parameters are restored. Where pre-activations are exactly 0 (a bias
     initialised at 0 on a zero input), no finite difference sees the one-sided derivative autograd takes."""
-    saved = [p.detach().clone() for _, p in used]
-    try:
-        with torch.no_grad():
-            for _, p in used:
-                p.add_(1e-3 * (1 + p.abs().max()) * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
-        call.module.zero_grad(set_to_none=True)
+    with _moved(call, used, 1e-3, gen):
         xg = x.clone().requires_grad_()
         (call(xg).double() * weights).sum().backward()
         if on_input:
@@ -219,11 +223,6 @@ def _off_the_point(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[st
             return _directional(call, x, weights, dx, [], step, gen)
         params = [(p, p.grad.detach().clone()) for _, p in used if p.grad is not None]
         return _directional(call, x, weights, None, params, step, gen)
-    finally:
-        with torch.no_grad():
-            for (_, p), s in zip(used, saved, strict=True):
-                p.copy_(s)
-        call.module.zero_grad(set_to_none=True)
 
 
 def _still_zero(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]], zero: list[str],
