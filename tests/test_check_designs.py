@@ -2239,24 +2239,28 @@ def test_a_config_dropout_is_kept_so_a_dropout_left_on_in_eval_is_seen():
     assert "dropout-in-eval" in report.ids, report.ids
 
 
-def _masked_softmax(scores: torch.Tensor, valid_lens: torch.Tensor) -> torch.Tensor:
-    """Softmax over the keys, each row's keys from its valid length on set to -1e6 (d2l.ai's masked_softmax; the
-    assignment turns -1e6 into -inf in float16, where masked_fill would raise)."""
-    keys = torch.arange(scores.shape[-1], device=scores.device)
-    hidden = (keys[None, None, :] >= valid_lens[:, None, None]).expand_as(scores)
-    scores = scores.clone()
-    scores[hidden] = -1e6
+def _masked_softmax(scores: torch.Tensor, valid_lens: torch.Tensor, fill: float = -1e6) -> torch.Tensor:
+    """Softmax over the keys, each row's keys from its valid length on set to ``fill`` (d2l.ai's masked_softmax:
+    lengths (B,) for every query of an item or (B, L) per query; the assignment turns -1e6 into -inf in float16,
+    where masked_fill would raise)."""
+    shape = scores.shape
+    lens = valid_lens.repeat_interleave(shape[1]) if valid_lens.dim() == 1 else valid_lens.reshape(-1)
+    rows = scores.reshape(-1, shape[-1]).clone()
+    rows[torch.arange(shape[-1], device=scores.device)[None, :] >= lens[:, None]] = fill
+    scores = rows.reshape(shape)
     return torch.softmax(scores, dim=-1)
 
 
 class ValidLengths(nn.Module):
     """Correct, padding given as each item's valid length, required (d2l.ai's MultiHeadAttention): heads folded
     into the batch, the lengths repeated per head with repeat_interleave. ``tiled``: with repeat, so head rows of
-    item b read item (b mod B)'s length (the bug)."""
+    item b read item (b mod B)'s length (the bug); ``fill``: what the hidden scores are set to (0, the bug: they
+    stay in the softmax)."""
 
-    def __init__(self, num_hiddens: int, num_heads: int, tiled: bool = False, lazy: bool = False) -> None:
+    def __init__(self, num_hiddens: int, num_heads: int, tiled: bool = False, lazy: bool = False,
+                 fill: float = -1e6) -> None:
         super().__init__()
-        self.num_heads, self.tiled = num_heads, tiled
+        self.num_heads, self.tiled, self.fill = num_heads, tiled, fill
         self.W_q, self.W_k, self.W_v, self.W_o = (nn.LazyLinear(num_hiddens, bias=False) if lazy else  # as d2l.ai
                                                   nn.Linear(num_hiddens, num_hiddens, bias=False) for _ in range(4))
 
@@ -2267,8 +2271,8 @@ class ValidLengths(nn.Module):
     def forward(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                 valid_lens: torch.Tensor) -> torch.Tensor:
         q, k, v = self.fold(self.W_q(queries)), self.fold(self.W_k(keys)), self.fold(self.W_v(values))
-        lens = valid_lens.repeat(self.num_heads) if self.tiled else valid_lens.repeat_interleave(self.num_heads)
-        o = torch.bmm(_masked_softmax(torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1]), lens), v)
+        lens = valid_lens.repeat(self.num_heads) if self.tiled else valid_lens.repeat_interleave(self.num_heads, 0)
+        o = torch.bmm(_masked_softmax(torch.bmm(q, k.transpose(1, 2)) / math.sqrt(q.shape[-1]), lens, self.fill), v)
         b = queries.shape[0]
         return self.W_o(o.reshape(b, self.num_heads, o.shape[1], -1).permute(0, 2, 1, 3).reshape(b, o.shape[1], -1))
 
@@ -2284,6 +2288,16 @@ def test_padding_given_as_required_lengths_is_sent_as_lengths():
     assert "mask-ignored" in check(ValidLengths, init={"num_hiddens": 64, "num_heads": 4, "tiled": True}).ids
     lazy = check(ValidLengths, init={"num_hiddens": 64, "num_heads": 4, "lazy": True})  # E from no Linear's size
     assert lazy.ids == {"half-precision-overflow"} and lazy.inferred["embed_dim"] == 64, lazy.ids
+
+
+def test_hidden_scores_set_to_zero_under_required_lengths_are_mask_ignored():
+    """catches: with the hidden scores set to 0 (still in the softmax), no lengths hid a key, so the doctor went on
+    to a sequence-first layout whose mask "matched" on no row at all (each query saw only its own key there): the
+    module was batch-mixing. A match needs a row that sees a kept and a hidden key; the lengths stay, and the
+    padded keys that still reach the outputs are named."""
+    report = check(ValidLengths, init={"num_hiddens": 64, "num_heads": 4, "fill": 0.0})
+    assert "mask-ignored" in report.ids and "batch-mixing" not in report.ids, report.ids
+    assert report.inferred["mask"]["kind"] == "lengths"
 
 
 class ColumnsThenRows(nn.Module):
@@ -3376,3 +3390,42 @@ def test_a_qk_norm_over_the_tokens_is_named():
     assert check(NormedQK, length=7).verdict == "passed"
     report = check(NormedQK(over_tokens=True), length=7)
     assert "definition-mismatch" in report.ids and "normalises over the tokens" in str(report.findings), report.ids
+
+
+class GroupNormedAttention(nn.Module):
+    """Correct, a U-Net's attention as diffusers writes it (``Attention(norm_num_groups=...)``): a GroupNorm over
+    the tokens' channels before q, k and v, and a key padding mask (B, L), True = attend, made an additive mask in
+    the default dtype. ``ignore_mask``: the mask never reaches the scores; ``norm``: False, no GroupNorm."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, ignore_mask: bool = False, norm: bool = True) -> None:
+        super().__init__()
+        self.heads, self.ignore_mask = heads, ignore_mask
+        self.group_norm = nn.GroupNorm(8, dim) if norm else nn.Identity()
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = hidden_states.shape
+        h = self.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+        q, k, v = (f(h).view(b, n, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        bias = None
+        if attention_mask is not None and not self.ignore_mask:
+            bias = torch.zeros(b, 1, 1, n).masked_fill(~attention_mask.bool()[:, None, None, :], float("-inf"))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias)
+        return self.to_out(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_group_norm_over_the_tokens_before_a_padding_mask_is_a_design():
+    """catches: the padded tokens move a GroupNorm's statistics over the tokens, and through them every output, so
+    a U-Net's attention under a padding mask was mask-ignored; with those statistics held the mask is read, and a
+    mask that never reaches the scores is still named."""
+    report = check(GroupNormedAttention())
+    assert report.verdict == "passed" and "statistics over the tokens" in report.inferred, report.ids
+    assert "mask-ignored" in check(GroupNormedAttention(ignore_mask=True)).ids
+
+
+def test_a_float32_mask_beside_the_float64_copy_is_read_as_the_module_computes_it():
+    """catches: a module that builds its additive mask in the default float32 is right in its own dtype, but torch's
+    CPU attention kernel misreads a float32 mask beside float64 queries from 16 tokens on: the doctor's float64
+    copy of it saw the padded keys and the module was mask-ignored."""
+    report = check(GroupNormedAttention(norm=False))
+    assert report.verdict == "passed", report.ids

@@ -13,11 +13,14 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.overrides import TorchFunctionMode
 
 from ..findings import (
     BATCH_MIXING,
@@ -710,6 +713,12 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
                     raise
                 break  # autograd refuses the module's in-place work: it has no training path to drop the mask on
             moved = [i for i, p in enumerate(pads) if not close(c[i, :length - p], a[i, :length - p])]
+            if moved and _through_token_statistics(partial(caller, t, mask), partial(caller, t2, mask), pads, grad):
+                found.notes["statistics over the tokens"] = (
+                    "a group or instance norm before the attention normalises each channel over the tokens (a "
+                    "U-Net's GroupNorm): padded tokens move its statistics, and through them the real tokens' "
+                    "outputs; with those statistics held, the mask hides the padded keys")
+                moved = []
             if moved:
                 i = moved[0]
                 where = (f"batch item {i}" + (" (item 0's padding is hidden: another item's mask is applied?)"
@@ -737,6 +746,64 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
                                              "real tokens of another (sequences packed or cut at the wrong offsets?)",
                                              {"items whose real tokens change": moved}))
     return found
+
+
+class _TokenStatistics(TorchFunctionMode):
+    """Group and instance norms that record their statistics on one run and reuse them, call by call, on the next:
+    what normalises each channel over the tokens then no longer carries one token's change to the others."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats: list[tuple[Tensor, Tensor]] = []
+        self.replay: int | None = None
+        self.seen = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func not in (F.group_norm, F.instance_norm) or not args or not isinstance(args[0], Tensor) or \
+                (func is F.instance_norm and not kwargs.get("use_input_stats", args[5] if len(args) > 5 else True)):
+            return func(*args, **kwargs)
+        self.seen += 1
+        x = args[0]
+        groups = (args[1] if len(args) > 1 else kwargs["num_groups"]) if func is F.group_norm else x.shape[1]
+        flat = x.reshape(x.shape[0], groups, -1)
+        if self.replay is None:
+            self.stats.append((flat.mean(-1, keepdim=True), flat.var(-1, unbiased=False, keepdim=True)))
+            return func(*args, **kwargs)
+        if self.replay >= len(self.stats) or self.stats[self.replay][0].shape[0] != x.shape[0]:
+            raise RuntimeError("the second run normalised other tensors")
+        mean, var = self.stats[self.replay]
+        self.replay += 1
+        names = ("weight", "bias", "eps") if func is F.group_norm else ("running_mean", "running_var", "weight",
+                                                                         "bias", "use_input_stats", "momentum", "eps")
+        given = dict(zip(names, args[2:], strict=False)) | kwargs
+        eps = given.get("eps", 1e-5)
+        y = ((flat - mean) / torch.sqrt(var + eps)).reshape(x.shape)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        if given.get("weight") is not None:
+            y = y * given["weight"].reshape(shape)
+        if given.get("bias") is not None:
+            y = y + given["bias"].reshape(shape)
+        return y
+
+
+def _through_token_statistics(base: Callable[[], Tensor], changed: Callable[[], Tensor], pads: list[int],
+                              grad: bool) -> bool:
+    """Does a change of the padded tokens reach the real tokens' outputs only through a group or instance norm's
+    statistics over the tokens (``changed`` rerun with ``base``'s statistics leaves them as they were)?"""
+    mode = _TokenStatistics()
+    try:
+        with torch.set_grad_enabled(grad):
+            with mode:
+                a = base().detach()
+            if not mode.seen:
+                return False
+            mode.replay = 0
+            with mode:
+                c = changed().detach()
+    except Exception:  # the runs normalised differently: nothing is read from them
+        return False
+    return all(close(c[i, :c.shape[1] - p], a[i, :a.shape[1] - p]) for i, p in enumerate(pads))
 
 
 def _own_padding(b: int, length: int, shared: bool = False) -> Tensor:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
@@ -243,7 +244,11 @@ class Caller:
             kept = mask.detach().clone() if isinstance(mask, Tensor) else None
             state = None if self.keep_state else module_state(self.module)
         try:
-            out = self._call(t, mask)
+            if t.dtype == torch.float64:  # the float64 copy of a module that builds float32 masks
+                with _MasksInQueryDtype():
+                    out = self._call(t, mask)
+            else:
+                out = self._call(t, mask)
         finally:
             with untraced(), torch.no_grad():
                 if state is not None:
@@ -461,6 +466,26 @@ def _changed(now: Tensor, before: Tensor) -> bool:
     if now.shape != before.shape:
         return True
     return not torch.equal(torch.nan_to_num(now.detach()), torch.nan_to_num(before.detach()))
+
+
+class _MasksInQueryDtype(TorchFunctionMode):
+    """scaled_dot_product_attention with a floating mask in the query's dtype. A module run in float64 that builds
+    its additive mask in the default float32 (``torch.zeros(b, 1, 1, n)``) is correct in its own dtype, but torch's
+    CPU kernel for float64 queries reads a float32 mask wrongly from 16 tokens on; the doctor's float64 copy of it
+    must compute what the module computes."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and args and isinstance(args[0], Tensor):
+            at = 3 if len(args) > 3 else None
+            mask = args[3] if at is not None else kwargs.get("attn_mask")
+            if isinstance(mask, Tensor) and mask.is_floating_point() and mask.dtype != args[0].dtype:
+                mask = mask.to(args[0].dtype)
+                if at is not None:
+                    args = (*args[:3], mask, *args[4:])
+                else:
+                    kwargs = {**kwargs, "attn_mask": mask}
+        return func(*args, **kwargs)
 
 
 class MaskWatch(TorchFunctionMode):
