@@ -84,6 +84,8 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
         first = first or c
         k0 = keep[0]
         rows = (k0 & full & off).any(-1) & (~k0 & full & off).any(-1)
+        if not bool(rows.any()):  # no row sees a kept and a hidden key: nothing to match (a layout that mixes no
+            continue              # tokens, each query seeing its own key only)
         if torch.equal((seen & off)[rows], (k0 & full & off)[rows]):
             return c
         if kind == "keep" and stated is None and torch.equal((seen & off)[rows], (~k0 & full & off)[rows]):
