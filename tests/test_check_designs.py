@@ -3429,3 +3429,82 @@ def test_a_float32_mask_beside_the_float64_copy_is_read_as_the_module_computes_i
     copy of it saw the padded keys and the module was mask-ignored."""
     report = check(GroupNormedAttention(norm=False))
     assert report.verdict == "passed", report.ids
+
+
+class LatentSpatialBlock(nn.Module):
+    """Correct, a latent-diffusion spatial transformer's self-attention (as ldm's SpatialTransformer): a (B, C, H, W)
+    map normed, projected by a 1x1 convolution, flattened to tokens, attention with a residual, the tokens put back
+    into the map and projected out, a residual around it all. ``reshape_back``: the tokens put back with
+    ``reshape(B, C, H, W)`` and no permute (the bug: each position then holds features of other tokens)."""
+
+    def __init__(self, channels: int = 64, heads: int = 4, reshape_back: bool = False) -> None:
+        super().__init__()
+        self.heads, self.reshape_back = heads, reshape_back
+        self.norm = nn.GroupNorm(8, channels, eps=1e-6)
+        self.proj_in, self.proj_out = nn.Conv2d(channels, channels, 1), nn.Conv2d(channels, channels, 1)
+        self.to_qkv, self.to_out = nn.Linear(channels, 3 * channels, bias=False), nn.Linear(channels, channels)
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.to_qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        w = torch.einsum("bhid,bhjd->bhij", q, k).mul(q.shape[-1] ** -0.5).softmax(-1)
+        return self.to_out(torch.einsum("bhij,bhjd->bhid", w, v).transpose(1, 2).reshape(b, n, c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = x.shape
+        t = self.proj_in(self.norm(x)).flatten(2).transpose(1, 2)
+        t = self.attend(t) + t
+        t = t.reshape(b, c, h, w) if self.reshape_back else t.transpose(1, 2).reshape(b, c, h, w)
+        return self.proj_out(t) + x
+
+
+def test_tokens_put_back_into_a_map_without_their_permute_are_named():
+    """catches: an image block that puts its tokens back into the (B, C, H, W) map with a reshape and no permute was
+    certified (its not-equivariant is a warning, which positions would explain): with two tokens swapped, the
+    attention's output changes on their two rows and the map after that reshape on the rows of others."""
+    assert check(LatentSpatialBlock()).verdict == "passed"
+    report = check(LatentSpatialBlock(reshape_back=True))
+    assert "head-merge" in report.ids and "put tokens back" in report.findings[0].fix, report.ids
+
+
+class FloatMaskedInItsDtype(nn.Module):
+    """Correct, a mask of 1.0 = masked in the module's own dtype subtracted times a large number, as XLNet writes it
+    (65500 in float16, where 1e30 overflows). A bool mask there becomes a float32 term that promotes the float16
+    scores; the module takes float masks."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if attn_mask is not None:
+            scores = scores - (65500 if attn_mask.dtype == torch.float16 else 1e30) * attn_mask[:, None]
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_bool_mask_that_half_precision_cannot_take_is_sent_as_the_dtypes_floats():
+    """catches: a module taking float masks of 1.0 = masked, found with a bool mask (it reads one alike in float32),
+    raised in float16 on that bool mask (its float32 term promoted the scores), and was half-precision-overflow."""
+    report = check(FloatMaskedInItsDtype())
+    assert report.verdict == "passed" and report.inferred["mask"]["kind"] == "ignore", report.ids
+
+
+class BatchFixedByItsArguments(_Fused):
+    """Correct, a bias (B, 1, L, L) given by the call for the probe's batch: an item alone still gets the whole
+    batch's bias, and the output the whole batch's shape."""
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        return self.merge((q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + bias).softmax(-1) @ v)
+
+
+def test_an_item_alone_given_the_whole_batchs_arguments_is_a_limit_not_batch_mixing():
+    """catches: an item alone run through a call whose other arguments carry the batch gives an output of the
+    whole batch; compared with one item of the batch, it was batch-mixing."""
+    bias = torch.zeros(3, 1, 7, 7)
+    report = check(BatchFixedByItsArguments(32), call=lambda m, x: m(x, bias.to(x.dtype)), batch=3, length=7)
+    assert report.verdict == "passed" and "fix the batch" in str(report.inferred), report.ids

@@ -84,8 +84,10 @@ MATMUL_ORDER = _error("matmul-order", "V @ weights, or weights transposed",
                       "weights^T @ V.",
                       ("batch-mixing", "not-equivariant", "causal-leak", "shape-dependent", "wrong-output-shape",
                        "mask-ignored"))
-HEAD_MERGE = _error("head-merge", "heads merged with view/reshape before the transpose back",
-                    "Merge heads with out.transpose(1, 2).reshape(B, L, E) (transpose before view/reshape).",
+HEAD_MERGE = _error("head-merge", "heads merged (or tokens put back into a (B, C, H, W) map) with view/reshape "
+                    "before the transpose back",
+                    "Merge heads with out.transpose(1, 2).reshape(B, L, E) (transpose before view/reshape); put tokens "
+                    "back into a map with out.transpose(1, 2).reshape(B, C, H, W), not out.reshape(B, C, H, W).",
                     ("batch-mixing", "not-equivariant", "causal-leak", "mask-ignored"))
 VALUES_CHANGED = _error("values-changed", "V reaches the product changed after its projection (rotary applied to v)",
                         "Multiply the weights by V as the value projection made it: rotary positions (and any "

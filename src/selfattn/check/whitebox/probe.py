@@ -27,14 +27,14 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from ..findings import DEFINITION_MISMATCH, HEAD_SPLIT, MISSING_SCALE, ROTARY_MISMATCH, Finding
+from ..findings import DEFINITION_MISMATCH, HEAD_MERGE, HEAD_SPLIT, MISSING_SCALE, ROTARY_MISMATCH, Finding
 from ..subject.building import num_heads_of
 from ..subject.caller import Caller
 from ..subject.context import Context, Outcome, padding_keep
 from .products import Unrecognised, Unseen, examine_cores, folded_scale, relative_positions
 from .projections import AFTER, Capture, NoFormula, capture, identify, qkv_heads
-from .tokens import mixed_rows, normed_over_tokens
-from .trace import Trace, record
+from .tokens import mixed_after, mixed_rows, normed_over_tokens
+from .trace import Trace, key, record
 
 __all__ = ["declared_scale", "white_box"]
 
@@ -90,7 +90,8 @@ def _raw(caller: Caller, mask: object, keep: Tensor) -> Tensor | None:
     if caller.make_mask is None:  # the doctor encoded it: its shape is the spec's
         m = {"LL": lambda: m[None, None], "BLL": lambda: m[:, None], "B1LL": lambda: m,
              "BL": lambda: m[:, None, None, :], "B11L": lambda: m, "LLB": lambda: m.permute(2, 0, 1)[:, None],
-             "LL1": lambda: m.permute(2, 0, 1)[:, None]}[caller.spec.shape]()
+             "LLB1": lambda: m[..., 0].permute(2, 0, 1)[:, None], "LL1": lambda: m.permute(2, 0, 1)[:, None]
+             }[caller.spec.shape]()
     elif m.dim() == 2:  # the user's make_mask: read by rank ((L, L) or (B, L)); (B, 1, L) and (B, L, L) alike
         m = m[None, None] if m.shape[0] == length and b != length else m[:, None, None, :]
     elif m.dim() == 3:
@@ -166,6 +167,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         facts["scale"] = f"{'--scale' if ctx.scale is not None else stated_where} (not 1/sqrt(D))"
     skipped = 0
     plain: Trace | None = None
+    plain_out = 0
     for label, sent, keep in _runs(ctx, masked, dep):
         run_caller = ctx.exact_of(masked) if sent is not None and masked is not None else caller
         mask = run_caller.module_mask(sent) if sent is not None and masked is not None else None
@@ -175,7 +177,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
 
         trace, out = record(module, call)
         if sent is None:
-            plain = trace
+            plain, plain_out = trace, key(out)
         k4 = None if keep is None else keep.reshape(-1, 1, *keep.shape[-2:])
         raw = _raw(run_caller, mask, k4) if mask is not None and k4 is not None else None
         cap = capture(trace, module, x)
@@ -218,9 +220,10 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
             facts["after the attention"] = evidence["compared with"]
         if label == "with a padding mask" and sent is not None:
             facts.update(_zeroed_rows(out, sent))
-    mixed = None if plain is None else _rows_of_one_token(module, caller, x, plain)
+    mixed = None if plain is None else _rows_of_one_token(module, caller, x, plain, plain_out)
     if mixed is not None:
-        findings.append(Finding.of(HEAD_SPLIT, mixed, {"swapped tokens": [x.shape[1] // 2 - 1, x.shape[1] // 2]}))
+        findings.append(Finding.of(HEAD_MERGE if mixed.startswith("the output's") else HEAD_SPLIT, mixed,
+                                   {"swapped tokens": [x.shape[1] // 2 - 1, x.shape[1] // 2]}))
         results["two tokens swapped"] = mixed
     normed = None if plain is None or mixed is not None else _normed_over_tokens(module, caller, x, plain)
     if normed is not None:
@@ -248,9 +251,10 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     return Outcome(findings, notes, positions, {"white_box": cover})
 
 
-def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trace) -> str | None:
+def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trace, out: int) -> str | None:
     """Run the module with two neighbouring tokens swapped in every item: where a layout operation on the way to q,
-    k or v spreads them over the rows of others (:mod:`.tokens`), or None."""
+    k or v, or from the attention to the output ``out`` (a key in ``plain``), spreads them over the rows of others
+    (:mod:`.tokens`), or None."""
     t, u = x.shape[1] // 2, x.shape[1] // 2 - 1
     if u < 0:
         return None
@@ -260,7 +264,7 @@ def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trac
         trace, _ = record(module, partial(caller, other))
     except Exception:  # a module that rejects this input has been read on the probe's own
         return None
-    return mixed_rows(plain, trace, x.shape[1], (u, t))
+    return mixed_rows(plain, trace, x.shape[1], (u, t)) or mixed_after(plain, trace, out, x.shape[1], (u, t))
 
 
 def _normed_over_tokens(module: nn.Module, caller: Caller, x: Tensor, plain: Trace) -> str | None:

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from torch import Tensor
 
 from .products import core_operands
-from .trace import LAYOUT, Op, Trace
+from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
-__all__ = ["mixed_rows", "normed_over_tokens"]
+__all__ = ["mixed_after", "mixed_rows", "normed_over_tokens"]
 
 
 def _state(changed: Tensor, length: int, last: bool = False) -> bool | None:
@@ -58,6 +58,75 @@ def mixed_rows(first: Trace, second: Trace, length: int, tokens: tuple[int, int]
     return _first_spread(first, second, length, lambda op: op.name in LAYOUT, said)
 
 
+def mixed_after(first: Trace, second: Trace, out: int, length: int, tokens: tuple[int, int]) -> str | None:
+    """Where a layout operation between the attention and the module's output ``out`` (a key in ``first``) puts one
+    token's features on the rows of others, comparing ``first`` with ``second`` (the same run with ``tokens``
+    swapped): heads merged with a view before their transpose back, tokens put back into a (B, C, H, W) map by a
+    reshape without its permute. Only a tensor changed on the swapped tokens' rows alone can be spread: an attention
+    with positions changes every row and is not judged; a layout operation that leaves more token positions
+    changed than it was given (on every reading of its axes) spreads them. None when none does or the records
+    differ."""
+    if len(first.ops) != len(second.ops) or any(a.name != b.name for a, b in zip(first.ops, second.ops,
+                                                                                 strict=True)):
+        return None
+    at = {id(op): i for i, op in enumerate(first.ops)}
+    todo, seen = [out], {out}
+    while todo and len(seen) < 400:
+        found = first.maker(todo.pop(0))
+        if found is None:
+            continue
+        op, index = found
+        if op.name in _CORE:
+            continue  # the attention and what comes before it: the operands' own check
+        other = second.ops[at[id(op)]]
+        main = op.main_input()
+        if op.name in LAYOUT and main is not None and main in op.in_ids and index < len(other.outputs):
+            k = op.in_ids.index(main)
+            spread = _changed(op.outputs[index], other.outputs[index])
+            into = _changed(op.inputs[k], other.inputs[k]) if k < len(other.inputs) else None
+            before, after = _counts(into, length), _counts(spread, length)
+            if before and after and min(after) > max(before):
+                return (f"the output's rows mix tokens: swapping tokens {tokens[0]} and {tokens[1]} changes "
+                        f"{max(before)} token rows before a {op.name}() after the attention and {min(after)} of the "
+                        f"{length} after it: that {op.name}() puts one token's features on the rows of others "
+                        "(heads merged with a view before the transpose back, or tokens put back into a (B, C, H, "
+                        "W) map without their permute)")
+        for i in op.in_ids:
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return None
+
+
+def _counts(changed: Tensor | None, length: int) -> list[int]:
+    """How many token positions hold a change, on each reading of ``changed``'s axes as the tokens (an axis of size
+    L but the last, or two axes whose sizes multiply to L); empty when none can be read so."""
+    if changed is None or not bool(changed.any()):
+        return []
+    dims = range(changed.dim())
+    found = [int(changed.movedim(a, 0).reshape(changed.shape[a], -1).any(1).sum()) for a in dims[:-1]
+             if changed.shape[a] == length]
+    sizes = changed.shape
+    for a in dims:
+        for b in dims:
+            if a < b and sizes[a] > 1 and sizes[b] > 1 and sizes[a] * sizes[b] == length:
+                grid = changed.movedim((a, b), (0, 1)).reshape(sizes[a], sizes[b], -1)
+                found.append(int(grid.any(-1).sum()))
+    return found
+
+
+_CORE = PRODUCTS | SOFTMAX | {"scaled_dot_product_attention", "multi_head_attention_forward"}
+
+
+def _changed(a: Tensor, b: Tensor) -> Tensor | None:
+    """Where ``a`` and ``b`` differ (beyond rounding), for two real floating tensors of one shape; else None."""
+    if not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.shape != b.shape or a.is_complex() or \
+            not a.is_floating_point():
+        return None
+    diff = (a.double() - b.double()).abs()
+    return diff > 1e-6 * (1 + float(a.double().abs().max()))
+
+
 def normed_over_tokens(first: Trace, second: Trace, length: int, token: int) -> str | None:
     """Where a layer or RMS norm on the way to a q, k or v operand normalises over the tokens (its statistics mix
     every token's features into each row), comparing the record ``first`` with ``second`` (the same run with one
@@ -82,14 +151,7 @@ def _first_spread(first: Trace, second: Trace, length: int, judged: Callable[[Op
                                                                                  strict=True)):
         return None
     at = {id(op): i for i, op in enumerate(first.ops)}
-
-    def changed(a: Tensor, b: Tensor) -> Tensor | None:
-        if not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.shape != b.shape or a.is_complex() or \
-                not a.is_floating_point():
-            return None
-        diff = (a.double() - b.double()).abs()
-        return diff > 1e-6 * (1 + float(a.double().abs().max()))
-
+    changed = _changed
     for role, tid, (token_axis, feature_axis) in core_operands(first):
         own = first.maker(tid)
         if own is None:
