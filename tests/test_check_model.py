@@ -734,3 +734,17 @@ def test_layers_a_model_calls_sequence_first_are_replayed_so():
     torch.manual_seed(0)
     report = check_model(SequenceFirstLM().eval(), torch.randint(0, 100, (10, 2)))
     assert report.verdict == "passed" and len(report.layers) == 2, report.summary()
+
+
+def test_xlnet_relative_attention_is_replayed_with_its_positions_cut_on_the_batch_axis():
+    """catches: XLNet's relative attention, called sequence first with (2L, B, D) positions, was replayed with the
+    positions of the model's whole batch for an item alone (batch-mixing on an output of batch 2); its (L, L, B, 1)
+    mask was tried in no shape (inconclusive); its bool mask, turned into a float32 term, raised in float16
+    (half-precision-overflow) where the model gives it a float mask in its own dtype."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(d_model=32, n_head=4, d_inner=64, n_layer=2, vocab_size=64)
+    report = check_model(transformers.XLNetModel(config).eval(), {"input_ids": _ids() % 64})
+    assert [row["verdict"] for row in report.summary()] == ["passed"] * 2, report.summary()
+    layer = next(iter(report.layers.values()))
+    assert layer.inferred["mask"]["shape"] == "(L, L, B, 1)", layer.inferred["mask"]

@@ -100,7 +100,7 @@ class Layer:
         copies: dict = {}  # the modules the call passes, cast to the probe's dtype (a half-precision run)
 
         def replay(module: nn.Module, x: Tensor, mask: object = None) -> object:
-            fit = _fitter(x, self.batch, self.length, copies)
+            fit = _fitter(x, self.batch, self.length, copies, self.sequence_first)
             if self.sequence_first:
                 x = x.transpose(0, 1)
             args = [x if i in self.x else (mask if i == self.mask else tree_map(fit, a))
@@ -123,15 +123,18 @@ class Layer:
         call = (lambda module, x: replay(module, x)) if self.mask is None else replay
         # the recorded per-item tensors (a residual of scores, a text sequence) are cut to x's batch from the
         # first row: an item alone is given the first item's, which the batch probe must know
-        rows = any(t.dim() > 1 and t.shape[0] == self.batch for t in self.extras)
+        rows = any(t.dim() > 1 and self.batch in t.shape[:1 + self.sequence_first] for t in self.extras)
         setattr(call, "rows_from_the_start", rows)  # noqa: B010 (an attribute of a function)
+        setattr(call, "sequence_first", self.sequence_first)  # noqa: B010 (its masks in that layout: (L, L, B))
         return call
 
 
-def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None) -> Callable[[object], object]:
-    """Cut a recorded tensor to x's batch (dim 0 of size ``batch``) and length (every other dim of size ``length``),
-    in x's floating dtype and on its device; a module the model passes (a shared position-bias module) as a copy in
-    x's floating dtype, kept in ``copies``; other values pass as they are."""
+def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None,
+            sequence_first: bool = False) -> Callable[[object], object]:
+    """Cut a recorded tensor to x's batch (dim 0 of size ``batch``; for a layer called sequence first, dim 1 when dim
+    0 is not: XLNet's (2L, B, D) positions) and length (every other dim of size ``length``), in x's floating dtype
+    and on its device; a module the model passes (a shared position-bias module) as a copy in x's floating dtype,
+    kept in ``copies``; other values pass as they are."""
     b, n = x.shape[0], x.shape[1]
 
     def fit(t: object) -> object:
@@ -146,13 +149,15 @@ def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None) -> C
             return copies[key]
         if not isinstance(t, Tensor):
             return t
-        batch_dim = t.dim() > 1 and t.shape[0] == batch and batch != length
-        if batch_dim and b != batch:
+        at = None
+        if t.dim() > 1 and batch != length:
+            at = 0 if t.shape[0] == batch else 1 if sequence_first and t.shape[1] == batch else None
+        if at is not None and b != batch:
             if b > batch:
                 raise ValueError(f"the model called this layer with batch {batch}; it cannot be replayed at {b}")
-            t = t[:b]
-        for d in range(1 if batch_dim else 0, t.dim()):  # every token axis: an (L, L) mask has two
-            if t.shape[d] == length and n != length:
+            t = t.narrow(at, 0, b)
+        for d in range(t.dim()):  # every token axis: an (L, L) mask has two
+            if d != at and t.shape[d] == length and n != length:
                 if n > length:
                     raise ValueError(f"the model called this layer at length {length}; it cannot be replayed at {n}")
                 t = t.narrow(d, 0, n)

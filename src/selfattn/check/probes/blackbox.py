@@ -98,6 +98,10 @@ def batch_independence(ctx: Context, out: Tensor) -> Outcome[None]:
             single = None  # like a fixed length; changing one item must still leave the others alone
             notes["batch size"] = (f"runs at batch size {x.shape[0]} but not on one item alone (a shape limit: "
                                    f"{type(err).__name__}: {err})"[:240])
+    if single is not None and single.shape != out[1:2].shape:  # the call's other arguments carry the batch
+        notes["batch size"] = (f"one item alone gives an output of shape {tuple(single.shape)}: the call's other "
+                               f"arguments fix the batch at {x.shape[0]} (a shape limit)")
+        single = None
     mixed = not _close_or_both_nan(out2[1:], out[1:], ctx.rtol)
     alone = single is not None and not _close_or_both_nan(single, out[1:2], ctx.rtol)
     if alone and not mixed and single is not None and _follows_its_row(ctx, single):

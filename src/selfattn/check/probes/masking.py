@@ -281,8 +281,10 @@ def _candidates(ctx: Context) -> list[Caller]:
     shapes: tuple[str, ...] = SHAPE_ORDER
     if num_heads_of(ctx.module) == ctx.x.shape[0]:  # a (B, L, L) mask broadcast onto B heads (SDPA aligns it to
         shapes = ("B1LL", *(s for s in SHAPE_ORDER if s != "B1LL"))  # the heads) would read as per-item
-    if ctx.call.layout == "sequence-first":  # its own shapes: a (L, L, B) mask, a (B, L) key mask (torch's
-        shapes = ("LLB", "BL", "LL", "LL1")   # MultiheadAttention), one (L, L) or (L, L, 1) for every item
+    if ctx.call.layout == "sequence-first" or getattr(ctx.call.adapter, "sequence_first", False):
+        # its own shapes: a (L, L, B) or (L, L, B, 1) mask, a (B, L) key mask (torch's MultiheadAttention), one (L, L)
+        # or (L, L, 1) for every item
+        shapes = ("LLB", "LLB1", "BL", "LL", "LL1")
     lengths = [ctx.call.with_mask(MaskSpec("lengths", "B"), arg) for arg in args if arg in LENGTH_NAMES]
     return lengths + [ctx.call.with_mask(MaskSpec(kind, shape), arg) for arg in args for shape in shapes
                       for kind in kinds]
@@ -606,6 +608,8 @@ def _other_shapes(ctx: Context, found: Caller, candidates: list[Caller], plain: 
         if spec is None or native.mask_arg != found.mask_arg or spec.shape == found.spec.shape or \
                 spec.kind != ("keep" if found.spec.kind == "ignore" else found.spec.kind):
             continue
+        if {spec.shape, found.spec.shape} == {"LLB", "LLB1"}:  # Transformer-XL's layout or XLNet's, never both: the
+            continue  # other one broadcasts against the module's heads axis into another shape
         other = ctx.exact_of(native.with_mask(MaskSpec(found.spec.kind, spec.shape), native.mask_arg))
         try:
             with torch.no_grad():
@@ -758,7 +762,7 @@ class _TokenStatistics(TorchFunctionMode):
         self.replay: int | None = None
         self.seen = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func not in (F.group_norm, F.instance_norm) or not args or not isinstance(args[0], Tensor) or \
                 (func is F.instance_norm and not kwargs.get("use_input_stats", args[5] if len(args) > 5 else True)):

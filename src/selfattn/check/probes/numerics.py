@@ -113,7 +113,16 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
             try:
                 with torch.no_grad():
                     if suffix and masked is not None:
-                        out = masked.for_module(m)(x32.to(dtype), masked.module_mask(keeps[suffix], dtype))
+                        sent = masked.module_mask(keeps[suffix], dtype)
+                        try:
+                            out = masked.for_module(m)(x32.to(dtype), sent)
+                        except Exception as err:  # a bool mask that the module turns into a float32 term
+                            if not isinstance(sent, Tensor) or sent.dtype != torch.bool or raised_inside_doctor(err):
+                                raise
+                            out = masked.for_module(m)(x32.to(dtype), sent.to(dtype))
+                            notes[f"{label} as 0/1"] = (
+                                f"the bool mask raises ({type(err).__name__}: {err}"[:160] + "); the same mask as "
+                                f"{str(dtype)[6:]} 0/1 values runs: the module takes float masks in its dtype")
                     else:
                         out = ctx.call.for_module(m)(x32.to(dtype))
             except Exception as err:  # float32 runs: the half copy should too

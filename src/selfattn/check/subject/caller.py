@@ -47,8 +47,10 @@ __all__ = [
 
 ARITY = {"x": 1, "qk": 2, "qkv": 3}  # how many times a call style passes the input: forward(x), (x, x), (x, x, x)
 MASK_SHAPES: dict[str, str] = {"BLL": "(B, L, L)", "B1LL": "(B, 1, L, L)", "BL": "(B, L)", "B11L": "(B, 1, 1, L)",
-                               "LL": "(L, L)", "LLB": "(L, L, B)", "LL1": "(L, L, 1)", "B": "(B,)"}
-# (L, L, B) and (L, L, 1): sequence-first modules' masks (Transformer-XL's (Lq, Lk, B) or (Lq, Lk, 1)), tried
+                               "LL": "(L, L)", "LLB": "(L, L, B)", "LLB1": "(L, L, B, 1)", "LL1": "(L, L, 1)",
+                               "B": "(B,)"}
+# (L, L, B), (L, L, B, 1) and (L, L, 1): sequence-first modules' masks (Transformer-XL's (Lq, Lk, B) or (Lq, Lk, 1),
+# XLNet's (Lq, Lk, B, 1) with a heads axis to broadcast), tried
 # only on them; batch-first (B, L, L) and (B, 1, L, L) are not tried there (a module that reads neither is right)
 # kind -> how it reads: the values the doctor sends for "may attend" / "hidden"
 MASK_KINDS: dict[str, str] = {
@@ -121,14 +123,14 @@ class MaskSpec:
             m = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, ADDITIVE_FILL)
         return {"LL": lambda: m[0], "BLL": lambda: m, "B1LL": lambda: m[:, None], "BL": lambda: m[:, 0],
                 "B11L": lambda: m[:, None], "LLB": lambda: m.permute(1, 2, 0),
-                "LL1": lambda: m[0, :, :, None]}[self.shape]()
+                "LLB1": lambda: m.permute(1, 2, 0)[..., None], "LL1": lambda: m[0, :, :, None]}[self.shape]()
 
 
 def parse_mask(text: str) -> MaskSpec:
     """``"additive (B,1,1,L)"``, ``"keep (B,L)"``, ``"ignore (L, L)"`` -> a :class:`MaskSpec`.
 
     Kinds: keep, ignore, keep-int, keep-float, additive, and lengths (shape (B,) only). Shapes: (L,L), (B,L,L),
-    (B,1,L,L), (B,1,1,L), (B,L), and for sequence-first modules (L,L,B) and (L,L,1).
+    (B,1,L,L), (B,1,1,L), (B,L), and for sequence-first modules (L,L,B), (L,L,B,1) and (L,L,1).
     """
     match = re.fullmatch(r"\s*([a-z-]+)\s*\(([^)]*)\)\s*", text)
     shape = "".join(match.group(2).replace(",", " ").split()) if match else ""
@@ -474,7 +476,7 @@ class _MasksInQueryDtype(TorchFunctionMode):
     CPU kernel for float64 queries reads a float32 mask wrongly from 16 tokens on; the doctor's float64 copy of it
     must compute what the module computes."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention and args and isinstance(args[0], Tensor):
             at = 3 if len(args) > 3 else None
