@@ -324,8 +324,8 @@ def test_an_attention_over_an_image_map_is_found_and_checked():
 
 class _KeepMaskAttention(nn.Module):
     """Attention taking a bool mask; ``reads``: "keep" (True = may attend, as its model means it) or "ignore"
-    (True = masked: correct on its own, wrong for a model that passes True = token), or "minus" for a float mask
-    (the additive mask subtracted)."""
+    (True = masked: correct on its own, wrong for a model that passes True = token), "minus" for a float mask
+    (the additive mask subtracted), or "none" (the mask is never applied)."""
 
     def __init__(self, e: int, h: int, reads: str = "keep") -> None:
         super().__init__()
@@ -336,9 +336,11 @@ class _KeepMaskAttention(nn.Module):
         b, n, e = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
         s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-        if mask is not None and mask.dtype == torch.bool:
+        if mask is None or self.reads == "none":
+            pass
+        elif mask.dtype == torch.bool:
             s = s.masked_fill(mask if self.reads == "ignore" else ~mask, float("-inf"))
-        elif mask is not None:
+        else:
             s = s - mask if self.reads == "minus" else s + mask
         return (s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e)
 
@@ -748,3 +750,71 @@ def test_xlnet_relative_attention_is_replayed_with_its_positions_cut_on_the_batc
     assert [row["verdict"] for row in report.summary()] == ["passed"] * 2, report.summary()
     layer = next(iter(report.layers.values()))
     assert layer.inferred["mask"]["shape"] == "(L, L, B, 1)", layer.inferred["mask"]
+
+
+def test_a_layer_that_ignores_the_models_mask_is_mask_ignored_and_not_inverted():
+    """catches: a layer that never applies the mask its model passes was named mask-ignored and also
+    mask-inverted (the replay with the model's mask saw the padded tokens move the real ones, read as polarity)."""
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, 4:] = 0
+    rows = {row["layer"]: row for row in check_model(_PaddedEncoder("none"), (_ids(), padding)).summary()}
+    assert "mask-ignored" in rows["layers.1"]["findings"] and "mask-inverted" not in rows["layers.1"]["findings"], rows
+
+
+class _BiasAttention(_KeepMaskAttention):
+    """The model's padding passed as an additive ``attn_bias`` (xformers' name, no mask name); ``applies``: whether
+    the layer adds it."""
+
+    def __init__(self, e: int, h: int, applies: bool = True) -> None:
+        super().__init__(e, h, "keep" if applies else "none")
+
+    def forward(self, x, attn_bias=None):
+        return super().forward(x, attn_bias)
+
+
+class _BiasEncoder(nn.Module):
+    def __init__(self, applies: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(_BiasAttention(32, 4, applies) for _ in range(2))
+
+    def forward(self, ids, attention_mask):
+        x = self.emb(ids)
+        bias = (1.0 - attention_mask[:, None, None, :].float()) * -10000.0
+        for layer in self.layers:
+            x = x + layer(x, bias)
+        return x
+
+
+def test_the_models_padding_under_another_name_is_replayed_and_must_hide_the_padding():
+    """catches: a layer that takes the model's padding as ``attn_bias`` (not named like a mask, so the doctor's own
+    masks never go there) and never adds it was certified; the argument that carries the model's padding is found
+    by its values and the call replayed with the padded tokens changed."""
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, 4:] = 0
+    assert check_model(_BiasEncoder(), (_ids(), padding)).verdict == "passed"
+    rows = check_model(_BiasEncoder(applies=False), (_ids(), padding)).summary()
+    assert all("mask-ignored" in row["findings"] for row in rows), rows
+
+
+class _SequenceFirstByDefault(nn.Module):
+    """torch's MultiheadAttention, ``batch_first`` left at its default (False) or set, handed (B, L, E) states."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=batch_first)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        return x + self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_a_sequence_first_layer_handed_batch_first_states_attends_over_the_batch():
+    """catches: nn.MultiheadAttention left at batch_first=False and given (B, L, E) (each token attends over the
+    other items at its position) was certified: its batch_first=False alone made the doctor replay it sequence
+    first, the way it should have been called."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
+    assert check_model(_SequenceFirstByDefault(True), (ids,)).verdict == "passed"
+    assert "batch-mixing" in check_model(_SequenceFirstByDefault(False), (ids,)).summary()[0]["findings"]

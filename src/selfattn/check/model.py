@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from .doctor import check
-from .findings import BATCH_MIXING, MASK_INVERTED, SHAPE_DEPENDENT, Finding
+from .findings import BATCH_MIXING, MASK_IGNORED, MASK_INVERTED, SHAPE_DEPENDENT, Finding
 from .report import Report, render
 from .subject.building import CannotRun, copy_module
 from .subject.caller import MASK_NAMES, SWITCH_NAMES
@@ -258,8 +258,14 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
         mask_slot = mask
     kwargs = {k: (None if _is_cache(v) else v) for k, v in kwargs.items()}
     args = tuple(None if _is_cache(a) else a for a in args)
-    if hidden.dim() == 3 and (getattr(module, "batch_first", None) is False or
-                              (batch is not None and hidden.shape[1] == batch != hidden.shape[0])):
+    # a layer built sequence first is called so when its states' dim 1 is the model's batch, or an (L, L) mask the
+    # model passes says dim 0 holds the tokens (token ids given (L, B)); one the model hands its (B, L, E) states is
+    # replayed so: it attends over the batch
+    square = any(isinstance(a, Tensor) and a.dim() >= 2 and a.shape[-1] == a.shape[-2] == hidden.shape[0] !=
+                 hidden.shape[1] for _, a in slots)
+    told = getattr(module, "batch_first", None) is False and (batch is None or hidden.shape[1] == batch or
+                                                             hidden.shape[0] != batch or square)
+    if hidden.dim() == 3 and (told or (batch is not None and hidden.shape[1] == batch != hidden.shape[0])):
         return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[1], hidden.shape[0], hidden.shape[0],
                      sequence_first=True)
     return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[0], hidden.shape[1],
@@ -405,13 +411,35 @@ def _padding(kwargs: dict) -> Tensor | None:
     return None
 
 
-def _reads_the_models_padding(layer: Layer, pad: Tensor) -> Finding | None:
+def _carries_padding(t: object, pad: Tensor) -> bool:
+    """Is ``t`` the model's padding in some form: a tensor (B or 1, ..., L) whose last query row marks exactly the
+    padded keys of each item (bool either way round, 1/0, or an additive 0 / large negative)?"""
+    if not isinstance(t, Tensor) or t.dim() < 2 or t.shape[-1] != pad.shape[1] or t.shape[0] not in (1, pad.shape[0]) \
+            or t.is_complex():
+        return False
+    rows = t.detach().reshape(t.shape[0], -1, t.shape[-1])[:, -1].expand(pad.shape[0], -1).cpu()
+    for item, padded in zip(rows, pad.cpu(), strict=True):
+        if not bool(padded.any()):
+            continue
+        at_pad, at_real = item[padded], item[~padded]
+        if not (bool((at_pad == at_pad[0]).all()) and bool((at_real == at_real[0]).all()) and
+                bool(at_pad[0] != at_real[0])):
+            return False
+    return True
+
+
+def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Finding | None:
     """Replay the layer's recorded call as the model made it (its own mask, in its own dtype and values) with the
-    hidden states of the padded positions changed: the real tokens' outputs must not change. A layer whose own mask
-    convention is right reads the model's mask the other way round when they do (a bool keep-mask read as True =
-    masked, an additive mask subtracted)."""
+    hidden states of the padded positions changed: the real tokens' outputs must not change. The model's mask is
+    what the layer's mask argument got, or else any argument that carries the padding (a bias named ``attn_bias``).
+    A layer whose own mask convention is right reads the model's mask the other way round when they do (a bool
+    keep-mask read as True = masked, an additive mask subtracted); a layer that reads no mask (``report``, the
+    layer's own, found none, or found it ignored) ignores the model's."""
     hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
-    given = next((v for k, v in [*enumerate(layer.args), *layer.kwargs.items()] if k == layer.mask), None)
+    slots = [*enumerate(layer.args), *layer.kwargs.items()]
+    given = next((v for k, v in slots if k == layer.mask), None)
+    if given is None:
+        given = next((v for k, v in slots if k not in layer.x and _carries_padding(v, pad)), None)
     if not isinstance(given, Tensor) or tuple(hidden.shape[:2]) != tuple(pad.shape) or hidden.dim() != 3:
         return None  # no mask passed to this layer (a model that pads nothing here), or not the model's tokens
 
@@ -441,6 +469,13 @@ def _reads_the_models_padding(layer: Layer, pad: Tensor) -> Finding | None:
     if not change > 1e-4 * (1 + scale):
         return None
     what = f"{given.dtype} {tuple(given.shape)}"
+    reads = report.inferred.get("mask")
+    if MASK_IGNORED.id in report.ids or not (isinstance(reads, dict) and "convention" in reads):
+        name = next((k for k, v in slots if v is given), None)
+        return Finding.of(MASK_IGNORED, "called as the model calls it, the layer lets the padded tokens change the "
+                          f"real tokens' outputs: the model passes its padding (argument {name!r}) and the layer does "
+                          "not apply it", {"mask the model passes": what, "output scale": scale,
+                                           "largest change of a real token's output": change})
     return Finding.of(MASK_INVERTED, "called as the model calls it, the layer lets the padded tokens change the real "
                       "tokens' outputs: it reads the mask the model passes the other way round (its own convention "
                       "differs from the model's: polarity or sign)",
@@ -591,9 +626,9 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                     done = retry if not _shape_limited(retry) else done
                 report.layers[layer.name] = done
                 report.could_not_run.pop(layer.name, None)
-                misread = None if pad is None else _reads_the_models_padding(layer, pad)
                 done = report.layers[layer.name]
-                if misread is not None and all(f.id != MASK_INVERTED.id for f in done.findings):
+                misread = None if pad is None else _reads_the_models_padding(layer, pad, done)
+                if misread is not None and all(f.id != misread.id for f in done.findings):
                     report.layers[layer.name] = Report.of(done.inferred, [*done.findings, misread], done.not_verified,
                                                           done.coverage, done.seconds)
                 break

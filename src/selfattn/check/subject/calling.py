@@ -404,7 +404,10 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         if _pools_tokens(module) and n < 16 and sizes.lengths is None and runs_at(call, b, 16, e, gen, dtype, device):
             n = 16  # keys pooled from the tokens (a 1-d pooling or a strided convolution): 16 tokens keep several
     x = _randn(gen, (b, n, e), dtype, device)
-    if call.layout == "batch-first" and _sequence_first(call, x, gen, tolerance(dtype)):
+    # a layer replayed as its model calls it (check_model's adapter says which layout) keeps the model's layout: a
+    # sequence-first layer the model hands (B, L, E) attends over the batch, as it does in the model
+    replayed = getattr(call.adapter, "sequence_first", None) is not None
+    if call.layout == "batch-first" and not replayed and _sequence_first(call, x, gen, tolerance(dtype)):
         call.layout = "sequence-first"
     if call.layout == "sequence-first":
         found.notes.setdefault("layout", _SEQUENCE_FIRST)
