@@ -88,7 +88,7 @@ HEAD_MERGE = _error("head-merge", "heads merged (or tokens put back into a (B, C
                     "before the transpose back",
                     "Merge heads with out.transpose(1, 2).reshape(B, L, E) (transpose before view/reshape); put tokens "
                     "back into a map with out.transpose(1, 2).reshape(B, C, H, W), not out.reshape(B, C, H, W).",
-                    ("batch-mixing", "not-equivariant", "causal-leak", "mask-ignored"))
+                    ("batch-mixing", "not-equivariant", "causal-leak", "mask-ignored", "mask-inverted"))
 VALUES_CHANGED = _error("values-changed", "V reaches the product changed after its projection (rotary applied to v)",
                         "Multiply the weights by V as the value projection made it: rotary positions (and any "
                         "other rotation) belong on q and k only.", ("not-equivariant",))
@@ -104,8 +104,9 @@ ROTARY_MISMATCH = _error("rotary-mismatch", "q and k not rotated alike (rotated 
                          ("not-equivariant",))
 HEAD_SPLIT = _error("head-split", "q, k or v split into heads (or a (B, C, H, W) map flattened into tokens) by a view "
                     "that puts one token's features on the rows of others",
-                    "Split heads with x.view(B, L, H, D).transpose(1, 2), not x.view(B, H, L, D); flatten a (B, C, H, "
-                    "W) map with x.flatten(2).transpose(1, 2), not x.reshape(B, H * W, C).",
+                    "Split heads with x.view(B, L, H, D).transpose(1, 2), not x.view(B, H, L, D); lay keys out for q "
+                    "@ k with k.transpose(-2, -1), not k.view(B, H, D, L); flatten a (B, C, H, W) map with "
+                    "x.flatten(2).transpose(1, 2), not x.reshape(B, H * W, C).",
                     ("not-equivariant", "causal-leak", "mask-ignored", "mask-inverted", "head-merge", "softmax-dim",
                      "matmul-order"))
 GROUP_MISMATCH = _error("group-mismatch", "with grouped keys and values (GQA, MQA), a query head takes its keys from "

@@ -53,9 +53,12 @@ def mixed_rows(first: Trace, second: Trace, length: int, tokens: tuple[int, int]
         return (f"{role}'s rows mix tokens: swapping tokens {tokens[0]} and {tokens[1]} changes their own rows "
                 f"before a {op.name}() on the way to {role} and {_rows_changed(out, length)} after it: that "
                 f"{op.name}() puts one token's features on the rows of others (heads split with view(B, H, L, D) "
-                "instead of view(B, L, H, D).transpose(1, 2), or a (B, C, H, W) map flattened without its permute)")
+                "instead of view(B, L, H, D).transpose(1, 2), keys laid out by view(B, H, D, L) instead of a "
+                "transpose, or a (B, C, H, W) map flattened without its permute)")
 
-    return _first_spread(first, second, length, lambda op: op.name in LAYOUT, said)
+    # the tokens may be on the last axis (keys laid out (B, H, D, L) for q @ k): a view that puts features there
+    # instead of a permute spreads them (a feature axis of L, B x L x L inputs, is read as tokens too)
+    return _first_spread(first, second, length, lambda op: op.name in LAYOUT, said, last=True)
 
 
 def mixed_after(first: Trace, second: Trace, out: int, length: int, tokens: tuple[int, int]) -> str | None:
