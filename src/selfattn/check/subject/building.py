@@ -385,21 +385,30 @@ def num_heads_of(module: nn.Module) -> int | None:
 
 def copy_module(module: nn.Module) -> nn.Module:
     """``copy.deepcopy(module)``; when that fails, a copy in which what cannot be copied is shared: a tensor the
-    module keeps with autograd history (d2l's ``attention_weights`` after a forward) goes detached, any other
-    attribute deepcopy refuses (a staticmethod object, a lock) goes as it is."""
+    module keeps with autograd history (d2l's ``attention_weights`` after a forward) goes detached, one in a dict
+    (a cache, as LeViT's biases: the module computes it again) is left out, any other attribute deepcopy refuses (a
+    staticmethod object, a lock) goes as it is."""
     try:
         return copy.deepcopy(module)
     except Exception:
         memo: dict[int, object] = {}
-        for sub in module.modules():
-            for value in vars(sub).values():
-                if isinstance(value, Tensor) and not isinstance(value, nn.Parameter) and value.grad_fn is not None:
-                    memo[id(value)] = value.detach().clone()
-                elif not isinstance(value, (Tensor, nn.Module, dict, list, tuple)):
-                    try:
-                        copy.deepcopy(value)
-                    except Exception:
-                        memo[id(value)] = value
+        todo = [value for sub in module.modules() for value in vars(sub).values()]
+        while todo:  # the module's attributes, and what their dicts, lists and tuples hold (LeViT's bias cache)
+            value = todo.pop()
+            if isinstance(value, Tensor) and not isinstance(value, nn.Parameter) and value.grad_fn is not None:
+                memo[id(value)] = value.detach().clone()
+            elif isinstance(value, dict):
+                kept = {k: v for k, v in value.items() if not (isinstance(v, Tensor) and v.grad_fn is not None)}
+                if len(kept) < len(value):
+                    memo[id(value)] = copy.deepcopy(kept, memo)
+                todo.extend(kept.values())
+            elif isinstance(value, (list, tuple)):
+                todo.extend(value)
+            elif not isinstance(value, (Tensor, nn.Module)):
+                try:
+                    copy.deepcopy(value)
+                except Exception:
+                    memo[id(value)] = value
         return copy.deepcopy(module, memo)
 
 
