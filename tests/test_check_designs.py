@@ -3508,3 +3508,111 @@ def test_an_item_alone_given_the_whole_batchs_arguments_is_a_limit_not_batch_mix
     bias = torch.zeros(3, 1, 7, 7)
     report = check(BatchFixedByItsArguments(32), call=lambda m, x: m(x, bias.to(x.dtype)), batch=3, length=7)
     assert report.verdict == "passed" and "fix the batch" in str(report.inferred), report.ids
+
+
+class FoldedHeads(nn.Module):
+    """Correct, heads folded into the batch for bmm with a key padding mask (B, L), True = padding (fairseq's and
+    Uni-Core's layout). ``keys``: "transpose" (right), "view" (k laid out (B*H, D, L) by a view: each key column
+    holds features of several tokens); ``merge``: "transpose" (right) or "view" (heads merged without the transpose
+    back); ``scale``: "scores" (right) or "weights" (the scale multiplied into the weights after the softmax)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, keys: str = "transpose", merge: str = "transpose",
+                 scale: str = "scores") -> None:
+        super().__init__()
+        self.heads, self.keys, self.merge, self.scale = heads, keys, merge, scale
+        self.in_proj, self.out_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = x.shape
+        d = e // self.heads
+        q, k, v = (t.view(b, n, self.heads, d).transpose(1, 2).reshape(b * self.heads, n, d)
+                   for t in self.in_proj(x).chunk(3, dim=-1))
+        kt = k.transpose(1, 2) if self.keys == "transpose" else k.reshape(b * self.heads, d, n)
+        w = torch.bmm(q * d ** -0.5 if self.scale == "scores" else q, kt)
+        if key_padding_mask is not None:
+            w = w.view(b, self.heads, n, n).masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+            w = w.view(b * self.heads, n, n)
+        w = w.softmax(-1) if self.scale == "scores" else w.softmax(-1) * d ** -0.5
+        o = torch.bmm(w, v)
+        o = o.view(b, self.heads, n, d).transpose(1, 2).reshape(b, n, e) if self.merge == "transpose" else \
+            o.view(b, n, e)
+        return self.out_proj(o)
+
+
+def test_keys_laid_out_by_a_view_a_scale_on_the_weights_and_a_bad_merge_get_their_own_ids():
+    """catches: keys laid out (B*H, D, L) by a view instead of a transpose (each key column then holds features of
+    several tokens) was certified without a mask and mask-inverted with one; a scale multiplied into the weights
+    after the softmax was mask-after-softmax on a module with no mask; heads merged without the transpose back were
+    also mask-inverted beside head-merge."""
+    assert check(FoldedHeads()).verdict == "passed"
+    def errors(report: object) -> set[str]:
+        return {f.id for f in report.findings if f.severity == "error"}  # type: ignore[attr-defined]
+
+    for report in (check(FoldedHeads(keys="view")), check(FoldedHeads(keys="view"), no_mask=True)):
+        assert errors(report) == {"head-split"}, [(f.id, f.message) for f in report.findings]
+    scaled = check(FoldedHeads(scale="weights"), no_mask=True)
+    assert errors(scaled) == {"missing-scale"} and "after the softmax" in str(scaled.findings), scaled.ids
+    merged = check(FoldedHeads(merge="view"))
+    assert "head-merge" in merged.ids and "mask-inverted" not in merged.ids, merged.ids
+
+
+class TinyInitialised(nn.Module):
+    """Correct, an additive (B, 1, 1, L) mask, every weight drawn at 1e-10 (Pix2Struct's config initialises so): the
+    outputs are about 1e-19 in size."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        for w in (self.qkv.weight, self.out.weight):
+            nn.init.normal_(w, std=1e-10)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = hidden_states.shape
+        q, k, v = self.qkv(hidden_states).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_mask_that_changes_outputs_of_1e_19_changes_them():
+    """catches: a module whose weights are drawn at 1e-10 gives outputs of about 1e-19, which every mask changed by
+    less than 1e-4 of 1: each was "accepted, but changed nothing" and the module was mask-ignored."""
+    report = check(TinyInitialised())
+    assert "mask-ignored" not in report.ids and report.inferred["mask"]["kind"] == "additive", report.ids
+
+
+class BiasedScores(_Fused):
+    """Correct, a bias on the scores: a learned table per head and token pair (``table``, as Swin's or T5's), plus
+    what the call passes per item (``bias`` (B, H, L, L): a pair representation's bias, as protein and molecule
+    models add). ``alone``: the module runs at batch 1 only (a cache allocated for one sequence); ``scale``: the
+    scale on the scores (1/sqrt(E) is the bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, alone: bool = False, scale: float | None = None) -> None:
+        super().__init__(dim, heads)
+        self.alone, self.scale = alone, scale if scale is not None else (dim // heads) ** -0.5
+        self.table = nn.Parameter(torch.randn(heads, 16, 16))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.alone and x.shape[0] != 1:
+            raise ValueError("the cache holds one sequence")
+        q, k, v = self.split(x)
+        n = x.shape[1]
+        s = q @ k.transpose(-1, -2) * self.scale + self.table[:, :n, :n]
+        return self.merge((s if bias is None else s + bias).softmax(-1) @ v)
+
+
+def test_a_bias_per_item_or_on_an_item_alone_is_told_from_the_scale():
+    """catches: with a bias that differs between items (what the call passes per item), the scores were no multiple
+    of the product plus one term (definition-mismatch); on an item alone, the bias and the scale blended and the
+    scale read was a little off (wrong-scale). The scale is read on a second run on other tokens, where the bias
+    stays what it was; a wrong scale is still named."""
+    assert check(BiasedScores(alone=True), batch=1).verdict == "passed"
+    assert "wrong-scale" in check(BiasedScores(alone=True, scale=64 ** -0.5), batch=1).ids
+    torch.manual_seed(0)
+    bias = torch.randn(3, 4, 7, 7)
+    per_item = check(BiasedScores(), call=lambda m, x: m(x, bias.to(x.dtype)), batch=3, length=7)
+    assert per_item.verdict == "passed", [(f.id, f.message) for f in per_item.findings]
+    wrong = check(BiasedScores(scale=64 ** -0.5), call=lambda m, x: m(x, bias.to(x.dtype)), batch=3, length=7)
+    assert "wrong-scale" in wrong.ids, wrong.ids

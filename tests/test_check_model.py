@@ -818,3 +818,71 @@ def test_a_sequence_first_layer_handed_batch_first_states_attends_over_the_batch
     ids = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
     assert check_model(_SequenceFirstByDefault(True), (ids,)).verdict == "passed"
     assert "batch-mixing" in check_model(_SequenceFirstByDefault(False), (ids,)).summary()[0]["findings"]
+
+
+class _CachedBias(nn.Module):
+    """Attention with a learned bias per head and token pair, cached in a dict by device in eval mode and dropped
+    when training starts (as LeViT keeps its attention biases): the model's run with autograd on leaves tensors
+    with history in the dict."""
+
+    def __init__(self, e: int = 32, h: int = 4, n: int = 7) -> None:
+        super().__init__()
+        self.h = h
+        self.qkv = nn.Linear(e, 3 * e)
+        self.biases = nn.Parameter(0.1 * torch.randn(h, n, n))
+        self.cache: dict[str, torch.Tensor] = {}
+
+    def train(self, mode: bool = True) -> _CachedBias:
+        super().train(mode)
+        if mode:
+            self.cache = {}
+        return self
+
+    def bias(self) -> torch.Tensor:
+        if self.training:
+            return self.biases
+        key = str(self.biases.device)
+        if key not in self.cache:
+            self.cache[key] = self.biases * 1.0
+        return self.cache[key]
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + self.bias()[:, :n, :n]
+        return (s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e)
+
+
+def test_a_layer_whose_cache_holds_tensors_with_history_is_copied():
+    """catches: a bias cache (a dict attribute) filled during the model's run with autograd on held tensors with
+    history, which deepcopy refuses: every copy the probes make failed (inconclusive, the doctor's own failure)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 32), _CachedBias())
+    layer = check_model(model.eval(), (_ids(),)).layers["1"]
+    assert not layer.not_verified and "not verified" not in str(layer.coverage), layer.coverage
+
+
+def test_a_model_cast_to_bfloat16_keeps_its_rotary_tables_rounding_and_passes():
+    """catches: Llama cast to bfloat16 was rotary-mismatch: its rotary cos and sin, recorded in bfloat16, rotate by
+    matrices orthogonal only to bfloat16's rounding in the float64 replay, which the one-token-everywhere check held
+    to 1e-4 of the scores."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                      intermediate_size=64, num_hidden_layers=1, vocab_size=64)
+    config._attn_implementation = "eager"
+    model = transformers.LlamaModel(config).to(torch.bfloat16).eval()
+    report = check_model(model, {"input_ids": torch.randint(0, 64, (2, 7))})
+    assert report.verdict == "passed", report.summary()
+
+
+def test_bloom_with_padding_reads_its_alibi_per_item():
+    """catches: BLOOM with a padded item (its ALiBi counts each item's positions from its padding, (B * H, 1, L))
+    was definition-mismatch, a term that differs between items, and its ALiBi was not cut for an item alone."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(hidden_size=32, n_head=4, n_layer=2, vocab_size=64)
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, 5:] = 0
+    report = check_model(transformers.BloomModel(config).eval(), {"input_ids": _ids() % 64, "attention_mask": padding})
+    assert report.verdict == "passed", report.summary()

@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 from .doctor import check
 from .findings import BATCH_MIXING, MASK_IGNORED, MASK_INVERTED, SHAPE_DEPENDENT, Finding
 from .report import Report, render
-from .subject.building import CannotRun, copy_module
+from .subject.building import CannotRun, copy_module, num_heads_of
 from .subject.caller import MASK_NAMES, SWITCH_NAMES
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ class Layer:
         copies: dict = {}  # the modules the call passes, cast to the probe's dtype (a half-precision run)
 
         def replay(module: nn.Module, x: Tensor, mask: object = None) -> object:
-            fit = _fitter(x, self.batch, self.length, copies, self.sequence_first)
+            fit = _fitter(x, self.batch, self.length, copies, self.sequence_first, num_heads_of(module))
             if self.sequence_first:
                 x = x.transpose(0, 1)
             args = [x if i in self.x else (mask if i == self.mask else tree_map(fit, a))
@@ -126,15 +126,20 @@ class Layer:
         rows = any(t.dim() > 1 and self.batch in t.shape[:1 + self.sequence_first] for t in self.extras)
         setattr(call, "rows_from_the_start", rows)  # noqa: B010 (an attribute of a function)
         setattr(call, "sequence_first", self.sequence_first)  # noqa: B010 (its masks in that layout: (L, L, B))
+        # tables the model computed in half precision (rotary cos and sin in bfloat16) keep their rounding in the
+        # float64 replay: a rotation by them is orthogonal to that precision only
+        eps = [torch.finfo(t.dtype).eps for t in self.extras if t.is_floating_point()]
+        setattr(call, "recorded_eps", max(eps, default=0.0))  # noqa: B010
         return call
 
 
-def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None,
-            sequence_first: bool = False) -> Callable[[object], object]:
-    """Cut a recorded tensor to x's batch (dim 0 of size ``batch``; for a layer called sequence first, dim 1 when dim
-    0 is not: XLNet's (2L, B, D) positions) and length (every other dim of size ``length``), in x's floating dtype
-    and on its device; a module the model passes (a shared position-bias module) as a copy in x's floating dtype,
-    kept in ``copies``; other values pass as they are."""
+def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None, sequence_first: bool = False,
+            heads: int | None = None) -> Callable[[object], object]:
+    """Cut a recorded tensor to x's batch (dim 0 of size ``batch``, or of ``batch`` times the layer's ``heads``, item
+    by item: BLOOM's (B * H, 1, L) ALiBi; for a layer called sequence first, dim 1 when dim 0 is not: XLNet's (2L,
+    B, D) positions) and length (every other dim of size ``length``), in x's floating dtype and on its device; a
+    module the model passes (a shared position-bias module) as a copy in x's floating dtype, kept in ``copies``;
+    other values pass as they are."""
     b, n = x.shape[0], x.shape[1]
 
     def fit(t: object) -> object:
@@ -152,10 +157,13 @@ def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None,
         at = None
         if t.dim() > 1 and batch != length:
             at = 0 if t.shape[0] == batch else 1 if sequence_first and t.shape[1] == batch else None
+        per = 1
+        if at is None and heads and heads > 1 and t.dim() > 1 and t.shape[0] == batch * heads != length:
+            at, per = 0, heads
         if at is not None and b != batch:
             if b > batch:
                 raise ValueError(f"the model called this layer with batch {batch}; it cannot be replayed at {b}")
-            t = t.narrow(at, 0, b)
+            t = t.narrow(at, 0, b * per)
         for d in range(t.dim()):  # every token axis: an (L, L) mask has two
             if d != at and t.shape[d] == length and n != length:
                 if n > length:

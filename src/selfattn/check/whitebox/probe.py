@@ -172,7 +172,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         run_caller = ctx.exact_of(masked) if sent is not None and masked is not None else caller
         mask = run_caller.module_mask(sent) if sent is not None and masked is not None else None
 
-        def call(mask: object = mask, run_caller: Caller = run_caller) -> Tensor:
+        def call(mask: object = mask, run_caller: Caller = run_caller, x: Tensor = x) -> Tensor:
             return run_caller(x, mask) if mask is not None else caller(x)
 
         trace, out = record(module, call)
@@ -184,7 +184,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         verdict, why = _by_projections(cap, out, heads, k4, raw, bias, stated)
         if verdict is None:
             verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why, k4, frozenset({id(x)}),
-                                        local=not bool(dep.all()))
+                                        local=not bool(dep.all()), partner=_other_tokens(module, call, x))
             if verdict is not None and verdict[0] == DEFINITION_MISMATCH:  # no formula: the same as none found
                 why, verdict = verdict[1]["matches"], None
         if verdict is None and label == "with a padding mask" and _unpadded(trace, x.shape[1]):
@@ -231,7 +231,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         results["one token changed"] = normed
     rotated = "rotary" in str(facts.get("positions", positions or ""))
     if rotated and not any(f.severity == "error" for f in findings):
-        mismatch = _rotated_alike(module, caller, x)
+        mismatch = _rotated_alike(module, caller, x, getattr(caller.adapter, "recorded_eps", 0.0))
         if mismatch is not None:
             findings.append(Finding.of(ROTARY_MISMATCH, f"q and k are not rotated alike (or not by a rotation): "
                                        f"{mismatch}",
@@ -292,15 +292,16 @@ def _unpadded(trace: Trace, length: int) -> bool:
     return any(n < length for n in sizes) and all(n <= length for n in sizes)
 
 
-def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor) -> str | None:
+def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor, eps: float = 0.0) -> str | None:
     """Run the module on each item's first token repeated at every position: with q and k rotated alike, each
-    token's score with itself is then the same at every position; where it is not (:mod:`.products`), or None."""
+    token's score with itself is then the same at every position; where it is not (:mod:`.products`), or None.
+    ``eps``: the rounding of the rotation tables the call passes (a model's bfloat16 cos and sin), allowed for."""
     same = x[:, :1].expand_as(x).clone()
     try:
         trace, _ = record(module, partial(caller, same))
     except Exception:  # a module that rejects repeated tokens has been read on the probe input
         return None
-    return relative_positions(trace, x.shape[1])
+    return relative_positions(trace, x.shape[1], max(1e-4, 8 * eps))
 
 
 def _by_projections(cap: Capture | str, out: Tensor, heads: list[int], keep: Tensor | None, raw: Tensor | None,
@@ -316,12 +317,29 @@ def _by_projections(cap: Capture | str, out: Tensor, heads: list[int], keep: Ten
     return (fid, evidence, {}), ""
 
 
+def _other_tokens(module: nn.Module, call: Callable[..., Tensor], x: Tensor) -> Callable[[], Trace | None]:
+    """The record of ``call`` (x and the run's mask) on the tokens of x in reverse order, made when first asked;
+    None when the module refuses them."""
+    made: list[Trace | None] = []
+
+    def partner() -> Trace | None:
+        if not made:
+            other = x.flip(1)  # outside the record: the two records hold the same operations
+            try:
+                made.append(record(module, lambda: call(x=other))[0])
+            except Exception:  # a module that rejects these tokens: no second run to read
+                made.append(None)
+        return made[0]
+
+    return partner
+
+
 def _by_operands(trace, out: Tensor, width: int, length: int, stated: Callable[[int], float | None],
                  before: str, keep: Tensor | None, inputs: frozenset[int],
-                 local: bool = False) -> tuple[tuple | None, str]:
+                 local: bool = False, partner: Callable[[], Trace | None] | None = None) -> tuple[tuple | None, str]:
     """The verdict of the attention's own products (the first bug among its cores, else the definition)."""
     try:
-        verdicts = examine_cores(trace, out, width, length, stated, keep, out.shape[0], inputs, local)
+        verdicts = examine_cores(trace, out, width, length, stated, keep, out.shape[0], inputs, local, partner)
     except Unseen as err:  # no formula can be judged, from the projections either: their fit missed a hidden step
         return None, f"not seen: {err}"
     except Unrecognised as err:

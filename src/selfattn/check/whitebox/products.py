@@ -233,6 +233,21 @@ def _zeroed_as(w: Tensor, p: Tensor) -> Tensor:
     return p
 
 
+def _one_factor(w: Tensor, p: Tensor) -> float | None:
+    """The number c != 1 when the weights ``w`` the product reads are c times the softmax's ``p`` everywhere (of one
+    shape), else None."""
+    if w.shape != p.shape:
+        return None
+    w, p = w.double(), p.double()
+    seen = p.abs() > 1e-6 * float(p.abs().max())
+    if not bool(seen.any()):
+        return None
+    c = float((w[seen] / p[seen]).mean())
+    if abs(c - 1.0) < 1e-6 or float((w - c * p).abs().max()) > 1e-9 * float(w.abs().max()):
+        return None
+    return c
+
+
 def _product_after(trace: Trace, tid: int) -> tuple[Op, int, list[str]] | None:
     """The first product that reads ``tid`` (through layout operations and at most two others), the identity it
     reads, and the names of the non-layout operations on the way."""
@@ -546,10 +561,11 @@ def _residual_head_mix(trace: Trace, op: Op) -> int | None:
     return None
 
 
-def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool) -> tuple[float, Tensor, Tensor]:
+def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool,
+         given: float | None = None) -> tuple[float, Tensor, Tensor]:
     """Fit s = c * r + t + a constant per row (the softmax ignores one) over the visible entries (with terms: those
     no batch item masks): (c, t (batch, X, Lq, Lk), those entries). t is 0 without terms, else a term per (head,
-    query, key) position: it may not vary between batch items, which the caller checks."""
+    query, key) position: it may not vary between batch items, which the caller checks. ``given``: c as known."""
     lq, lk = r.shape[-2:]
     if r.numel() % (batch * lq * lk):  # a product over one item's tokens (a loop over the sequences of a batch)
         batch = 1
@@ -573,7 +589,7 @@ def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool) -> tuple[float, Ten
         return _fit(s, r, batch, False)
     if not denominator > 0:  # every row sees one key (or the product is constant along rows): no multiple to read
         raise Unrecognised("no row of the scores has two visible entries that differ: their scale cannot be read")
-    c = float((ds * dr).sum()) / denominator
+    c = float((ds * dr).sum()) / denominator if given is None else given
     return c, torch.where(joint, sr - c * rr, 0), joint
 
 
@@ -1023,9 +1039,52 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
     return Verdict(MASK_IGNORED if missed else CAUSAL_LEAK, {"matches": matches, **evidence})
 
 
+class _ScoresRead(Exception):  # not an error: how the read of a partner run hands back its scores
+    """The scores s and the product r of a core as :func:`_softmax_core` reads them before fitting s = c r + t."""
+
+    def __init__(self, s: Tensor, r: Tensor) -> None:
+        super().__init__()
+        self.s, self.r = s, r
+
+
+def _partner_scores(partner: Callable[[], Trace | None] | None, trace: Trace, sm: Op, final: Tensor, width: int,
+                    length: int, expected: Callable[[int], float | None], batch: int,
+                    local: bool) -> tuple[Tensor, Tensor] | None:
+    """The scores and product of the same core in a run of the module on other tokens (the same call otherwise),
+    read as this run's are; None when there is no such run or it cannot be read alike."""
+    other = None if partner is None else partner()
+    at = next((i for i, op in enumerate(trace.ops) if op is sm), None)
+    if other is None or at is None or len(other.ops) != len(trace.ops) or other.ops[at].name != sm.name:
+        return None
+    try:
+        _softmax_core(other, other.ops[at], final, width, length, expected, None, batch, frozenset(), local,
+                      scores_only=True)
+    except _ScoresRead as read:
+        return read.s, read.r
+    except (Unrecognised, RuntimeError):
+        return None
+    return None
+
+
+def _fit_on_two_runs(s: Tensor, r: Tensor, s2: Tensor, r2: Tensor, batch: int) -> tuple[float, Tensor, Tensor] | None:
+    """Fit s = c * r + t with a term t the two runs share (it does not come from the tokens: a bias the call passes,
+    per item or for an item alone): c from the runs' differences, (c, t, the entries seen); None when no term is
+    shared."""
+    if s.shape != s2.shape or r.shape != r2.shape:
+        return None
+    c, _, seen = _fit(s - s2, r - r2, batch, False)
+    _, t, seen2 = _fit(s, r, batch, False, c)
+    _, t2, _ = _fit(s2, r2, batch, False, c)
+    size = 1 + float(s.double().reshape(t.shape)[seen2].abs().max())
+    if float((t - t2).abs().masked_fill(~seen2, 0).max()) > 1e-6 * size:
+        return None
+    return c, t, seen & seen2
+
+
 def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                   expected: Callable[[int], float | None], keep: Tensor | None = None,
-                  batch: int = 1, inputs: frozenset[int] = frozenset(), local: bool = False) -> Verdict | None:
+                  batch: int = 1, inputs: frozenset[int] = frozenset(), local: bool = False,
+                  scores_only: bool = False, partner: Callable[[], Trace | None] | None = None) -> Verdict | None:
     p = sm.outputs[0]
     after = _product_after(trace, sm.out_ids[0])
     if after is None:
@@ -1129,6 +1188,12 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                        "the keys (the last dim)", **evidence})
     if passed:  # weights zeroed where the mask hides (ESPnet's softmax(...).masked_fill(hidden, 0)): rows with no
         p = _zeroed_as(w, p)  # visible key become 0; elsewhere a no-op when the scores were masked before the softmax
+        factor = _one_factor(w, p)
+        if factor is not None:  # softmax(QK^T) * c: the scale on the weights (rows sum to c), none on the scores
+            return Verdict(MISSING_SCALE, {"matches": f"the weights are multiplied by {factor:.6g} after the softmax "
+                                                      f"({', '.join(passed)}), so that each row sums to {factor:.3g}: "
+                                                      "a scale belongs on the scores, before the softmax",
+                                           **evidence})
         if _orientation(w, p) is None:
             return Verdict(MASK_AFTER_SOFTMAX, {"matches": f"the weights are masked after the softmax "
                                                   f"({', '.join(passed)}): the visible keys' weights no longer sum "
@@ -1200,16 +1265,30 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         c = math.prod(x for _, x in steps if x is not None)  # are the scale (the mix, learned, is not one)
         facts["talking heads (scores)"] = f"the scores are mixed across heads before the softmax " \
                                           f"({', '.join(chain.mixed)}; talking heads)"
+    elif scores_only:
+        raise _ScoresRead(s, r)
     else:
         c, t, seen = _fit(s, r, batch, with_terms)
         size = 1 + float(s.double().reshape(t.shape)[seen].abs().max())
         varies = (t - t[:1]).abs().masked_fill(~seen, 0).amax()
-        if float(varies) > 1e-3 * size:
-            raise Unrecognised(f"the scores are not one multiple of the product plus a term of (head, query, key): "
-                               f"best multiple {c:.4g} leaves a difference of {float(varies):.3g} between batch "
-                               "items")
+        alone = with_terms and t.shape[0] == 1 and float(t.abs().max()) > 1e-3 * size  # one item: c and t blend
+        if float(varies) > 1e-3 * size or alone:
+            # a term of each item's own (a pair bias, ALiBi from each item's padding), or of an item alone: c is read
+            # from a second run on other tokens, where the term stays what it was
+            scores = _partner_scores(partner, trace, sm, final, width, length, expected, batch, local)
+            shared = None if scores is None else _fit_on_two_runs(s, r, scores[0], scores[1], batch)
+            if shared is not None:
+                c, t, seen = shared
+                facts["position term"] = ("an additive term of (item, head, query, key) that does not come from the "
+                                          "tokens (a bias the call passes, or a relative-position bias)")
+            elif float(varies) > 1e-3 * size:
+                raise Unrecognised(f"the scores are not one multiple of the product plus a term of (head, query, "
+                                   f"key): best multiple {c:.4g} leaves a difference of {float(varies):.3g} between "
+                                   "batch items")
+            else:
+                raise Unrecognised("one item alone: a term on the scores and their scale cannot be told apart")
         if float(t.abs().max()) > 1e-3 * size:
-            facts["position term"] = "an additive term of (head, query, key) (a relative-position bias)"
+            facts.setdefault("position term", "an additive term of (head, query, key) (a relative-position bias)")
     over_tokens = normalised_over_tokens(trace, aid, d, length) or normalised_over_tokens(trace, bid, d, length)
     if over_tokens:
         return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, **evidence}, facts)
@@ -1396,7 +1475,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
 
 def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
                   expected: Callable[[int], float | None], keep: Tensor | None = None,
-                  batch: int = 1, inputs: frozenset[int] = frozenset(), local: bool = False) -> list[Verdict]:
+                  batch: int = 1, inputs: frozenset[int] = frozenset(), local: bool = False,
+                  partner: Callable[[], Trace | None] | None = None) -> list[Verdict]:
     """Every attention core in the record, each with its verdict.
 
     Args:
@@ -1412,6 +1492,8 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
         expected: the scale the user or the module states for head dim D, or None for 1/sqrt(D).
         local: the module on its own hides some keys (a window): weights over fewer tokens than L, a divisor of
             L, are read as attention within windows.
+        partner: the record of the same call on other tokens, made when asked: a term on the scores that varies
+            between items (or an item alone) is told from the scale on the two runs, where it stays the same.
 
     Returns:
         One :class:`Verdict` per core, in the order they ran.
@@ -1427,7 +1509,8 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
         if op.name == "scaled_dot_product_attention":
             verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep, local))
         elif op.name in SOFTMAX:
-            found = _softmax_core(trace, op, final, width, length, expected, keep, batch, inputs, local)
+            found = _softmax_core(trace, op, final, width, length, expected, keep, batch, inputs, local,
+                                  partner=partner)
             if found is not None:
                 verdicts.append(found)
     if not verdicts:
@@ -1446,14 +1529,14 @@ def _query_key_last(r: Tensor, length: int) -> Tensor | None:
     return r.movedim(axes, (-2, -1))
 
 
-def relative_positions(trace: Trace, length: int) -> str | None:
+def relative_positions(trace: Trace, length: int, rtol: float = 1e-4) -> str | None:
     """For a run on one token repeated at every position: where q and k of an attention core are not rotated alike
     (the rotated part of k concatenated after its pass-through part while q's comes first, other frequencies, k
     rotated at other positions than q); None when they are, or no core could be read.
 
     With one token everywhere, q_i = R_i q and k_j = S_j k; rotated alike (S = R, any orthogonal R_i: 1-D or 2-D
     rotary, xPos, a prefix kept unrotated), each token's score with itself is q . k, whatever its position: the
-    diagonal of Q K^T is constant."""
+    diagonal of Q K^T is constant (to ``rtol`` of the largest score)."""
     for op in trace.ops:
         r: Tensor | None = None
         try:
@@ -1475,7 +1558,7 @@ def relative_positions(trace: Trace, length: int) -> str | None:
         diag = r.diagonal(dim1=-2, dim2=-1)
         spread = (diag - diag[..., :1]).abs()
         size = 1 + float(r.abs().max())
-        if float(spread.max()) > 1e-4 * size:
+        if float(spread.max()) > rtol * size:
             at = int(spread.reshape(-1, length).amax(0).argmax())
             return (f"with the same token at every position, its score with itself is {float(diag.flatten()[0]):.4g} "
                     f"at position 0 but differs by {float(spread.max()):.3g} at position {at} (scores up to "
