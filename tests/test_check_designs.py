@@ -3616,3 +3616,21 @@ def test_a_bias_per_item_or_on_an_item_alone_is_told_from_the_scale():
     assert per_item.verdict == "passed", [(f.id, f.message) for f in per_item.findings]
     wrong = check(BiasedScores(scale=64 ** -0.5), call=lambda m, x: m(x, bias.to(x.dtype)), batch=3, length=7)
     assert "wrong-scale" in wrong.ids, wrong.ids
+
+
+class FixedResolution(_Fused):
+    """Correct, attention over a fixed 8 x 8 grid of tokens with E = 64 (a Swin block built for one input
+    resolution asserts its length), at any batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[1] != 64:
+            raise ValueError("input feature has wrong size")
+        q, k, v = self.split(x)
+        return self.merge(F.scaled_dot_product_attention(q, k, v))
+
+
+def test_a_fixed_length_that_equals_the_width_is_a_length_not_batch_mixing():
+    """catches: a module that runs at any batch but at its one length, 64 tokens, as wide as its embed dim, ran only
+    at shapes where two of B, L and E coincide, and was batch-mixing ("sizes line up")."""
+    report = check(FixedResolution(64))
+    assert report.verdict == "passed" and "own length" in report.inferred["lengths"], report.ids

@@ -886,3 +886,77 @@ def test_bloom_with_padding_reads_its_alibi_per_item():
     padding[1, 5:] = 0
     report = check_model(transformers.BloomModel(config).eval(), {"input_ids": _ids() % 64, "attention_mask": padding})
     assert report.verdict == "passed", report.summary()
+
+
+class _PooledEncoder(nn.Module):
+    """An encoder layer, then attention pooling as SigLIP's head computes it: one learned query per item attends
+    over the encoder's tokens (torch's MultiheadAttention, batch first)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.layer = _KeepMaskAttention(32, 4)
+        self.probe = nn.Parameter(torch.randn(1, 1, 32))
+        self.pool = nn.MultiheadAttention(32, 4, batch_first=True)
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        x = x + self.layer(x)
+        probe = self.probe.repeat(x.shape[0], 1, 1)
+        return self.pool(probe, x, x, need_weights=False)[0][:, 0]
+
+
+def test_an_attention_pooling_head_is_not_checked_as_self_attention():
+    """catches: SigLIP's pooling head (one learned query over the tokens) was probed with the query as its input,
+    (B, 1, E): definition-mismatch, and the whole model failed."""
+    torch.manual_seed(0)
+    report = check_model(_PooledEncoder().eval(), (_ids(),))
+    assert report.verdict == "passed" and "one token" in report.not_self_attention["pool"], report.summary()
+
+
+def _rotate_half(t: torch.Tensor) -> torch.Tensor:
+    a, b = t.chunk(2, -1)
+    return torch.cat((-b, a), -1)
+
+
+class _StackedRotary(nn.Module):
+    """Rotary attention whose model passes cos and sin stacked in one (2, L, D) table, and a causal padding mask."""
+
+    def __init__(self, e: int = 32, h: int = 4) -> None:
+        super().__init__()
+        self.h = h
+        self.qkv, self.o = nn.Linear(e, 3 * e, bias=False), nn.Linear(e, e, bias=False)
+
+    def forward(self, x, freqs, mask):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        q, k = (t * freqs[0] + _rotate_half(t) * freqs[1] for t in (q, k))
+        return self.o(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, n, e))
+
+
+class _StackedRotaryLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(_StackedRotary() for _ in range(2))
+
+    def forward(self, ids, attention_mask):
+        n = ids.shape[1]
+        f = torch.outer(torch.arange(n).float(), 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)).repeat(1, 2)
+        freqs = torch.stack([f.cos(), f.sin()])
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & attention_mask.bool()[:, None, None, :]
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = x + layer(x, freqs, mask)
+        return x
+
+
+def test_a_table_whose_first_size_is_the_batch_is_not_cut_per_item():
+    """catches: a (2, L, D) stack of rotary cos and sin, given by a model run at batch 2, was cut to one item for an
+    item alone, as if per item: the padding probe raised (inconclusive). The model is run on one item alone too:
+    what keeps its first size there is a table."""
+    torch.manual_seed(0)
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, 5:] = 0
+    report = check_model(_StackedRotaryLM().eval(), (_ids(), padding))
+    assert report.verdict == "passed", report.summary()

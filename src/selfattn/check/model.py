@@ -73,6 +73,9 @@ class Layer:
     length: int
     tokens: int = 0  # the recorded hidden states' token count: L, or H * W for an image (B, H, W, E)
     sequence_first: bool = False  # the model calls it with (L, B, E) (torch's batch_first=False layers)
+    # the recorded tensors whose dim 0 stayed when the model ran one item alone: tables (a (2, L, D) stack of rotary
+    # cos and sin), not per item, whatever their first size
+    shared: frozenset[int] = frozenset()
 
     @property
     def extras(self) -> list[Tensor]:
@@ -100,7 +103,8 @@ class Layer:
         copies: dict = {}  # the modules the call passes, cast to the probe's dtype (a half-precision run)
 
         def replay(module: nn.Module, x: Tensor, mask: object = None) -> object:
-            fit = _fitter(x, self.batch, self.length, copies, self.sequence_first, num_heads_of(module))
+            fit = _fitter(x, self.batch, self.length, copies, self.sequence_first, num_heads_of(module),
+                          self.shared)
             if self.sequence_first:
                 x = x.transpose(0, 1)
             args = [x if i in self.x else (mask if i == self.mask else tree_map(fit, a))
@@ -134,12 +138,13 @@ class Layer:
 
 
 def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None, sequence_first: bool = False,
-            heads: int | None = None) -> Callable[[object], object]:
+            heads: int | None = None, shared: frozenset[int] = frozenset()) -> Callable[[object], object]:
     """Cut a recorded tensor to x's batch (dim 0 of size ``batch``, or of ``batch`` times the layer's ``heads``, item
     by item: BLOOM's (B * H, 1, L) ALiBi; for a layer called sequence first, dim 1 when dim 0 is not: XLNet's (2L,
     B, D) positions) and length (every other dim of size ``length``), in x's floating dtype and on its device; a
     module the model passes (a shared position-bias module) as a copy in x's floating dtype, kept in ``copies``;
-    other values pass as they are."""
+    other values pass as they are. ``shared``: the ids of recorded tensors that are not per item (not cut on the
+    batch)."""
     b, n = x.shape[0], x.shape[1]
 
     def fit(t: object) -> object:
@@ -155,7 +160,7 @@ def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None, sequ
         if not isinstance(t, Tensor):
             return t
         at = None
-        if t.dim() > 1 and batch != length:
+        if t.dim() > 1 and batch != length and id(t) not in shared:
             at = 0 if t.shape[0] == batch else 1 if sequence_first and t.shape[1] == batch else None
         per = 1
         if at is None and heads and heads > 1 and t.dim() > 1 and t.shape[0] == batch * heads != length:
@@ -295,6 +300,55 @@ def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
     Raises:
         CannotRun: the model fails on the example inputs.
     """
+    args, kwargs = _inputs(example_inputs)
+    calls, parents, found = _record_calls(model, args, kwargs)
+    order = list(calls)
+    first = next((t for t in [*args, *kwargs.values()] if isinstance(t, Tensor) and t.dim() >= 1), None)
+    batch = None if first is None else first.shape[0]  # the model's batch: token ids (B, L), pixels (B, C, H, W)
+    alone = None
+    if batch is not None and batch > 1:  # one item alone: which recorded tensors are per item
+        one = tree_map(lambda t: t[:1] if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == batch else t,
+                       (args, kwargs))
+        try:
+            alone = _record_calls(model, *one)[0]
+        except CannotRun:  # a model that runs only at its batch: every tensor of that first size is per item
+            alone = None
+    layers: dict[str, Layer] = {}
+    for inner in found:
+        name: str | None = inner
+        while name is not None:
+            if name in calls:
+                layer = _layer(name, model.get_submodule(name), *calls[name], batch=batch)
+                if layer is not None:
+                    if alone is not None and name in alone and batch is not None:
+                        layer.shared = _shared(calls[name][:2], alone[name][:2], batch)
+                    layers.setdefault(name, layer)
+                    break
+            name = parents.get(name)
+    return sorted(layers.values(), key=lambda layer: order.index(layer.name))
+
+
+def _shared(call: tuple, alone: tuple, batch: int) -> frozenset[int]:
+    """The ids of ``call``'s tensors of first size ``batch`` whose first size stayed in the call ``alone`` (the same
+    layer's call with one item): tables, not per item."""
+    ours: list[Tensor] = []
+    theirs: list[Tensor] = []
+    tree_map(lambda t: ours.append(t) if isinstance(t, Tensor) else None, call)
+    tree_map(lambda t: theirs.append(t) if isinstance(t, Tensor) else None, alone)
+    if len(ours) != len(theirs):
+        return frozenset()
+    return frozenset(id(a) for a, b in zip(ours, theirs, strict=True)
+                     if a.dim() > 0 and b.dim() > 0 and a.shape[0] == batch and b.shape[0] == batch)
+
+
+def _record_calls(model: nn.Module, args: tuple,
+                  kwargs: dict) -> tuple[dict[str, tuple[tuple, dict, object]], dict[str, str | None], list[str]]:
+    """Run ``model`` once: each submodule's first call (args, kwargs, output), each one's parent, and the innermost
+    modules that ran an attention.
+
+    Raises:
+        CannotRun: the model fails on these inputs.
+    """
     names = {m: n for n, m in model.named_modules()}
     stack: list[str] = []
     calls: dict[str, tuple[tuple, dict, object]] = {}
@@ -320,7 +374,6 @@ def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
         hooks.append(m.register_forward_pre_hook(before, with_kwargs=True))
         hooks.append(m.register_forward_hook(after, with_kwargs=True))
     watch = _Watch(stack)
-    args, kwargs = _inputs(example_inputs)
     was_training = model.training
     # the run writes into buffers in place (a KV cache filled by the prefill), with autograd on: each layer is checked
     # as the model holds it, so every buffer gets its value back, without the run's autograd history
@@ -344,26 +397,17 @@ def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
                         continue
                 if buffer.shape == value.shape:
                     buffer.copy_(value)
-    order = list(calls)
-    first = next((t for t in [*args, *kwargs.values()] if isinstance(t, Tensor) and t.dim() >= 1), None)
-    batch = None if first is None else first.shape[0]  # the model's batch: token ids (B, L), pixels (B, C, H, W)
-    layers: dict[str, Layer] = {}
-    for inner in watch.found:
-        name: str | None = inner
-        while name is not None:
-            if name in calls:
-                layer = _layer(name, model.get_submodule(name), *calls[name], batch=batch)
-                if layer is not None:
-                    layers.setdefault(name, layer)
-                    break
-            name = parents.get(name)
-    return sorted(layers.values(), key=lambda layer: order.index(layer.name))
+    return calls, parents, list(watch.found)
 
 
 def _not_self_attention(layer: Layer) -> str | None:
     """Why the layer is not self-attention (its output rows do not depend on the other tokens of its input: a
     cross-attention over a sequence the model passes in), or None. A layer whose all-zero parameters (a norm's
     weight initialised at 0, as LeViT's) silence its output is judged on a copy with them drawn at random."""
+    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    if hidden.dim() >= 2 and hidden.shape[0 if layer.sequence_first else 1] == 1:
+        return ("called with one token: an attention pooling's query over tokens the model passes in (a "
+                "cross-attention), or one decoding step; no tokens of its own to attend between")
     if not _rows_independent(layer, layer.module):
         return None
     zeros = [p for p in layer.module.parameters() if p.numel() and not p.any()]

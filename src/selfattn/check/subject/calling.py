@@ -435,6 +435,10 @@ def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, 
     ok = ran + [s for s, _ in wrong]
     evidence = {"runs for": [str(s) for s in ok], "fails for": {str(s): why[:200] for s, why in failed}}
     lengths = sorted({s[1] for s in ok})
+    if lengths == [ok[0][2]] and len({s[0] for s in ok}) > 1:  # any batch, at one length that is also E: a length
+        found.notes["lengths"] = (f"runs only at length {lengths[0]}, which is also its embed dim: read as the "
+                                  "module's own length (a fixed resolution: --length states it)")
+        return
     if all(len({*s}) < 3 for s in ok) and any(len({*s}) == 3 for s, _ in failed) and \
             _runs(call, (2, 2 * lengths[-1], ok[0][2]), gen, dtype, device) is not None:  # two of B, L, E coincide
         found.findings.append(Finding.of(BATCH_MIXING, "the module runs only when batch, length and embed sizes "
