@@ -3634,3 +3634,26 @@ def test_a_fixed_length_that_equals_the_width_is_a_length_not_batch_mixing():
     at shapes where two of B, L and E coincide, and was batch-mixing ("sizes line up")."""
     report = check(FixedResolution(64))
     assert report.verdict == "passed" and "own length" in report.inferred["lengths"], report.ids
+
+
+class KeyPaddingToSDPA(_Fused):
+    """A key padding mask (B, L) handed to SDPA: correct with its ``~`` (torch's convention: True = padding), the
+    bug without it (``invert=False``: SDPA's attn_mask keeps where True)."""
+
+    def __init__(self, dim: int, invert: bool = True) -> None:
+        super().__init__(dim)
+        self.invert = invert
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.split(x)
+        keep = None if key_padding_mask is None else \
+            (~key_padding_mask if self.invert else key_padding_mask)[:, None, None, :]
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+
+
+def test_a_key_padding_mask_read_true_keep_is_a_convention_warning():
+    """catches: a key_padding_mask given to SDPA without its ~ (a common port) reads True = may attend, against its
+    name: certified without a word, as attention_mask read the other way already was not."""
+    assert "mask-convention" not in check(KeyPaddingToSDPA(32)).ids
+    report = check(KeyPaddingToSDPA(32, invert=False))
+    assert "mask-convention" in report.ids and "True = padding" in str(report.findings), report.ids

@@ -161,10 +161,10 @@ WRONG_GRADIENT = _error("wrong-gradient", "autograd's gradient differs from the 
                         "wrote or replaced) with torch.autograd.gradcheck in float64; the gradient must be the "
                         "derivative of the forward.")
 MASK_CONVENTION = _warning("mask-convention", "an `attention_mask` read as True = masked (Hugging Face's convention "
-                           "is 1 = attend)",
-                           "Hugging Face code reads attention_mask as 1 = attend: flip the mask, or name the argument "
-                           "for what it is (key_padding_mask, True = padding) so that callers do not pass it "
-                           "inverted.")
+                           "is 1 = attend), or a `key_padding_mask` read as True = attend (torch's is True = padding)",
+                           "Read the mask as its name says (attention_mask: 1 = attend; key_padding_mask: True = "
+                           "padding, so that SDPA's attn_mask gets ~key_padding_mask), or name the argument for what "
+                           "it is, so that callers do not pass it inverted.")
 DEFINITION_MISMATCH = _error("definition-mismatch", "the output follows no formula of attention "
                              "(`--allow-nonstandard` to accept)",
                              "The output follows no formula of attention: compare your code with softmax(Q K^T / "

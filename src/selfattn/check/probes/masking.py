@@ -677,7 +677,17 @@ def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], pl
             MASK_CONVENTION, "the argument is called attention_mask, which in Hugging Face code means 1 = attend, "
             "but this module hides the positions where it is True (True = masked)",
             {"argument": caller.mask_arg, "module reads": "True = masked", "the name suggests": "1 = attend"}))
+    elif not ctx.declared and kind == "keep" and caller.mask_arg in _PADDING_NAMES:
+        found.findings.append(Finding.of(
+            MASK_CONVENTION, f"the argument is called {caller.mask_arg}, which in torch's code means True = padding "
+            "(hidden), but this module hides the positions where it is False (True = may attend): a padding mask "
+            "passed to scaled_dot_product_attention's attn_mask without its ~?",
+            {"argument": caller.mask_arg, "module reads": "True = may attend", "the name suggests": "True = padding"}))
     return found
+
+
+_PADDING_NAMES = ("key_padding_mask", "padding_mask", "src_key_padding_mask", "pad_mask")
+"""Mask arguments named for padding: in torch's MultiheadAttention and its descendants, True = padding."""
 
 
 def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
