@@ -3686,3 +3686,27 @@ def test_a_bias_the_softmax_cancels_gets_no_gradient():
     assert check(SplitQKVBias()).verdict == "passed"
     report = check(SplitQKVBias(v_on_k=True))
     assert "no-grad" in report.ids and "v_bias" in str(report.findings), report.ids
+
+
+class LongPathDropsMask(_Fused):
+    """Correct below 128 tokens; ``drops``: from 128 tokens on, a fused path that forgets the padding mask (the bug
+    a threshold for long sequences hides from short probes)."""
+
+    def __init__(self, dim: int, drops: bool = False) -> None:
+        super().__init__(dim)
+        self.drops = drops
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.split(x)
+        keep = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        if self.drops and x.shape[1] >= 128:
+            keep = None
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+
+
+def test_a_mask_dropped_past_128_tokens_is_found():
+    """catches: a long-sequence path that drops the padding mask from 128 tokens on was certified: the padding probe
+    stopped at 64 tokens; it also runs at 300."""
+    assert check(LongPathDropsMask(32)).verdict == "passed"
+    report = check(LongPathDropsMask(32, drops=True))
+    assert "mask-ignored" in report.ids and "300 tokens" in str(report.findings), report.ids

@@ -64,7 +64,7 @@ __all__ = ["LENGTH_NAMES", "PADDING_LENGTHS", "band", "causality", "mask_convent
            "twin_reads_masks_alike"]
 
 
-PADDING_LENGTHS = (16, 64)
+PADDING_LENGTHS = (16, 64, 300)
 """Lengths the padding probe also runs at: past the thresholds and chunk sizes where code takes another path."""
 
 
