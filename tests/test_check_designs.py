@@ -3710,3 +3710,34 @@ def test_a_mask_dropped_past_128_tokens_is_found():
     assert check(LongPathDropsMask(32)).verdict == "passed"
     report = check(LongPathDropsMask(32, drops=True))
     assert "mask-ignored" in report.ids and "300 tokens" in str(report.findings), report.ids
+
+
+class MaskCachedByShape(_Fused):
+    """A key mask (B, L), True = attend, expanded once per shape and kept on the module (the bug: a later call with
+    another mask of the same shape gets the first call's); ``keyed``: the cache also keyed by the mask itself."""
+
+    def __init__(self, dim: int, keyed: bool = False) -> None:
+        super().__init__(dim)
+        self.keyed = keyed
+        self._seen: torch.Tensor | None = None
+        self._expanded: torch.Tensor | None = None
+
+    def expanded(self, mask: torch.Tensor) -> torch.Tensor:
+        if self._seen is None or self._expanded is None or self._seen.shape != mask.shape or \
+                (self.keyed and not torch.equal(self._seen, mask)):
+            self._seen, self._expanded = mask.clone(), mask[:, None, None, :].bool()
+        return self._expanded
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = self.split(x)
+        keep = None if mask is None else self.expanded(mask)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, attn_mask=keep))
+
+
+def test_a_mask_cached_by_its_shape_is_found_on_calls_in_a_row():
+    """catches: a mask expanded once and kept by its shape gives a later call the first call's mask; every probe's
+    call meets the module as given (its state put back), so it was certified. Two calls in a row, with a padding
+    mask then one that hides nothing, must give the second alone's output."""
+    assert check(MaskCachedByShape(32, keyed=True)).verdict == "passed"
+    report = check(MaskCachedByShape(32))
+    assert "mask-ignored" in report.ids and "in a row" in str(report.findings), report.ids

@@ -46,6 +46,8 @@ from ..subject.caller import (
     MaskWatch,
     dependency,
     mask_parameters,
+    module_state,
+    restore,
     switch_parameter,
 )
 from ..subject.calling import KIND_ORDER, SHAPE_ORDER
@@ -755,6 +757,10 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
                                                                          a[i, :length - pads[i]]),
                                                   "items whose real tokens change": moved}))
                 return found
+    cached = _mask_kept_from_an_earlier_call(caller, x, shared)
+    if cached is not None:
+        found.findings.append(cached)
+        return found
     if x.shape[0] > 1:  # with the mask on, an item's tokens must not reach another item (packed sequences cut at
         b, length, _ = x.shape  # the wrong offsets: a varlen path whose cu_seqlens are off)
         mask = caller.module_mask(_own_padding(b, length, shared))
@@ -827,6 +833,36 @@ def _through_token_statistics(base: Callable[[], Tensor], changed: Callable[[], 
     except Exception:  # the runs normalised differently: nothing is read from them
         return False
     return all(close(c[i, :c.shape[1] - p], a[i, :a.shape[1] - p]) for i, p in enumerate(pads))
+
+
+def _mask_kept_from_an_earlier_call(caller: Caller, x: Tensor, shared: bool) -> Finding | None:
+    """For a module whose calls replace its own state (which every probe's call puts back): called in a row, with a
+    padding mask and then with one that hides nothing, the second call must read its own mask (else: mask-ignored,
+    a mask cached by its shape)."""
+    if not caller.replaced:
+        return None
+    b, length, _ = x.shape
+    first = caller.module_mask(_own_padding(b, length, shared))
+    second = caller.module_mask(torch.ones(b, length, length, dtype=torch.bool))
+    kept = replace(caller, keep_state=True)
+    state = module_state(caller.module)
+    try:
+        with torch.no_grad():
+            kept(x, first)
+            again = kept(x, second)
+    except Exception:  # calls in a row that fail are the state probe's to report
+        return None
+    finally:
+        restore(state)
+    with torch.no_grad():
+        fresh = caller(x, second)
+    if close(again, fresh):
+        return None
+    names = ", ".join(caller.replaced)
+    return Finding.of(MASK_IGNORED, f"called in a row, the second call does not read its own mask: after a call with "
+                      f"a padding mask, a call with a mask that hides nothing gives another output than alone (the "
+                      f"module keeps its {names} from the first call: a mask cached by its shape?)",
+                      {"relative change": rel(again, fresh), "state the calls replace": names})
 
 
 def _own_padding(b: int, length: int, shared: bool = False) -> Tensor:
