@@ -407,15 +407,18 @@ class _CachedAttention(nn.Module):
 
 
 class _CachedDecoder(nn.Module):
-    def __init__(self) -> None:
+    """``diagonal``: where the model's causal mask starts hiding (1 is right; 2 lets each token see the next)."""
+
+    def __init__(self, diagonal: int = 1) -> None:
         super().__init__()
+        self.diagonal = diagonal
         self.emb = nn.Embedding(50, 32)
         self.layers = nn.ModuleList(_CachedAttention() for _ in range(3))
 
     def forward(self, ids, start_pos: int = 0):
         x = self.emb(ids)
         n = ids.shape[1]
-        mask = torch.full((n, n), float("-inf")).triu(1)
+        mask = torch.full((n, n), float("-inf")).triu(self.diagonal)
         for layer in self.layers:
             x = x + layer(x, start_pos, mask)
         return x
@@ -960,3 +963,12 @@ def test_a_table_whose_first_size_is_the_batch_is_not_cut_per_item():
     padding[1, 5:] = 0
     report = check_model(_StackedRotaryLM().eval(), (_ids(), padding))
     assert report.verdict == "passed", report.summary()
+
+
+def test_a_causal_mask_the_model_builds_off_by_one_is_a_causal_leak():
+    """catches: a model whose causal mask shows each token the next one (triu(2) for triu(1)) was certified: each
+    layer's probes replace the model's mask with the doctor's. The recorded call is replayed with the model's own
+    mask and each row's dependencies read."""
+    torch.manual_seed(0)
+    rows = check_model(_CachedDecoder(diagonal=2), (_ids(),)).summary()
+    assert all("causal-leak" in row["findings"] for row in rows), rows

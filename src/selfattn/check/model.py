@@ -31,10 +31,11 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from .doctor import check
-from .findings import BATCH_MIXING, MASK_IGNORED, MASK_INVERTED, SHAPE_DEPENDENT, Finding
+from .findings import BATCH_MIXING, CAUSAL_LEAK, MASK_IGNORED, MASK_INVERTED, SHAPE_DEPENDENT, Finding
+from .probes.masking import band
 from .report import Report, render
 from .subject.building import CannotRun, copy_module, num_heads_of
-from .subject.caller import MASK_NAMES, SWITCH_NAMES
+from .subject.caller import MASK_NAMES, SWITCH_NAMES, dependency
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -480,6 +481,58 @@ def _carries_padding(t: object, pad: Tensor) -> bool:
     return True
 
 
+def _replay(layer: Layer) -> Callable[[Tensor], Tensor | None]:
+    """The layer's recorded call as the model made it (its own mask and arguments, in their own dtypes), on other
+    hidden states."""
+    def run(x: Tensor) -> Tensor | None:
+        args = [x if i in layer.x else a for i, a in enumerate(layer.args)]
+        kwargs = {k: x if k in layer.x else v for k, v in layer.kwargs.items()}
+        return _first_tensor(layer.module(*args, **kwargs))
+
+    return run
+
+
+def _models_causal_mask(layer: Layer, pad: Tensor | None) -> Finding | None:
+    """Replay the layer's recorded call with the model's own mask and read which tokens each output row of an item
+    without padding depends on: a mask that hides most of the future but shows the next tokens (a causal mask
+    built off by one, ``triu(2)`` for ``triu(1)``), or the causal pattern transposed, is a causal-leak the model
+    builds; the layer's own probes, which replace that mask with the doctor's, cannot see it."""
+    slots = [*enumerate(layer.args), *layer.kwargs.items()]
+    hidden = next(a for k, a in slots if k in layer.x)
+    given = next((v for k, v in slots if k == layer.mask), None)
+    if not isinstance(given, Tensor) or hidden.dim() != 3 or layer.sequence_first or hidden.shape[1] < 4:
+        return None
+    items = [b for b in range(hidden.shape[0]) if pad is None or b >= pad.shape[0] or not bool(pad[b].any())]
+    if not items:
+        return None
+    run = _replay(layer)
+    was_training = layer.module.training
+    try:
+        layer.module.eval()
+        with torch.no_grad():
+            if run(hidden) is None:
+                return None
+            dep = dependency(lambda x: run(x), hidden, item=items[0],  # type: ignore[arg-type,return-value]
+                             rtol=1e-5 if hidden.dtype == torch.float32 else 1e-2)
+    except Exception:  # the layer's own report says what fails
+        return None
+    finally:
+        layer.module.train(was_training)
+    length = dep.shape[0]
+    ahead = band(dep)
+    if ahead is not None and ahead[0] == length - 1 and 0 < ahead[1] < length - 1:
+        return Finding.of(CAUSAL_LEAK, f"called as the model calls it, with the model's own mask, each query sees the "
+                          f"next {ahead[1]} token(s) and no later one: the causal mask the model builds is off by "
+                          "one", {"each query sees": f"keys <= i + {ahead[1]}", "mask the model passes":
+                                  f"{given.dtype} {tuple(given.shape)}"})
+    behind = band(dep.T)
+    if not torch.equal(dep, dep.T) and behind is not None and behind[1] == 0 and behind[0] > 0:
+        return Finding.of(CAUSAL_LEAK, "called as the model calls it, with the model's own mask, queries see later "
+                          "keys and miss earlier ones: the model's causal mask is transposed",
+                          {"mask the model passes": f"{given.dtype} {tuple(given.shape)}"})
+    return None
+
+
 def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Finding | None:
     """Replay the layer's recorded call as the model made it (its own mask, in its own dtype and values) with the
     hidden states of the padded positions changed: the real tokens' outputs must not change. The model's mask is
@@ -494,11 +547,7 @@ def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Find
         given = next((v for k, v in slots if k not in layer.x and _carries_padding(v, pad)), None)
     if not isinstance(given, Tensor) or tuple(hidden.shape[:2]) != tuple(pad.shape) or hidden.dim() != 3:
         return None  # no mask passed to this layer (a model that pads nothing here), or not the model's tokens
-
-    def run(x: Tensor) -> Tensor | None:
-        args = [x if i in layer.x else a for i, a in enumerate(layer.args)]
-        kwargs = {k: x if k in layer.x else v for k, v in layer.kwargs.items()}
-        return _first_tensor(layer.module(*args, **kwargs))
+    run = _replay(layer)
 
     was_training = layer.module.training
     try:
@@ -680,9 +729,11 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                 report.could_not_run.pop(layer.name, None)
                 done = report.layers[layer.name]
                 misread = None if pad is None else _reads_the_models_padding(layer, pad, done)
-                if misread is not None and all(f.id != misread.id for f in done.findings):
-                    report.layers[layer.name] = Report.of(done.inferred, [*done.findings, misread], done.not_verified,
-                                                          done.coverage, done.seconds)
+                for extra in (misread, _models_causal_mask(layer, pad)):
+                    if extra is not None and all(f.id != extra.id for f in done.findings):
+                        done = Report.of(done.inferred, [*done.findings, extra], done.not_verified, done.coverage,
+                                         done.seconds)
+                report.layers[layer.name] = done
                 break
             except CannotRun as err:
                 report.could_not_run.setdefault(layer.name, str(err))
