@@ -3659,35 +3659,6 @@ def test_a_key_padding_mask_read_true_keep_is_a_convention_warning():
     assert "mask-convention" in report.ids and "True = padding" in str(report.findings), report.ids
 
 
-class SplitQKVBias(nn.Module):
-    """Correct, BEiT's fused qkv without a bias of its own, given one made of a learned q bias, zeros for k and a
-    learned v bias. ``v_on_k``: the v bias concatenated at k's place (the bug: a bias on every key shifts each
-    query's scores by one constant, which the softmax cancels, so it is never learned, and v gets none)."""
-
-    def __init__(self, dim: int = 64, heads: int = 4, v_on_k: bool = False) -> None:
-        super().__init__()
-        self.heads, self.v_on_k = heads, v_on_k
-        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
-        self.q_bias, self.v_bias = nn.Parameter(torch.randn(dim)), nn.Parameter(torch.randn(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, n, e = x.shape
-        zeros = torch.zeros_like(self.v_bias)
-        parts = (self.q_bias, self.v_bias, zeros) if self.v_on_k else (self.q_bias, zeros, self.v_bias)
-        q, k, v = F.linear(x, self.qkv.weight, torch.cat(parts)).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        w = (q * (e // self.heads) ** -0.5 @ k.transpose(-2, -1)).softmax(-1)
-        return self.proj((w @ v).transpose(1, 2).reshape(b, n, e))
-
-
-def test_a_bias_the_softmax_cancels_gets_no_gradient():
-    """catches: a bias added to every key (BEiT's v bias concatenated at k's place) moves each query's scores by
-    one constant, which the softmax cancels: its gradient is 0 up to float64 rounding (1e-16 of the others), not
-    exactly 0, and the module was certified."""
-    assert check(SplitQKVBias()).verdict == "passed"
-    report = check(SplitQKVBias(v_on_k=True))
-    assert "no-grad" in report.ids and "v_bias" in str(report.findings), report.ids
-
-
 class LongPathDropsMask(_Fused):
     """Correct below 128 tokens; ``drops``: from 128 tokens on, a fused path that forgets the padding mask (the bug
     a threshold for long sequences hides from short probes)."""

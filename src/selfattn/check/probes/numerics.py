@@ -238,9 +238,7 @@ def _still_zero(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, 
                 gen: torch.Generator) -> list[str]:
     """Of the parameters ``zero`` whose gradient was exactly 0, those that still get 0 off the draw."""
     after = _grads_after_noise(call, x, weights, used, gen)
-    top = max((float(g.abs().max()) for g in after.values() if g is not None and g.numel()), default=0.0)
-    floor = 1e-10 * top if x.dtype == torch.float64 else 0.0
-    return [n for n in zero if (g := after.get(n)) is None or not bool((g.abs() > floor).any())]
+    return [n for n in zero if (g := after.get(n)) is None or not g.any()]
 
 
 def _is_conv1d(mod: nn.Module) -> bool:
@@ -395,11 +393,7 @@ def _gradients(ctx: Context) -> Outcome[None]:
         return Outcome(notes={"inference only": why},
                        coverage={"gradients": f"not applicable: the module runs only without autograd: {why}"})
     used = [(n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) in watch.ids]
-    # in float64, a gradient 1e-10 of the largest is rounding of an exact 0 (a bias on the keys, which the softmax
-    # cancels: BEiT's v_bias concatenated at k's place)
-    top = max((float(p.grad.abs().max()) for _, p in used if p.grad is not None and p.grad.numel()), default=0.0)
-    floor = 1e-10 * top if exact else 0.0
-    missing = [n for n, p in used if p.grad is None or not bool((p.grad.abs() > floor).any())]
+    missing = [n for n, p in used if p.grad is None or not p.grad.any()]
     no_input_grad = xg.grad is None or not xg.grad.any()
     grads = {n: p.grad.detach().clone() for n, p in used if p.grad is not None}
     zero = [n for n, p in used if n in missing and p.grad is not None]
