@@ -972,3 +972,60 @@ def test_a_causal_mask_the_model_builds_off_by_one_is_a_causal_leak():
     torch.manual_seed(0)
     rows = check_model(_CachedDecoder(diagonal=2), (_ids(),)).summary()
     assert all("causal-leak" in row["findings"] for row in rows), rows
+
+
+class _SharedBiasAttention(nn.Module):
+    """T5's attention: no scale on the scores; the first layer owns a learned bias per head and relative distance,
+    adds the padding mask into it and returns it, later layers take that ``position_bias`` and leave ``mask``
+    unread. ``adds_mask``: the first layer adds the mask into the bias it passes on (False: the bug, later layers
+    see the padding)."""
+
+    def __init__(self, e: int = 32, h: int = 4, owns_bias: bool = False, adds_mask: bool = True) -> None:
+        super().__init__()
+        self.h, self.adds_mask = h, adds_mask
+        self.q, self.k, self.v, self.o = (nn.Linear(e, e, bias=False) for _ in range(4))
+        self.relative_attention_bias = nn.Embedding(16, h) if owns_bias else None
+
+    def forward(self, x, mask=None, position_bias=None):
+        b, n, e = x.shape
+        q, k, v = (f(x).view(b, n, self.h, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        if position_bias is None:
+            assert self.relative_attention_bias is not None
+            rel = torch.arange(n)[None, :] - torch.arange(n)[:, None]  # T5's buckets: exact ones, each direction
+            buckets = torch.where(rel > 0, 8 + rel.clamp(max=7), (-rel).clamp(max=7))
+            position_bias = self.relative_attention_bias(buckets).permute(2, 0, 1)[None]
+            if mask is not None and self.adds_mask:
+                position_bias = position_bias + mask
+        w = (q @ k.transpose(-1, -2) + position_bias).softmax(-1)
+        return self.o((w @ v).transpose(1, 2).reshape(b, n, e)), position_bias
+
+
+class _SharedBiasEncoder(nn.Module):
+    def __init__(self, adds_mask: bool = True) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(_SharedBiasAttention(owns_bias=i == 0, adds_mask=adds_mask) for i in range(2))
+
+    def forward(self, ids, attention_mask):
+        x = self.emb(ids)
+        mask = (1.0 - attention_mask[:, None, None, :].float()) * torch.finfo(torch.float32).min
+        bias = None
+        for layer in self.layers:
+            y, bias = layer(x, mask, bias)
+            x = x + y
+        return x
+
+
+def test_t5s_later_layers_take_the_padding_and_the_bias_from_the_first():
+    """catches: T5's later layers (given the first layer's position_bias, with the padding added in, and no bias
+    table of their own) were mask-ignored (their mask argument is not read) and missing-scale (T5's unscaled
+    design was read only on the layer that owns the table). Padding that does not reach the later layers is still
+    named."""
+    padding = torch.ones(2, 7, dtype=torch.long)
+    padding[1, 4:] = 0
+    torch.manual_seed(0)
+    report = check_model(_SharedBiasEncoder().eval(), (_ids(), padding))
+    assert report.verdict == "passed", report.summary()
+    rows = {row["layer"]: row for row in check_model(_SharedBiasEncoder(adds_mask=False).eval(),
+                                                     (_ids(), padding)).summary()}
+    assert "mask-ignored" in rows["layers.1"]["findings"], rows

@@ -31,7 +31,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 from .doctor import check
-from .findings import BATCH_MIXING, CAUSAL_LEAK, MASK_IGNORED, MASK_INVERTED, SHAPE_DEPENDENT, Finding
+from .findings import (
+    BATCH_MIXING,
+    CAUSAL_LEAK,
+    MASK_IGNORED,
+    MASK_INVERTED,
+    MISSING_SCALE,
+    SHAPE_DEPENDENT,
+    Finding,
+)
 from .probes.masking import band
 from .report import Report, render
 from .subject.building import CannotRun, copy_module, num_heads_of
@@ -475,8 +483,11 @@ def _carries_padding(t: object, pad: Tensor) -> bool:
         if not bool(padded.any()):
             continue
         at_pad, at_real = item[padded], item[~padded]
-        if not (bool((at_pad == at_pad[0]).all()) and bool((at_real == at_real[0]).all()) and
-                bool(at_pad[0] != at_real[0])):
+        two_valued = bool((at_pad == at_pad[0]).all()) and bool((at_real == at_real[0]).all()) and \
+            bool(at_pad[0] != at_real[0])
+        # or a bias with the padding added into it (T5's position_bias): hidden keys far below every visible one
+        added = at_pad.is_floating_point() and bool((at_pad <= -1e4).all()) and bool((at_real > -1e4).all())
+        if not (two_valued or added):
             return False
     return True
 
@@ -533,22 +544,14 @@ def _models_causal_mask(layer: Layer, pad: Tensor | None) -> Finding | None:
     return None
 
 
-def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Finding | None:
-    """Replay the layer's recorded call as the model made it (its own mask, in its own dtype and values) with the
-    hidden states of the padded positions changed: the real tokens' outputs must not change. The model's mask is
-    what the layer's mask argument got, or else any argument that carries the padding (a bias named ``attn_bias``).
-    A layer whose own mask convention is right reads the model's mask the other way round when they do (a bool
-    keep-mask read as True = masked, an additive mask subtracted); a layer that reads no mask (``report``, the
-    layer's own, found none, or found it ignored) ignores the model's."""
+def _padding_moves(layer: Layer, pad: Tensor) -> tuple[float, float] | None:
+    """Replay the layer's recorded call as the model made it with the hidden states of the padded positions changed:
+    (the largest change of a real token's output, the largest output); None when the call cannot be replayed so
+    (not the model's tokens, or the layer fails)."""
     hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
-    slots = [*enumerate(layer.args), *layer.kwargs.items()]
-    given = next((v for k, v in slots if k == layer.mask), None)
-    if given is None:
-        given = next((v for k, v in slots if k not in layer.x and _carries_padding(v, pad)), None)
-    if not isinstance(given, Tensor) or tuple(hidden.shape[:2]) != tuple(pad.shape) or hidden.dim() != 3:
-        return None  # no mask passed to this layer (a model that pads nothing here), or not the model's tokens
+    if tuple(hidden.shape[:2]) != tuple(pad.shape) or hidden.dim() != 3:
+        return None
     run = _replay(layer)
-
     was_training = layer.module.training
     try:
         layer.module.eval()
@@ -565,8 +568,58 @@ def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Find
     real = ~pad.to(base.device)[..., None] & torch.isfinite(base) & torch.isfinite(moved)  # a row with no key: NaN
     if not bool(real.any()):
         return None
-    change = float((moved - base)[real].abs().max())
-    scale = float(base[real].abs().max())
+    return float((moved - base)[real].abs().max()), float(base[real].abs().max())
+
+
+def _padding_elsewhere(layer: Layer, pad: Tensor, report: Report) -> str | None:
+    """The argument through which the layer takes the model's padding when its own mask argument is read by no
+    operation (T5's later layers: the padding added into the ``position_bias`` the first layer returns), and the
+    replay with the padded tokens changed leaves the real tokens' outputs as they were; else None."""
+    unread = any(f.id == MASK_IGNORED.id and any("no operation read it" in str(v) for v in f.evidence.values())
+                 for f in report.findings)
+    if not unread:
+        return None
+    slots = [*enumerate(layer.args), *layer.kwargs.items()]
+    name = next((k for k, v in slots if k not in layer.x and k != layer.mask and _carries_padding(v, pad)), None)
+    moved = None if name is None else _padding_moves(layer, pad)
+    if moved is None or moved[0] > 1e-4 * (1 + moved[1]):
+        return None
+    if isinstance(name, int):  # passed by position: its parameter's name
+        try:
+            params = list(inspect.signature(layer.module.forward).parameters)
+            name = params[name] if name < len(params) else name
+        except (TypeError, ValueError):
+            pass
+    return str(name)
+
+
+def _t5_sibling(report: Report, done: dict[str, Report], classes: dict[str, str], name: str) -> bool:
+    """Is ``report``'s one error missing-scale, with a position term, where a layer of the same class in this model
+    has T5's unscaled design (the one that owns the bucketed bias table; the others are given its bias)?"""
+    if [f.id for f in report.findings if f.severity == "error"] != [MISSING_SCALE.id] or \
+            "position term" not in str(report.inferred):
+        return False
+    return any(classes.get(other) == classes.get(name) and "T5" in str(r.inferred.get("design", {}).get("scale", ""))
+               for other, r in done.items() if other != name)
+
+
+def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Finding | None:
+    """Replay the layer's recorded call as the model made it (its own mask, in its own dtype and values) with the
+    hidden states of the padded positions changed: the real tokens' outputs must not change. The model's mask is
+    what the layer's mask argument got, or else any argument that carries the padding (a bias named ``attn_bias``).
+    A layer whose own mask convention is right reads the model's mask the other way round when they do (a bool
+    keep-mask read as True = masked, an additive mask subtracted); a layer that reads no mask (``report``, the
+    layer's own, found none, or found it ignored) ignores the model's."""
+    slots = [*enumerate(layer.args), *layer.kwargs.items()]
+    given = next((v for k, v in slots if k == layer.mask), None)
+    if given is None:
+        given = next((v for k, v in slots if k not in layer.x and _carries_padding(v, pad)), None)
+    if not isinstance(given, Tensor):
+        return None  # no mask passed to this layer (a model that pads nothing here)
+    moved = _padding_moves(layer, pad)
+    if moved is None:
+        return None
+    change, scale = moved
     if not change > 1e-4 * (1 + scale):
         return None
     what = f"{given.dtype} {tuple(given.shape)}"
@@ -728,6 +781,21 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                 report.layers[layer.name] = done
                 report.could_not_run.pop(layer.name, None)
                 done = report.layers[layer.name]
+                elsewhere = None if pad is None else _padding_elsewhere(layer, pad, done)
+                if elsewhere is not None:
+                    done = Report.of({**done.inferred, "model's padding": (
+                        f"taken through {elsewhere!r}, which the model passes with its padding added in; the mask "
+                        "argument is not read when it is given")},
+                        [f for f in done.findings if f.id != MASK_IGNORED.id], done.not_verified,
+                        {**done.coverage, "mask": "verified: the model's padding, through another argument",
+                         "padding": "verified: as the model calls it, the padded tokens do not reach the real ones"},
+                        done.seconds)
+                if _t5_sibling(done, report.layers, report.classes, layer.name):
+                    done = Report.of({**done.inferred, "design": {**done.inferred.get("design", {}), "scale": (
+                        "none on the scores, with the relative-position bias the model's first layer of this class "
+                        "computes and passes on: T5's design")}},
+                        [f for f in done.findings if f.id != MISSING_SCALE.id], done.not_verified, done.coverage,
+                        done.seconds)
                 misread = None if pad is None else _reads_the_models_padding(layer, pad, done)
                 for extra in (misread, _models_causal_mask(layer, pad)):
                     if extra is not None and all(f.id != extra.id for f in done.findings):
