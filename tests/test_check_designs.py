@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+import doctor_corpus_wild as dw
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -3712,3 +3713,57 @@ def test_a_mask_cached_by_its_shape_is_found_on_calls_in_a_row():
     assert check(MaskCachedByShape(32, keyed=True)).verdict == "passed"
     report = check(MaskCachedByShape(32))
     assert "mask-ignored" in report.ids and "in a row" in str(report.findings), report.ids
+
+
+class HeadMajorFold(nn.Module):
+    """Heads folded into the batch for bmm with a key padding mask (B, L), True = padding, viewed (B, H, L, L) to be
+    applied. ``head_major``: the fold is (H * B) (the bug: the view then gives items each other's masks); else
+    (B * H), correct."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, head_major: bool = False) -> None:
+        super().__init__()
+        self.heads, self.head_major = heads, head_major
+        self.in_proj, self.out_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = x.shape
+        d = e // self.heads
+        order = (2, 1, 0, 3) if self.head_major else (1, 2, 0, 3)  # (H, B, L, D) or (B, H, L, D)
+        q, k, v = (t.reshape(n, b, self.heads, d).permute(*order).reshape(-1, n, d)
+                   for t in self.in_proj(x.transpose(0, 1)).chunk(3, -1))
+        w = torch.bmm(q * d ** -0.5, k.transpose(1, 2))
+        if key_padding_mask is not None:
+            w = w.view(b, self.heads, n, n).masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+            w = w.view(-1, n, n)
+        o = torch.bmm(w.softmax(-1), v)
+        o = o.view(self.heads, b, n, d).permute(1, 2, 0, 3) if self.head_major else \
+            o.view(b, self.heads, n, d).permute(0, 2, 1, 3)
+        return self.out_proj(o.reshape(b, n, e))
+
+
+def test_items_given_each_others_masks_are_mask_ignored_not_inverted():
+    """catches: heads folded head-major, (H * B), with the key padding mask viewed batch-major gives items each
+    other's masks: the convention matched none, and the white box read the polarity it was sent as inverted
+    (mask-inverted, whose fix flips a mask the module reads right)."""
+    assert check(HeadMajorFold()).verdict == "passed"
+    report = check(HeadMajorFold(head_major=True))
+    assert "mask-ignored" in report.ids and "mask-inverted" not in report.ids, report.ids
+
+
+class UnshiftedRelPositions(dw.RelPositionSelfAttention):
+    """ESPnet's relative attention with its rel_shift dropped: the (q, position) product read at the key's own
+    column, so the position term depends on where the key is, not on its distance to the query."""
+
+    def matrix_bd(self, q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        scores = dw.RelPositionMultiHeadedAttention.matrix_bd(self, q, p)
+        return scores[..., : scores.size(-1) // 2 + 1]
+
+
+def test_relative_positions_read_at_the_keys_own_column_are_named():
+    """catches: a relative-position term without its rel_shift (it depends on the key's column, not on i - j) was
+    certified and reported as relative positions: with one token everywhere, two pairs the same distance apart must
+    score alike."""
+    torch.manual_seed(0)
+    assert check(dw.RelPositionSelfAttention(4, 64, 0.0)).verdict == "passed"
+    report = check(UnshiftedRelPositions(4, 64, 0.0))
+    assert "definition-mismatch" in report.ids and "not relative" in str(report.findings), report.ids

@@ -60,7 +60,7 @@ _PASSING = frozenset({"dropout", "to", "type", "type_as", "float", "half", "bflo
                       "conv1d", "conv2d", "linear",
                       "masked_fill", "masked_fill_", "mul", "__mul__", "where", "nan_to_num", "clone", "view",
                       "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand", "detach",
-                      "__getitem__"})
+                      "__getitem__", "pad", "narrow", "as_strided", "roll"})
 
 
 @dataclass
@@ -203,7 +203,9 @@ class _Watch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = getattr(func, "__name__", "")
-        tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Tensor)]
+        given = [*args, *(kwargs or {}).values()]
+        given += [t for a in given if isinstance(a, (tuple, list)) for t in a]  # einsum(eq, (a, b)): a tuple
+        tensors = [a for a in given if isinstance(a, Tensor)]
         if self.stack and (name in _KERNELS or (name in _PRODUCTS and any(id(t) in self.weights for t in tensors))):
             self.found.add(self.stack[-1])
         if isinstance(out, Tensor) and (name in _SOFTMAX or (name in _PASSING and tensors and

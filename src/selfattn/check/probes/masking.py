@@ -502,7 +502,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
         return _mask_unseen(why, tried)
     if leaky is not None:  # the mask acts, but leaks (e.g. applied after the softmax): padding and the white box tell
         return Outcome(notes={"mask": {**_describe(leaky), "note": "its effect matches no convention", "tried": tried}},
-                       value=leaky, coverage={"mask": "verified"})
+                       value=replace(leaky, unmatched=True), coverage={"mask": "verified"})
     return _nothing_acted(ctx, candidates, tried, untouched, switch, dep)
 
 

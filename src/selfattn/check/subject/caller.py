@@ -229,6 +229,7 @@ class Caller:
     # the module's own state a call replaced, restored after it: name -> (before, after) (shared by every copy)
     replaced: dict[str, tuple[str, str]] = field(default_factory=dict)
     keep_state: bool = False  # leave what a call replaces in the module as the call left it
+    unmatched: bool = False  # the mask acts, but its effect matched no convention: its polarity is not known
 
     def __call__(self, x: Tensor, mask: object = None) -> Tensor:
         made_here = mask is None and self.required

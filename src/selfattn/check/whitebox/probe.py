@@ -27,11 +27,20 @@ from functools import partial
 import torch
 from torch import Tensor, nn
 
-from ..findings import DEFINITION_MISMATCH, HEAD_MERGE, HEAD_SPLIT, MISSING_SCALE, ROTARY_MISMATCH, Finding
+from ..findings import (
+    DEFINITION_MISMATCH,
+    HEAD_MERGE,
+    HEAD_SPLIT,
+    MASK_IGNORED,
+    MASK_INVERTED,
+    MISSING_SCALE,
+    ROTARY_MISMATCH,
+    Finding,
+)
 from ..subject.building import num_heads_of
-from ..subject.caller import Caller
+from ..subject.caller import Caller, grid
 from ..subject.context import Context, Outcome, padding_keep
-from .products import Unrecognised, Unseen, examine_cores, folded_scale, relative_positions
+from .products import Unrecognised, Unseen, examine_cores, folded_scale, relative_positions, unshifted_relative
 from .projections import AFTER, Capture, NoFormula, capture, identify, qkv_heads
 from .tokens import mixed_after, mixed_rows, normed_over_tokens
 from .trace import Trace, key, record
@@ -201,6 +210,10 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
                                                                  cap.how if isinstance(cap, Capture) else cap}))
             continue
         fid, evidence, found_facts = verdict
+        if fid == MASK_INVERTED and masked is not None and masked.unmatched:  # no polarity to invert: the mask was
+            fid = MASK_IGNORED  # sent in a convention its effect did not match (items given each other's masks)
+            evidence = {**evidence, "matches": f"{evidence.get('matches')}, with a mask whose effect matches no "
+                                               "convention: it hides other keys than it marks"}
         facts.update(found_facts)
         bias = evidence.pop("_bias", bias)
         positions = positions or evidence.get("positions")
@@ -237,6 +250,13 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
                                        f"{mismatch}",
                                        {"positions": facts.get("positions", positions)}))
             results["one token everywhere"] = mismatch
+    relative = str(facts.get("positions", positions or "")).startswith("relative positions")
+    if relative and not any(f.severity == "error" for f in findings):
+        shifted = _relative_alike(module, caller, x)
+        if shifted is not None:
+            findings.append(Finding.of(DEFINITION_MISMATCH, f"the relative positions are not relative: {shifted}",
+                                       {"positions": facts.get("positions", positions)}))
+            results["one token everywhere"] = shifted
     if x is not x0:
         results["input scale"] = f"x times {float(x.flatten()[0] / x0.flatten()[0]):.3g} (the scores were too " \
                                  "small to tell formulas apart)"
@@ -302,6 +322,20 @@ def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor, eps: float = 0.
     except Exception:  # a module that rejects repeated tokens has been read on the probe input
         return None
     return relative_positions(trace, x.shape[1], max(1e-4, 8 * eps))
+
+
+def _relative_alike(module: nn.Module, caller: Caller, x: Tensor) -> str | None:
+    """Run the module on each item's first token repeated at every position: with relative positions, two pairs of
+    tokens the same distance apart get the same score (on an image, the same 2-D distance); where they do not
+    (:mod:`.products`), or None."""
+    same = x[:, :1].expand_as(x).clone()
+    try:
+        trace, _ = record(module, partial(caller, same))
+    except Exception:  # a module that rejects repeated tokens has been read on the probe input
+        return None
+    n = x.shape[1]
+    image = caller.layout in ("channels-first", "channels-last")
+    return unshifted_relative(trace, n, grid(n) if image else None)
 
 
 def _by_projections(cap: Capture | str, out: Tensor, heads: list[int], keep: Tensor | None, raw: Tensor | None,

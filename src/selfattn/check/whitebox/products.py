@@ -1117,6 +1117,10 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         if "re-attention" not in facts:
             facts["talking heads"] = f"the weights are mixed across heads after the softmax ({', '.join(mixes)}; " \
                                      "talking heads)"
+    if {"pad", "as_strided", "roll"} & set(passed):  # the weights re-laid out (Longformer's band of diagonals
+        raise Unseen(f"the weights are re-laid out between the softmax and the product ({', '.join(passed)}: a "
+                     "band of diagonals turned into chunks, as sliding-window attention computes it): their formula "
+                     "is not read")
     if passed and not set(passed) <= _ZEROING:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights pass through {', '.join(passed)} between "
                                                "the softmax and the product with the values", **evidence})
@@ -1563,6 +1567,45 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4) -> str | N
             return (f"with the same token at every position, its score with itself is {float(diag.flatten()[0]):.4g} "
                     f"at position 0 but differs by {float(spread.max()):.3g} at position {at} (scores up to "
                     f"{size - 1:.3g}): rotated alike, q_i . k_i would be q . k at every position")
+    return None
+
+
+def unshifted_relative(trace: Trace, length: int, grid: tuple[int, int] | None = None) -> str | None:
+    """For a run on one token repeated at every position: where a core's scores are not the same for two pairs of
+    tokens the same distance apart (a relative-position term indexed by the key's own position: a ``rel_shift``
+    missing or wrong, a 2-D table's axes swapped); None when they are, or no scores could be read. ``grid``: the
+    tokens are an (H, W) image, whose distances are 2-D. Hidden scores (below -1e4) are not compared.
+
+    Only a module that holds positions by distance (a table or product over 2L - 1 of them, or 2H - 1 and 2W - 1 on
+    an image) is judged: one whose position term is over the L positions themselves (WeNet's and ESPnet's legacy
+    relative attention, with the absolute positions' embedding) is that design."""
+    sides = {length} if grid is None else set(grid)
+    spans = {2 * n - 1 for n in sides if n > 1}
+    if not any(spans & {*t.shape} for op in trace.ops for t in [*op.inputs, *op.outputs] if isinstance(t, Tensor)):
+        return None
+    for op in trace.ops:
+        if op.name not in SOFTMAX or not op.inputs:
+            continue
+        s = _query_key_last(op.inputs[0].double(), length)
+        if s is None or length < 3:
+            continue
+        s = s.reshape(-1, length, length)
+        seen = torch.isfinite(s) & (s > -1e4)
+        size = 1 + float(s[seen].abs().max()) if bool(seen.any()) else 1.0
+        steps = [(1, 1)] if grid is None else [(1, grid[1]), (grid[1], grid[1])]  # along a row, down a column
+        for step, width in steps:
+            i = torch.arange(length - step)
+            if grid is not None and step == 1:
+                i = i[(i % width) < width - 1]  # the next token along the row is on the same row
+            a, b = s[:, i][:, :, i], s[:, i + step][:, :, i + step]
+            both = seen[:, i][:, :, i] & seen[:, i + step][:, :, i + step]
+            differ = (a - b).abs().masked_fill(~both, 0)
+            if float(differ.max()) > 1e-6 * size:
+                where = "one token further along each" if grid is None or step == 1 else "one row further down each"
+                return (f"with the same token at every position, the score of a query and a key changes by "
+                        f"{float(differ.max()):.3g} (scores up to {size - 1:.3g}) when both move {where}: the "
+                        "position term depends on where the key is, not on its distance to the query (a rel_shift "
+                        "missing or wrong, or a 2-D table's axes swapped)")
     return None
 
 
