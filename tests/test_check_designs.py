@@ -3767,3 +3767,23 @@ def test_relative_positions_read_at_the_keys_own_column_are_named():
     assert check(dw.RelPositionSelfAttention(4, 64, 0.0)).verdict == "passed"
     report = check(UnshiftedRelPositions(4, 64, 0.0))
     assert "definition-mismatch" in report.ids and "not relative" in str(report.findings), report.ids
+
+
+class VmappedHeads(_Fused):
+    """Correct, one head's attention written for one item and mapped over the batch and the heads with torch.vmap
+    (as JAX ports write it)."""
+
+    @staticmethod
+    def one_head(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return (q @ k.T / math.sqrt(q.shape[-1])).softmax(-1) @ v
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.split(x)
+        return self.merge(torch.vmap(torch.vmap(self.one_head))(q, k, v))
+
+
+def test_heads_mapped_with_vmap_are_not_a_doctor_error():
+    """catches: the record kept tensors made inside torch.vmap, which do not outlive it: the white box raised inside
+    the doctor (inconclusive, a doctor error) on a correct module."""
+    report = check(VmappedHeads(32))
+    assert report.verdict == "passed" and not report.not_verified, report.not_verified

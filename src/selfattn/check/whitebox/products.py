@@ -1517,6 +1517,9 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
                                   partner=partner)
             if found is not None:
                 verdicts.append(found)
+    if not verdicts and trace.transformed:
+        raise Unrecognised("no attention was found: the module computes it inside torch.vmap (a torch.func "
+                           "transform), whose operations a record cannot keep")
     if not verdicts:
         raise Unrecognised("no attention was found: no softmax feeding a product, no scaled_dot_product_attention")
     return verdicts

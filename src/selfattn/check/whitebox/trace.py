@@ -50,6 +50,11 @@ _IN_PLACE = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv
                        "imod", "ilshift", "irshift", "imatmul"})
 
 
+def _wrapped(t: Tensor) -> bool:
+    """Is ``t`` a tensor of a torch.func transform (a vmap's batched tensor), which no record may keep?"""
+    return bool(torch._C._functorch.is_functorch_wrapped_tensor(t))
+
+
 def key(t: Tensor, at: int | None = None) -> int:
     """The identity of ``t`` at its version ``at`` (default: now) in a :class:`Trace`."""
     return id(t) << _VERSION_BITS | (version(t) if at is None else at)
@@ -158,11 +163,15 @@ class Trace(TorchFunctionMode):
         self._alive: list[object] = []  # keeps recorded tensors alive, so that ids are not reused
         self.names: dict[int, str] = {}  # key of the output of an nn.Linear or hooked leaf -> its module name
         self.parameters: set[int] = set()  # ids of the trained parameters (nn.Parameter, requires_grad) read
+        self.transformed = False  # some operations ran inside torch.vmap (or another torch.func transform): unrecorded
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _name(func)
         read = [*_tensors(args), *_tensors(kwargs)]
+        if any(_wrapped(t) for t in read):  # inside torch.vmap or grad: values that do not outlive the transform
+            self.transformed = True
+            return func(*args, **kwargs)
         at = [version(t) for t in read]
         in_place = _in_place(name, kwargs)
         values = [t.detach().clone() for t in read] if in_place else None  # before it writes
