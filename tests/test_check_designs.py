@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 import doctor_corpus_wild as dw
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -3787,3 +3788,13 @@ def test_heads_mapped_with_vmap_are_not_a_doctor_error():
     the doctor (inconclusive, a doctor error) on a correct module."""
     report = check(VmappedHeads(32))
     assert report.verdict == "passed" and not report.not_verified, report.not_verified
+
+
+
+def test_tokens_kept_last_after_the_attention_are_read_as_tokens():
+    """catches: a channels-first attention keeps its tokens on the last axis of the values product (timm's
+    Attention2d: (B, heads, D, N), then a view back to the map); the swap of two tokens was counted on the other
+    axes only, so that view looked like spreading them over others (head-merge on a correct module)."""
+    maxxvit = pytest.importorskip("timm.models.maxxvit")
+    report = check(maxxvit.Attention2d(64, 64, dim_head=16))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]

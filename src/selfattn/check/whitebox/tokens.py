@@ -103,11 +103,12 @@ def mixed_after(first: Trace, second: Trace, out: int, length: int, tokens: tupl
 
 def _counts(changed: Tensor | None, length: int) -> list[int]:
     """How many token positions hold a change, on each reading of ``changed``'s axes as the tokens (an axis of size
-    L but the last, or two axes whose sizes multiply to L); empty when none can be read so."""
+    L, the last one too: channels-first attention keeps its tokens there, or two axes whose sizes multiply to L);
+    empty when none can be read so."""
     if changed is None or not bool(changed.any()):
         return []
     dims = range(changed.dim())
-    found = [int(changed.movedim(a, 0).reshape(changed.shape[a], -1).any(1).sum()) for a in dims[:-1]
+    found = [int(changed.movedim(a, 0).reshape(changed.shape[a], -1).any(1).sum()) for a in dims
              if changed.shape[a] == length]
     sizes = changed.shape
     for a in dims:
