@@ -297,7 +297,9 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
 
 
 def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
-    """Run ``model`` once on ``example_inputs`` and return its attention layers, in the order they ran.
+    """Run ``model`` on ``example_inputs`` and return its attention layers, in the order they ran. With a batch of
+    several items the model also runs on the first item alone, which tells the recorded tensors that are per item
+    (their first size follows the batch) from tables whose first size is the batch's by chance.
 
     Args:
         model: any module.
