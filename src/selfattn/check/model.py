@@ -21,7 +21,8 @@ import copy
 import inspect
 import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -437,6 +438,18 @@ def _not_self_attention(layer: Layer) -> str | None:
             "sequence, or a mixture of per-token parts (a router)")
 
 
+@contextmanager
+def _evaluated(module: nn.Module) -> Iterator[None]:
+    """``module`` in eval mode (dropout on would make every run differ) and autograd off, its mode put back after."""
+    was_training = module.training
+    try:
+        module.eval()
+        with torch.no_grad():
+            yield
+    finally:
+        module.train(was_training)
+
+
 def _rows_independent(layer: Layer, module: nn.Module) -> bool:
     """Does each output row of ``module`` (the layer or a copy of it), called as the model called the layer, stay
     the same when another token of its input changes?"""
@@ -444,10 +457,8 @@ def _rows_independent(layer: Layer, module: nn.Module) -> bool:
     if hidden.shape[1] < 2:
         return False
     call = layer.adapter()
-    was_training = module.training
     try:
-        module.eval()  # dropout on would make every run differ
-        with torch.no_grad():
+        with _evaluated(module):
             a = _first_tensor(call(module, hidden))
             for dim in (1, 0):  # the tokens on dim 1 (batch first) or dim 0 (sequence first, as torch's default)
                 changed = hidden.clone()
@@ -458,8 +469,6 @@ def _rows_independent(layer: Layer, module: nn.Module) -> bool:
                     return False
     except Exception:  # the doctor's own run will say what fails
         return False
-    finally:
-        module.train(was_training)
     return True
 
 
@@ -521,18 +530,14 @@ def _models_causal_mask(layer: Layer, pad: Tensor | None) -> Finding | None:
     if not items:
         return None
     run = _replay(layer)
-    was_training = layer.module.training
     try:
-        layer.module.eval()
-        with torch.no_grad():
+        with _evaluated(layer.module):
             if run(hidden) is None:
                 return None
             dep = dependency(lambda x: run(x), hidden, item=items[0],  # type: ignore[arg-type,return-value]
                              rtol=1e-5 if hidden.dtype == torch.float32 else 1e-2)
     except Exception:  # the layer's own report says what fails
         return None
-    finally:
-        layer.module.train(was_training)
     length = dep.shape[0]
     ahead = band(dep)
     if ahead is not None and ahead[0] == length - 1 and 0 < ahead[1] < length - 1:
@@ -556,17 +561,13 @@ def _padding_moves(layer: Layer, pad: Tensor) -> tuple[float, float] | None:
     if tuple(hidden.shape[:2]) != tuple(pad.shape) or hidden.dim() != 3:
         return None
     run = _replay(layer)
-    was_training = layer.module.training
     try:
-        layer.module.eval()
-        with torch.no_grad():
+        with _evaluated(layer.module):
             base = run(hidden)
             noise = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(3)).to(hidden)
             moved = run(torch.where(pad.to(hidden.device)[..., None], hidden + noise * hidden.std(), hidden))
     except Exception:  # the layer's own report says what fails
         return None
-    finally:
-        layer.module.train(was_training)
     if base is None or moved is None or base.shape != hidden.shape or moved.shape != hidden.shape:
         return None
     real = ~pad.to(base.device)[..., None] & torch.isfinite(base) & torch.isfinite(moved)  # a row with no key: NaN
