@@ -27,8 +27,10 @@ $(BIN)/selfattn: pyproject.toml requirements-corpus.txt tests/torchvision_ops.py
 demo: $(BIN)/selfattn
 	$(BIN)/selfattn demo
 
+# The suite runs in TEST_JOBS processes (pytest-xdist), each on one thread unless OMP_NUM_THREADS says otherwise.
+TEST_JOBS ?= 2
 test: $(BIN)/selfattn
-	$(BIN)/python -m pytest -q
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n $(TEST_JOBS)
 
 lint: $(BIN)/selfattn
 	$(BIN)/ruff check src tests examples scripts
