@@ -2054,11 +2054,13 @@ class SelfMaskedSharedQK(nn.Module):
     """Correct, shared-QK attention (Reformer's full attention): the keys are the L2-normalised queries, and since a
     query is nearest to itself, its own score is overwritten in place by -5e4 (finite, apart from the mask's fill),
     so a token attends to itself only when nothing else is visible. ``like_the_mask``: the diagonal hidden by the
-    padding mask's own fill instead, which no design does."""
+    padding mask's own fill instead, which no design does. ``causal``: a causal mask too (the decoder's form).
+    ``below``: the self score written on the diagonal below it, (i, i - 1), a bug."""
 
-    def __init__(self, dim: int, heads: int = 4, like_the_mask: bool = False) -> None:
+    def __init__(self, dim: int, heads: int = 4, like_the_mask: bool = False, causal: bool = False,
+                 below: bool = False) -> None:
         super().__init__()
-        self.heads, self.like_the_mask = heads, like_the_mask
+        self.heads, self.like_the_mask, self.causal, self.below = heads, like_the_mask, causal, below
         self.to_qk = nn.Linear(dim, dim, bias=False)
         self.to_v = nn.Linear(dim, dim, bias=False)
 
@@ -2072,9 +2074,14 @@ class SelfMaskedSharedQK(nn.Module):
         dots = torch.einsum("bie,bje->bij", qk, F.normalize(qk, dim=-1)) * qk.shape[-1] ** -0.5
         at = torch.arange(n)
         fill = -torch.finfo(dots.dtype).max
-        dots[:, at, at] = fill if self.like_the_mask else -5e4
+        if self.below:
+            dots[:, at[1:], at[:-1]] = -5e4
+        else:
+            dots[:, at, at] = fill if self.like_the_mask else -5e4
         if input_mask is not None:
             dots.masked_fill_(~input_mask.repeat_interleave(self.heads, 0)[:, None, :], fill)
+        if self.causal:
+            dots.masked_fill_(torch.ones(n, n, dtype=torch.bool).triu(1), fill)
         out = torch.einsum("bij,bje->bie", dots.softmax(-1), v)
         return out.reshape(b, self.heads, n, -1).transpose(1, 2).reshape(b, n, e)
 
@@ -2086,6 +2093,17 @@ def test_a_self_mask_written_in_place_is_a_design():
     report = check(SelfMaskedSharedQK(32))
     assert report.verdict == "passed" and "self mask" in report.inferred["design"], report.ids
     assert check(SelfMaskedSharedQK(32, like_the_mask=True)).verdict == "failed"
+
+
+def test_a_causal_self_mask_is_a_design_and_one_below_the_diagonal_is_not():
+    """catches: with a causal mask, query 1 puts weight 1 on key 0 whatever its own token (its own key is hidden by
+    the self mask), which the causal probe read as a mask hiding past keys (causal-leak on Reformer's causal form);
+    and a self score written one below the diagonal (every later key seen, one earlier one missed) was certified."""
+    report = check(SelfMaskedSharedQK(32, causal=True), causal=True)
+    assert report.verdict == "passed" and "self mask" in report.inferred["design"], report.ids
+    assert "causal-leak" in check(SelfMaskedSharedQK(32, causal=True, like_the_mask=True), causal=True).ids
+    assert "causal-leak" in check(SelfMaskedSharedQK(32, causal=True, below=True), causal=True).ids
+    assert "definition-mismatch" in check(SelfMaskedSharedQK(32, below=True)).ids
 
 
 class DecomposedGridPositions(nn.Module):
@@ -3798,3 +3816,222 @@ def test_tokens_kept_last_after_the_attention_are_read_as_tokens():
     maxxvit = pytest.importorskip("timm.models.maxxvit")
     report = check(maxxvit.Attention2d(64, 64, dim_head=16))
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+
+
+class HeadsFirstSetBlock(nn.Module):
+    """Correct, a set-attention block in the style of Set Transformer's MAB: heads folded into the batch heads
+    first by concatenating the feature splits (row h * B + b), a presence mask (B, N), True = element, repeated once
+    per head to follow that fold, and the queries added back. ``interleaved``: the mask repeated item by item
+    instead (row b * H + h), which hands each row another item's mask."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, interleaved: bool = False) -> None:
+        super().__init__()
+        self.heads, self.interleaved = heads, interleaved
+        self.fc_q, self.fc_k, self.fc_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.fc_o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        d = x.shape[-1] // self.heads
+        q, k, v = (torch.cat(t.split(d, 2), 0) for t in (self.fc_q(x), self.fc_k(x), self.fc_v(x)))
+        scores = q.bmm(k.transpose(1, 2)) / math.sqrt(d)
+        if mask is not None:
+            rows = mask.repeat_interleave(self.heads, 0) if self.interleaved else mask.repeat(self.heads, 1)
+            scores = scores.masked_fill(~rows[:, None, :], float("-inf"))
+        o = torch.cat((q + scores.softmax(2).bmm(v)).split(x.shape[0], 0), 2)
+        return o + F.relu(self.fc_o(o))
+
+
+def test_a_mask_repeated_for_heads_folded_heads_first_is_read_per_item():
+    """catches: scores with heads folded in front of the batch (H * B rows) were read as if folded batch first, so a
+    presence mask repeated to follow that fold hid "other keys than the mask" (mask-ignored on a correct module)."""
+    report = check(HeadsFirstSetBlock())
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "mask-ignored" in check(HeadsFirstSetBlock(interleaved=True)).ids
+
+
+class LearnedDistanceBias(nn.Module):
+    """Correct, a learned relative-position bias: one table of 2 * max_len - 1 distances per head, read at
+    j - i + max_len - 1 (as in many text and speech encoders). ``summed``: read at i + j instead, so the bias
+    depends on where the pair is, not on its distance (2L - 1 entries are read all the same)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, max_len: int = 32, summed: bool = False) -> None:
+        super().__init__()
+        self.heads, self.max_len, self.summed = heads, max_len, summed
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.table = nn.Parameter(torch.randn(2 * max_len - 1, heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        at = torch.arange(n)
+        where = at[:, None] + at[None, :] if self.summed else at[None, :] - at[:, None] + self.max_len - 1
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]) + self.table[where].permute(2, 0, 1)
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class GridDistanceBias(nn.Module):
+    """Correct, attention over a (B, C, H, W) map with a table of (2H - 1)(2W - 1) 2-D distances per head (Swin's
+    and MaxViT's form, for the whole map). ``summed``: each axis's offset read as the sum of the two positions."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, side: int = 4, summed: bool = False) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Conv2d(dim, 3 * dim, 1), nn.Conv2d(dim, dim, 1)
+        self.table = nn.Parameter(torch.randn((2 * side - 1) ** 2, heads))
+        r, c = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        r, c = r.flatten(), c.flatten()
+        dr = r[:, None] + r[None, :] if summed else r[:, None] - r[None, :] + side - 1
+        dc = c[:, None] + c[None, :] if summed else c[:, None] - c[None, :] + side - 1
+        self.register_buffer("index", dr * (2 * side - 1) + dc, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, e, h, w = x.shape
+        q, k, v = self.qkv(x).reshape(b, 3, self.heads, e // self.heads, h * w).unbind(1)
+        scores = q.transpose(-2, -1) @ k * (e // self.heads) ** -0.5 + self.table[self.index].permute(2, 0, 1)
+        out = v @ scores.softmax(-1).transpose(-2, -1)
+        return self.proj(out.reshape(b, e, h, w))
+
+
+def test_a_distance_table_read_at_absolute_positions_is_named():
+    """catches: a table of relative distances (2M - 1 entries, or (2H - 1)(2W - 1) on a map) read at i + j: every
+    entry of the table is read, so the record held no sign that the bias should be relative, and the bias of
+    (head, query, key) was certified as a relative-position bias."""
+    torch.manual_seed(0)
+    assert check(LearnedDistanceBias()).verdict == "passed"
+    report = check(LearnedDistanceBias(summed=True))
+    assert "definition-mismatch" in report.ids and "not relative" in str(report.findings), report.ids
+    assert check(GridDistanceBias(), length=16).verdict == "passed"
+    assert "definition-mismatch" in check(GridDistanceBias(summed=True), length=16).ids
+
+
+class FoldedBaddbmm(nn.Module):
+    """Correct, Megatron's and BLOOM's core: heads folded into the batch and the scores made by baddbmm into an
+    empty buffer (beta=0, alpha = 1/sqrt(D)). ``keys_reshaped``: k laid out (B * H, D, L) by a reshape instead of a
+    transpose, which puts one token's features on the rows of others."""
+
+    def __init__(self, hidden_size: int = 64, heads: int = 4, keys_reshaped: bool = False) -> None:
+        super().__init__()
+        self.heads, self.keys_reshaped = heads, keys_reshaped
+        self.query_key_value, self.dense = nn.Linear(hidden_size, 3 * hidden_size), nn.Linear(hidden_size, hidden_size)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        b, n, e = hidden_states.shape
+        d = e // self.heads
+        q, k, v = (t.permute(0, 2, 1, 3).reshape(b * self.heads, n, d)
+                   for t in self.query_key_value(hidden_states).view(b, n, self.heads, 3 * d).split(d, -1))
+        kt = k.reshape(b * self.heads, d, n) if self.keys_reshaped else k.transpose(1, 2)
+        scores = torch.baddbmm(q.new_empty(b * self.heads, n, n), q, kt, beta=0.0, alpha=d ** -0.5)
+        out = torch.bmm(scores.softmax(-1), v).view(b, self.heads, n, d).permute(0, 2, 1, 3).reshape(b, n, e)
+        return self.dense(out)
+
+
+def test_keys_reshaped_for_baddbmm_are_a_head_split():
+    """catches: the operands of baddbmm were not read for which token each row holds, so keys laid out (B * H, D, L)
+    by a reshape were certified (only not-equivariant, a warning)."""
+    assert check(FoldedBaddbmm()).verdict == "passed"
+    assert "head-split" in check(FoldedBaddbmm(keys_reshaped=True)).ids
+
+
+class LearnedSinkLogit(nn.Module):
+    """Correct, gpt-oss's attention sinks: a learned logit per head joins each row of the scores as a column of its
+    own, takes part in the softmax and is dropped after it, so the weights of a row sum to less than 1.
+    ``on_every_score``: the logit added to every score of the row instead, which the softmax cancels."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, on_every_score: bool = False) -> None:
+        super().__init__()
+        self.heads, self.on_every_score = heads, on_every_score
+        self.qkv, self.o_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.sinks = nn.Parameter(torch.randn(heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        sink = self.sinks.view(1, -1, 1, 1)
+        if self.on_every_score:
+            weights = (scores + sink).softmax(-1)
+        else:
+            weights = torch.cat([scores, sink.expand(b, -1, n, 1)], -1).softmax(-1)[..., :-1]
+        return self.o_proj((weights @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class KernelsByRole(FlaxStyle):
+    """Flax-style kernels with the keys projected by the query kernel: the key kernel is never used."""
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        q, k, v = (torch.einsum("...e,ehd->...hd", x, w) for w in (self.query, self.query, self.value))
+        w = torch.einsum("...qhd,...khd->...hqk", q / math.sqrt(q.shape[-1]), k).softmax(-1)
+        return torch.einsum("...hd,hde->...e", torch.einsum("...hqk,...khd->...qhd", w, v), self.out)
+
+
+class SeparateProjWeights(nn.Module):
+    """Correct, torch's functional multi-head attention with its projections held as separate raw weights
+    (``use_separate_proj_weight``). ``keys_by_query``: the key weight passed is the query's."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, keys_by_query: bool = False) -> None:
+        super().__init__()
+        self.heads, self.keys_by_query = heads, keys_by_query
+        self.q_proj_weight, self.k_proj_weight, self.v_proj_weight = (
+            nn.Parameter(torch.randn(dim, dim) * dim ** -0.5) for _ in range(3))
+        self.in_proj_bias = nn.Parameter(torch.zeros(3 * dim))
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.transpose(0, 1)
+        out, _ = F.multi_head_attention_forward(
+            t, t, t, t.shape[-1], self.heads, None, self.in_proj_bias, None, None, False, 0.0, self.out_proj.weight,
+            self.out_proj.bias, training=False, need_weights=False, use_separate_proj_weight=True,
+            q_proj_weight=self.q_proj_weight, v_proj_weight=self.v_proj_weight,
+            k_proj_weight=self.q_proj_weight if self.keys_by_query else self.k_proj_weight)
+        return out.transpose(0, 1)
+
+
+def test_parameters_that_change_nothing_are_no_grad():
+    """catches: a learned sink logit added to every score (the softmax cancels it: its float64 gradient is rounding
+    of 0), and a key weight held as a raw parameter that the call never uses (the keys projected by the query's
+    weight or kernel), were certified: only nn.Linear projections were compared with their siblings."""
+    torch.manual_seed(0)
+    assert check(LearnedSinkLogit(), causal=True).verdict == "passed"
+    assert "no-grad" in check(LearnedSinkLogit(on_every_score=True), causal=True).ids
+    assert check(SeparateProjWeights()).verdict == "passed"
+    assert "no-grad" in check(SeparateProjWeights(keys_by_query=True)).ids
+    assert "no-grad" in check(KernelsByRole()).ids
+
+
+class MaskedWhereTrue(nn.Module):
+    """Correct, ChatGLM's convention: a full (B, 1, L, L) mask, True = masked, with its own causal pattern, flipped
+    for SDPA's True = attend. ``as_given``: the mask handed to SDPA without its ~, read the other way round."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, as_given: bool = False) -> None:
+        super().__init__()
+        self.heads, self.as_given = heads, as_given
+        self.qkv, self.dense = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            keep = attention_mask if self.as_given else ~attention_mask
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.dense(out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_mask_read_the_other_way_round_from_a_stated_convention_is_inverted():
+    """catches: a mask whose effect matched no convention had its white-box reading "hides the keys the mask keeps"
+    turned into mask-ignored, even when the user stated the convention (--mask): then the polarity is known, and the
+    reading is mask-inverted."""
+    report = check(MaskedWhereTrue(), causal=True, mask="ignore (B,1,L,L)")
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "mask-inverted" in check(MaskedWhereTrue(as_given=True), causal=True, mask="ignore (B,1,L,L)").ids
+
+
+def test_a_scripted_module_is_inconclusive_without_a_doctor_error():
+    """catches: the white box hooked a torch.jit.script module's layers, which TorchScript refuses: a doctor error
+    (inconclusive for the wrong reason). The record cannot follow TorchScript's operations, so the white box says
+    so and names the Python class to check instead."""
+    report = check(torch.jit.script(FoldedBaddbmm()))
+    said = report.coverage["white_box"]
+    assert report.verdict == "inconclusive" and "TorchScript" in said and "doctor error" not in said, said

@@ -235,6 +235,12 @@ def causality(ctx: Context) -> Outcome[Tensor]:
     elif causal and (chunk := _causal_chunks(dep)) is not None:
         found.notes["window"] = (f"causal within chunks of {chunk} tokens: each query sees the tokens "
                                  "of its chunk up to itself (chunked attention, as Llama 4's local layers)")
+    elif causal and (~dep & ~future(length)).nonzero().tolist() == [[1, 1]] and length > 2:
+        # only query 1 misses its own token, and every later query depends on its own: its own key is hidden unless
+        # nothing else is visible (shared-QK's self mask), so query 1 puts weight 1 on key 0 whatever its own token.
+        # A causal mask that hides the diagonal does the same; the white box tells them apart by the scores
+        found.notes["self mask"] = "query 1 does not depend on its own token, every later query does (its own key " \
+                                   "hidden unless no other is visible?): read from the scores by the white box"
     elif causal and (~dep & ~future(length)).any():
         pairs = (~dep & ~future(length)).nonzero().tolist()[:10]
         found.findings.append(Finding.of(CAUSAL_LEAK, "the causal mask hides more than the future (the diagonal "
@@ -260,6 +266,16 @@ def causality(ctx: Context) -> Outcome[Tensor]:
         else:
             found.findings.append(Finding.of(CAUSAL_LEAK, "queries see some future keys and not others",
                                              {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
+    elif not causal and (~dep & ~future(length)).any():  # every later key seen, some earlier one missed
+        design = _local_design(dep)
+        if design is not None:
+            found.notes["window"] = design
+        else:
+            found.findings.append(Finding.of(DEFINITION_MISMATCH, "queries see every later key but miss some "
+                                             "earlier ones, in no causal, window, block or global pattern: a mask "
+                                             "built wrong (a self mask written off the diagonal?)",
+                                             {"past (query, key) pairs hidden":
+                                              (~dep & ~future(length)).nonzero().tolist()[:10]}))
     if ctx.bidirectional and not dep.all() and not moved:
         hidden = (~dep).nonzero().tolist()[:10]
         found.findings.append(Finding.of(KEYS_HIDDEN, "queries do not see every key although the module must be "

@@ -12,6 +12,7 @@ Shape legend: B batch, L length, E embed dim.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -234,6 +235,21 @@ def _off_the_point(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[st
         return _directional(call, x, weights, None, params, step, gen)
 
 
+def _cancelled(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]],
+               grads: Mapping[str, Tensor], gen: torch.Generator) -> list[str]:
+    """Of the module's own learned tensors (:func:`_standalone`), those whose float64 gradient is only rounding of 0,
+    here and off the draw: the output does not depend on them (a term the same for every key of a row, which the
+    softmax cancels: attention sinks added to every score instead of being a column of their own)."""
+    top = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
+    module = call.module
+    tiny = [n for n, g in grads.items() if g.numel() and _standalone(module, n) and float(g.abs().max()) <= 1e-10 * top]
+    if not tiny:
+        return []
+    after = _grads_after_noise(call, x, weights, used, gen)
+    top = max((float(g.abs().max()) for g in after.values() if g is not None and g.numel()), default=0.0)
+    return [n for n in tiny if (g := after.get(n)) is None or float(g.abs().max()) <= 1e-10 * top]
+
+
 def _still_zero(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]], zero: list[str],
                 gen: torch.Generator) -> list[str]:
     """Of the parameters ``zero`` whose gradient was exactly 0, those that still get 0 off the draw."""
@@ -327,6 +343,36 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
     return sorted(idle)
 
 
+def _idle_weights(module: nn.Module, used: set[int]) -> list[str]:
+    """The q, k or v weights held as raw parameters (a matrix named for the role once ``weight``, ``kernel`` or ``w``
+    is dropped: ``k_proj_weight``, ``key_kernel``, ``wk``) the call never used while it used a sibling weight named
+    for another role: keys projected with the queries' weights (``k_proj_weight=self.q_proj_weight`` given to
+    F.multi_head_attention_forward, or an einsum with ``self.query_kernel`` for the keys)."""
+    idle = []
+    for path, mod in module.named_modules():
+        found = []
+        for name, p in mod.named_parameters(recurse=False):
+            words = [w for w in re.split(r"[_\d]+", name.lower()) if w and w not in ("weight", "kernel", "w")]
+            role = name_role("_".join(words)) if words and p.dim() >= 2 and p.requires_grad else None
+            if role is not None:
+                found.append((f"{path}.{name}" if path else name, role, id(p) in used))
+        played = {role for _, role, touched in found if touched}
+        idle += [n for n, role, touched in found if not touched and played and role not in played]
+    return sorted(idle)
+
+
+def _standalone(module: nn.Module, name: str) -> bool:
+    """Is the parameter ``name`` a module's own learned tensor (an attention sink, a temperature, a table), not the
+    weight or bias of a layer (a key projection's bias gets a gradient of 0 in every module: q . b_k is the same for
+    every key) and not named a bias?"""
+    path, _, last = name.rpartition(".")
+    owner = module.get_submodule(path) if path else module
+    layers = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
+              nn.MultiheadAttention)
+    return not isinstance(owner, layers) and not _is_conv1d(owner) and "bias" not in last.lower() and \
+        not _is_norm(owner)
+
+
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
 
@@ -399,7 +445,9 @@ def _gradients(ctx: Context) -> Outcome[None]:
     zero = [n for n, p in used if n in missing and p.grad is not None]
     if zero and not no_input_grad:  # a gradient of exactly 0 can be the draw's (a gate initialised at 0): try again
         missing = [n for n in missing if n not in zero] + _still_zero(call, x0, weights, used, zero, ctx.gen)
-    idle = _idle_projections(m, watch.ids) + _idle_norms(m, watch.ids)
+    if exact and not missing and not no_input_grad:
+        missing = _cancelled(call, x0, weights, used, grads, ctx.gen)
+    idle = _idle_projections(m, watch.ids) + _idle_norms(m, watch.ids) + _idle_weights(m, watch.ids)
     if idle:
         m.zero_grad(set_to_none=True)
         return Outcome([Finding.of(NO_GRAD, "a projection is never used: its weights get no gradient while the "

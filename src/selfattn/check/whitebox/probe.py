@@ -161,6 +161,12 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     """
     caller, x0 = ctx.analysis, ctx.analysis_x
     module = caller.module
+    scripted = [name or getattr(m, "original_name", "the module") for name, m in module.named_modules()
+                if isinstance(m, torch.jit.ScriptModule)]
+    if scripted:  # TorchScript runs its operations in C++, where no record follows them: the formula is not read
+        return Outcome(coverage={"white_box": f"not verified: {scripted[0]} is a TorchScript module "
+                                              "(torch.jit.script), whose operations the doctor cannot record; check "
+                                              "the Python class it was scripted from"})
     e = x0.shape[-1]
     hint = num_heads_of(ctx.module)
     heads = [hint] if hint else [h for h in (1, 2, 4, 8, 16, 32) if e % h == 0]
@@ -210,8 +216,9 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
                                                                  cap.how if isinstance(cap, Capture) else cap}))
             continue
         fid, evidence, found_facts = verdict
-        if fid == MASK_INVERTED and masked is not None and masked.unmatched:  # no polarity to invert: the mask was
-            fid = MASK_IGNORED  # sent in a convention its effect did not match (items given each other's masks)
+        if fid == MASK_INVERTED and masked is not None and masked.unmatched and ctx.spec is None and \
+                not ctx.declared:  # no polarity to invert: the mask was sent in a convention its effect did not
+            fid = MASK_IGNORED  # match (items given each other's masks); one the user stated is the polarity
             evidence = {**evidence, "matches": f"{evidence.get('matches')}, with a mask whose effect matches no "
                                                "convention: it hides other keys than it marks"}
         facts.update(found_facts)
@@ -250,9 +257,12 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
                                        f"{mismatch}",
                                        {"positions": facts.get("positions", positions)}))
             results["one token everywhere"] = mismatch
-    relative = str(facts.get("positions", positions or "")).startswith("relative positions")
+    said = str(facts.get("positions", positions or ""))
+    table = _distance_table(module, x.shape[1], caller.layout in ("channels-first", "channels-last"))
+    relative = said.startswith("relative positions") or (
+        table is not None and ("relative-position bias" in said or "position term" in facts))
     if relative and not any(f.severity == "error" for f in findings):
-        shifted = _relative_alike(module, caller, x)
+        shifted = _relative_alike(module, caller, x, table)
         if shifted is not None:
             findings.append(Finding.of(DEFINITION_MISMATCH, f"the relative positions are not relative: {shifted}",
                                        {"positions": facts.get("positions", positions)}))
@@ -324,10 +334,28 @@ def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor, eps: float = 0.
     return relative_positions(trace, x.shape[1], max(1e-4, 8 * eps))
 
 
-def _relative_alike(module: nn.Module, caller: Caller, x: Tensor) -> str | None:
+def _distance_table(module: nn.Module, n: int, image: bool) -> tuple[int, int] | int | None:
+    """Whether ``module`` holds a parameter sized as a table of relative distances for ``n`` tokens, with no other
+    axis of that size (a table over pairs of absolute positions has two): one axis of (2h - 1)(2w - 1) entries for
+    the (h, w) grid of the n tokens (an image, or a window of one: Swin's table) gives that grid; one of 2M - 1
+    entries, M >= n, on a sequence gives n; None when there is none."""
+    h, w = grid(n)
+    for t in module.parameters():
+        if t.is_floating_point() and t.dim() >= 1 and n > 2:
+            for s in t.shape:
+                if list(t.shape).count(s) == 1 and h > 1 and w > 1 and s == (2 * h - 1) * (2 * w - 1):
+                    return h, w
+                if list(t.shape).count(s) == 1 and not image and s % 2 == 1 and s >= 2 * n - 1:
+                    return n
+    return None
+
+
+def _relative_alike(module: nn.Module, caller: Caller, x: Tensor,
+                    table: tuple[int, int] | int | None = None) -> str | None:
     """Run the module on each item's first token repeated at every position: with relative positions, two pairs of
     tokens the same distance apart get the same score (on an image, the same 2-D distance); where they do not
-    (:mod:`.products`), or None."""
+    (:mod:`.products`), or None. ``table``: what :func:`_distance_table` found (the module is then judged whatever
+    sizes its record has, on that grid)."""
     same = x[:, :1].expand_as(x).clone()
     try:
         trace, _ = record(module, partial(caller, same))
@@ -335,7 +363,9 @@ def _relative_alike(module: nn.Module, caller: Caller, x: Tensor) -> str | None:
         return None
     n = x.shape[1]
     image = caller.layout in ("channels-first", "channels-last")
-    return unshifted_relative(trace, n, grid(n) if image else None)
+    if isinstance(table, tuple):
+        return unshifted_relative(trace, n, table, True)
+    return unshifted_relative(trace, n, grid(n) if image else None, table is not None)
 
 
 def _by_projections(cap: Capture | str, out: Tensor, heads: list[int], keep: Tensor | None, raw: Tensor | None,

@@ -1002,6 +1002,7 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
     lead = list(hidden.shape[:-2])
     if len(lead) >= 2 and lead[0] != b and lead.count(b) == 1:  # heads first ("hnij", fair-esm's row attention)
         hidden = hidden.movedim(lead.index(b), 0)
+    folded = hidden
     try:
         hidden = hidden.reshape(b, -1, *hidden.shape[-2:])
     except RuntimeError:
@@ -1013,6 +1014,13 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
     padded_rows = want.all(-2, keepdim=True).transpose(-1, -2)  # (B, 1, L, 1)
     if torch.equal(torch.where(padded_rows, want, hidden), want.expand_as(hidden)):
         return None
+    if len(lead) == 1 and lead[0] > b and b > 1:
+        # heads folded into the batch heads first (torch.cat(x.split(d, -1), 0), Set Transformer's MAB) with the mask
+        # repeated to match (mask.repeat(H, 1)): row h * B + b is item b's. Which fold the scores have is not read
+        # here; a mask given to the wrong items changes their outputs, which the padding probe sees
+        head_first = folded.reshape(-1, b, *folded.shape[-2:]).transpose(0, 1)
+        if torch.equal(torch.where(padded_rows, want, head_first), want.expand_as(head_first)):
+            return None
     if want.any() and torch.equal(hidden, keep.expand_as(hidden)):
         return Verdict(MASK_INVERTED, {"matches": "the scores hide the keys the mask keeps", **evidence})
     if want.any() and not hidden.any():
@@ -1248,7 +1256,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     own = _self_mask(s, hidden)
     if own is not None:
         facts["self mask"] = own
-        hidden = hidden & ~torch.eye(length, dtype=torch.bool, device=hidden.device)
+        eye = torch.eye(length, dtype=torch.bool, device=hidden.device)
+        hidden = hidden & ~eye
+        if keep is not None and keep.shape[-2:] == eye.shape:  # a query's own key counts as visible: the black box
+            keep = keep | (eye & keep.any(-2, keepdim=True))  # saw a query with one other key not depend on its
+            # own (the weight 1 on that key); a padded key, which no query sees, stays hidden from its own query
     masked = _mask_verdict(hidden, keep, evidence)
     if "top-k" in evidence:
         facts["top-k"] = evidence.pop("top-k")
@@ -1573,7 +1585,8 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4) -> str | N
     return None
 
 
-def unshifted_relative(trace: Trace, length: int, grid: tuple[int, int] | None = None) -> str | None:
+def unshifted_relative(trace: Trace, length: int, grid: tuple[int, int] | None = None,
+                       by_distance: bool = False) -> str | None:
     """For a run on one token repeated at every position: where a core's scores are not the same for two pairs of
     tokens the same distance apart (a relative-position term indexed by the key's own position: a ``rel_shift``
     missing or wrong, a 2-D table's axes swapped); None when they are, or no scores could be read. ``grid``: the
@@ -1581,10 +1594,12 @@ def unshifted_relative(trace: Trace, length: int, grid: tuple[int, int] | None =
 
     Only a module that holds positions by distance (a table or product over 2L - 1 of them, or 2H - 1 and 2W - 1 on
     an image) is judged: one whose position term is over the L positions themselves (WeNet's and ESPnet's legacy
-    relative attention, with the absolute positions' embedding) is that design."""
+    relative attention, with the absolute positions' embedding) is that design; ``by_distance``: the module holds a
+    table sized for distances (over 2M - 1 of them, M >= L), which stands for that."""
     sides = {length} if grid is None else set(grid)
     spans = {2 * n - 1 for n in sides if n > 1}
-    if not any(spans & {*t.shape} for op in trace.ops for t in [*op.inputs, *op.outputs] if isinstance(t, Tensor)):
+    if not by_distance and not any(spans & {*t.shape} for op in trace.ops for t in [*op.inputs, *op.outputs]
+                                   if isinstance(t, Tensor)):
         return None
     for op in trace.ops:
         if op.name not in SOFTMAX or not op.inputs:
@@ -1616,9 +1631,7 @@ def _axes(op: Op, position: int, role: str) -> tuple[int, int] | None:
     """(token axis, feature axis) of the operand at ``position`` of the product ``op``: of q and k in the score
     product, of v in the product with the weights; None when the layout cannot be told."""
     eq = _equation(op)
-    if eq is None:
-        if op.name == "baddbmm":
-            return None
+    if eq is None:  # a matmul, bmm or baddbmm (its matrices: q (..., L, D) @ k^T (..., D, L), or weights @ v)
         return {"q": (-2, -1), "k": (-1, -2), "v": (-2, -1)}[role]
     (sa, sb), out = eq
     mine, other = (sa, sb) if position == 0 else (sb, sa)
