@@ -258,9 +258,11 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
                                        {"positions": facts.get("positions", positions)}))
             results["one token everywhere"] = mismatch
     said = str(facts.get("positions", positions or ""))
-    table = _distance_table(module, x.shape[1], caller.layout in ("channels-first", "channels-last"))
-    relative = said.startswith("relative positions") or (
-        table is not None and ("relative-position bias" in said or "position term" in facts))
+    terms = said.startswith("relative positions")
+    biased = "relative-position bias" in said or "position term" in facts
+    table = _distance_table(module, x.shape[1], caller.layout in ("channels-first", "channels-last")) \
+        if terms or biased else None  # only read where positions were found
+    relative = terms or (biased and table is not None)
     if relative and not any(f.severity == "error" for f in findings):
         shifted = _relative_alike(module, caller, x, table)
         if shifted is not None:
@@ -342,10 +344,10 @@ def _distance_table(module: nn.Module, n: int, image: bool) -> tuple[int, int] |
     h, w = grid(n)
     for t in module.parameters():
         if t.is_floating_point() and t.dim() >= 1 and n > 2:
-            for s in t.shape:
-                if list(t.shape).count(s) == 1 and h > 1 and w > 1 and s == (2 * h - 1) * (2 * w - 1):
+            for s in (s for s in t.shape if list(t.shape).count(s) == 1):
+                if h > 1 and w > 1 and s == (2 * h - 1) * (2 * w - 1):
                     return h, w
-                if list(t.shape).count(s) == 1 and not image and s % 2 == 1 and s >= 2 * n - 1:
+                if not image and s % 2 == 1 and s >= 2 * n - 1:
                     return n
     return None
 
