@@ -4035,3 +4035,68 @@ def test_a_scripted_module_is_inconclusive_without_a_doctor_error():
     report = check(torch.jit.script(FoldedBaddbmm()))
     said = report.coverage["white_box"]
     assert report.verdict == "inconclusive" and "TorchScript" in said and "doctor error" not in said, said
+
+
+class SkewedRelative(nn.Module):
+    """Correct, Music Transformer's causal relative attention: one embedding per distance (the last row for distance
+    0), q times those embeddings "skewed" into place by a left pad and a reshape. ``first_rows``: the embeddings
+    taken from the table's first L rows instead of its last, so which distance a column means depends on L."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, max_len: int = 32, first_rows: bool = False) -> None:
+        super().__init__()
+        self.heads, self.max_len, self.first_rows = heads, max_len, first_rows
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.distances = nn.Parameter(torch.randn(max_len, dim // heads))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        table = self.distances[:n] if self.first_rows else self.distances[self.max_len - n:]
+        rel = F.pad(q @ table.T, (1, 0)).reshape(b, self.heads, n + 1, n)[:, :, 1:]
+        scores = (q @ k.transpose(-2, -1) + rel) / math.sqrt(q.shape[-1])
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_causal_output_that_depends_on_the_length_is_a_leak():
+    """catches: relative embeddings cut from the table's first rows depend on how many tokens there are, so an
+    earlier output changes when a token is appended; no probe compared a causal module's outputs at two lengths,
+    and the module was certified."""
+    torch.manual_seed(0)
+    assert check(SkewedRelative(), causal=True).verdict == "passed"
+    report = check(SkewedRelative(first_rows=True), causal=True)
+    assert "causal-leak" in report.ids and "tokens are dropped" in str(report.findings), report.ids
+
+
+class CachedKeys(nn.Module):
+    """Keys and values kept between calls. ``grow``: appended to (a decoding cache, a design: every call stores its
+    own); else reused whenever the next call has the same shape (the bug: a new input of that shape attends to the
+    old input's keys)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, grow: bool = False) -> None:
+        super().__init__()
+        self.heads, self.grow = heads, grow
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if self.grow:
+            if self.keys is not None and self.keys.shape[0] == b:
+                k, v = torch.cat([self.keys, k], 2), torch.cat([self.values, v], 2)
+            self.keys, self.values = k.detach(), v.detach()
+        elif self.keys is not None and self.keys.shape == k.shape:
+            k, v = self.keys, self.values
+        else:
+            self.keys, self.values = k.detach(), v.detach()
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.out(out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_cache_reused_for_other_tokens_of_the_same_shape_is_state_dependent():
+    """catches: calls in a row were made at four shapes, never the same one twice with other tokens, so keys cached
+    by their shape and reused for a new input were certified; a cache that grows stays a design."""
+    assert "state-dependent" in check(CachedKeys()).ids
+    assert "state-dependent" not in check(CachedKeys(grow=True)).ids

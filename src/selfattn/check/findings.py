@@ -129,7 +129,8 @@ MASK_BROADCAST = _error("mask-broadcast", "a (B, L) key mask spread over the que
 MASK_ERROR = _error("mask-error", "the module raises whenever it gets the mask in the convention you stated",
                     "The module raises when it is given the mask in the convention you stated: apply the mask the "
                     "way its shape and kind say (or state the convention the module really has).")
-CAUSAL_LEAK = _error("causal-leak", "the causal mask hides the diagonal or past, or shows some future",
+CAUSAL_LEAK = _error("causal-leak", "the causal mask hides the diagonal or past, or shows some future; or earlier "
+                     "outputs change with the number of tokens after them",
                      "Hide exactly the future: visible when j <= i (torch.ones(L, L).tril() as keep-mask); the "
                      "diagonal must stay visible.",
                      ("mask-ignored",))  # a row the broken causal mask empties sees padding too
@@ -182,10 +183,10 @@ NOT_EQUIVARIANT = _warning("not-equivariant", "permuting tokens does not permute
                            "reshapes that mix positions (if the module adds positions, this is expected).")
 STATE_DEPENDENT = _error(
     "state-dependent", "a call replaces the module's own state and a later call then fails where the module as "
-    "given runs",
+    "given runs, or reuses it for other tokens of the same shape",
     "Don't store what one call needs in place of what the next needs: slice a fixed buffer into a local "
-    "(mask = self.mask[:L, :L], not self.mask = self.mask[:L, :L]), and keep caches apart from the buffers "
-    "every call reads.")
+    "(mask = self.mask[:L, :L], not self.mask = self.mask[:L, :L]), keep caches apart from the buffers "
+    "every call reads, and never reuse cached keys or values because the shape matches.")
 MUTATES_INPUT = _warning("mutates-input", "the module changes its input or its mask in place (the doctor hands it "
                          "copies)",
                          "Leave the caller's tensors as they were: use out-of-place operations on the input and the "

@@ -60,6 +60,7 @@ from ..subject.context import (
     probe_keep,
     raised_inside_doctor,
     rel,
+    tolerance,
 )
 
 __all__ = ["LENGTH_NAMES", "PADDING_LENGTHS", "band", "causality", "mask_convention", "masked_rows", "padding",
@@ -87,6 +88,32 @@ def band(dep: Tensor) -> tuple[int, int] | None:
     if not visible or visible != list(range(visible[0], visible[-1] + 1)):
         return None
     return -visible[0], visible[-1]
+
+
+def _length_dependent(ctx: Context) -> dict | None:
+    """A causal module's outputs may not depend on how many tokens follow them: run on the first L - 2 tokens, its
+    outputs must be the first L - 2 rows of the run on all L. The evidence where they are not; None where they are,
+    or where the module does not run at that length (a fixed length, an image's grid)."""
+    x, call = ctx.analysis_x, ctx.analysis
+    short = x.shape[1] - 2
+    if short < 2 or call.layout in ("channels-first", "channels-last"):
+        return None
+    try:
+        with torch.no_grad():
+            full, part = call(x), call(x[:, :short].clone())
+    except Exception:  # a length the module does not take: its limit is the sizes probe's
+        return None
+    if not isinstance(full, Tensor) or not isinstance(part, Tensor) or full.dim() < 2 or \
+            full.shape[1] != x.shape[1] or part.shape != full[:, :short].shape:
+        return None
+    head = full[:, :short].double()
+    same = (part == head) | (part.isnan() & head.isnan())
+    diff = float((part.double() - head).abs().masked_fill(same, 0).nan_to_num(float("inf")).max())
+    size = float(full.double().abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max())
+    if diff <= tolerance(x.dtype) * (1 + size):  # as "the same output" everywhere: a float32 product inside the
+        return None  # float64 copy rounds differently at another length
+    return {"largest change of the first rows": f"{diff:.3g} (outputs up to {size:.3g})",
+            "lengths": [x.shape[1], short]}
 
 
 def _transposed(dep: Tensor) -> str | None:
@@ -276,6 +303,12 @@ def causality(ctx: Context) -> Outcome[Tensor]:
                                              "built wrong (a self mask written off the diagonal?)",
                                              {"past (query, key) pairs hidden":
                                               (~dep & ~future(length)).nonzero().tolist()[:10]}))
+    if causal and not moved and not found.findings and ctx.normalised:  # weights with no softmax may be divided
+        grown = _length_dependent(ctx)  # by the length by design (FLASH's relu^2 / n)
+        if grown is not None:
+            found.findings.append(Finding.of(CAUSAL_LEAK, "earlier outputs change when the last tokens are dropped: "
+                                             "an output depends on how many tokens follow it (positions counted "
+                                             "from the end, a relative table cut by the length?)", grown))
     if ctx.bidirectional and not dep.all() and not moved:
         hidden = (~dep).nonzero().tolist()[:10]
         found.findings.append(Finding.of(KEYS_HIDDEN, "queries do not see every key although the module must be "

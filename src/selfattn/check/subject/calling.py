@@ -501,6 +501,33 @@ def _grew(old: object, new: object) -> bool:
         all(a <= b for a, b in zip(old.shape, new.shape, strict=True))
 
 
+def _stale(call: Caller, x: Tensor, gen: torch.Generator) -> str | None:
+    """Called on x and then on other tokens of the same shape: when the second call replaces none of the module's
+    state and still differs from the module as given on those tokens, what the first call stored was read as if it
+    were the second's (a cache reused because the shape matches), and the difference is returned; None otherwise. A
+    cache that grows or is rewritten replaces something and is a design."""
+    other = _randn(gen, tuple(x.shape), x.dtype, x.device)
+    kept = replace(call, keep_state=True)
+    with torch.no_grad():
+        fresh = call(other)
+        state = module_state(call.module)
+        try:
+            kept(x)
+            after_first = module_state(call.module)
+            second = kept(other)
+            stored = [m for (_, m, attrs, buffers), (_, _, now_attrs, now_buffers) in
+                      zip(after_first, module_state(call.module), strict=True)
+                      if any(attrs.get(k, UNSET) is not v for k, v in now_attrs.items()) or
+                      any(buffers.get(k, UNSET) is not v for k, v in now_buffers.items())]
+        except Exception:  # calls in a row that fail are reported by the caller
+            return None
+        finally:
+            restore(state)
+    if stored or second.shape != fresh.shape or close(second, fresh, tolerance(x.dtype)):
+        return None
+    return f"{float((second - fresh).abs().max()):.3g}"
+
+
 def calls_in_a_row(call: Caller, x: Tensor, gen: torch.Generator) -> Outcome[None]:
     """When a call replaced some of the module's own state (which every probe's call put back): the calls a user
     makes in a row (a shorter input, the probe's, a longer one, the probe's again), with the state each leaves.
@@ -533,6 +560,14 @@ def calls_in_a_row(call: Caller, x: Tensor, gen: torch.Generator) -> Outcome[Non
             changes = restore(state)
     names = ", ".join(f"{name} ({before} -> {after})" for name, (before, after) in call.replaced.items())
     order = " then ".join(str(tuple(s)) for s in shapes)
+    stale = None if failure is not None else _stale(call, x, gen)
+    if stale is not None:
+        found.findings.append(Finding.of(STATE_DEPENDENT, f"a call replaces the module's own {names}; a second call "
+                                         f"of the same shape on other tokens stores nothing and gives other outputs "
+                                         f"than the module as given: it reuses what the first call stored (keys or "
+                                         f"values cached from another input)", {"replaced": dict(call.replaced),
+                                                                               "largest difference": stale}))
+        return found
     if failure is not None and not all(_grew(old, new) for _, old, new in changes):
         i, why = failure
         found.findings.append(Finding.of(STATE_DEPENDENT, f"a call replaces the module's own {names}; called in a "
