@@ -7,6 +7,7 @@ Shape legend: B batch, L length, E embed dim, H heads, D head dim.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import doctor_corpus_wild as dw
@@ -3852,16 +3853,22 @@ def test_a_mask_repeated_for_heads_folded_heads_first_is_read_per_item():
 class LearnedDistanceBias(nn.Module):
     """Correct, a learned relative-position bias: one table of 2 * max_len - 1 distances per head, read at
     j - i + max_len - 1 (as in many text and speech encoders). ``summed``: read at i + j instead, so the bias
-    depends on where the pair is, not on its distance (2L - 1 entries are read all the same)."""
+    depends on where the pair is, not on its distance (2L - 1 entries are read all the same). ``absolute``: a
+    learned absolute embedding added to the tokens too (BEiT with both), which makes scores depend on where a pair
+    is by design."""
 
-    def __init__(self, dim: int = 64, heads: int = 4, max_len: int = 32, summed: bool = False) -> None:
+    def __init__(self, dim: int = 64, heads: int = 4, max_len: int = 32, summed: bool = False,
+                 absolute: bool = False) -> None:
         super().__init__()
         self.heads, self.max_len, self.summed = heads, max_len, summed
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.table = nn.Parameter(torch.randn(2 * max_len - 1, heads))
+        self.absolute = nn.Parameter(torch.randn(max_len, dim)) if absolute else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, n, e = x.shape
+        if self.absolute is not None:
+            x = x + self.absolute[:n]
         q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         at = torch.arange(n)
         where = at[:, None] + at[None, :] if self.summed else at[None, :] - at[:, None] + self.max_len - 1
@@ -3898,6 +3905,7 @@ def test_a_distance_table_read_at_absolute_positions_is_named():
     (head, query, key) was certified as a relative-position bias."""
     torch.manual_seed(0)
     assert check(LearnedDistanceBias()).verdict == "passed"
+    assert check(LearnedDistanceBias(absolute=True)).verdict == "passed"  # what the table adds is judged
     report = check(LearnedDistanceBias(summed=True))
     assert "definition-mismatch" in report.ids and "not relative" in str(report.findings), report.ids
     assert check(GridDistanceBias(), length=16).verdict == "passed"
@@ -3987,6 +3995,26 @@ class SeparateProjWeights(nn.Module):
         return out.transpose(0, 1)
 
 
+class RawProjections(nn.Module):
+    """Correct, projections held as raw parameters with short names (wq, bq, ...). The key's bias gets a gradient
+    of 0, as nn.Linear's does (q . b_k is the same for every key), and is a projection's part, not a tensor of the
+    module's own that changes nothing."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        for role in "qkvo":
+            setattr(self, f"w{role}", nn.Parameter(torch.randn(dim, dim) * dim ** -0.5))
+            setattr(self, f"b{role}", nn.Parameter(torch.randn(dim) * 0.1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        q, k, v = ((x @ getattr(self, f"w{r}") + getattr(self, f"b{r}")).view(b, n, self.heads, -1).transpose(1, 2)
+                   for r in "qkv")
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, e)
+        return out @ self.wo + self.bo
+
+
 def test_parameters_that_change_nothing_are_no_grad():
     """catches: a learned sink logit added to every score (the softmax cancels it: its float64 gradient is rounding
     of 0), and a key weight held as a raw parameter that the call never uses (the keys projected by the query's
@@ -3997,6 +4025,7 @@ def test_parameters_that_change_nothing_are_no_grad():
     assert check(SeparateProjWeights()).verdict == "passed"
     assert "no-grad" in check(SeparateProjWeights(keys_by_query=True)).ids
     assert "no-grad" in check(KernelsByRole()).ids
+    assert check(RawProjections()).verdict == "passed"
 
 
 class MaskedWhereTrue(nn.Module):
@@ -4035,6 +4064,8 @@ def test_a_scripted_module_is_inconclusive_without_a_doctor_error():
     report = check(torch.jit.script(FoldedBaddbmm()))
     said = report.coverage["white_box"]
     assert report.verdict == "inconclusive" and "TorchScript" in said and "doctor error" not in said, said
+    masked = check(torch.jit.script(HeadsFirstSetBlock()), mask="keep (B,L)")  # the mask probe hooks no layer of it
+    assert masked.verdict == "inconclusive" and masked.coverage["mask"] == "verified", masked.ids
 
 
 class SkewedRelative(nn.Module):
@@ -4100,3 +4131,45 @@ def test_a_cache_reused_for_other_tokens_of_the_same_shape_is_state_dependent():
     by their shape and reused for a new input were certified; a cache that grows stays a design."""
     assert "state-dependent" in check(CachedKeys()).ids
     assert "state-dependent" not in check(CachedKeys(grow=True)).ids
+
+
+class SparseCausal(nn.Module):
+    """Correct, the Sparse Transformer's causal patterns (block size 3) as one mask: ``strided``, each query sees the
+    2 keys before it and every third key further back; ``fixed``, its own block up to itself and the last column
+    of every earlier block; ``dilated``, the keys 0, 2 and 4 positions back."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, pattern: str = "strided") -> None:
+        super().__init__()
+        self.heads, self.pattern = heads, pattern
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, e = x.shape
+        i = torch.arange(n)
+        back = i[:, None] - i[None, :]
+        keep = {"strided": (back < 3) | (back % 3 == 0), "dilated": (back % 2 == 0) & (back <= 4),
+                "fixed": (i[:, None] // 3 == i[None, :] // 3) | (i[None, :] % 3 == 2)}[self.pattern] & (back >= 0)
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.proj(out.transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize("pattern", ["strided", "fixed", "dilated"])
+def test_the_sparse_transformers_causal_patterns_are_designs(pattern: str):
+    """catches: a causal pattern that hides some past keys outside any window was causal-leak, although the Sparse
+    Transformer's strided and fixed patterns (and a dilated causal window) hide exactly such keys by design."""
+    report = check(SparseCausal(pattern=pattern), causal=True)
+    assert report.verdict == "passed" and "Sparse Transformer" in report.inferred["window"], report.ids
+
+
+def test_a_mask_behind_layer_scale_is_read():
+    """catches: a pre-norm block whose attention branch is scaled by LayerScale at its usual start (1e-5, timm's
+    init_values for DeiT III and CaiT) changes its output by 1e-6 of its size under a mask, below the 1e-4 that
+    counted as "changed nothing": a correct block was mask-ignored. In float64 such a change counts."""
+    vision_transformer = pytest.importorskip("timm.models.vision_transformer")
+    block = vision_transformer.Block(64, 4, qkv_bias=True, init_values=1e-5)
+    if "attn_mask" not in inspect.signature(block.forward).parameters:
+        pytest.skip("this timm's Block takes no mask")
+    report = check(block)
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert report.inferred["mask"]["argument"] == "attn_mask"

@@ -90,6 +90,33 @@ def band(dep: Tensor) -> tuple[int, int] | None:
     return -visible[0], visible[-1]
 
 
+def _causal_sparse(dep: Tensor) -> str | None:
+    """The Sparse Transformer's causal patterns, or None: each query sees itself and keys at a set of distances
+    before it that is the same for every query (strided, dilated), or its own block up to itself and a set of
+    summary columns after their blocks (fixed)."""
+    length = dep.shape[0]
+    if length < 4 or not bool(dep.diagonal().all()):
+        return None
+    offsets = [o for o in range(length) if bool(dep.diagonal(-o).all())]
+    if all(bool(dep.diagonal(-o).all()) or not bool(dep.diagonal(-o).any()) for o in range(length)):
+        strided = any(offsets == [o for o in range(length) if o < step or o % step == 0] for step in range(2, length))
+        dilated = any(offsets == list(range(0, offsets[-1] + 1, step)) for step in range(2, length))
+        if strided or dilated:  # not any set of distances: one skipped by mistake (a self mask below the diagonal)
+            return (f"a causal pattern by distance: each query sees the keys {offsets} positions before it "
+                    f"({'strided' if strided else 'dilated'} attention, as in the Sparse Transformer)")
+    i = torch.arange(length)
+    causal = i[None, :] <= i[:, None]
+    for size in range(2, length):
+        block = (i[:, None] // size) == (i[None, :] // size)
+        later = causal & ~block  # pairs whose key is in an earlier block
+        columns = torch.stack([dep[:, j][later[:, j]].all() if bool(later[:, j].any()) else torch.tensor(False)
+                               for j in range(length)])
+        if bool(columns.any()) and torch.equal(dep, causal & (block | columns[None, :])):
+            return (f"the Sparse Transformer's fixed pattern: each query sees its own block of {size} up to itself "
+                    f"and the summary columns {columns.nonzero().flatten().tolist()} of earlier blocks")
+    return None
+
+
 def _length_dependent(ctx: Context) -> dict | None:
     """A causal module's outputs may not depend on how many tokens follow them: run on the first L - 2 tokens, its
     outputs must be the first L - 2 rows of the run on all L. The evidence where they are not; None where they are,
@@ -262,6 +289,8 @@ def causality(ctx: Context) -> Outcome[Tensor]:
     elif causal and (chunk := _causal_chunks(dep)) is not None:
         found.notes["window"] = (f"causal within chunks of {chunk} tokens: each query sees the tokens "
                                  "of its chunk up to itself (chunked attention, as Llama 4's local layers)")
+    elif causal and (sparse := _causal_sparse(dep)) is not None:
+        found.notes["window"] = sparse
     elif causal and (~dep & ~future(length)).nonzero().tolist() == [[1, 1]] and length > 2:
         # only query 1 misses its own token, and every later query depends on its own: its own key is hidden unless
         # nothing else is visible (shared-QK's self mask), so query 1 puts weight 1 on key 0 whatever its own token.
@@ -506,7 +535,8 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             continue
         if caller.spec is not None and caller.spec.kind == "keep":
             takes_bool.add((caller.mask_arg, caller.spec.shape))
-        if _unchanged(masked_out, plain):
+        # in float64, a mask's effect scaled down by a residual branch's gain (LayerScale at 1e-5 or 1e-6) still counts
+        if _unchanged(masked_out, plain, 1e-9 if x.dtype == torch.float64 else 1e-4):
             tried[label] = "accepted, but changed nothing" + ("" if watch.used else " (no operation read it)")
             if not watch.used and not watch.reached:
                 untouched.add(label)
@@ -555,10 +585,10 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
     return _nothing_acted(ctx, candidates, tried, untouched, switch, dep)
 
 
-def _unchanged(out: Tensor, plain: Tensor) -> bool:
-    """Is ``out`` the output ``plain`` to within 1e-4 of the larger of 1 and the largest |plain|, or, for an output
-    tiny in size (weights initialised at 1e-10, as Pix2Struct's config does), of that size itself?"""
-    if close(out, plain):
+def _unchanged(out: Tensor, plain: Tensor, rtol: float = 1e-4) -> bool:
+    """Is ``out`` the output ``plain`` to within ``rtol`` of the larger of 1 and the largest |plain|, or, for an
+    output tiny in size (weights initialised at 1e-10, as Pix2Struct's config does), of that size itself?"""
+    if close(out, plain, rtol):
         size = float(plain.double().abs().max()) if plain.numel() else 0.0
         return not 0 < size < 1e-3 or bool(((out.double() - plain.double()).abs() <= 1e-4 * size).all())
     return False

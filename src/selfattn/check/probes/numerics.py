@@ -369,8 +369,12 @@ def _standalone(module: nn.Module, name: str) -> bool:
     owner = module.get_submodule(path) if path else module
     layers = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
               nn.MultiheadAttention)
+    words = [w for w in re.split(r"[_\d]+", last.lower()) if w and w not in ("b", "bias", "weight", "kernel", "w")]
+    joined = "_".join(words)  # bk, key_b, b_k: a raw projection's bias
+    projection = bool(words) and (name_role(joined) is not None or (
+        joined[:1] == "b" and len(words) == 1 and name_role(joined[1:]) is not None))
     return not isinstance(owner, layers) and not _is_conv1d(owner) and "bias" not in last.lower() and \
-        not _is_norm(owner)
+        not projection and not _is_norm(owner)
 
 
 _NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)

@@ -521,7 +521,8 @@ class MaskWatch(TorchFunctionMode):
             def seen(mod: nn.Module, args: tuple, kwargs: dict) -> None:
                 self.reached = self.reached or self._holds(args, kwargs)
 
-            self._handles = [m.register_forward_pre_hook(seen, with_kwargs=True) for m in self.module.modules()]
+            self._handles = [m.register_forward_pre_hook(seen, with_kwargs=True) for m in self.module.modules()
+                             if not isinstance(m, torch.jit.ScriptModule)]  # TorchScript takes no hooks
         super().__enter__()
         return self
 

@@ -336,38 +336,48 @@ def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor, eps: float = 0.
     return relative_positions(trace, x.shape[1], max(1e-4, 8 * eps))
 
 
-def _distance_table(module: nn.Module, n: int, image: bool) -> tuple[int, int] | int | None:
-    """Whether ``module`` holds a parameter sized as a table of relative distances for ``n`` tokens, with no other
-    axis of that size (a table over pairs of absolute positions has two): one axis of (2h - 1)(2w - 1) entries for
-    the (h, w) grid of the n tokens (an image, or a window of one: Swin's table) gives that grid; one of 2M - 1
-    entries, M >= n, on a sequence gives n; None when there is none."""
+def _distance_table(module: nn.Module, n: int, image: bool) -> tuple[nn.Parameter, tuple[int, int] | None] | None:
+    """A parameter of ``module`` sized as a table of relative distances for ``n`` tokens, with no other axis of that
+    size (a table over pairs of absolute positions has two), and the grid it is read on: one axis of
+    (2h - 1)(2w - 1) entries for the (h, w) grid of the n tokens (an image, or a window of one: Swin's table) gives
+    that grid; one of 2M - 1 entries, M >= n, on a sequence gives None (a line); None when there is none."""
     h, w = grid(n)
     for t in module.parameters():
         if t.is_floating_point() and t.dim() >= 1 and n > 2:
             for s in (s for s in t.shape if list(t.shape).count(s) == 1):
                 if h > 1 and w > 1 and s == (2 * h - 1) * (2 * w - 1):
-                    return h, w
+                    return t, (h, w)
                 if not image and s % 2 == 1 and s >= 2 * n - 1:
-                    return n
+                    return t, None
     return None
 
 
 def _relative_alike(module: nn.Module, caller: Caller, x: Tensor,
-                    table: tuple[int, int] | int | None = None) -> str | None:
+                    table: tuple[nn.Parameter, tuple[int, int] | None] | None = None) -> str | None:
     """Run the module on each item's first token repeated at every position: with relative positions, two pairs of
     tokens the same distance apart get the same score (on an image, the same 2-D distance); where they do not
-    (:mod:`.products`), or None. ``table``: what :func:`_distance_table` found (the module is then judged whatever
-    sizes its record has, on that grid)."""
+    (:mod:`.products`), or None. ``table``: what :func:`_distance_table` found. Then what the table adds is judged
+    (the run minus a run with the table at 0), whatever sizes the record has: absolute positions beside it (an
+    embedding added to x, TUPE's untied term) are the same in both runs."""
     same = x[:, :1].expand_as(x).clone()
     try:
         trace, _ = record(module, partial(caller, same))
+        without = None
+        if table is not None:
+            kept = table[0].detach().clone()
+            try:
+                with torch.no_grad():
+                    table[0].zero_()
+                without, _ = record(module, partial(caller, same))
+            finally:
+                with torch.no_grad():
+                    table[0].copy_(kept)
     except Exception:  # a module that rejects repeated tokens has been read on the probe input
         return None
     n = x.shape[1]
-    image = caller.layout in ("channels-first", "channels-last")
-    if isinstance(table, tuple):
-        return unshifted_relative(trace, n, table, True)
-    return unshifted_relative(trace, n, grid(n) if image else None, table is not None)
+    if table is not None:
+        return unshifted_relative(trace, n, table[1], True, without)
+    return unshifted_relative(trace, n, grid(n) if caller.layout in ("channels-first", "channels-last") else None)
 
 
 def _by_projections(cap: Capture | str, out: Tensor, heads: list[int], keep: Tensor | None, raw: Tensor | None,

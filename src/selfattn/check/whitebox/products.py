@@ -1586,7 +1586,7 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4) -> str | N
 
 
 def unshifted_relative(trace: Trace, length: int, grid: tuple[int, int] | None = None,
-                       by_distance: bool = False) -> str | None:
+                       by_distance: bool = False, without: Trace | None = None) -> str | None:
     """For a run on one token repeated at every position: where a core's scores are not the same for two pairs of
     tokens the same distance apart (a relative-position term indexed by the key's own position: a ``rel_shift``
     missing or wrong, a 2-D table's axes swapped); None when they are, or no scores could be read. ``grid``: the
@@ -1595,12 +1595,14 @@ def unshifted_relative(trace: Trace, length: int, grid: tuple[int, int] | None =
     Only a module that holds positions by distance (a table or product over 2L - 1 of them, or 2H - 1 and 2W - 1 on
     an image) is judged: one whose position term is over the L positions themselves (WeNet's and ESPnet's legacy
     relative attention, with the absolute positions' embedding) is that design; ``by_distance``: the module holds a
-    table sized for distances (over 2M - 1 of them, M >= L), which stands for that."""
+    table sized for distances (over 2M - 1 of them, M >= L), which stands for that; ``without``: the same run with
+    that table at 0, whose scores are taken away first (what the table adds is judged, not positions beside it)."""
     sides = {length} if grid is None else set(grid)
     spans = {2 * n - 1 for n in sides if n > 1}
     if not by_distance and not any(spans & {*t.shape} for op in trace.ops for t in [*op.inputs, *op.outputs]
                                    if isinstance(t, Tensor)):
         return None
+    bases = [op for op in without.ops if op.name in SOFTMAX and op.inputs] if without is not None else None
     for op in trace.ops:
         if op.name not in SOFTMAX or not op.inputs:
             continue
@@ -1609,6 +1611,15 @@ def unshifted_relative(trace: Trace, length: int, grid: tuple[int, int] | None =
             continue
         s = s.reshape(-1, length, length)
         seen = torch.isfinite(s) & (s > -1e4)
+        if bases is not None:
+            if not bases:  # the runs differ in their softmaxes: nothing to take away
+                return None
+            base = _query_key_last(bases.pop(0).inputs[0].double(), length)
+            if base is None or base.numel() != s.numel():
+                return None
+            base = base.reshape(s.shape)
+            seen = seen & torch.isfinite(base) & (base > -1e4)
+            s = torch.where(seen, s - base, torch.zeros((), dtype=s.dtype))
         size = 1 + float(s[seen].abs().max()) if bool(seen.any()) else 1.0
         steps = [(1, 1)] if grid is None else [(1, grid[1]), (grid[1], grid[1])]  # along a row, down a column
         for step, width in steps:
