@@ -213,6 +213,15 @@ def _enough_keys(call: Caller, x: Tensor, gen: torch.Generator, inferred: dict) 
         x, n = bigger, 4 * n
         inferred["probe shape"] = (b, n, e)
         inferred["keys"] = "a grid with one key after the module's reduction was doubled on each side"
+    keys = _keys(call, x)
+    if keys is not None and keys >= n and 4 * n <= 1024:  # one window may cover the whole grid (Swin's 4 x 4 window
+        bigger = torch.randn(b, 4 * n, e, generator=gen).to(x)  # on a 4 x 4 grid cuts nothing and shifts nothing)
+        more = _keys(call, bigger)
+        if more is not None and more < 4 * n:
+            x = bigger
+            inferred["probe shape"] = (b, 4 * n, e)
+            inferred["keys"] = (f"a grid whose {n} tokens fit one of the module's windows was doubled on each side: "
+                                f"its queries weigh {more} keys of {4 * n}")
     return x
 
 

@@ -460,7 +460,9 @@ def _rows_independent(layer: Layer, module: nn.Module) -> bool:
     try:
         with _evaluated(module):
             a = _first_tensor(call(module, hidden))
-            for dim in (1, 0):  # the tokens on dim 1 (batch first) or dim 0 (sequence first, as torch's default)
+            # the tokens on dim 1 (batch first), dim 0 (sequence first, as torch's default), or, in a 4-D input,
+            # dim 2 (groups of tokens: MaxViT's (B, G, P, E) partitions)
+            for dim in (1, 0, *range(2, hidden.dim() - 1)):
                 changed = hidden.clone()
                 changed.select(dim, 0).add_(1.0)
                 b = _first_tensor(call(module, changed))

@@ -495,6 +495,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
     tried: dict[str, str] = {}
     inverted: Caller | None = None
     leaky: Caller | None = None
+    blew_up = False  # the first reading that matched no convention gave NaN or inf
     untouched: set[str] = set()  # labels whose mask reached no operation
     takes_bool: set[tuple[str | None, str]] = set()  # (argument, shape) where a bool mask was accepted
     for native in candidates:
@@ -554,8 +555,12 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
         if sane and torch.equal((d & off)[rows], as_ignore[rows]):
             if caller.spec is not None and caller.spec.kind == "keep" and ctx.spec is None and not ctx.declared:
                 return _found(ctx, native.with_mask(MaskSpec("ignore", caller.spec.shape)), d, candidates, plain)
-            if caller.spec is None or caller.spec.kind == "keep" or ctx.spec is not None or \
-                    (caller.mask_arg, caller.spec.shape) not in takes_bool:  # a bool module reads 0/-10000 inverted
+            # a bool module reads 0/-10000 inverted; one whose bool reading gave NaN or inf does not (an additive
+            # mask subtracted: a bool mask turned into 0/-inf then gives +inf scores)
+            leaked_here = leaky is not None and leaky.spec is not None and caller.spec is not None and blew_up \
+                and (leaky.mask_arg, leaky.spec.shape) == (caller.mask_arg, caller.spec.shape)
+            if caller.spec is None or caller.spec.kind == "keep" or ctx.spec is not None or leaked_here or \
+                    (caller.mask_arg, caller.spec.shape) not in takes_bool:
                 inverted = inverted or native
             tried[label] = "acts the other way round: hides what the mask keeps"
             continue
@@ -565,7 +570,8 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                 not ctx.declared and _hides_queries(masked_out, plain, ~k0[0]):  # True = padding, on the queries
             return _broadcast_finding(native.with_mask(MaskSpec("ignore", caller.spec.shape)), ~k0[0])
         tried[label] = "accepted; its effect matches no convention"
-        leaky = leaky or native
+        if leaky is None:
+            leaky, blew_up = native, not bool(torch.isfinite(masked_out).all())
     if inverted is not None:
         return Outcome([Finding.of(MASK_INVERTED, "the module hides the tokens its mask keeps (declared or "
                                    "additive convention, used the other way round: wrong sign or flipped polarity)",

@@ -235,23 +235,47 @@ def normalised(trace: Trace, tid: int) -> str | None:
     return None if found is None else found[0].module or found[0].name
 
 
-def normalised_over_tokens(trace: Trace, tid: int, d: int, length: int) -> str | None:
+def _proportional(v: Tensor, operand: Tensor) -> bool:
+    """Is ``operand`` ``v`` times one number per leading slice (a temperature or a scale per head)?"""
+    if v.shape != operand.shape:
+        return False
+    v, o = v.double(), operand.double()
+    c = (v * o).sum((-2, -1), keepdim=True) / (v * v).sum((-2, -1), keepdim=True).clamp_min(1e-300)
+    return bool(((o - c * v).abs() <= 1e-6 * (1 + o.abs().amax((-2, -1), keepdim=True))).all())
+
+
+def normalised_over_tokens(trace: Trace, tid: int, d: int, length: int, operand: Tensor | None = None,
+                           contracted: int | None = None) -> str | None:
     """When the normalisation behind a score operand made it of unit norm along the tokens (an axis of size
     ``length``) rather than along the head dim (size ``d``): what was seen, else None. Normalised over the tokens,
-    each token's query (key) depends on every other token of the sequence, and the scores are no cosines."""
+    each token's query (key) depends on every other token of the sequence, and the scores are no cosines.
+
+    When the head dim and the tokens have one size (a Swin window of 16 tokens, heads of 16), sizes cannot tell the
+    axes apart: ``operand`` (the product's operand) and ``contracted`` (the axis of it the product contracts, -1 or
+    -2) then can, when the normalisation's output is that operand, or its transpose, up to a number per head."""
     found = _norm_op(trace, tid)
-    if found is None or d == length or found[1] >= len(found[0].outputs):
+    if found is None or found[1] >= len(found[0].outputs):
         return None
     value = found[0].outputs[found[1]]
     if not value.is_floating_point() or value.dim() < 2 or not value.numel():
         return None
     unit = [ax for ax in range(value.dim())
             if bool(((value.double().norm(dim=ax) - 1).abs() < 1e-3).all())]
-    sizes = {value.shape[ax] for ax in unit}
-    if length not in sizes or d in sizes:
-        return None
-    return (f"{normalised(trace, tid)} makes q (or k) of unit norm along the {length} tokens, not along the head "
+    what = (f"{normalised(trace, tid)} makes q (or k) of unit norm along the {length} tokens, not along the head "
             f"dim of {d}: each token's query then depends on every other token, and the scores are not cosines")
+    if d != length:
+        sizes = {value.shape[ax] for ax in unit}
+        return what if length in sizes and d not in sizes else None
+    if operand is None or contracted not in (-1, -2) or value.shape[-2:] != (d, d):
+        return None
+    last_two = {ax - value.dim() for ax in unit} & {-1, -2}
+    if _proportional(value, operand):
+        axis = contracted
+    elif _proportional(value.transpose(-1, -2), operand):
+        axis = -3 - contracted  # the other of the last two
+    else:
+        return None
+    return what if last_two == {-3 - axis} else None
 
 
 _GAINS = frozenset({"mul", "rmul", "mul_", "div", "truediv", "div_", "itruediv"})

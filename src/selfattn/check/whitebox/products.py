@@ -146,6 +146,18 @@ def _contracted_size(op: Op, a: Tensor, b: Tensor) -> int:
     return math.prod(a.shape[sa.index(c)] for c in sa if c in sb and c not in out)
 
 
+def _contracted_axis(op: Op, position: int, w: Tensor) -> int | None:
+    """The axis (from the end) of the operand ``w`` at ``position`` that the product contracts, when it is one
+    axis; None otherwise."""
+    eq = _equation(op)
+    if eq is None:
+        return -1 if position == 0 else -2 if w.dim() >= 2 else None
+    (sa, sb), out = eq
+    subs, other = (sa, sb) if position == 0 else (sb, sa)
+    contracted = [i for i, c in enumerate(subs) if c in other and c not in out]
+    return contracted[0] - len(subs) if len(contracted) == 1 else None
+
+
 def _weights_contracted_last(op: Op, position: int, w: Tensor) -> bool:
     """Does the product contract the last dim of its operand ``w`` (at ``position``)?"""
     eq = _equation(op)
@@ -991,10 +1003,30 @@ def _self_mask(s: Tensor, hidden: Tensor) -> str | None:
             "when no other key is visible (shared-QK attention's self mask, as in Reformer)")
 
 
-def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdict | None:
+def _other_queries(trace: Trace, op: Op, length: int) -> int:
+    """The most queries another attention of the run weighs all ``length`` keys for, when it has fewer queries
+    than tokens (Longformer's global tokens: their rows computed apart, over every key); 0 when there is none."""
+    most = 0
+    for other in trace.ops:
+        if other is op or not other.outputs:
+            continue
+        if other.name == "scaled_dot_product_attention" and len(other.inputs) > 1:
+            rows, keys = other.inputs[0].shape[-2], other.inputs[1].shape[-2]
+        elif other.name in SOFTMAX and other.outputs[0].dim() >= 2:
+            rows, keys = other.outputs[0].shape[-2], other.outputs[0].shape[-1]
+        else:
+            continue
+        if keys == length and 0 < rows < length:
+            most = max(most, rows)
+    return most
+
+
+def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict, apart: int = 0) -> Verdict | None:
     """Do the scores hide exactly the keys the mask the run sent (with the module's own structure) hides?
 
-    hidden: (..., L, L) bool, True where the module's scores are masked; keep: (B, 1, L, L), True = may attend."""
+    hidden: (..., L, L) bool, True where the module's scores are masked; keep: (B, 1, L, L), True = may attend.
+    apart: how many query rows another attention of the module computes over every key (:func:`_other_queries`):
+    up to that many rows may hide more here, since the module's output takes them from there."""
     if keep is None:
         return None
     want = ~keep
@@ -1026,6 +1058,13 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict) -> Verdic
     if want.any() and not hidden.any():
         return Verdict(MASK_IGNORED, {"matches": "no score is masked although the mask hides keys", **evidence})
     extra, missed = (hidden & ~want).sum().item(), (~hidden & want).sum().item()
+    if not missed and apart:  # rows whose keys this attention hides beyond the pattern, few enough to be the rows
+        rows = (hidden & ~want).reshape(-1, *hidden.shape[-2:]).any(-1).any(0)  # another attention computes
+        if int(rows.sum()) <= apart:
+            evidence["rows computed apart"] = (f"{int(rows.sum())} query row(s) hide more keys here than the module "
+                                               "shows them: another attention of the module computes them over "
+                                               "every key (global tokens)")
+            return None
     if not missed:  # more hidden than the mask hides: each row's k highest scores kept (sparse top-k attention)?
         seen, allowed = (~hidden).sum(-1), (~want).expand_as(hidden).sum(-1)
         k = int(seen.max())
@@ -1191,6 +1230,12 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         facts["extra keys"] = (f"{p.shape[-1]} keys for {length} tokens: {p.shape[-1] - length} more (learned memory "
                                "or latent tokens, or a cache)")
         keep = None  # the run's (L, L) pattern does not apply to them
+    elif local and p.dim() >= 2 and p.shape[-1] == length and 1 <= p.shape[-2] < length and dim == p.dim() - 1 \
+            and w.shape[-1] == length and p.shape[-2] * 2 <= length:
+        # a few queries over every key, beside another attention for the rest (Longformer's global tokens)
+        facts["queries apart"] = (f"{p.shape[-2]} query row(s) attend over all {length} tokens in an attention of "
+                                  "their own (global tokens)")
+        keep = None  # the run's (L, L) pattern is the other attention's
     elif p.dim() < 2 or p.shape[-1] != length or p.shape[-2] != length:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights are {tuple(p.shape[-2:])} over axes that are "
                                                f"not the {length} tokens (a head split that mixes tokens and heads)",
@@ -1261,9 +1306,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         if keep is not None and keep.shape[-2:] == eye.shape:  # a query's own key counts as visible: the black box
             keep = keep | (eye & keep.any(-2, keepdim=True))  # saw a query with one other key not depend on its
             # own (the weight 1 on that key); a padded key, which no query sees, stays hidden from its own query
-    masked = _mask_verdict(hidden, keep, evidence)
+    masked = _mask_verdict(hidden, keep, evidence, _other_queries(trace, sm, length))
     if "top-k" in evidence:
         facts["top-k"] = evidence.pop("top-k")
+    if "rows computed apart" in evidence:
+        facts["rows computed apart"] = evidence.pop("rows computed apart")
     if masked is not None:
         if not window:  # heads merged wrongly make rows depend on other tokens: the pattern the mask is read
             canon = _canonical_output(pv, position, axes[0] if axes is not None else w.dim() - 2, batch)  # against
@@ -1305,7 +1352,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                 raise Unrecognised("one item alone: a term on the scores and their scale cannot be told apart")
         if float(t.abs().max()) > 1e-3 * size:
             facts.setdefault("position term", "an additive term of (head, query, key) (a relative-position bias)")
-    over_tokens = normalised_over_tokens(trace, aid, d, length) or normalised_over_tokens(trace, bid, d, length)
+    tokens = p.shape[-1] if window else length  # within windows, q and k hold a window's tokens
+    over_tokens = normalised_over_tokens(trace, aid, d, tokens, a, _contracted_axis(product, 0, a)) or \
+        normalised_over_tokens(trace, bid, d, tokens, b, _contracted_axis(product, 1, b))
     if over_tokens:
         return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, **evidence}, facts)
     origin_a, origin_b = scale_origin(trace, aid), scale_origin(trace, bid)
@@ -1391,6 +1440,12 @@ def _one_side(trace: Trace, qid: int, kid: int, evidence: dict, facts: dict) -> 
     sides = (rotation_on_the_way(trace, qid), rotation_on_the_way(trace, kid))
     if set(sides) != {True, False}:
         return None
+    plain = kid if sides[0] else qid  # made like rotary positions but no rotation (cos/sin for another pairing)?
+    value = trace.value(plain)
+    problem = _rotation_problem(trace, plain, value) if value is not None else None
+    if problem:
+        return Verdict(ROTARY_MISMATCH, {"matches": f"{'k' if sides[0] else 'q'} is not rotated as "
+                                                    f"{'q' if sides[0] else 'k'} is: {problem}", **evidence}, facts)
     said = "rotary positions on q but not on k" if sides[0] else "rotary positions on k but not on q"
     return Verdict(ROTARY_ONE_SIDE, {"matches": f"{said}: the scores then depend on each token's position, not "
                                                 "only on the distance between tokens", **evidence}, facts)
@@ -1439,8 +1494,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         cached = True  # the run's (L, L) pattern does not apply to them
     given = op.kwargs.get("scale", op.args[6] if len(op.args) > 6 else None)
     base = 1 / math.sqrt(d) if given is None else float(given)
-    over_tokens = normalised_over_tokens(trace, op.in_ids[0], d, length) or \
-        normalised_over_tokens(trace, op.in_ids[1], d, length)
+    over_tokens = normalised_over_tokens(trace, op.in_ids[0], d, length, q, -1) or \
+        normalised_over_tokens(trace, op.in_ids[1], d, length, k, -1)
     if over_tokens:
         return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, "head dim": d,
                                              "product": "scaled_dot_product_attention"}, facts)
@@ -1522,6 +1577,8 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
     cores = sum(op.name == "scaled_dot_product_attention" or op.name in SOFTMAX for op in trace.ops)
     local = local or cores > 1  # steps that each see part of the tokens and together all (axial: rows, then columns)
     for op in trace.ops:
+        if op.outputs and op.outputs[0].numel() == 0:  # an attention over no queries (no global tokens) weighs nothing
+            continue
         if op.name == "scaled_dot_product_attention":
             verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep, local))
         elif op.name in SOFTMAX:

@@ -206,8 +206,12 @@ def _variants(qh: Tensor, kh: Tensor, vh: Tensor, keep: Tensor | None, raw: Tens
     def merge(o: Tensor) -> Tensor:
         return o.transpose(1, 2).reshape(b, length, e)
 
+    seen: dict[tuple[float, int], Tensor] = {}  # several candidates share a softmax: compute each once
+
     def soft(scale: float, dim: int = -1) -> Tensor:
-        return torch.softmax(_masked(scores * scale, keep), dim=dim).nan_to_num(0)
+        if (scale, dim) not in seen:
+            seen[scale, dim] = torch.softmax(_masked(scores * scale, keep), dim=dim).nan_to_num(0)
+        return seen[scale, dim]
 
     def differs(scale: float) -> bool:
         return abs(scale / good - 1) > 1e-6

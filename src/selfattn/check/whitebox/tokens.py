@@ -17,6 +17,7 @@ Shape legend: B batch, H heads, L length, D head dim.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from torch import Tensor
@@ -39,10 +40,25 @@ def _state(changed: Tensor, length: int, last: bool = False) -> bool | None:
     axes = [a for a in (dims if last else dims[:-1]) if changed.shape[a] == length]
     pairs = [(a, b) for a in dims for b in dims if a < b and changed.shape[a] > 1 and changed.shape[b] > 1 and
              changed.shape[a] * changed.shape[b] == length]
-    if not axes and not pairs:
+    runs = _runs(changed.shape, length)
+    if not axes and not pairs and not runs:
         return None
     # by token when any reading says so: an axis of size L may be channels ((B, C, H, W) with C = L)
-    return any(hit[a] <= 2 for a in axes) or any(hit[a] <= 2 and hit[b] <= 2 for a, b in pairs)
+    return any(hit[a] <= 2 for a in axes) or any(hit[a] <= 2 and hit[b] <= 2 for a, b in pairs) or \
+        any(_on_run(changed, a, b) <= 2 for a, b in runs)
+
+
+def _runs(shape: tuple[int, ...], length: int) -> list[tuple[int, int]]:
+    """Runs of three or more neighbouring axes, each of more than one, whose sizes multiply to L: a grid cut into
+    windows ((B, H/s, s, W/s, s, E): the tokens of a window partition before its permute)."""
+    return [(a, b) for a in range(len(shape)) for b in range(a + 2, len(shape))
+            if all(shape[i] > 1 for i in range(a, b + 1)) and math.prod(shape[a:b + 1]) == length]
+
+
+def _on_run(changed: Tensor, a: int, b: int) -> int:
+    """How many positions of the axes a..b, read together as the tokens, hold a change."""
+    flat = changed.flatten(a, b)
+    return int(flat.movedim(a, 0).reshape(flat.shape[a], -1).any(1).sum())
 
 
 def mixed_rows(first: Trace, second: Trace, length: int, tokens: tuple[int, int]) -> str | None:
@@ -116,6 +132,7 @@ def _counts(changed: Tensor | None, length: int) -> list[int]:
             if a < b and sizes[a] > 1 and sizes[b] > 1 and sizes[a] * sizes[b] == length:
                 grid = changed.movedim((a, b), (0, 1)).reshape(sizes[a], sizes[b], -1)
                 found.append(int(grid.any(-1).sum()))
+    found += [_on_run(changed, a, b) for a, b in _runs(tuple(sizes), length)]
     return found
 
 
@@ -178,8 +195,12 @@ def _first_spread(first: Trace, second: Trace, length: int, judged: Callable[[Op
             if judged(op) and k < len(other.inputs):
                 out = changed(op.outputs[index], other.outputs[index])
                 into = changed(op.inputs[k], other.inputs[k])
-                if out is not None and into is not None and _state(out, length, last) is False and \
-                        _state(into, length, last) is True:
+                # a view or reshape that keeps the last axis as it was regroups the others only: its last axis holds
+                # the features it was given (a window partition of a (B, H, W, E) map with E = L)
+                tail = last and not (op.name in ("view", "reshape") and out is not None and into is not None and
+                                     out.shape[-1] == into.shape[-1])
+                if out is not None and into is not None and _state(out, length, tail) is False and \
+                        _state(into, length, tail) is True:
                     return said(role, op, out)
             cur = main
     return None

@@ -10,8 +10,9 @@ operation ran (the inputs of an in-place operation before it ran), so later in-p
 (``scores.masked_fill_``, ``mask.eq_(0)``) rewrite nothing recorded. Weight-carrying leaf modules
 that do not go through ``F.linear`` (transformers' ``Conv1D``) are recorded by a forward hook.
 
-Walking back from a tensor through layout operations (view, transpose, split, ...) and
-multiplications by a number finds where it came from and by how much it was scaled on the way.
+Walking back from a tensor through layout operations (view, transpose, split, ...),
+multiplications by a number and by zeros and ones (padded positions zeroed) finds where it came
+from and by how much it was scaled on the way.
 
 Shape legend: B batch, H heads, L length, D head dim.
 """
@@ -128,6 +129,21 @@ class Op:
         if self.name in ("div", "truediv", "div_", "itruediv"):
             return 1.0 / other if other else None
         return float(other)
+
+    def zeroed_input(self) -> int | None:
+        """For a multiplication by a tensor of zeros and ones no larger than the other operand (padded positions
+        zeroed: ``q *= 1 - padding_mask``): the identity of the other operand, else None."""
+        if self.name not in ("mul", "rmul", "mul_", "imul") or len(self.in_ids) != 2:
+            return None
+        tensors = self.inputs
+        if len(tensors) != 2:
+            return None
+        for at in (0, 1):
+            ones, other = tensors[at], tensors[1 - at]
+            if 0 < ones.numel() <= other.numel() and ones.numel() > 1 and not ones.is_complex() and \
+                    bool(((ones == 0) | (ones == 1)).all()) and not bool(((other == 0) | (other == 1)).all()):
+                return self.in_ids[1 - at]
+        return None
 
     def main_input(self) -> int | None:
         """The identity of the tensor this operation transforms: the first tensor argument, or for a
@@ -271,6 +287,8 @@ class Trace(TorchFunctionMode):
             src = op.main_input()
             if number is not None:
                 factor *= number
+            elif op.zeroed_input() is not None:  # padded positions zeroed: the values that stay are as they were
+                src = op.zeroed_input()
             elif op.name not in LAYOUT or src is None:
                 return Origin(tid, factor, op, part, parts)
             if op.name in ("split", "chunk", "unbind", "tensor_split", "split_with_sizes") and part is None:

@@ -1,0 +1,261 @@
+"""The doctor on library classes and on code written in the style of the code bases that ship them: torchvision's
+shifted-window and MaxViT attention, fair-esm's row attention, diffusers' rotary helper, open_clip's eager mask
+handling, Longformer's global tokens. Each test is a wrong verdict the doctor used to give.
+
+The library classes are the installed ones (requirements-corpus.txt); a buggy variant subclasses the class, or
+calls the library's own helpers with the bug around them.
+
+Shape legend: B batch, L length, E embed dim, H heads, D head dim, G groups of tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfattn.check import check, check_model
+
+needs = {name: pytest.mark.skipif(importlib.util.find_spec(name) is None, reason=f"{name} is not installed")
+         for name in ("torchvision", "esm", "diffusers")}
+
+
+# -- windows: a grid the size of one window cuts nothing and shifts nothing --------------------------------------
+@needs["torchvision"]
+def test_a_shifted_window_module_is_probed_on_more_than_one_window():
+    """catches: Swin's window bugs certified because the probe grid (4 x 4) was exactly one window, where
+    torchvision turns the shift off: the doctor now doubles the grid's sides until the windows show."""
+    from torchvision.models.swin_transformer import ShiftedWindowAttention
+
+    class NoReverseShift(ShiftedWindowAttention):
+        """The output not rolled back after the windows: each token's output lands 2 rows and 2 columns off."""
+
+        def forward(self, x):
+            return torch.roll(super().forward(x), shifts=(-2, -2), dims=(1, 2))
+
+    torch.manual_seed(0)
+    good = check(ShiftedWindowAttention(64, [4, 4], [2, 2], 4))
+    assert good.passed, [(f.id, f.message) for f in good.findings]
+    assert good.inferred["probe shape"][1] > 16 and "windows" in good.inferred["keys"]
+    bad = check(NoReverseShift(64, [4, 4], [2, 2], 4))
+    assert not bad.passed and bad.ids == {"definition-mismatch"}, [(f.id, f.message) for f in bad.findings]
+
+
+class WindowCosine(nn.Module):
+    """Swin v2 style cosine attention within 4 x 4 windows of a (B, H, W, E) map, with a learned temperature per
+    head; heads of 16 (E 64, 4 heads), as many as a window's tokens. ``over`` is the axis q and k are normalised
+    over: -1 (the features, correct) or -2 (the window's tokens, a bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, window: int = 4, over: int = -1) -> None:
+        super().__init__()
+        self.heads, self.window, self.over = heads, window, over
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(heads, 1, 1)))
+
+    def forward(self, x):
+        b, h, w, e = x.shape
+        s = self.window
+        win = x.reshape(b, h // s, s, w // s, s, e).permute(0, 1, 3, 2, 4, 5).reshape(-1, s * s, e)
+        q, k, v = self.qkv(win).reshape(win.shape[0], s * s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = F.normalize(q, dim=self.over) @ F.normalize(k, dim=self.over).transpose(-2, -1)
+        scores = scores * self.logit_scale.clamp(max=math.log(100.0)).exp()
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(-1, s * s, e)
+        out = self.proj(out).reshape(b, h // s, w // s, s, s, e).permute(0, 1, 3, 2, 4, 5)
+        return out.reshape(b, h, w, e)
+
+
+def test_cosine_attention_normalised_over_the_tokens_is_named_when_heads_are_as_wide_as_a_window():
+    """catches: q and k normalised over a window's 16 tokens instead of the 16 features certified: the doctor
+    told the two axes apart by their sizes only."""
+    torch.manual_seed(0)
+    good = check(WindowCosine())
+    assert good.passed, [(f.id, f.message) for f in good.findings]
+    bad = check(WindowCosine(over=-2))
+    assert bad.ids == {"definition-mismatch"} and "tokens" in bad.findings[0].message, bad.findings
+
+
+@needs["torchvision"]
+def test_torchvision_swin_v2_attention_is_certified():
+    from torchvision.models.swin_transformer import ShiftedWindowAttentionV2
+
+    torch.manual_seed(0)
+    report = check(ShiftedWindowAttentionV2(64, [4, 4], [2, 2], 4))
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+
+
+# -- whole models: tokens grouped on a third axis -----------------------------------------------------------------
+@needs["torchvision"]
+def test_check_model_finds_maxvit_attention_on_grouped_tokens():
+    """catches: check_model skipping MaxViT's attention layers as not self-attention: they take (B, G, P, E), the
+    tokens on dim 2, and only dims 0 and 1 were tried. torchvision scales them by 1/sqrt(E): wrong-scale."""
+    from torchvision.models.maxvit import MaxVit
+
+    torch.manual_seed(0)
+    model = MaxVit(input_size=(32, 32), stem_channels=16, partition_size=2, block_channels=[32], block_layers=[1],
+                   head_dim=16, stochastic_depth_prob=0.0)
+    report = check_model(model, torch.randn(2, 3, 32, 32))
+    assert len(report.layers) == 2, report.could_not_run
+    assert all(r.ids == {"wrong-scale"} for r in report.layers.values()), \
+        {n: [(f.id, f.message) for f in r.findings] for n, r in report.layers.items()}
+
+
+# -- a multiplication by zeros and ones on the way to the scores is no scale ---------------------------------------
+class _EsmRows(nn.Module):
+    """fair-esm's RowSelfAttention over an MSA of one row: the L tokens are its columns, (B, L) padding mask
+    True = padded, which the class also multiplies into q in place (``q *= 1 - padding_mask``)."""
+
+    scaling = None  # None: the class's own (1/sqrt(D) over one row)
+
+    def __init__(self, embed_dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        from esm.axial_attention import RowSelfAttention
+
+        self.attn = RowSelfAttention(embed_dim, heads)
+
+    def forward(self, x, padding_mask=None):
+        msa = x.transpose(0, 1).unsqueeze(0)  # (1, L, B, E): rows, columns, batch, features
+        pad = None if padding_mask is None else padding_mask.unsqueeze(1)
+        if self.scaling is None:
+            out, _ = self.attn(msa, self_attn_padding_mask=pad)
+        else:
+            weights = self.attn.compute_attention_weights(msa, self.scaling(self.attn), None, pad)
+            out = self.attn.compute_attention_update(msa, weights.softmax(-1))
+        return out.squeeze(0).transpose(0, 1)
+
+
+class _EsmRowsOverD(_EsmRows):
+    """Scaled by 1/D instead of 1/sqrt(D)."""
+
+    scaling = staticmethod(lambda attn: 1.0 / attn.head_dim)
+
+
+@needs["esm"]
+def test_esm_row_attention_zeroing_padded_queries_is_not_a_missing_scale():
+    """catches: the in-place ``q *= 1 - padding_mask`` after ``q *= scaling`` hid the scale from the white box: a
+    wrong scale was also reported as missing-scale under a mask, and the class itself must stay certified."""
+    torch.manual_seed(0)
+    good = check(_EsmRows())
+    assert good.passed, [(f.id, f.message) for f in good.findings]
+    bad = check(_EsmRowsOverD())
+    assert bad.ids == {"wrong-scale"}, [(f.id, f.message) for f in bad.findings]
+
+
+# -- rotary tables for one pairing, applied with another ------------------------------------------------------------
+class _FluxStyleRotary(nn.Module):
+    """Flux-style attention: q/k RMS-normed per head, 1-D rotary positions as cos/sin tables laid out for
+    interleaved pairs (``repeat_interleave``), applied with diffusers' ``apply_rotary_emb``. ``k_pairing`` -1
+    applies the tables to k as to q; -2 reads k's pairs as halves (``use_real_unbind_dim=-2``), a layout the
+    tables were not made for."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, k_pairing: int = -1) -> None:
+        super().__init__()
+        self.heads, self.k_pairing = heads, k_pairing
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.norm_q, self.norm_k = nn.RMSNorm(dim // heads), nn.RMSNorm(dim // heads)
+        self.to_out = nn.Linear(dim, dim)
+
+    def tables(self, n: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        angle = torch.arange(n, dtype=torch.float64)[:, None] / 10000 ** (torch.arange(0, d, 2) / d)
+        return angle.cos().repeat_interleave(2, -1).to(dtype), angle.sin().repeat_interleave(2, -1).to(dtype)
+
+    def forward(self, x):
+        from diffusers.models.embeddings import apply_rotary_emb
+
+        _, n, e = x.shape
+        q, k, v = (f(x).unflatten(-1, (self.heads, -1)) for f in (self.to_q, self.to_k, self.to_v))
+        q, k = self.norm_q(q), self.norm_k(k)
+        rope = self.tables(n, e // self.heads, x.dtype)
+        q = apply_rotary_emb(q, rope, sequence_dim=1)
+        k = apply_rotary_emb(k, rope, use_real_unbind_dim=self.k_pairing, sequence_dim=1)
+        out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)))
+        return self.to_out(out.transpose(1, 2).flatten(2))
+
+
+@needs["diffusers"]
+def test_rotary_tables_of_another_pairing_on_k_are_a_mismatch_not_one_side():
+    """catches: k rotated with cos/sin laid out for another pairing named rotary-one-side (no rotary on k),
+    sending the user to add a rotation that is there."""
+    torch.manual_seed(0)
+    good = check(_FluxStyleRotary())
+    assert good.passed, [(f.id, f.message) for f in good.findings]
+    bad = check(_FluxStyleRotary(k_pairing=-2))
+    assert bad.ids == {"rotary-mismatch"}, [(f.id, f.message) for f in bad.findings]
+
+
+# -- an additive mask subtracted ---------------------------------------------------------------------------------
+class EagerMaskSubtracted(nn.Module):
+    """open_clip's eager path style: a bool attn_mask (True = may attend) turned into 0 / -inf, then (the bug)
+    subtracted from the scores instead of added: the masked keys get +inf."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.in_proj = nn.Linear(dim, 3 * dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x, attn_mask=None):
+        b, n, e = x.shape
+        q, k, v = self.in_proj(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) * (e // self.heads) ** -0.5
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                attn_mask = torch.zeros_like(attn_mask, dtype=q.dtype).masked_fill(~attn_mask, float("-inf"))
+            scores = scores - attn_mask
+        return self.out_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_an_additive_mask_subtracted_is_inverted_not_ignored():
+    """catches: the mask's sign flipped named mask-ignored, because the module also takes bool masks, which it
+    turns into -inf and then gives NaN: a bool reading that blows up does not make the additive reading doubtful."""
+    torch.manual_seed(0)
+    report = check(EagerMaskSubtracted())
+    assert "mask-inverted" in report.ids and "mask-ignored" not in report.ids, \
+        [(f.id, f.message) for f in report.findings]
+
+
+# -- global tokens computed by an attention of their own -----------------------------------------------------------
+class GlobalAndLocal(nn.Module):
+    """Longformer style: every token attends within a band of +-2 and to the first ``globals_`` tokens, with one set
+    of projections; the global tokens' own rows are computed over every key with a second set (query_global,
+    key_global, value_global) and replace the band's rows. attention_mask (B, L): 1 = token, 0 = padding."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, globals_: int = 1) -> None:
+        super().__init__()
+        self.heads, self.globals_ = heads, globals_
+        self.query, self.key, self.value = (nn.Linear(dim, dim) for _ in range(3))
+        self.query_global, self.key_global, self.value_global = (nn.Linear(dim, dim) for _ in range(3))
+        self.output = nn.Linear(dim, dim)
+
+    def split(self, t):
+        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, hidden_states, attention_mask=None):
+        b, n, e = hidden_states.shape
+        pad = torch.zeros(b, n, dtype=torch.bool) if attention_mask is None else attention_mask == 0
+        d = e // self.heads
+        i = torch.arange(n)
+        seen = ((i[:, None] - i[None, :]).abs() <= 2) | (i[None, :] < self.globals_)
+        low = torch.finfo(hidden_states.dtype).min
+        q, k, v = (self.split(f(hidden_states)) for f in (self.query, self.key, self.value))
+        s = (q @ k.transpose(-1, -2) / math.sqrt(d)).masked_fill(~seen, low).masked_fill(pad[:, None, None], low)
+        out = s.softmax(-1) @ v
+        qg, kg, vg = (self.split(f(hidden_states)) for f in (self.query_global, self.key_global, self.value_global))
+        sg = (qg[:, :, : self.globals_] @ kg.transpose(-1, -2) / math.sqrt(d)).masked_fill(pad[:, None, None], low)
+        out = torch.cat([sg.softmax(-1) @ vg, out[:, :, self.globals_:]], dim=2)
+        return self.output(out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_global_tokens_computed_by_a_second_attention_are_a_design():
+    """catches: the band attention's rows of the global tokens, which the module replaces by a second attention's
+    over every key, read as causal-leak; and an attention over no queries (no global tokens) read as a head split."""
+    torch.manual_seed(0)
+    report = check(GlobalAndLocal())
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+    assert "queries apart" in report.inferred["design"]
+    none = check(GlobalAndLocal(globals_=0))  # the global projections are then unused: no-grad, and only that
+    assert none.ids == {"no-grad"}, [(f.id, f.message) for f in none.findings]
