@@ -855,13 +855,14 @@ def test_a_forward_that_requires_the_positions_of_its_tokens_is_called_with_them
 def test_t5s_unscaled_scores_with_bucketed_bias_are_its_design():
     """catches: T5's attention (no 1/sqrt(D), a per-head bias from an embedding of relative-position buckets) built
     without T5's own initialisation read as missing-scale; the same bias from a plain table, or a per-head embedding
-    looked up by absolute or clipped positions, with no scale is still missing-scale."""
+    looked up by clipped offsets, with no scale is still missing-scale. Looked up by absolute positions, the bias
+    is not relative: that, not T5's missing scale, is what is wrong (definition-mismatch)."""
     report = check(BucketedBias(32))
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
     assert "T5" in report.inferred["design"]["scale"]
     assert check(BucketedBias(32, table=True)).ids == {"missing-scale"}
-    for index in ("absolute", "clipped"):  # a per-head embedding, but not looked up by T5's buckets
-        assert check(BucketedBias(32, index=index)).ids == {"missing-scale"}, index
+    assert check(BucketedBias(32, index="clipped")).ids == {"missing-scale"}  # Shaw's j - i + K, not T5's buckets
+    assert check(BucketedBias(32, index="absolute")).ids == {"definition-mismatch"}
 
 
 def test_a_cache_that_fixes_the_batch_size_is_a_limit_and_hides_no_other_finding():

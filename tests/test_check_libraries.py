@@ -259,3 +259,138 @@ def test_global_tokens_computed_by_a_second_attention_are_a_design():
     assert "queries apart" in report.inferred["design"]
     none = check(GlobalAndLocal(globals_=0))  # the global projections are then unused: no-grad, and only that
     assert none.ids == {"no-grad"}, [(f.id, f.message) for f in none.findings]
+
+
+# -- fairseq: keys joined with a learned or zero key ---------------------------------------------------------------
+class SeqFirstExtraKey(nn.Module):
+    """fairseq MultiheadAttention style, (L, B, E) in and out: q scaled in place, keys and values joined with a
+    learned bias_k / bias_v (or a zero key and value, ``add_zero_attn``) along the sequence, heads folded into the
+    batch for ``bmm``, a (B, L) key_padding_mask True = padding and an (L, L) additive attn_mask, each widened by
+    one column for the extra key.
+    ``scale_k`` also scales the tokens' keys (a second scale: 1/D in all); ``widen`` False forgets to widen the
+    padding mask, so that every call with one raises."""
+
+    def __init__(self, embed_dim: int = 64, heads: int = 4, zero_attn: bool = False, scale_k: bool = False,
+                 widen: bool = True) -> None:
+        super().__init__()
+        self.heads, self.zero_attn, self.scale_k, self.widen = heads, zero_attn, scale_k, widen
+        self.scaling = (embed_dim // heads) ** -0.5
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(embed_dim, embed_dim) for _ in range(4))
+        self.bias_k = None if zero_attn else nn.Parameter(0.1 * torch.randn(1, 1, embed_dim))
+        self.bias_v = None if zero_attn else nn.Parameter(0.1 * torch.randn(1, 1, embed_dim))
+
+    def forward(self, query, key_padding_mask=None, attn_mask=None):
+        n, b, e = query.shape
+        q, k, v = self.q_proj(query), self.k_proj(query), self.v_proj(query)
+        q *= self.scaling
+        if self.scale_k:
+            k = k * self.scaling
+        if self.bias_k is not None:
+            k, v = torch.cat([k, self.bias_k.repeat(1, b, 1)]), torch.cat([v, self.bias_v.repeat(1, b, 1)])
+        q, k, v = (t.contiguous().view(t.shape[0], b * self.heads, -1).transpose(0, 1) for t in (q, k, v))
+        if self.zero_attn:
+            k, v = torch.cat([k, k.new_zeros(k.shape[0], 1, k.shape[2])], 1), \
+                torch.cat([v, v.new_zeros(v.shape[0], 1, v.shape[2])], 1)
+        if key_padding_mask is not None and self.widen:
+            key_padding_mask = torch.cat([key_padding_mask, key_padding_mask.new_zeros(b, 1)], 1)
+        weights = torch.bmm(q, k.transpose(1, 2))
+        if attn_mask is not None:  # (L, L) additive, and 0 for the extra key
+            weights = weights + torch.cat([attn_mask, attn_mask.new_zeros(n, 1)], 1)[None]
+        if key_padding_mask is not None:
+            weights = weights.view(b, self.heads, n, -1).masked_fill(key_padding_mask[:, None, None].bool(),
+                                                                     float("-inf")).view(b * self.heads, n, -1)
+        out = torch.bmm(F.softmax(weights, dim=-1, dtype=torch.float32).type_as(weights), v)
+        return self.out_proj(out.transpose(0, 1).contiguous().view(n, b, e))
+
+
+@pytest.mark.parametrize("zero_attn", [False, True], ids=["bias_kv", "zero_attn"])
+def test_a_second_scale_on_keys_joined_with_an_extra_key_is_named(zero_attn):
+    """catches: k scaled as well as q (1/D in all) certified when the keys were then joined with bias_k or a zero
+    key: the walk back from the joined keys stopped at the cat and found no scale on them."""
+    torch.manual_seed(0)
+    good = check(SeqFirstExtraKey(zero_attn=zero_attn))
+    assert good.passed, [(f.id, f.message) for f in good.findings]
+    bad = check(SeqFirstExtraKey(zero_attn=zero_attn, scale_k=True))
+    assert bad.ids == {"wrong-scale"}, [(f.id, f.message) for f in bad.findings]
+
+
+def test_a_padding_mask_that_always_raises_is_not_certified_through_another_argument():
+    """catches: a key_padding_mask that raises on every call (not widened for the zero key) certified, the doctor
+    having read no padding at all: the padding is now not verified, and the report says which argument raised."""
+    torch.manual_seed(0)
+    report = check(SeqFirstExtraKey(zero_attn=True, widen=False))
+    assert report.verdict == "inconclusive" and "key_padding_mask raised" in report.coverage["padding"], \
+        (report.verdict, report.coverage, [(f.id, f.message) for f in report.findings])
+
+
+# -- a module's own default mask read the other way round ----------------------------------------------------------
+class DefaultMaskInverted(nn.Module):
+    """BLOOM style, causal: attention_mask (B, L), 1 = token, all ones when not given; the padding is read as
+    ``attention_mask.bool()`` instead of ``~attention_mask.bool()`` and joined to the causal mask (True = hidden)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query_key_value = nn.Linear(dim, 3 * dim)
+        self.dense = nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, attention_mask=None):
+        b, n, e = hidden_states.shape
+        if attention_mask is None:
+            attention_mask = torch.ones(b, n, dtype=torch.long)
+        hidden = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None] | attention_mask[:, None, None].bool()
+        q, k, v = self.query_key_value(hidden_states).view(b, n, self.heads, 3, -1).unbind(3)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).masked_fill(hidden, torch.finfo(q.dtype).min)
+        return self.dense((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_default_mask_read_the_other_way_round_is_named():
+    """catches: a padding mask read inverted, which hides every key when no mask is given, reported only by its
+    symptoms (causal-leak, no-grad) and never as mask-inverted."""
+    torch.manual_seed(0)
+    report = check(DefaultMaskInverted(), causal=True)
+    assert "mask-inverted" in report.ids, [(f.id, f.message) for f in report.findings]
+
+
+# -- T5's bias table looked up by absolute positions ---------------------------------------------------------------
+class BucketBias(nn.Module):
+    """T5 style: no 1/sqrt(D) (folded into T5's initialisation), a learned bias per head from
+    ``nn.Embedding(32, heads)`` looked up by bidirectional log buckets of j - i. ``relative`` False drops the
+    query's position (``memory_position`` alone): every row reads the buckets of the key's absolute position."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, relative: bool = True) -> None:
+        super().__init__()
+        self.heads, self.relative = heads, relative
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.relative_attention_bias = nn.Embedding(32, heads)
+
+    @staticmethod
+    def bucket(distance: torch.Tensor, buckets: int = 32, max_distance: int = 128) -> torch.Tensor:
+        half = buckets // 2
+        out = (distance > 0).long() * half
+        n = distance.abs()
+        exact = half // 2
+        far = exact + (torch.log(n.float().clamp_min(1) / exact) / math.log(max_distance / exact) *
+                       (half - exact)).long().clamp(max=half - 1)
+        return out + torch.where(n < exact, n, far)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = (f(x).view(b, n, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        memory, context = torch.arange(n)[None, :], torch.arange(n)[:, None]
+        distance = memory - context if self.relative else memory.expand(n, n)
+        bias = self.relative_attention_bias(self.bucket(distance)).permute(2, 0, 1)[None]
+        weights = (q @ k.transpose(-1, -2) + bias).softmax(-1)
+        return self.o((weights @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_t5_buckets_of_absolute_positions_are_not_read_as_t5s_unscaled_design():
+    """catches: a T5 bias looked up by the key's absolute position named missing-scale (the module was then
+    compared with T5's unscaled design, which needs buckets of j - i): the position term is what is wrong."""
+    torch.manual_seed(0)
+    good = check(BucketBias())
+    assert good.passed, [(f.id, f.message) for f in good.findings]
+    bad = check(BucketBias(relative=False))
+    assert bad.ids == {"definition-mismatch"} and "distance" in bad.findings[0].message, \
+        [(f.id, f.message) for f in bad.findings]

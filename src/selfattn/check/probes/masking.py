@@ -550,11 +550,12 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
         if caller.key_only:  # a padded position's own row may be zeroed (x-transformers): compare the others
             rows &= k0.diagonal() | d.any(-1)
         if torch.equal((d & off)[rows], as_keep[rows]):
-            return _found(ctx, native, d, candidates, plain)
+            return _found(ctx, native, d, candidates, plain, tried)
         sane = bool(masked_out.abs().max() < 100 * (1 + plain.abs().max()))  # a mask added after softmax blows up
         if sane and torch.equal((d & off)[rows], as_ignore[rows]):
             if caller.spec is not None and caller.spec.kind == "keep" and ctx.spec is None and not ctx.declared:
-                return _found(ctx, native.with_mask(MaskSpec("ignore", caller.spec.shape)), d, candidates, plain)
+                return _found(ctx, native.with_mask(MaskSpec("ignore", caller.spec.shape)), d, candidates, plain,
+                              tried)
             # a bool module reads 0/-10000 inverted; one whose bool reading gave NaN or inf does not (an additive
             # mask subtracted: a bool mask turned into 0/-inf then gives +inf scores)
             leaked_here = leaky is not None and leaky.spec is not None and caller.spec is not None and blew_up \
@@ -748,11 +749,17 @@ def _key_mask_broadcast(ctx: Context, candidates: list[Caller], plain: Tensor) -
     return None
 
 
-def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], plain: Tensor) -> Outcome[Caller]:
+def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], plain: Tensor,
+           tried: dict[str, str] | None = None) -> Outcome[Caller]:
     other = _other_shapes(ctx, caller, candidates, plain)
     if other is not None:
         return other
     found = Outcome[Caller](notes={"mask": _describe(caller)}, value=caller, coverage={"mask": "verified"})
+    broken = _raises_always(tried or {}, caller.mask_arg)
+    if broken is not None:  # the padding goes through the argument that fails: the one that works carries no padding
+        arg, error = broken
+        found.notes["mask"]["raises"] = {arg: error}
+        found.coverage["padding"] = f"not verified: every padding mask sent as {arg} raised ({error})"
     kind = caller.spec.kind if caller.spec else None
     if ctx.declared and kind in ("keep", "ignore") and ctx.declared != kind:
         found.findings.append(Finding.of(
@@ -775,6 +782,16 @@ def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], pl
 
 _PADDING_NAMES = ("key_padding_mask", "padding_mask", "src_key_padding_mask", "pad_mask")
 """Mask arguments named for padding: in torch's MultiheadAttention and its descendants, True = padding."""
+
+
+def _raises_always(tried: dict[str, str], working: str | None) -> tuple[str, str] | None:
+    """(argument, its first error) for a padding argument (:data:`_PADDING_NAMES`) other than ``working`` that raised
+    on every mask the doctor sent it (fairseq's key_padding_mask not widened for the zero key it adds); else None."""
+    for arg in _PADDING_NAMES:
+        said = [v for label, v in tried.items() if label.split(" ")[0] == arg]
+        if arg != working and said and not any(v.startswith(("accepted", "acts")) for v in said):
+            return arg, said[0]
+    return None
 
 
 def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:

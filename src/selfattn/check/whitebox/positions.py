@@ -202,6 +202,13 @@ def scale_origin(trace: Trace, tid: int) -> Origin:
         origin = trace.origin(tid)
         factor *= origin.factor
         rotated = rotated_from(trace, origin.id) if origin.op is not None else None
+        if rotated is None and origin.op is not None and origin.op.name == "cat" and len(origin.op.in_ids) > 1:
+            # keys joined with a learned or zero key (fairseq's bias_k, add_zero_attn): the tokens' part, the
+            # largest, carries the scale the tokens' keys got
+            sizes = [t.numel() for t in origin.op.inputs]
+            if len(sizes) == len(origin.op.in_ids) and max(sizes) * 2 > sum(sizes):
+                tid = origin.op.in_ids[sizes.index(max(sizes))]
+                continue
         if rotated is None:
             return Origin(origin.id, factor, origin.op, origin.part, origin.parts)
         tid = rotated[0]

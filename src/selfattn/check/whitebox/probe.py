@@ -217,8 +217,10 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
             continue
         fid, evidence, found_facts = verdict
         if fid == MASK_INVERTED and masked is not None and masked.unmatched and ctx.spec is None and \
-                not ctx.declared:  # no polarity to invert: the mask was sent in a convention its effect did not
-            fid = MASK_IGNORED  # match (items given each other's masks); one the user stated is the polarity
+                not ctx.declared and label != "without mask":  # no polarity to invert: the mask was sent in a
+            # convention its effect did not match (items given each other's masks); one the user stated, or the
+            # module's own default mask in a run given none, is the polarity
+            fid = MASK_IGNORED
             evidence = {**evidence, "matches": f"{evidence.get('matches')}, with a mask whose effect matches no "
                                                "convention: it hides other keys than it marks"}
         facts.update(found_facts)

@@ -816,13 +816,10 @@ def _scale_verdict(c: float, d: int, width: int, expected: float | None, unit_no
         ("the stated scale" if expected is not None else f"1/sqrt({d}), D = {d} the head dim")
 
 
-def _head_bias_table(trace: Trace, heads: set[int]) -> str | None:
-    """The shape of the embedding table a per-head position bias was looked up in the way T5 looks it up, as text,
-    or None. T5's ``relative_attention_bias`` is an ``nn.Embedding(buckets, heads)`` (trained, one column per head)
-    indexed by an (Lq, Lk) map of buckets of j - i: the same bucket along each diagonal, bucket 0 for the key at
-    the query's own position and bucket 1 for the key just before it (exact buckets for small distances, in both
-    T5's bidirectional and causal forms). A table indexed by absolute positions, or by clipped offsets (Shaw's
-    index j - i + K), is not T5's. ``heads``: the sizes the head axis may have."""
+def _head_bias_lookup(trace: Trace, heads: set[int]) -> tuple[str, Tensor] | None:
+    """(the table's shape as text, the (Lq, Lk) index of the first item) of a per-head position bias looked up in
+    a learned ``nn.Embedding(entries, heads)`` by an index map over (query, key), as T5 looks its bias up; None
+    when there is none. ``heads``: the sizes the head axis may have."""
     for op in trace.ops:
         if op.name != "embedding" or len(op.inputs) < 2:
             continue
@@ -832,13 +829,43 @@ def _head_bias_table(trace: Trace, heads: set[int]) -> str | None:
         if not tables or index is None or index.dim() < 2:
             continue
         square = index.reshape(-1, *index.shape[-2:])[0]
-        n = square.shape[0]
-        if n < 3 or square.shape[1] != n:
-            continue
-        toeplitz = all(bool((square.diagonal(k) == square.diagonal(k)[0]).all()) for k in range(-n + 1, n))
-        if toeplitz and int(square[0, 0]) == 0 and int(square[1, 0]) == 1:
-            return f"{tuple(tables[0][1].shape)} (buckets, heads)"
+        if square.shape[0] >= 3 and square.shape[1] == square.shape[0]:
+            return f"{tuple(tables[0][1].shape)} (buckets, heads)", square
     return None
+
+
+def _toeplitz(square: Tensor) -> bool:
+    n = square.shape[0]
+    return all(bool((square.diagonal(k) == square.diagonal(k)[0]).all()) for k in range(-n + 1, n))
+
+
+def _head_bias_table(trace: Trace, heads: set[int]) -> str | None:
+    """The shape of the embedding table a per-head position bias was looked up in the way T5 looks it up, as text,
+    or None. T5's ``relative_attention_bias`` is an ``nn.Embedding(buckets, heads)`` (trained, one column per head)
+    indexed by an (Lq, Lk) map of buckets of j - i: the same bucket along each diagonal, bucket 0 for the key at
+    the query's own position and bucket 1 for the key just before it (exact buckets for small distances, in both
+    T5's bidirectional and causal forms). A table indexed by absolute positions, or by clipped offsets (Shaw's
+    index j - i + K), is not T5's. ``heads``: the sizes the head axis may have."""
+    found = _head_bias_lookup(trace, heads)
+    if found is None:
+        return None
+    table, square = found
+    return table if _toeplitz(square) and int(square[0, 0]) == 0 and int(square[1, 0]) == 1 else None
+
+
+def _bucket_not_relative(trace: Trace, heads: set[int]) -> str | None:
+    """Why a T5-style bias table (learned, one column per head) is looked up by an index that is not of j - i: the
+    index changes along a diagonal (the query's position dropped from ``memory_position - context_position``, say);
+    None when it is of j - i or there is no such table."""
+    found = _head_bias_lookup(trace, heads)
+    if found is None or _toeplitz(found[1]):
+        return None
+    table, square = found
+    rows_alike = bool((square == square[:1]).all())
+    return (f"a learned bias per head from an embedding of {table} is looked up by an index that is not a function "
+            "of the distance j - i" + (": every query row reads the same buckets, by the key's position alone (the "
+                                       "query's position dropped from memory - context)" if rows_alike else "") +
+            "; T5's bias is relative")
 
 
 def folded_scale(q: Tensor, k: Tensor, d: int) -> bool:
@@ -1298,6 +1325,10 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                 f"{float(temperature.min()):.4g} to {float(temperature.max()):.4g})")
     with_terms = any(n in _TERMS for n in names) or product.name == "baddbmm"
     hidden = ~(torch.isfinite(s) & (s > _MASKED))
+    if keep is None and not scores_only and s.numel() and bool(hidden.all()):
+        return Verdict(MASK_INVERTED, {"matches": "given no mask, the module masks every score: the mask it builds "
+                                                  "for itself (every token visible) is read the other way round, so "
+                                                  "each query weighs every key alike, future ones too", **evidence})
     own = _self_mask(s, hidden)
     if own is not None:
         facts["self mask"] = own
@@ -1366,6 +1397,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         fid, said = None, f"{said}, but q is 1/sqrt({d}) of k in size: the scale is folded into q's projection"
         facts["scale"] = f"folded into the query projection's weights (q is 1/sqrt({d}) of k in size, as T5 " \
                          "initialises it): no scale on the scores"
+    if fid == MISSING_SCALE and "position term" in facts and expected(d) is None and \
+            (absolute := _bucket_not_relative(trace, set(p.shape) - {length})) is not None:
+        return Verdict(DEFINITION_MISMATCH, {"matches": absolute, **evidence}, facts)
     if fid == MISSING_SCALE and "position term" in facts and expected(d) is None and \
             (table := _head_bias_table(trace, set(p.shape) - {length})) is not None:
         fid, said = None, f"{said}, with a learned bias per head looked up from a table of {table}: T5's design"
