@@ -394,3 +394,107 @@ def test_t5_buckets_of_absolute_positions_are_not_read_as_t5s_unscaled_design():
     bad = check(BucketBias(relative=False))
     assert bad.ids == {"definition-mismatch"} and "distance" in bad.findings[0].message, \
         [(f.id, f.message) for f in bad.findings]
+
+
+# -- projections held as clones in a ModuleList ------------------------------------------------------------------------
+class ClonedProjections(nn.Module):
+    """The Annotated Transformer's MultiHeadedAttention: four copies of one Linear in an nn.ModuleList (q, k, v, out),
+    named by their place only; ``value_from`` picks the copy the values are computed with (2; 1 is the bug: the
+    key projection reused for the values, ``linears[2]`` never used)."""
+
+    def __init__(self, d_model: int = 64, h: int = 4, value_from: int = 2) -> None:
+        super().__init__()
+        self.h, self.d_k, self.value_from = h, d_model // h, value_from
+        self.linears = nn.ModuleList([nn.Linear(d_model, d_model) for _ in range(4)])
+
+    def forward(self, query, key, value, mask=None):
+        n = query.size(0)
+        q, k = (self.linears[i](x).view(n, -1, self.h, self.d_k).transpose(1, 2) for i, x in enumerate((query, key)))
+        v = self.linears[self.value_from](value).view(n, -1, self.h, self.d_k).transpose(1, 2)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)
+        if mask is not None:
+            scores = scores.masked_fill(mask.unsqueeze(1) == 0, torch.finfo(scores.dtype).min)
+        x = (scores.softmax(-1) @ v).transpose(1, 2).contiguous().view(n, -1, self.h * self.d_k)
+        return self.linears[-1](x)
+
+
+def test_a_cloned_projection_never_used_is_no_grad():
+    """catches: the value projection of clones(nn.Linear, 4) never used (the key copy computes the values)
+    certified: only projections named for their role (k_proj, to_v) were held to being used."""
+    torch.manual_seed(0)
+    good = check(ClonedProjections())
+    assert good.passed, [(f.id, f.message) for f in good.findings]
+    bad = check(ClonedProjections(value_from=1))
+    assert "no-grad" in bad.ids and "linears.2" in str(bad.findings), [(f.id, f.message) for f in bad.findings]
+
+
+# -- a convolution before patch attention ----------------------------------------------------------------------------
+class ConvPatchAttention(nn.Module):
+    """MobileViT style block on a (B, C, H, W) map: a 3 x 3 conv, then the map unfolded into 2 x 2 patches, each of
+    the 4 in-patch positions attending over the patches (tokens at the same place of every patch), folded back, a
+    1 x 1 conv and the input joined by a last conv. ``scale_width`` scales by 1/sqrt(C) (a bug)."""
+
+    def __init__(self, channels: int = 64, heads: int = 4, scale_width: bool = False) -> None:
+        super().__init__()
+        self.heads = heads
+        self.scale = (channels if scale_width else channels // heads) ** -0.5
+        self.local = nn.Conv2d(channels, channels, 3, padding=1)
+        self.qkv = nn.Linear(channels, 3 * channels, bias=False)
+        self.out = nn.Linear(channels, channels)
+        self.proj = nn.Conv2d(channels, channels, 1)
+        self.fuse = nn.Conv2d(2 * channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        y = self.local(x)
+        patches = y.reshape(b, c, h // 2, 2, w // 2, 2).permute(0, 3, 5, 2, 4, 1).reshape(b, 4, -1, c)
+        q, k, v = self.qkv(patches).unflatten(-1, (3, self.heads, -1)).permute(3, 0, 1, 4, 2, 5)
+        o = ((q @ k.transpose(-1, -2) * self.scale).softmax(-1) @ v).transpose(-3, -2).flatten(-2)
+        o = self.out(o).reshape(b, 2, 2, h // 2, w // 2, c).permute(0, 5, 3, 1, 4, 2).reshape(b, c, h, w)
+        return self.fuse(torch.cat([self.proj(o), x], 1))
+
+
+def test_patch_attention_behind_a_convolution_is_read_as_windows():
+    """catches: MobileViT's attention over the patches read as a head split (weights over 4 patches, not the 16
+    tokens) because the convolution before it makes every output depend on its neighbours, so the run's pattern
+    showed no windows; a wrong scale inside is still named."""
+    torch.manual_seed(0)
+    good = check(ConvPatchAttention())
+    assert "definition-mismatch" not in good.ids and not any(f.severity == "error" for f in good.findings), \
+        [(f.id, f.message) for f in good.findings]
+    bad = check(ConvPatchAttention(scale_width=True))
+    assert "wrong-scale" in bad.ids, [(f.id, f.message) for f in bad.findings]
+
+
+# -- a required padding argument: the module's own error is what the report shows --------------------------------------
+class RequiredValidLens(nn.Module):
+    """d2l style: forward(queries, keys, values, valid_lens) with valid_lens required, heads folded into the batch
+    (transpose_qkv); the keys transposed whole (``keys.T`` on a 3-D tensor: every dim reversed), so that it runs
+    only where batch x heads, the head dim and the length coincide, at no size the doctor tries."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.W_q, self.W_k, self.W_v, self.W_o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def fold(self, t):
+        b, n, _ = t.shape
+        return t.reshape(b, n, self.heads, -1).permute(0, 2, 1, 3).reshape(b * self.heads, n, -1)
+
+    def forward(self, queries, keys, values, valid_lens):
+        q, k, v = self.fold(self.W_q(queries)), self.fold(self.W_k(keys)), self.fold(self.W_v(values))
+        scores = torch.bmm(q, k.permute(2, 1, 0)) / math.sqrt(q.shape[-1])
+        lens = valid_lens.repeat_interleave(self.heads)
+        hidden = torch.arange(scores.shape[-1])[None, None, :] >= lens.reshape(-1, 1, 1)
+        out = torch.bmm(scores.masked_fill(hidden, -1e6).softmax(-1), v)
+        b = queries.shape[0]
+        return self.W_o(out.reshape(b, self.heads, -1, out.shape[-1]).permute(0, 2, 1, 3).flatten(2))
+
+
+def test_the_module_s_own_error_is_shown_when_a_required_mask_is_given():
+    """catches: a module that fails inside with its required valid_lens reported as "missing 1 required positional
+    argument: 'valid_lens'", the error of a call without it, which blames the user's call."""
+    from selfattn.check import CannotRun
+
+    with pytest.raises(CannotRun, match=r"valid_lens=\.\.\.\): RuntimeError"):
+        check(RequiredValidLens())

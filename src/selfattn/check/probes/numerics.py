@@ -340,7 +340,22 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
         if not played or fused or all(r is None for r in played):
             continue
         idle += [p for p, u, _ in group if not u and name_role(p) is not None and name_role(p) not in played]
-    return sorted(idle)
+    return sorted(idle + _idle_clones(module, used))
+
+
+def _idle_clones(module: nn.Module, used: set[int]) -> list[str]:
+    """q, k, v (and output) projections held as 3 or 4 copies of one Linear in an ``nn.ModuleList`` (the Annotated
+    Transformer's ``clones(nn.Linear(d, d), 4)``), named by their place only: one of them the call never used while
+    it used a later one (a key or value taken from another copy: ``v = self.linears[1](value)``)."""
+    idle = []
+    for path, mod in module.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) not in (3, 4) or \
+                not all(isinstance(c, nn.Linear) and c.weight.shape == mod[0].weight.shape for c in mod):
+            continue
+        touched = [id(c.weight) in used for c in mod]
+        last = max((i for i, t in enumerate(touched) if t), default=-1)
+        idle += [f"{path}.{i}" for i, t in enumerate(touched) if not t and i < last and mod[i].weight.requires_grad]
+    return idle
 
 
 def _idle_weights(module: nn.Module, used: set[int]) -> list[str]:

@@ -52,10 +52,12 @@ def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, dev
 
 
 def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Tensor,
-                          adapter: Callable | None = None, stated: MaskSpec | None = None) -> Caller | None:
+                          adapter: Callable | None = None, stated: MaskSpec | None = None,
+                          errors: list[str] | None = None) -> Caller | None:
     """A caller for a forward (or an adapter) that requires its mask: the first (shape, kind) whose band mask
     hides exactly the band's complement (bool masks read either way), batch first or else sequence first (a
-    Megatron-style [s, b, h] forward with its [b, 1, s, s] mask), else the first that runs; None if none runs."""
+    Megatron-style [s, b, h] forward with its [b, 1, s, s] mask), else the first that runs; None if none runs
+    (``errors`` then gets what the first form raised: the module's own failure, not a missing argument)."""
     b, length, _ = x.shape
     off = ~torch.eye(length, dtype=torch.bool)
     first: Caller | None = None
@@ -77,7 +79,9 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
                     continue
                 seen = dependency(partial(c, mask=mask), x)
                 full = dependency(c, x)
-        except Exception:  # not this shape or kind
+        except Exception as err:  # not this shape or kind
+            if errors is not None and not errors:
+                errors.append(f"{type(err).__name__}: {err}"[:300])
             continue
         if not bool(full.any()):  # its "hide nothing" mask hides everything (an additive 0 read as a bool)
             continue
@@ -135,14 +139,17 @@ def _caller_for(module: nn.Module, x: Tensor, stated: MaskSpec | None = None) ->
     style, why = find_call_style(module, x)
     if style:
         return Caller(module, style), ""
+    given = []
     for style in ("x", "qkv"):  # a mask the signature requires, or one the module cannot do without in practice
         named = [a for a in mask_parameters(module, style) if a in MASK_NAMES]
         arg = required_mask_parameter(module, style) or (named[0] if named else None)
         if arg is not None:
-            found = _required_mask_caller(module, style, arg, x, stated=stated)
+            errors: list[str] = []
+            found = _required_mask_caller(module, style, arg, x, stated=stated, errors=errors)
             if found is not None:
                 return found, ""
-    return None, why or ""
+            given += [f"{'forward(x, ' if style == 'x' else 'forward(q, k, v, '}{arg}=...): {e}" for e in errors]
+    return None, "; ".join([*given, why] if why else given)  # what the module raised first: it is what matters
 
 
 def _runs(call: Caller, shape: tuple[int, int, int], gen: torch.Generator, dtype: torch.dtype,

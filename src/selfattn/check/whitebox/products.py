@@ -1030,6 +1030,16 @@ def _self_mask(s: Tensor, hidden: Tensor) -> str | None:
             "when no other key is visible (shared-QK attention's self mask, as in Reformer)")
 
 
+def _convolved_before(trace: Trace, op: Op) -> bool:
+    """Did a convolution run on the way to ``op`` (the input mixed with its neighbours before the attention)?"""
+    for other in trace.ops:
+        if other is op:
+            return False
+        if other.name in ("conv1d", "conv2d", "conv3d"):
+            return True
+    return False
+
+
 def _other_queries(trace: Trace, op: Op, length: int) -> int:
     """The most queries another attention of the run weighs all ``length`` keys for, when it has fewer queries
     than tokens (Longformer's global tokens: their rows computed apart, over every key); 0 when there is none."""
@@ -1236,6 +1246,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         facts["layout"] = f"einsum {pv.args[0]!r}: the weights' query and key axes are dims {axes[0]} and {axes[1]}"
         p, s, w, dim = (p.movedim(axes, (-2, -1)), s.movedim(axes, (-2, -1)), p.movedim(axes, (-2, -1)),
                         p.dim() - 1)
+    # a convolution before the attention (MobileViT's 3 x 3 conv around its patch attention) makes every output
+    # depend on its neighbours: the run's pattern cannot show windows, the weights' shape does
+    local = local or _convolved_before(trace, sm)
     window = local and p.dim() >= 2 and p.shape[-1] == p.shape[-2] and 1 < p.shape[-1] < length and \
         _tiles(length, p.shape[-1], tuple(p.shape[:-2]))
     blocks = local and not window and p.dim() >= 3 and 1 < p.shape[-2] < length < p.shape[-3] * p.shape[-2] + \
