@@ -259,6 +259,8 @@ def test_global_tokens_computed_by_a_second_attention_are_a_design():
     assert "queries apart" in report.inferred["design"]
     none = check(GlobalAndLocal(globals_=0))  # the global projections are then unused: no-grad, and only that
     assert none.ids == {"no-grad"}, [(f.id, f.message) for f in none.findings]
+    two = check(GlobalAndLocal(globals_=2))  # their rows joined before the heads are merged: no head-merge
+    assert two.passed, [(f.id, f.message) for f in two.findings]
 
 
 # -- fairseq: keys joined with a learned or zero key ---------------------------------------------------------------
@@ -387,13 +389,16 @@ class BucketBias(nn.Module):
 
 def test_t5_buckets_of_absolute_positions_are_not_read_as_t5s_unscaled_design():
     """catches: a T5 bias looked up by the key's absolute position named missing-scale (the module was then
-    compared with T5's unscaled design, which needs buckets of j - i): the position term is what is wrong."""
+    compared with T5's unscaled design, which needs buckets of j - i): the position term is what is wrong; and
+    certified when the user states T5's scale of 1 (the lookup was only read on the way to a missing scale)."""
     torch.manual_seed(0)
     good = check(BucketBias())
     assert good.passed, [(f.id, f.message) for f in good.findings]
-    bad = check(BucketBias(relative=False))
-    assert bad.ids == {"definition-mismatch"} and "distance" in bad.findings[0].message, \
-        [(f.id, f.message) for f in bad.findings]
+    assert check(BucketBias(), scale=1.0).passed
+    for scale in (None, 1.0):
+        bad = check(BucketBias(relative=False), scale=scale)
+        assert bad.ids == {"definition-mismatch"} and "distance" in bad.findings[0].message, \
+            (scale, [(f.id, f.message) for f in bad.findings])
 
 
 # -- projections held as clones in a ModuleList ------------------------------------------------------------------------
@@ -498,3 +503,209 @@ def test_the_module_s_own_error_is_shown_when_a_required_mask_is_given():
 
     with pytest.raises(CannotRun, match=r"valid_lens=\.\.\.\): RuntimeError"):
         check(RequiredValidLens())
+
+
+# -- windows of 7 on a grid they do not divide; neighbourhoods; grids the module lays out itself --------------------
+@needs["torchvision"]
+def test_windows_of_seven_are_probed_on_a_grid_they_tile():
+    """catches: a 4 x 4 grid grown to 8 x 8 for windows of 7 holds padded windows the run's pattern does not show,
+    read as a head split: the grid is grown to twice the window's side instead (14 x 14)."""
+    import timm.models.swin_transformer as swin
+
+    torch.manual_seed(0)
+    block = swin.SwinTransformerBlock(64, input_resolution=(8, 8), num_heads=4, window_size=7, shift_size=3,
+                                      dynamic_mask=True, always_partition=True)
+    report = check(block)
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+    assert report.inferred["probe shape"][1] == 196
+
+
+class Neighbourhood(nn.Module):
+    """NAT style on a (B, H, W, E) map: each query attends to the k x k neighbourhood around it, moved inwards at
+    the borders so that it always holds k x k keys (a border query then sees keys that do not see it)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, k: int = 3) -> None:
+        super().__init__()
+        self.heads, self.k = heads, k
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, h, w, e = x.shape
+        q, k, v = self.qkv(x).view(b, h * w, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        rows, cols = torch.arange(h), torch.arange(w)
+        top, left = (rows - self.k // 2).clamp(0, h - self.k), (cols - self.k // 2).clamp(0, w - self.k)
+        in_rows = (rows[None] >= top[:, None]) & (rows[None] < top[:, None] + self.k)
+        in_cols = (cols[None] >= left[:, None]) & (cols[None] < left[:, None] + self.k)
+        seen = (in_rows[:, None, :, None] & in_cols[None, :, None, :]).reshape(h * w, h * w)
+        scores = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~seen, float("-inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, h, w, e))
+
+
+def test_neighbourhood_attention_is_a_design():
+    """catches: NAT's neighbourhoods, asymmetric at the borders, read as a mask built wrong (definition-mismatch)."""
+    torch.manual_seed(0)
+    report = check(Neighbourhood())
+    assert report.passed and "neighbourhood" in report.inferred["window"], [(f.id, f.message) for f in report.findings]
+
+
+class SquareWindows(nn.Module):
+    """(B, L, E) in and out; the module lays the tokens out on a sqrt(L) x sqrt(L) grid itself and attends within
+    4 x 4 windows. ``permute`` False cuts the windows with a reshape alone (the bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, permute: bool = True) -> None:
+        super().__init__()
+        self.heads, self.permute = heads, permute
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        side = math.isqrt(n)
+        assert side * side == n and side % 4 == 0, "a square grid of 4 x 4 windows"
+        grid = x.view(b, side // 4, 4, side // 4, 4, e)
+        cut = (grid.permute(0, 1, 3, 2, 4, 5) if self.permute else grid).reshape(-1, 16, e)
+        q, k, v = self.qkv(cut).view(-1, 16, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        o = self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, 16, e))
+        return o.view(b, side // 4, side // 4, 4, 4, e).permute(0, 1, 3, 2, 4, 5).reshape(b, n, e)
+
+
+def test_a_module_that_lays_out_its_own_grid_is_probed_past_one_window():
+    """catches: a (B, L, E) module that runs only on a square grid was probed at 16 tokens, one window, where a
+    partition without its permute cannot show."""
+    torch.manual_seed(0)
+    assert check(SquareWindows()).passed
+    bad = check(SquareWindows(permute=False))
+    assert not bad.passed and bad.inferred["probe shape"][1] == 64, [(f.id, f.message) for f in bad.findings]
+
+
+# -- q and k normalised by hand --------------------------------------------------------------------------------------
+class HandCosine(nn.Module):
+    """Cosine attention with a learned temperature per head, q and k normalised by hand: ``t / t.norm(dim=axis)``
+    or ``t * rsqrt(t.pow(2).sum(axis))``. axis -1 (the features) is right; -2 (the tokens) is the bug."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, axis: int = -1, rsqrt: bool = False) -> None:
+        super().__init__()
+        self.heads, self.axis, self.rsqrt = heads, axis, rsqrt
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.logit_scale = nn.Parameter(torch.full((heads, 1, 1), 2.0))
+
+    def unit(self, t, axis):
+        return t * torch.rsqrt(t.pow(2).sum(axis, keepdim=True)) if self.rsqrt else t / t.norm(dim=axis, keepdim=True)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.to_qkv(x).chunk(3, -1))
+        sim = self.unit(q, self.axis) @ self.unit(k, -1).transpose(-1, -2) * self.logit_scale.exp()
+        return self.to_out((sim.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize("rsqrt", [False, True], ids=["norm", "rsqrt"])
+def test_q_normalised_by_hand_over_the_tokens_is_named(rsqrt):
+    """catches: q / q.norm(dim=-2) (or an rsqrt of the squares summed over the tokens) certified as cosine attention:
+    only F.normalize and the norm layers were followed."""
+    torch.manual_seed(0)
+    assert check(HandCosine(rsqrt=rsqrt)).passed
+    bad = check(HandCosine(axis=-2, rsqrt=rsqrt))
+    assert bad.ids == {"definition-mismatch"} and "tokens" in bad.findings[0].message, bad.findings
+
+
+# -- a padding mask read True = padding, padded rows zeroed ------------------------------------------------------
+class PaddedRowsZeroed(nn.Module):
+    """key_padding_mask (B, L) True = padding, padded keys hidden with -inf, and the padded positions' own outputs
+    set to 0 after the output projection (x-transformers zeroes them)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x, key_padding_mask=None):
+        b, n, e = x.shape
+        q, k, v = (f(x).view(b, n, self.heads, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        if key_padding_mask is not None:
+            s = s.masked_fill(key_padding_mask[:, None, None], float("-inf"))
+        out = self.o((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+        return out if key_padding_mask is None else out * (~key_padding_mask)[..., None].to(out.dtype)
+
+
+def test_a_padding_mask_that_zeroes_padded_rows_is_read_true_as_padding():
+    """catches: mask-ignored on a module that reads True = padding and zeroes the padded rows: the rows a reading
+    leaves out were those of the keep reading only."""
+    torch.manual_seed(0)
+    report = check(PaddedRowsZeroed())
+    assert "mask-ignored" not in report.ids and report.inferred["mask"]["kind"] == "ignore", \
+        [(f.id, f.message) for f in report.findings]
+
+
+# -- a class token with an attention of its own ---------------------------------------------------------------------
+class OwnClassQuery(nn.Module):
+    """The class token (first) queries every token with a projection of its own; the other tokens attend among
+    themselves with SDPA. ``width_scale`` scales the class query's scores by 1/sqrt(E) (a bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, width_scale: bool = False) -> None:
+        super().__init__()
+        self.heads, self.width_scale = heads, width_scale
+        self.qkv, self.cls_q, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        patches = F.scaled_dot_product_attention(q[:, :, 1:], k[:, :, 1:], v[:, :, 1:])
+        qc = self.cls_q(x[:, :1]).view(b, 1, self.heads, -1).transpose(1, 2)
+        sc = qc @ k.transpose(-1, -2) * (e if self.width_scale else e // self.heads) ** -0.5
+        out = torch.cat([sc.softmax(-1) @ v, patches], 2)
+        return self.proj(out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_class_token_with_its_own_attention_is_a_design():
+    """catches: definition-mismatch on a class token that reads every token while the others attend among
+    themselves (SDPA over L - 1 tokens read as a head split); a wrong scale in its attention is still named."""
+    torch.manual_seed(0)
+    good = check(OwnClassQuery())
+    assert good.passed, [(f.id, f.message) for f in good.findings]
+    assert "read-out" in good.inferred["window"]
+    assert check(OwnClassQuery(width_scale=True)).ids == {"wrong-scale"}
+
+
+# -- a second padding argument ----------------------------------------------------------------------------------------
+class MaskThenPadding(nn.Module):
+    """forward(x, mask=None, padding_mask=None): mask (B, L, L) bool True = may attend, applied; padding_mask (B, L)
+    True = padding, applied when ``apply_padding``, or accepted and dropped (the bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, apply_padding: bool = True) -> None:
+        super().__init__()
+        self.heads, self.apply_padding = heads, apply_padding
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None, padding_mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5
+        if mask is not None:
+            s = s.masked_fill(~mask[:, None], torch.finfo(s.dtype).min)
+        if padding_mask is not None and self.apply_padding:
+            s = s.masked_fill(padding_mask[:, None, None], torch.finfo(s.dtype).min)
+        return self.out((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_padding_argument_after_a_working_mask_is_probed_too():
+    """catches: a padding_mask after a working mask argument never tried, so that one the module accepts and never
+    applies was certified."""
+    torch.manual_seed(0)
+    good = check(MaskThenPadding())
+    assert good.passed, [(f.id, f.message) for f in good.findings]
+    bad = check(MaskThenPadding(apply_padding=False))
+    assert bad.ids == {"mask-ignored"} and "padding_mask" in bad.findings[0].message, bad.findings
+
+
+# -- MaxViT's (B, G, P, E) partitions --------------------------------------------------------------------------------
+@needs["torchvision"]
+def test_attention_over_groups_of_tokens_is_called_with_one_group():
+    """catches: torchvision's MaxViT attention, which takes (B, G, P, E) with P fixed by its relative table (49 in
+    maxvit_t), could not run: no layout sent 49 tokens on dim 2 (as an image, 7 x 7 went to G and P)."""
+    from torchvision.models.maxvit import RelativePositionalMultiHeadAttention
+
+    torch.manual_seed(0)
+    report = check(RelativePositionalMultiHeadAttention(64, 16, 49))
+    assert report.inferred["layout"].startswith("grouped") and report.ids == {"wrong-scale"}, \
+        [(f.id, f.message) for f in report.findings]

@@ -17,6 +17,7 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -214,14 +215,25 @@ def _enough_keys(call: Caller, x: Tensor, gen: torch.Generator, inferred: dict) 
         inferred["probe shape"] = (b, n, e)
         inferred["keys"] = "a grid with one key after the module's reduction was doubled on each side"
     keys = _keys(call, x)
-    if keys is not None and keys >= n and 4 * n <= 1024:  # one window may cover the whole grid (Swin's 4 x 4 window
-        bigger = torch.randn(b, 4 * n, e, generator=gen).to(x)  # on a 4 x 4 grid cuts nothing and shifts nothing)
+    side = math.isqrt(n)
+    if keys is None or keys < n or side * side != n:
+        return x
+    # one window may cover the whole grid (Swin's 4 x 4 window on a 4 x 4 grid cuts nothing and shifts nothing): the
+    # grid's sides are doubled, or made twice the window's side, so that whole windows tile it (a grid padded up to
+    # the windows, 8 x 8 in windows of 7, would hold padding the run's pattern does not show)
+    tried: set[int] = set()
+    for sides in (2 * side, 2 * math.isqrt(keys)):
+        if sides * sides > 256 or sides <= side or sides in tried:
+            continue
+        tried.add(sides)
+        bigger = torch.randn(b, sides * sides, e, generator=gen).to(x)
         more = _keys(call, bigger)
-        if more is not None and more < 4 * n:
-            x = bigger
-            inferred["probe shape"] = (b, 4 * n, e)
-            inferred["keys"] = (f"a grid whose {n} tokens fit one of the module's windows was doubled on each side: "
-                                f"its queries weigh {more} keys of {4 * n}")
+        window = math.isqrt(more) if more is not None else 0
+        if more is not None and more < sides * sides and window * window == more and sides % window == 0:
+            inferred["probe shape"] = (b, sides * sides, e)
+            inferred["keys"] = (f"a grid whose {n} tokens fit one of the module's windows was grown to {sides} x "
+                                f"{sides}: its queries weigh {more} keys of {sides * sides}")
+            return bigger
     return x
 
 
@@ -342,7 +354,9 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         assert called is not None  # calling() gives the caller and its input, or raises CannotRun
         call, x = called
         call.make_mask = make_mask
-        if call.layout in ("channels-first", "channels-last", "channels-first-1d") and sizes.lengths is None:
+        # an image, or tokens the module lays out on a square grid itself (it runs only at a square length)
+        if sizes.lengths is None and (call.layout in ("channels-first", "channels-last", "channels-first-1d") or
+                                      math.isqrt(x.shape[1]) ** 2 == x.shape[1] > 4):
             x = _enough_keys(call, x, gen, got.inferred)
         try:
             with torch.no_grad():

@@ -13,6 +13,7 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -185,6 +186,36 @@ def _streaming_chunks(dep: Tensor) -> tuple[int, int] | None:
     return None
 
 
+def _neighbourhood(dep: Tensor) -> str | None:
+    """Neighbourhood attention (NAT's, or a sliding window clamped at the ends): each query sees one rectangle of
+    keys of a fixed size around it, on the line or on the tokens' square grid, moved inwards at the borders (so a
+    query near a border sees keys that do not see it). The description, or None."""
+    length = dep.shape[0]
+    side = math.isqrt(length)
+    grids = [(1, length)] + ([(side, side)] if side * side == length and side >= 3 else [])
+    for rows, cols in grids:
+        sizes = set()
+        for q in range(length):
+            keys = dep[q].nonzero().flatten().cpu()
+            if not keys.numel():
+                sizes.add((0, 0))
+                break
+            r, c = keys // cols, keys % cols
+            tall, wide = int(r.max() - r.min()) + 1, int(c.max() - c.min()) + 1
+            if tall * wide != keys.numel() or not (int(r.min()) <= q // cols <= int(r.max()) and
+                                                   int(c.min()) <= q % cols <= int(c.max())):
+                sizes.add((0, 0))
+                break
+            sizes.add((tall, wide))
+        if len(sizes) == 1 and (0, 0) not in sizes and next(iter(sizes)) != (rows, cols):
+            tall, wide = next(iter(sizes))
+            where = f"{wide} neighbouring tokens" if rows == 1 else f"a {tall} x {wide} neighbourhood on the " \
+                                                                     f"{rows} x {cols} grid"
+            return (f"neighbourhood attention: each query sees {where} around it, moved inwards at the borders "
+                    "(NAT's, or a window clamped at the ends)")
+    return None
+
+
 def _local_design(dep: Tensor) -> str | None:
     """The published pattern a dependency matrix that sees some future keys follows, or None: symmetric with the
     diagonal seen (blocks, windows of an image, shifted windows: each pair of tokens sees each other or neither), or
@@ -203,12 +234,20 @@ def _local_design(dep: Tensor) -> str | None:
         return (f"local pattern with global tokens: keys {seen_by_all.nonzero().flatten().tolist()} are seen by every "
                 f"query, queries {sees_all.nonzero().flatten().tolist()} see every key, the others a symmetric local "
                 "set (Longformer's or BigBird's global attention)")
+    others = ~sees_all
+    if sees_all.any() and int(others.sum()) > 2 and bool(dep[others][:, others].all()) and \
+            not bool(dep[others][:, sees_all].any()):
+        return (f"read-out tokens: queries {sees_all.nonzero().flatten().tolist()} see every key, and the other "
+                "tokens attend among themselves, not to them (a class token with an attention of its own)")
     chunks = _streaming_chunks(dep)
     if chunks is not None:
         size, left = chunks
         before = "every chunk" if left >= (length - 1) // size else f"{left} chunk(s)" if left else "no chunk"
         return (f"streaming chunks: each query sees its own chunk of {size} tokens (later tokens of the chunk "
                 f"too) and {before} before it (the chunk masks of streaming speech encoders, WeNet's or ESPnet's)")
+    neighbourhood = _neighbourhood(dep)
+    if neighbourhood is not None:
+        return neighbourhood
     causal = ~future(length).to(dep.device) | eye
     for prefix in range(2, length):
         block = torch.zeros_like(dep)
@@ -547,12 +586,14 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
         k0 = keep[0]
         as_keep, as_ignore = k0 & dep & off, ~k0 & dep & off
         rows = (k0 & dep).any(-1) & (~k0 & dep).any(-1)  # rows where the two readings differ
+        flipped_rows = rows
         if caller.key_only:  # a padded position's own row may be zeroed (x-transformers): compare the others
-            rows &= k0.diagonal() | d.any(-1)
+            rows = rows & (k0.diagonal() | d.any(-1))
+            flipped_rows = flipped_rows & (~k0.diagonal() | d.any(-1))  # read the other way round, its pads' rows
         if torch.equal((d & off)[rows], as_keep[rows]):
             return _found(ctx, native, d, candidates, plain, tried)
         sane = bool(masked_out.abs().max() < 100 * (1 + plain.abs().max()))  # a mask added after softmax blows up
-        if sane and torch.equal((d & off)[rows], as_ignore[rows]):
+        if sane and torch.equal((d & off)[flipped_rows], as_ignore[flipped_rows]):
             if caller.spec is not None and caller.spec.kind == "keep" and ctx.spec is None and not ctx.declared:
                 return _found(ctx, native.with_mask(MaskSpec("ignore", caller.spec.shape)), d, candidates, plain,
                               tried)
@@ -755,11 +796,18 @@ def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], pl
     if other is not None:
         return other
     found = Outcome[Caller](notes={"mask": _describe(caller)}, value=caller, coverage={"mask": "verified"})
+    later = _later_padding(ctx, caller, candidates, plain, tried or {}) or \
+        _padding_ignored(tried or {}, caller.mask_arg)
     broken = _raises_always(tried or {}, caller.mask_arg)
     if broken is not None:  # the padding goes through the argument that fails: the one that works carries no padding
         arg, error = broken
         found.notes["mask"]["raises"] = {arg: error}
         found.coverage["padding"] = f"not verified: every padding mask sent as {arg} raised ({error})"
+    elif later is not None:  # a padding argument after the one found, which the module accepts and never applies
+        found.findings.append(Finding.of(MASK_IGNORED, f"the module takes {later} and accepts a (B, L) padding mask "
+                                         f"there, but its output does not change with it (the mask found, "
+                                         f"{caller.mask_arg}, works)", {"argument": later, "tried": {
+                                             k: v for k, v in (tried or {}).items() if k.startswith(later)}}))
     kind = caller.spec.kind if caller.spec else None
     if ctx.declared and kind in ("keep", "ignore") and ctx.declared != kind:
         found.findings.append(Finding.of(
@@ -782,6 +830,40 @@ def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], pl
 
 _PADDING_NAMES = ("key_padding_mask", "padding_mask", "src_key_padding_mask", "pad_mask")
 """Mask arguments named for padding: in torch's MultiheadAttention and its descendants, True = padding."""
+
+
+def _later_padding(ctx: Context, found: Caller, candidates: list[Caller], plain: Tensor,
+                   tried: dict[str, str]) -> str | None:
+    """A padding argument (:data:`_PADDING_NAMES`) that comes after the mask argument found and was not tried, sent
+    (B, L) masks in each kind: what each did goes into ``tried``; the argument when every mask it accepted changed
+    nothing (a key_padding_mask beside a working attn_mask, never applied), else None."""
+    later = [c for c in candidates if c.mask_arg in _PADDING_NAMES and c.mask_arg != found.mask_arg and
+             c.spec is not None and c.spec.shape == "BL" and _label(c) not in tried]
+    accepted: dict[str, bool] = {}
+    for native in later:
+        caller = ctx.exact_of(native)
+        keep = probe_keep(plain.shape[0], plain.shape[1], caller.key_only, caller.at_end)
+        try:
+            with torch.no_grad():
+                out = caller(ctx.analysis_x, caller.module_mask(keep))
+        except Exception as err:  # not a form it takes
+            tried[_label(native)] = f"{type(err).__name__}: {err}"[:120]
+            continue
+        moved = out.shape != plain.shape or not _unchanged(out, plain, 1e-9 if out.dtype == torch.float64 else 1e-4)
+        tried[_label(native)] = "accepted; it changes the output" if moved else "accepted, but changed nothing"
+        accepted[str(native.mask_arg)] = accepted.get(str(native.mask_arg), False) or moved
+    return next((arg for arg, moved in accepted.items() if not moved), None)
+
+
+def _padding_ignored(tried: dict[str, str], working: str | None) -> str | None:
+    """A padding argument (:data:`_PADDING_NAMES`) other than ``working`` that accepted some of the masks the doctor
+    sent it and changed the output with none of them; else None."""
+    for arg in _PADDING_NAMES:
+        said = [v for label, v in tried.items() if label.split(" ")[0] == arg]
+        if arg != working and any(v.startswith("accepted, but changed nothing") for v in said) and \
+                not any(v.startswith(("accepted;", "acts")) for v in said):
+            return arg
+    return None
 
 
 def _raises_always(tried: dict[str, str], working: str | None) -> tuple[str, str] | None:

@@ -171,6 +171,8 @@ def to_layout(x: Tensor, layout: str) -> Tensor:
         b, n, e = x.shape
         image = x.reshape(b, *grid(n), e)
         return image.permute(0, 3, 1, 2) if layout == "channels-first" else image
+    if layout == "grouped":
+        return x.unsqueeze(1)
     return x
 
 
@@ -184,6 +186,8 @@ def from_layout(y: Tensor, layout: str) -> Tensor:
         return y.flatten(2).transpose(1, 2)
     if layout == "channels-last" and y.dim() == 4:
         return y.flatten(1, 2)
+    if layout == "grouped" and y.dim() == 4 and y.shape[1] == 1:
+        return y.squeeze(1)
     return y
 
 
@@ -208,10 +212,11 @@ class Caller:
     without one sends the mask that hides nothing. ``switch``: the mask is a bool argument that
     turns a causal mask on (``is_causal``). ``base``: the (L, L) pattern the module applies when it
     gets no mask and that a mask replaces (``is_causal=mask is None``), kept in every mask sent.
-    ``layout``: "batch-first" (B, L, E), "sequence-first" (L, B, E), "channels-first-1d" (B, E, L), or an
-    image of L = H x W
-    tokens, "channels-first" (B, E, H, W) or "channels-last" (B, H, W, E) (H the largest divisor of
-    L up to its square root); the probes always speak (B, L, E) and the caller converts both ways.
+    ``layout``: "batch-first" (B, L, E), "sequence-first" (L, B, E), "channels-first-1d" (B, E, L),
+    "grouped" (B, 1, L, E): one group of L tokens (MaxViT's (B, G, P, E) partitions), or an image of
+    L = H x W tokens, "channels-first" (B, E, H, W) or "channels-last" (B, H, W, E) (H the largest
+    divisor of L up to its square root); the probes always speak (B, L, E) and the caller converts
+    both ways.
     """
 
     module: nn.Module

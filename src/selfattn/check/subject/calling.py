@@ -199,7 +199,8 @@ def _image_layout(module: nn.Module, adapter: Callable | None, sizes: Sizes, e: 
     attention block); None otherwise."""
     lengths = sizes.lengths or (16, 9, 12, 49)  # 7 x 7: a window or reduction of 7 (Swin's, Twins')
     shapes = [(b, n, e) for n in lengths for b in ([sizes.batch] if sizes.batch else [2, 3])]
-    for layout in ("channels-first-1d", "channels-first", "channels-last"):  # (B, E, L) first: a conv1d block's
+    # (B, E, L) first: a conv1d block's; (B, 1, L, E) last: one group of tokens of a (B, G, P, E) module
+    for layout in ("channels-first-1d", "channels-first", "channels-last", "grouped"):
         base = Caller(module, "adapter", adapter=adapter) if adapter is not None else Caller(module, "x")
         call = replace(base, layout=layout)
         ran = [shape for shape in shapes if _runs(call, shape, gen, dtype, device) is None]
@@ -341,12 +342,15 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     as_images = ""
     if not ran or (adapter is None and all(s[1] == e for s in ran)):
         image = _image_layout(module, adapter, sizes, e, gen, dtype, device)
-        as_images = " (and as images: channels first (B, E, L) and (B, E, H, W), channels last (B, H, W, E))"
+        as_images = " (and as images: channels first (B, E, L) and (B, E, H, W), channels last (B, H, W, E), one " \
+            "group (B, 1, L, E))"
         if image is not None and (not ran or any(s[1] != e for s in image[1])):
             call, ran = image
             failed, errors, wrong = [], [], []
             notes["layout"] = (f"{call.layout}: the module takes (B, E, L) channels first; the doctor sends "
                                "x.transpose(1, 2)") if call.layout == "channels-first-1d" else \
+                ("grouped: the module takes groups of tokens (B, G, L, E); the doctor sends its (B, L, E) input as "
+                 "one group, x.unsqueeze(1)") if call.layout == "grouped" else \
                 (f"{call.layout}: the module takes an image ((B, E, H, W) channels first, (B, H, W, E) channels "
                  "last); the doctor sends its (B, L, E) input as an H x W grid")
     if not ran and not wrong and sizes.lengths is None:

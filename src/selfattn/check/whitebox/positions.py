@@ -11,8 +11,19 @@ from torch import Tensor
 
 from .trace import LAYOUT, PRODUCTS, Op, Origin, Trace
 
-__all__ = ["ROPE_BASES", "normalised", "normalised_over_tokens", "rope", "rotary", "rotated_from",
-           "rotation_on_the_way", "rotation_problem", "scale_origin", "unit_before_gains"]
+__all__ = [
+    "ROPE_BASES",
+    "normalised",
+    "normalised_over_tokens",
+    "rope",
+    "rotary",
+    "rotated_from",
+    "rotation_on_the_way",
+    "rotation_problem",
+    "scale_origin",
+    "unit_before_gains",
+    "unit_over_tokens",
+]
 
 ROPE_BASES = (10000.0, 500000.0, 1000000.0)
 
@@ -249,6 +260,28 @@ def _proportional(v: Tensor, operand: Tensor) -> bool:
     v, o = v.double(), operand.double()
     c = (v * o).sum((-2, -1), keepdim=True) / (v * v).sum((-2, -1), keepdim=True).clamp_min(1e-300)
     return bool(((o - c * v).abs() <= 1e-6 * (1 + o.abs().amax((-2, -1), keepdim=True))).all())
+
+
+def unit_over_tokens(operand: Tensor, contracted: int | None) -> str | None:
+    """When a score operand (..., tokens, features) holds rows whose norms along the tokens are one number per slice
+    (an item and head: 1, or a gain) while its norms along the features the product contracts are not: q or k
+    normalised over the tokens by hand (``q / q.norm(dim=-2)``, ``q * rsqrt(q.pow(2).sum(-2))``); else None."""
+    if contracted not in (-1, -2) or operand.dim() < 2 or not operand.is_floating_point():
+        return None
+    t = operand.double()
+    tokens = -3 - contracted
+    if t.shape[tokens] < 3 or t.shape[contracted] < 3:
+        return None
+    along = t.norm(dim=tokens)  # (..., features) or (..., features) in the product's layout
+    across = t.norm(dim=contracted)
+    flat_along, flat_across = along.reshape(-1, along.shape[-1]), across.reshape(-1, across.shape[-1])
+    same = ((flat_along - flat_along[:, :1]).abs() <= 1e-6 * flat_along[:, :1].abs()).all()
+    differ = ((flat_across - flat_across[:, :1]).abs() > 1e-3 * flat_across[:, :1].abs()).any()
+    if not bool(same) or not bool(differ) or not bool((flat_along > 0).all()):
+        return None
+    return (f"q (or k) has one norm along its {t.shape[tokens]} tokens for every feature, and other norms along the "
+            f"{t.shape[contracted]} features the scores sum over: it was normalised over the tokens, so each token's "
+            "query depends on every other token, and the scores are not cosines")
 
 
 def normalised_over_tokens(trace: Trace, tid: int, d: int, length: int, operand: Tensor | None = None,

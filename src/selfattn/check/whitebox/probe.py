@@ -40,7 +40,15 @@ from ..findings import (
 from ..subject.building import num_heads_of
 from ..subject.caller import Caller, grid
 from ..subject.context import Context, Outcome, padding_keep
-from .products import Unrecognised, Unseen, examine_cores, folded_scale, relative_positions, unshifted_relative
+from .products import (
+    Unrecognised,
+    Unseen,
+    bucket_not_relative,
+    examine_cores,
+    folded_scale,
+    relative_positions,
+    unshifted_relative,
+)
 from .projections import AFTER, Capture, NoFormula, capture, identify, qkv_heads
 from .tokens import mixed_after, mixed_rows, normed_over_tokens
 from .trace import Trace, key, record
@@ -197,7 +205,10 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         raw = _raw(run_caller, mask, k4) if mask is not None and k4 is not None else None
         cap = capture(trace, module, x)
         verdict, why = _by_projections(cap, out, heads, k4, raw, bias, stated)
-        if verdict is None:
+        if verdict is not None and verdict[0] is None and "positions" in verdict[1] and \
+                (absolute := bucket_not_relative(trace, set(heads), plain_only=True)) is not None:
+            verdict, why = None, absolute  # a T5-style table looked up by positions, not by their distance
+        if verdict is None and not why.startswith("a learned bias per head"):
             verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why, k4, frozenset({id(x)}),
                                         local=not bool(dep.all()), partner=_other_tokens(module, call, x))
             if verdict is not None and verdict[0] == DEFINITION_MISMATCH:  # no formula: the same as none found

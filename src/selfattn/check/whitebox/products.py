@@ -56,10 +56,12 @@ from .positions import (
     rotation_problem,
     scale_origin,
     unit_before_gains,
+    unit_over_tokens,
 )
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
-__all__ = ["ROLE_PATTERNS", "Verdict", "core_operands", "examine_cores", "name_role", "relative_positions"]
+__all__ = ["ROLE_PATTERNS", "Verdict", "bucket_not_relative", "core_operands", "examine_cores", "name_role",
+           "relative_positions"]
 
 _SCALES = frozenset({"mul", "rmul", "mul_", "imul", "div", "truediv", "div_", "itruediv"})
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
@@ -853,19 +855,25 @@ def _head_bias_table(trace: Trace, heads: set[int]) -> str | None:
     return table if _toeplitz(square) and int(square[0, 0]) == 0 and int(square[1, 0]) == 1 else None
 
 
-def _bucket_not_relative(trace: Trace, heads: set[int]) -> str | None:
+def bucket_not_relative(trace: Trace, heads: set[int], plain_only: bool = False) -> str | None:
     """Why a T5-style bias table (learned, one column per head) is looked up by an index that is not of j - i: the
     index changes along a diagonal (the query's position dropped from ``memory_position - context_position``, say);
-    None when it is of j - i or there is no such table."""
+    None when it is of j - i or there is no such table. ``plain_only``: only an index of one position (the key's
+    or the query's) or of i + j counts (a grid's offsets, flattened, are of neither: a 2-D relative index)."""
     found = _head_bias_lookup(trace, heads)
     if found is None or _toeplitz(found[1]):
         return None
     table, square = found
-    rows_alike = bool((square == square[:1]).all())
+    rows_alike, columns_alike = bool((square == square[:1]).all()), bool((square == square[:, :1]).all())
+    summed = _toeplitz(square.flip(-1))  # constant along each anti-diagonal: an index of i + j
+    if plain_only and not (rows_alike or columns_alike or summed):
+        return None
+    how = ": every query row reads the same buckets, by the key's position alone (the query's position dropped " \
+          "from memory - context)" if rows_alike else ": every key reads the same buckets, by the query's position " \
+          "alone" if columns_alike else ": it is a function of i + j (a sign lost in memory - context)" if summed \
+          else ""
     return (f"a learned bias per head from an embedding of {table} is looked up by an index that is not a function "
-            "of the distance j - i" + (": every query row reads the same buckets, by the key's position alone (the "
-                                       "query's position dropped from memory - context)" if rows_alike else "") +
-            "; T5's bias is relative")
+            f"of the distance j - i{how}; T5's bias is relative")
 
 
 def folded_scale(q: Tensor, k: Tensor, d: int) -> bool:
@@ -1397,8 +1405,10 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         if float(t.abs().max()) > 1e-3 * size:
             facts.setdefault("position term", "an additive term of (head, query, key) (a relative-position bias)")
     tokens = p.shape[-1] if window else length  # within windows, q and k hold a window's tokens
-    over_tokens = normalised_over_tokens(trace, aid, d, tokens, a, _contracted_axis(product, 0, a)) or \
-        normalised_over_tokens(trace, bid, d, tokens, b, _contracted_axis(product, 1, b))
+    axis_a, axis_b = _contracted_axis(product, 0, a), _contracted_axis(product, 1, b)
+    over_tokens = normalised_over_tokens(trace, aid, d, tokens, a, axis_a) or \
+        normalised_over_tokens(trace, bid, d, tokens, b, axis_b) or unit_over_tokens(a, axis_a) or \
+        unit_over_tokens(b, axis_b)
     if over_tokens:
         return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, **evidence}, facts)
     origin_a, origin_b = scale_origin(trace, aid), scale_origin(trace, bid)
@@ -1410,8 +1420,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         fid, said = None, f"{said}, but q is 1/sqrt({d}) of k in size: the scale is folded into q's projection"
         facts["scale"] = f"folded into the query projection's weights (q is 1/sqrt({d}) of k in size, as T5 " \
                          "initialises it): no scale on the scores"
-    if fid == MISSING_SCALE and "position term" in facts and expected(d) is None and \
-            (absolute := _bucket_not_relative(trace, set(p.shape) - {length})) is not None:
+    if "position term" in facts and (absolute := bucket_not_relative(
+            trace, set(p.shape) - {length}, plain_only=not (fid == MISSING_SCALE and expected(d) is None))):
         return Verdict(DEFINITION_MISMATCH, {"matches": absolute, **evidence}, facts)
     if fid == MISSING_SCALE and "position term" in facts and expected(d) is None and \
             (table := _head_bias_table(trace, set(p.shape) - {length})) is not None:
@@ -1443,6 +1453,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         merged = "heads merged side by side within the windows (the windows are put back by the module's own layout)"
     if blocks:  # blocks of a sequence are merged with the same reshape a head merge would be: not read
         merge_fid, merged = None, "not checked: the blocks are put back by the module's own layout"
+    if "queries apart" in facts:  # its rows join the other attention's before the heads are merged: read there
+        merge_fid, merged = None, "read with the attention whose rows these join"
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence}, facts)
@@ -1531,6 +1543,11 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     if window:  # attention within windows (Twins' locally grouped attention): each window's call on its own
         facts["windows"] = f"attention within windows of {q.shape[-2]} tokens (the module sees a local pattern)"
         length, keep = q.shape[-2], None
+    if q.dim() >= 2 and 2 < q.shape[-2] < length == q.shape[-2] + _other_queries(trace, op, length) and \
+            k.shape[-2] == q.shape[-2]:  # the tokens but a few read-out ones, among themselves; those apart
+        facts["queries apart"] = (f"{q.shape[-2]} of the {length} tokens attend among themselves; the other "
+                                  f"{length - q.shape[-2]} in an attention of their own over every token")
+        length, keep = q.shape[-2], None
     if q.dim() < 2 or q.shape[-2] != length:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"scaled_dot_product_attention runs over an axis of size "
                                                f"{q.shape[-2] if q.dim() >= 2 else 1}, not the {length} tokens (a head "
@@ -1542,7 +1559,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     given = op.kwargs.get("scale", op.args[6] if len(op.args) > 6 else None)
     base = 1 / math.sqrt(d) if given is None else float(given)
     over_tokens = normalised_over_tokens(trace, op.in_ids[0], d, length, q, -1) or \
-        normalised_over_tokens(trace, op.in_ids[1], d, length, k, -1)
+        normalised_over_tokens(trace, op.in_ids[1], d, length, k, -1) or unit_over_tokens(q, -1) or \
+        unit_over_tokens(k, -1)
     if over_tokens:
         return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, "head dim": d,
                                              "product": "scaled_dot_product_attention"}, facts)
@@ -1569,6 +1587,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     merge_fid, merged = _merge(trace, op, op.outputs[0], final)
     if window and merge_fid is None:  # heads side by side cannot be told from windows put back
         merged = "heads merged side by side within the windows (the windows are put back by the module's own layout)"
+    if "queries apart" in facts:  # rows joined with another attention's before the merge: not read
+        merge_fid, merged = None, "not checked: the rows are joined with another attention's before the merge"
     evidence["merge"] = merged
     if merge_fid is not None:
         return Verdict(merge_fid, {"matches": merged, **evidence})
