@@ -330,9 +330,9 @@ class DefaultMaskInverted(nn.Module):
     """BLOOM style, causal: attention_mask (B, L), 1 = token, all ones when not given; the padding is read as
     ``attention_mask.bool()`` instead of ``~attention_mask.bool()`` and joined to the causal mask (True = hidden)."""
 
-    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+    def __init__(self, dim: int = 64, heads: int = 4, fill: float | None = None) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.fill = heads, fill  # None: finfo.min
         self.query_key_value = nn.Linear(dim, 3 * dim)
         self.dense = nn.Linear(dim, dim)
 
@@ -343,15 +343,17 @@ class DefaultMaskInverted(nn.Module):
         hidden = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None] | attention_mask[:, None, None].bool()
         q, k, v = self.query_key_value(hidden_states).view(b, n, self.heads, 3, -1).unbind(3)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        scores = (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).masked_fill(hidden, torch.finfo(q.dtype).min)
+        fill = torch.finfo(q.dtype).min if self.fill is None else self.fill
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).masked_fill(hidden, fill)
         return self.dense((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
 
 
-def test_a_default_mask_read_the_other_way_round_is_named():
+@pytest.mark.parametrize("fill", [None, float("-inf")], ids=["finfo-min", "-inf"])
+def test_a_default_mask_read_the_other_way_round_is_named(fill):
     """catches: a padding mask read inverted, which hides every key when no mask is given, reported only by its
-    symptoms (causal-leak, no-grad) and never as mask-inverted."""
+    symptoms (causal-leak, no-grad, and with -inf non-finite) and never as mask-inverted."""
     torch.manual_seed(0)
-    report = check(DefaultMaskInverted(), causal=True)
+    report = check(DefaultMaskInverted(fill=fill), causal=True)
     assert "mask-inverted" in report.ids, [(f.id, f.message) for f in report.findings]
 
 
@@ -690,12 +692,20 @@ class MaskThenPadding(nn.Module):
 
 def test_a_padding_argument_after_a_working_mask_is_probed_too():
     """catches: a padding_mask after a working mask argument never tried, so that one the module accepts and never
-    applies was certified."""
+    applies was certified, as was one that only zeroes the padded rows' outputs (its keys still seen)."""
     torch.manual_seed(0)
     good = check(MaskThenPadding())
     assert good.passed, [(f.id, f.message) for f in good.findings]
     bad = check(MaskThenPadding(apply_padding=False))
     assert bad.ids == {"mask-ignored"} and "padding_mask" in bad.findings[0].message, bad.findings
+
+    class RowsZeroedOnly(MaskThenPadding):
+        def forward(self, x, mask=None, padding_mask=None):
+            out = super().forward(x, mask)
+            return out if padding_mask is None else out.masked_fill(padding_mask[..., None], 0.0)
+
+    zeroed = check(RowsZeroedOnly())
+    assert zeroed.ids == {"mask-ignored"} and "padding_mask" in zeroed.findings[0].message, zeroed.findings
 
 
 # -- MaxViT's (B, G, P, E) partitions --------------------------------------------------------------------------------
@@ -709,3 +719,121 @@ def test_attention_over_groups_of_tokens_is_called_with_one_group():
     report = check(RelativePositionalMultiHeadAttention(64, 16, 49))
     assert report.inferred["layout"].startswith("grouped") and report.ids == {"wrong-scale"}, \
         [(f.id, f.message) for f in report.findings]
+
+
+# -- a square-only module whose first length that runs is a head count -------------------------------------------------
+@needs["torchvision"]
+def test_a_module_on_a_square_grid_is_not_a_coincidence_of_sizes():
+    """catches: timm's Twins global sub-sampled attention, given (B, L, E) and laying the tokens on a square grid
+    itself, read as shape-dependent: at width 32 no default length is a square, the first length it ran at was 4,
+    the head count, and squares were not tried."""
+    from timm.models.twins import GlobalSubSampleAttn
+
+    class OnASquare(nn.Module):
+        def __init__(self, dim: int = 32) -> None:
+            super().__init__()
+            self.attn = GlobalSubSampleAttn(dim, num_heads=4, sr_ratio=2)
+
+        def forward(self, x):
+            side = math.isqrt(x.shape[1])
+            assert side * side == x.shape[1], "a square grid of tokens"
+            return self.attn(x, (side, side))
+
+    torch.manual_seed(0)
+    report = check(OnASquare())
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+
+
+# -- cosine attention normalised over the tokens in a (B, L, H, D) einsum layout -------------------------------------
+class EinsumCosine(nn.Module):
+    """q and k as (B, L, H, D), normalised by hand over ``axis`` (3: the features; 1: the tokens, the bug), scores by
+    einsum "bihd,bjhd->bhij" times a learned temperature per head."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, axis: int = 3) -> None:
+        super().__init__()
+        self.heads, self.axis = heads, axis
+        self.to_q, self.to_kv, self.to_out = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
+        self.log_t = nn.Parameter(torch.full((heads, 1, 1), math.log(10.0)))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.to_q(x).view(b, n, self.heads, -1)
+        k, v = self.to_kv(x).view(b, n, 2, self.heads, -1).unbind(2)
+        q, k = (t / t.norm(dim=self.axis, keepdim=True) for t in (q, k))
+        sim = torch.einsum("bihd,bjhd->bhij", q, k) * self.log_t.exp()
+        return self.to_out(torch.einsum("bhij,bjhd->bihd", sim.softmax(-1), v).reshape(b, n, -1))
+
+
+def test_cosine_attention_over_the_tokens_of_an_einsum_layout_is_named():
+    """catches: q / q.norm(dim=1) on (B, L, H, D) certified: the tokens were taken to be the operand's second to
+    last axis (the heads there)."""
+    torch.manual_seed(0)
+    assert check(EinsumCosine()).passed
+    assert check(EinsumCosine(axis=1)).ids == {"definition-mismatch"}
+
+
+# -- CaiT's class attention written as two softmax attentions ----------------------------------------------------------
+class ClassAttentionApart(nn.Module):
+    """The patches (all tokens but the first) attend among themselves; the class token queries every token with
+    projections of its own; both softmax(q k^T / sqrt(D)) v by hand. ``class_dim`` is the class scores' softmax
+    dim (-1; -2, over its single query, is the bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, class_dim: int = -1) -> None:
+        super().__init__()
+        self.heads, self.class_dim = heads, class_dim
+        self.qkv, self.cls_q, self.cls_kv = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def split(self, t):
+        return t.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = (self.split(t) for t in self.qkv(x[:, 1:]).chunk(3, -1))
+        patches = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(-1) @ v
+        qc = self.split(self.cls_q(x[:, :1]))
+        kc, vc = (self.split(t) for t in self.cls_kv(x).chunk(2, -1))
+        cls = (qc @ kc.transpose(-1, -2) * qc.shape[-1] ** -0.5).softmax(self.class_dim) @ vc
+        return self.proj(torch.cat([cls, patches], 2).transpose(1, 2).reshape(b, n, e))
+
+
+def test_class_attention_written_apart_is_a_design():
+    """catches: the patches' attention over L - 1 tokens read as a head split when written as a softmax by hand
+    (only SDPA's was read as the tokens apart from a read-out one); the class softmax over its query is named."""
+    torch.manual_seed(0)
+    good = check(ClassAttentionApart())
+    assert good.passed, [(f.id, f.message) for f in good.findings]
+    assert "softmax-dim" in check(ClassAttentionApart(class_dim=-2)).ids
+
+
+# -- attn_mask that replaces the causal pattern, beside key_padding_mask ---------------------------------------------
+class CausalWithPadding(nn.Module):
+    """torch's conventions: causal unless attn_mask (bool, True = masked) replaces the pattern; key_padding_mask
+    (B, L) True = padding, hidden on top of either. ``apply_padding`` False only zeroes the padded rows (the bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, apply_padding: bool = True) -> None:
+        super().__init__()
+        self.heads, self.apply_padding = heads, apply_padding
+        self.in_proj, self.out_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attn_mask=None, key_padding_mask=None):
+        b, n, e = x.shape
+        q, k, v = self.in_proj(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        hidden = torch.ones(n, n, dtype=torch.bool).triu(1) if attn_mask is None else attn_mask
+        if key_padding_mask is not None and self.apply_padding:
+            hidden = hidden | key_padding_mask[:, None, None, :]
+        s = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(hidden, torch.finfo(q.dtype).min)
+        out = self.out_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+        return out if key_padding_mask is None else out.masked_fill(key_padding_mask[..., None], 0.0)
+
+
+def test_the_padding_argument_is_preferred_to_a_mask_that_replaces_the_causal_pattern():
+    """catches: causal-leak on a causal module whose attn_mask replaces its causal pattern (as torch's layers do)
+    when the padding went through attn_mask instead of key_padding_mask; a key_padding_mask that only zeroes the
+    padded rows, its keys still seen, is named (it hides query rows instead of keys)."""
+    torch.manual_seed(0)
+    good = check(CausalWithPadding(), causal=True)
+    assert good.passed and good.inferred["mask"]["argument"] == "key_padding_mask", \
+        [(f.id, f.message) for f in good.findings]
+    bad = check(CausalWithPadding(apply_padding=False), causal=True)
+    assert bad.ids & {"mask-ignored", "mask-broadcast"}, [(f.id, f.message) for f in bad.findings]

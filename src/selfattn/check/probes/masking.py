@@ -563,6 +563,12 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                         close(caller(x, caller.module_mask(k)), plain) for k in (torch.ones_like(keep),
                                                                                  torch.zeros_like(keep))):
                     dropped = _drops_its_causal_mask(ctx, caller, keep, mask, dep) if caller.key_only else None
+                    if dropped is not None and any(c.mask_arg in _PADDING_NAMES and c.mask_arg != caller.mask_arg
+                                                   for c in candidates):
+                        # the mask replaces the module's causal pattern, and the padding has an argument of its own
+                        # (attn_mask beside key_padding_mask, as torch's layers take them): that one is the padding's
+                        raise ValueError("a padding mask here replaces the causal pattern; the padding argument "
+                                         "is tried instead")
                     if dropped is not None:
                         finding, flipped = dropped
                         if flipped and caller.spec is not None and caller.spec.kind == "keep":
@@ -805,8 +811,9 @@ def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], pl
         found.coverage["padding"] = f"not verified: every padding mask sent as {arg} raised ({error})"
     elif later is not None:  # a padding argument after the one found, which the module accepts and never applies
         found.findings.append(Finding.of(MASK_IGNORED, f"the module takes {later} and accepts a (B, L) padding mask "
-                                         f"there, but its output does not change with it (the mask found, "
-                                         f"{caller.mask_arg}, works)", {"argument": later, "tried": {
+                                         "there, but the keys it marks still change the other tokens' outputs (it "
+                                         f"changes nothing, or zeroes rows only; the mask found, {caller.mask_arg}, "
+                                         "works)", {"argument": later, "tried": {
                                              k: v for k, v in (tried or {}).items() if k.startswith(later)}}))
     kind = caller.spec.kind if caller.spec else None
     if ctx.declared and kind in ("keep", "ignore") and ctx.declared != kind:
@@ -835,11 +842,13 @@ _PADDING_NAMES = ("key_padding_mask", "padding_mask", "src_key_padding_mask", "p
 def _later_padding(ctx: Context, found: Caller, candidates: list[Caller], plain: Tensor,
                    tried: dict[str, str]) -> str | None:
     """A padding argument (:data:`_PADDING_NAMES`) that comes after the mask argument found and was not tried, sent
-    (B, L) masks in each kind: what each did goes into ``tried``; the argument when every mask it accepted changed
-    nothing (a key_padding_mask beside a working attn_mask, never applied), else None."""
+    (B, L) masks in each kind: what each did goes into ``tried``; the argument when no mask it accepted acted as
+    padding (changed nothing: a key_padding_mask beside a working attn_mask, never applied; or changed the output
+    while the padded keys still change the real tokens': padded rows zeroed only, or the mask put on the queries),
+    else None."""
     later = [c for c in candidates if c.mask_arg in _PADDING_NAMES and c.mask_arg != found.mask_arg and
              c.spec is not None and c.spec.shape == "BL" and _label(c) not in tried]
-    accepted: dict[str, bool] = {}
+    accepted: dict[str, bool] = {}  # argument -> some mask it took acted as padding (its padded keys hidden)
     for native in later:
         caller = ctx.exact_of(native)
         keep = probe_keep(plain.shape[0], plain.shape[1], caller.key_only, caller.at_end)
@@ -849,10 +858,30 @@ def _later_padding(ctx: Context, found: Caller, candidates: list[Caller], plain:
         except Exception as err:  # not a form it takes
             tried[_label(native)] = f"{type(err).__name__}: {err}"[:120]
             continue
-        moved = out.shape != plain.shape or not _unchanged(out, plain, 1e-9 if out.dtype == torch.float64 else 1e-4)
+        rtol = 1e-9 if out.dtype == torch.float64 else 1e-4
+        moved = out.shape != plain.shape or not _unchanged(out, plain, rtol)
+        if moved and out.shape == plain.shape and not _hides_its_padding(caller, ctx.analysis_x, keep, out, rtol):
+            tried[_label(native)] = "accepted; it changes the output, but padded keys still change real tokens"
+            accepted.setdefault(str(native.mask_arg), False)
+            continue
         tried[_label(native)] = "accepted; it changes the output" if moved else "accepted, but changed nothing"
         accepted[str(native.mask_arg)] = accepted.get(str(native.mask_arg), False) or moved
     return next((arg for arg, moved in accepted.items() if not moved), None)
+
+
+def _hides_its_padding(caller: Caller, x: Tensor, keep: Tensor, out: Tensor, rtol: float) -> bool:
+    """Do the keys a (B, L) mask marks as padding, read either way round, stay hidden: changing those tokens leaves
+    the other tokens' outputs (the rows not zeroed) as they were?"""
+    marked = ~keep.any(1)  # (B, L): keys no query may see, in the doctor's convention
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(x)
+    for padded in (marked, ~marked):  # a module that reads True = padding takes the other side as padding
+        other = torch.where(padded[..., None].to(x.device), x + noise, x)
+        with torch.no_grad():
+            again = caller(other, caller.module_mask(keep))
+        real = ~padded.to(out.device) & out.abs().amax(-1).gt(0)  # rows the module keeps (not zeroed)
+        if bool(real.any()) and _unchanged(again[real], out[real], rtol):
+            return True
+    return False
 
 
 def _padding_ignored(tried: dict[str, str], working: str | None) -> str | None:

@@ -264,6 +264,19 @@ def _discover_length(module: nn.Module, adapter: Callable | None, errors: list[s
     return None
 
 
+def _square_length(module: nn.Module, adapter: Callable | None, e: int, skip: set[int], gen: torch.Generator,
+                   dtype: torch.dtype, device: torch.device) -> tuple[Caller, int] | None:
+    """A square length (a grid of tokens: 16, 9, 25, 36, 49, 64) the module runs at, other than ``skip``."""
+    for n in (16, 9, 25, 36, 49, 64):
+        if n in skip or n == e:
+            continue
+        x = _randn(gen, (2, n, e), dtype, device)
+        call = Caller(module, "adapter", adapter=adapter) if adapter is not None else _caller_for(module, x)[0]
+        if call is not None and _runs(call, (2, n, e), gen, dtype, device) is None:
+            return call, n
+    return None
+
+
 def _discover_batch(module: nn.Module, adapter: Callable | None, errors: list[str], e: int, lengths: tuple[int, ...],
                     gen: torch.Generator, dtype: torch.dtype, device: torch.device) -> tuple[Caller, int] | None:
     """A batch size the module runs at (a cache allocated for exactly N rows, as gpt-fast's), among the numbers its
@@ -366,6 +379,11 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
             lined_up |= {v for v in (getattr(m, k, None) for m in (module, getattr(module, "config", None))
                                   for k in ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "kv_heads"))
                       if isinstance(v, int) and not isinstance(v, bool)}
+            square = _square_length(module, adapter, e, lined_up | {n}, gen, dtype, device) if n in lined_up else None
+            if square is not None:  # it runs on a square grid of tokens (it lays them out itself): not a coincidence
+                call, n = square
+                notes["length"] = f"runs only at square lengths among those tried (a grid of tokens it lays out " \
+                                  f"itself); probed at {n}; --length states it"
             if n in lined_up:  # a product whose sizes match only by accident: L x D where D x L was meant
                 coincidence = f"it runs only when the length equals a head count or head dim ({n}): a product whose " \
                               "sizes match only by accident (a transpose missing?); a module with a fixed length " \

@@ -262,18 +262,26 @@ def _proportional(v: Tensor, operand: Tensor) -> bool:
     return bool(((o - c * v).abs() <= 1e-6 * (1 + o.abs().amax((-2, -1), keepdim=True))).all())
 
 
-def unit_over_tokens(operand: Tensor, contracted: int | None) -> str | None:
-    """When a score operand (..., tokens, features) holds rows whose norms along the tokens are one number per slice
-    (an item and head: 1, or a gain) while its norms along the features the product contracts are not: q or k
-    normalised over the tokens by hand (``q / q.norm(dim=-2)``, ``q * rsqrt(q.pow(2).sum(-2))``); else None."""
-    if contracted not in (-1, -2) or operand.dim() < 2 or not operand.is_floating_point():
+def unit_over_tokens(operand: Tensor, contracted: int | None, length: int | None = None) -> str | None:
+    """When a score operand holds rows whose norms along its tokens are one number per slice (an item and head: 1,
+    or a gain) while its norms along the features the product contracts are not: q or k normalised over the tokens
+    by hand (``q / q.norm(dim=-2)``, ``q * rsqrt(q.pow(2).sum(-2))``); else None. The tokens are the one other axis
+    of size ``length`` when there is one (an einsum's (B, L, H, D) operand), else the other of the last two."""
+    if contracted is None or operand.dim() < 2 or not operand.is_floating_point():
         return None
     t = operand.double()
-    tokens = -3 - contracted
+    contracted %= t.dim()
+    sized = [a for a in range(t.dim()) if a != contracted and t.shape[a] == length]
+    if len(sized) == 1:
+        tokens = sized[0]
+    elif contracted in (t.dim() - 1, t.dim() - 2):
+        tokens = 2 * t.dim() - 3 - contracted
+    else:
+        return None
     if t.shape[tokens] < 3 or t.shape[contracted] < 3:
         return None
-    along = t.norm(dim=tokens)  # (..., features) or (..., features) in the product's layout
-    across = t.norm(dim=contracted)
+    along = t.norm(dim=tokens).movedim(contracted - (contracted > tokens), -1)  # (..., features)
+    across = t.norm(dim=contracted).movedim(tokens - (tokens > contracted), -1)  # (..., tokens)
     flat_along, flat_across = along.reshape(-1, along.shape[-1]), across.reshape(-1, across.shape[-1])
     same = ((flat_along - flat_along[:, :1]).abs() <= 1e-6 * flat_along[:, :1].abs()).all()
     differ = ((flat_across - flat_across[:, :1]).abs() > 1e-3 * flat_across[:, :1].abs()).any()

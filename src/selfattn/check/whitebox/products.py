@@ -1278,8 +1278,15 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         facts["extra keys"] = (f"{p.shape[-1]} keys for {length} tokens: {p.shape[-1] - length} more (learned memory "
                                "or latent tokens, or a cache)")
         keep = None  # the run's (L, L) pattern does not apply to them
-    elif local and p.dim() >= 2 and p.shape[-1] == length and 1 <= p.shape[-2] < length and dim == p.dim() - 1 \
-            and w.shape[-1] == length and p.shape[-2] * 2 <= length:
+    elif local and p.dim() >= 2 and 2 < p.shape[-1] == p.shape[-2] < length and w.shape[-1] == p.shape[-1] and \
+            p.shape[-1] + _other_queries(trace, sm, length) == length:
+        # the tokens but a few read-out ones, among themselves; those in an attention of their own (CaiT's class
+        # attention written apart)
+        facts["queries apart"] = (f"{p.shape[-1]} of the {length} tokens attend among themselves; the other "
+                                  f"{length - p.shape[-1]} in an attention of their own over every token")
+        length, keep = p.shape[-1], None
+    elif local and p.dim() >= 2 and p.shape[-1] == length and 1 <= p.shape[-2] < length and \
+            w.shape[-1] == length and p.shape[-2] * 2 <= length:
         # a few queries over every key, beside another attention for the rest (Longformer's global tokens)
         facts["queries apart"] = (f"{p.shape[-2]} query row(s) attend over all {length} tokens in an attention of "
                                   "their own (global tokens)")
@@ -1346,10 +1353,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                 f"{float(temperature.min()):.4g} to {float(temperature.max()):.4g})")
     with_terms = any(n in _TERMS for n in names) or product.name == "baddbmm"
     hidden = ~(torch.isfinite(s) & (s > _MASKED))
-    if keep is None and not scores_only and s.numel() and bool(hidden.all()):
-        return Verdict(MASK_INVERTED, {"matches": "given no mask, the module masks every score: the mask it builds "
-                                                  "for itself (every token visible) is read the other way round, so "
-                                                  "each query weighs every key alike, future ones too", **evidence})
+    if not scores_only and s.numel() and bool(hidden.all()):  # no mask the doctor sends hides every key
+        return Verdict(MASK_INVERTED, {"matches": "the module masks every score of every query: a mask it builds "
+                                                  "for itself (every token visible when it is given none) is read "
+                                                  "the other way round, so each query weighs every key alike (or "
+                                                  "none, with -inf)", **evidence})
     own = _self_mask(s, hidden)
     if own is not None:
         facts["self mask"] = own
@@ -1407,8 +1415,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     tokens = p.shape[-1] if window else length  # within windows, q and k hold a window's tokens
     axis_a, axis_b = _contracted_axis(product, 0, a), _contracted_axis(product, 1, b)
     over_tokens = normalised_over_tokens(trace, aid, d, tokens, a, axis_a) or \
-        normalised_over_tokens(trace, bid, d, tokens, b, axis_b) or unit_over_tokens(a, axis_a) or \
-        unit_over_tokens(b, axis_b)
+        normalised_over_tokens(trace, bid, d, tokens, b, axis_b) or unit_over_tokens(a, axis_a, tokens) or \
+        unit_over_tokens(b, axis_b, tokens)
     if over_tokens:
         return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, **evidence}, facts)
     origin_a, origin_b = scale_origin(trace, aid), scale_origin(trace, bid)
@@ -1559,8 +1567,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     given = op.kwargs.get("scale", op.args[6] if len(op.args) > 6 else None)
     base = 1 / math.sqrt(d) if given is None else float(given)
     over_tokens = normalised_over_tokens(trace, op.in_ids[0], d, length, q, -1) or \
-        normalised_over_tokens(trace, op.in_ids[1], d, length, k, -1) or unit_over_tokens(q, -1) or \
-        unit_over_tokens(k, -1)
+        normalised_over_tokens(trace, op.in_ids[1], d, length, k, -1) or unit_over_tokens(q, -1, length) or \
+        unit_over_tokens(k, -1, length)
     if over_tokens:
         return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, "head dim": d,
                                              "product": "scaled_dot_product_attention"}, facts)
