@@ -205,10 +205,12 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         raw = _raw(run_caller, mask, k4) if mask is not None and k4 is not None else None
         cap = capture(trace, module, x)
         verdict, why = _by_projections(cap, out, heads, k4, raw, bias, stated)
-        if verdict is not None and verdict[0] is None and "positions" in verdict[1] and \
-                (absolute := bucket_not_relative(trace, set(heads), plain_only=True)) is not None:
-            verdict, why = None, absolute  # a T5-style table looked up by positions, not by their distance
-        if verdict is None and not why.startswith("a learned bias per head"):
+        absolute = None
+        if verdict is not None and verdict[0] is None and "positions" in verdict[1]:
+            absolute = bucket_not_relative(trace, set(heads), plain_only=True)
+            if absolute is not None:  # a T5-style table looked up by positions, not by their distance
+                verdict, why = None, absolute
+        if verdict is None and absolute is None:
             verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why, k4, frozenset({id(x)}),
                                         local=not bool(dep.all()), partner=_other_tokens(module, call, x))
             if verdict is not None and verdict[0] == DEFINITION_MISMATCH:  # no formula: the same as none found
