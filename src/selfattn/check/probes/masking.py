@@ -216,6 +216,47 @@ def _neighbourhood(dep: Tensor) -> str | None:
     return None
 
 
+def _cyclic_interval(values: Tensor, size: int) -> bool:
+    """Whether the distinct ``values`` in range(size) are consecutive on a ring of ``size`` (size - 1 next to 0)."""
+    present = torch.zeros(size, dtype=torch.bool)
+    present[values] = True
+    starts = present & ~present.roll(1)  # a run begins where its predecessor on the ring is absent
+    return bool(present.all()) or int(starts.sum()) == 1
+
+
+def _wrapped_windows(dep: Tensor) -> str | None:
+    """Windows that join tokens of opposite borders: a pattern of blocks (each pair of tokens sees each other or
+    neither), each a rectangle of the line or of the square grid only once the grid wraps around, with some block
+    not a rectangle of the plain one. Shifted windows (Swin's cyclic shift) without the mask that keeps the tokens
+    the roll brought together apart compute exactly this. The description, or None."""
+    length = dep.shape[0]
+    dep = dep.cpu()
+    blocks = {tuple(row.nonzero().flatten().tolist()) for row in dep}
+    if len(blocks) < 2 or any(not torch.equal(dep[list(b)], dep[list(b)[:1]].expand(len(b), -1)) for b in blocks):
+        return None  # not blocks
+    side = math.isqrt(length)
+    grids = [(1, length)] + ([(side, side)] if side * side == length and side >= 3 else [])
+    wrapped = None
+    for rows, cols in grids:
+        plain = around = True
+        for block in blocks:
+            keys = torch.tensor(block)
+            r, c = keys // cols, keys % cols
+            tall, wide = int(r.unique().numel()), int(c.unique().numel())
+            if tall * wide != keys.numel():
+                plain = around = False
+                break
+            plain = plain and int(r.max() - r.min()) + 1 == tall and int(c.max() - c.min()) + 1 == wide
+            around = around and _cyclic_interval(r, rows) and _cyclic_interval(c, cols)
+        if plain:
+            return None  # windows of the plain grid (or line)
+        if around and wrapped is None:
+            wrapped = "the line" if rows == 1 else f"the {rows} x {cols} grid"
+    if wrapped is None:
+        return None
+    return f"windows on {wrapped} join tokens of opposite borders (a cyclic shift without its mask)"
+
+
 def _local_design(dep: Tensor) -> str | None:
     """The published pattern a dependency matrix that sees some future keys follows, or None: symmetric with the
     diagonal seen (blocks, windows of an image, shifted windows: each pair of tokens sees each other or neither), or
@@ -344,7 +385,12 @@ def causality(ctx: Context) -> Outcome[Tensor]:
                                                                          "query": pairs}))
     elif not causal and seen_future.sum() < future(length).sum():
         design = _local_design(dep)
-        if design is not None:
+        wrapped = None if design is None or moved else _wrapped_windows(dep)
+        if wrapped is not None:
+            found.findings.append(Finding.of(DEFINITION_MISMATCH, f"{wrapped}: each window of the shifted grid "
+                                             "mixes tokens the roll brought together from the far side, which are "
+                                             "not neighbours", {"windows that wrap around": wrapped}))
+        elif design is not None:
             found.notes["window"] = design
         elif not dep.diagonal().all():  # no mask hides a token from itself in a pattern that also shows the future
             found.findings.append(Finding.of(DEFINITION_MISMATCH, "some outputs do not depend on their own token, in "

@@ -389,6 +389,27 @@ class _Chain:
     added: list[tuple[int, float]] = field(default_factory=list)
     mixed: list[str] = field(default_factory=list)  # the operations that mix the heads' scores (talking heads)
     spread: list[tuple[int, float, torch.Size]] = field(default_factory=list)  # added terms broadcast to a shape
+    fills: list[tuple[float, int]] = field(default_factory=list)  # a number written over scores, its step's index
+
+
+def _negligible_fills(s: Tensor, chain: _Chain) -> Tensor:
+    """The scores with those a mask filled with a finite number too low to weigh anything (Swin's -100 written
+    with masked_fill: e^-100 next to the scores the doctor's probes give) set to -inf, so that they are read as
+    hidden, as -inf or finfo.min are, and not as scores the product and a term should explain."""
+    for value, at in chain.fills:
+        if not math.isfinite(value) or value <= _MASKED:
+            continue
+        factors = [x for _, x in chain.steps[:at] if x is not None]  # numbers the scores were multiplied by later
+        if any(n in ("tanh", "temperature", "talking heads") for n, _ in chain.steps[:at]):
+            continue
+        filled = value * math.prod(factors)
+        at_fill = torch.isclose(s.double(), torch.tensor(filled, dtype=torch.float64, device=s.device),
+                                rtol=1e-9, atol=0.0)
+        rest = s.double()[~at_fill & torch.isfinite(s)]
+        if not bool(at_fill.any()) or not rest.numel() or filled > float(rest.max()) - 40:
+            continue  # a fill that still weighs something is a score the definition must explain
+        s = s.masked_fill(at_fill, float("-inf"))
+    return s
 
 
 def _head_mix(op: Op) -> int | None:
@@ -456,9 +477,14 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
         elif op.name in ("setitem", "index_put", "index_put_") and op.in_ids and len(op.args) >= 3 and \
                 (isinstance(op.args[2], (int, float)) or (isinstance(op.args[2], Tensor) and op.args[2].numel() == 1)):
             steps.append(("masked_fill", None))  # scores at some indices set to a number: a mask written in place
+            chain.fills.append((float(op.args[2]), len(steps) - 1))
             nxt = op.in_ids[0]
         elif op.name in _TERMS or op.name == "cat":  # a term added; or sink logits set beside the scores
             steps.append((op.name, None))
+            if op.name in ("masked_fill", "masked_fill_") and len(op.args) >= 3 and \
+                    (isinstance(op.args[2], (int, float)) or
+                     (isinstance(op.args[2], Tensor) and op.args[2].numel() == 1)):
+                chain.fills.append((float(op.args[2]), len(steps) - 1))
             pairs = list(zip(op.in_ids, op.inputs, strict=False))
             nxt = max(pairs, key=lambda it: it[1].numel())[0] if pairs else None
             if op.name in ("add", "radd", "add_", "iadd") and len(pairs) == 2:
@@ -1352,6 +1378,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         facts["temperature"] = (f"the scores are multiplied by a learned temperature (values "
                                 f"{float(temperature.min()):.4g} to {float(temperature.max()):.4g})")
     with_terms = any(n in _TERMS for n in names) or product.name == "baddbmm"
+    s = _negligible_fills(s, chain)
     hidden = ~(torch.isfinite(s) & (s > _MASKED))
     if not scores_only and s.numel() and bool(hidden.all()):  # no mask the doctor sends hides every key
         return Verdict(MASK_INVERTED, {"matches": "the module masks every score of every query: a mask it builds "
@@ -1797,6 +1824,8 @@ def core_operands(trace: Trace) -> list[tuple[str, int, tuple[int, int]]]:
     for op in trace.ops:
         if op.name == "scaled_dot_product_attention":
             found += [(role, tid, (-2, -1)) for role, tid in zip("qkv", op.in_ids, strict=False)]
+        elif op.name == "multi_head_attention_forward":  # torch's functional MHA: query, key, value (L, B, E)
+            found += [(role, tid, (0, -1)) for role, tid in zip("qkv", op.in_ids, strict=False)]
         elif op.name in SOFTMAX:
             try:
                 product, _ = _score_chain(trace, op.in_ids[0])

@@ -65,8 +65,8 @@ def mixed_rows(first: Trace, second: Trace, length: int, tokens: tuple[int, int]
     """Where a layout operation on the way to a q, k or v operand spreads one token's features over the rows of
     other tokens, comparing the record ``first`` with ``second`` (the same run with ``tokens`` swapped); None
     when none does or the records differ in their operations."""
-    def said(role: str, op: Op, out: Tensor) -> str:
-        return (f"{role}'s rows mix tokens: swapping tokens {tokens[0]} and {tokens[1]} changes their own rows "
+    def said(role: str, op: Op, out: Tensor, before: str) -> str:
+        return (f"{role}'s rows mix tokens: swapping tokens {tokens[0]} and {tokens[1]} changes {before} "
                 f"before a {op.name}() on the way to {role} and {_rows_changed(out, length)} after it: that "
                 f"{op.name}() puts one token's features on the rows of others (heads split with view(B, H, L, D) "
                 "instead of view(B, L, H, D).transpose(1, 2), keys laid out by view(B, H, D, L) instead of a "
@@ -74,7 +74,7 @@ def mixed_rows(first: Trace, second: Trace, length: int, tokens: tuple[int, int]
 
     # the tokens may be on the last axis (keys laid out (B, H, D, L) for q @ k): a view that puts features there
     # instead of a permute spreads them (a feature axis of L, B x L x L inputs, is read as tokens too)
-    return _first_spread(first, second, length, lambda op: op.name in LAYOUT, said, last=True)
+    return _first_spread(first, second, length, lambda op: op.name in LAYOUT, said, last=True, counted=True)
 
 
 def mixed_after(first: Trace, second: Trace, out: int, length: int, tokens: tuple[int, int]) -> str | None:
@@ -152,7 +152,7 @@ def normed_over_tokens(first: Trace, second: Trace, length: int, token: int) -> 
     """Where a layer or RMS norm on the way to a q, k or v operand normalises over the tokens (its statistics mix
     every token's features into each row), comparing the record ``first`` with ``second`` (the same run with one
     ``token`` changed: a swap keeps statistics over the tokens as they were); None when none does."""
-    def said(role: str, op: Op, out: Tensor) -> str:
+    def said(role: str, op: Op, out: Tensor, before: str) -> str:
         return (f"{role}'s rows mix tokens: changing token {token} changes its own row before a {op.name}() on the "
                 f"way to {role} and {_rows_changed(out, length)} after it: that {op.name}() normalises over the "
                 "tokens (a q/k norm applied after the heads or tokens were moved onto its last axis)")
@@ -164,10 +164,13 @@ _NORMS = frozenset({"layer_norm", "rms_norm"})
 
 
 def _first_spread(first: Trace, second: Trace, length: int, judged: Callable[[Op], bool],
-                  said: Callable[[str, Op, Tensor], str], last: bool = False) -> str | None:
+                  said: Callable[[str, Op, Tensor, str], str], last: bool = False, counted: bool = False) -> str | None:
     """The first operation ``judged`` on the way back from a q, k or v operand that turns a tensor changed on the
     changed tokens' rows only into one changed on the rows of others, described by ``said``; None when none does
-    or the records differ in their operations. ``last``: the tokens may be on the judged input's last axis."""
+    or the records differ in their operations. ``last``: the tokens may be on the judged input's last axis.
+    ``counted``: an operation given a tensor changed on more rows (a convolution before it spread the swap to the
+    tokens' neighbours) that leaves more token positions changed than it was given, on every reading of its axes,
+    spreads them too (layout operations move rows, they never add any)."""
     if len(first.ops) != len(second.ops) or any(a.name != b.name for a, b in zip(first.ops, second.ops,
                                                                                  strict=True)):
         return None
@@ -199,9 +202,12 @@ def _first_spread(first: Trace, second: Trace, length: int, judged: Callable[[Op
                 # the features it was given (a window partition of a (B, H, W, E) map with E = L)
                 tail = last and not (op.name in ("view", "reshape") and out is not None and into is not None and
                                      out.shape[-1] == into.shape[-1])
-                if out is not None and into is not None and _state(out, length, tail) is False and \
-                        _state(into, length, tail) is True:
-                    return said(role, op, out)
+                if out is not None and into is not None and _state(out, length, tail) is False:
+                    if _state(into, length, tail) is True:
+                        return said(role, op, out, "their own rows")
+                    before, after = _counts(into, length), _counts(out, length)
+                    if counted and before and after and min(after) > max(before):
+                        return said(role, op, out, f"{max(before)} token rows")
             cur = main
     return None
 
