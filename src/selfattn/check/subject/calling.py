@@ -420,14 +420,17 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
                                          "(B, L, E)", {"input -> output": {str(i): str(o) for i, o in wrong}}))
     if failed and ran and all(len({*s}) < 3 for s in ran):  # runs only where sizes coincide: an image's tokens?
         ran += [(2, n, e) for n in (16, 9, 25, 36, 49) if n != e and _runs(call, (2, n, e), gen, dtype, device) is None]
+    stepped = None
     if failed and ran:
-        _limits(found, call, ran, wrong, failed, gen, dtype, device)
+        stepped = _limits(found, call, ran, wrong, failed, gen, dtype, device)
     good = ran
     if not good:
         raise CannotRun("the module never returned a (B, L, E) output; see wrong-output-shape")
     if call.layout in ("channels-first", "channels-last", "channels-first-1d"):  # 16 tokens or more: a strided
         # reduction keeps 2 x 2 keys
         b, n, _ = min(good, key=lambda s: (s[0] < 2, s[1] < 16, s[1], s[0]))
+    elif stepped is not None:  # lengths in steps: the shortest may leave one patch per frame, one window per row
+        b, n, _ = stepped
     else:
         b, n, _ = (3, 7, e) if (3, 7, e) in good else min(good, key=lambda s: (s[0] < 2, s[1] > 64, s[0], s[1]))
         if _pools_tokens(module) and n < 16 and sizes.lengths is None and runs_at(call, b, 16, e, gen, dtype, device):
@@ -458,33 +461,35 @@ def _pools_tokens(module: nn.Module) -> bool:
 
 
 def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, gen: torch.Generator,
-            dtype: torch.dtype, device: torch.device) -> None:
+            dtype: torch.dtype, device: torch.device) -> tuple[int, int, int] | None:
     """Explain the sizes a module fails for: a batch or length limit (a fact), sizes that line up (batch-mixing),
-    or neither (shape-dependent)."""
+    or neither (shape-dependent). Returns the shape to probe with when the module runs at lengths in steps past
+    the longest one tried (TimeSformer's frames x patches + 1: 5, 9, 13), else None; ``ran`` gets those
+    shapes."""
     ok = ran + [s for s, _ in wrong]
     evidence = {"runs for": [str(s) for s in ok], "fails for": {str(s): why[:200] for s, why in failed}}
     lengths = sorted({s[1] for s in ok})
     if lengths == [ok[0][2]] and len({s[0] for s in ok}) > 1:  # any batch, at one length that is also E: a length
         found.notes["lengths"] = (f"runs only at length {lengths[0]}, which is also its embed dim: read as the "
                                   "module's own length (a fixed resolution: --length states it)")
-        return
+        return None
     if all(len({*s}) < 3 for s in ok) and any(len({*s}) == 3 for s, _ in failed) and \
             _runs(call, (2, 2 * lengths[-1], ok[0][2]), gen, dtype, device) is not None:  # two of B, L, E coincide
         found.findings.append(Finding.of(BATCH_MIXING, "the module runs only when batch, length and embed sizes "
                                          "line up: it mixes the batch or sequence dimension with another", evidence))
-        return
+        return None
     e = ok[0][2]
     bad_b, bad_n = {s[0] for s, _ in failed}, {s[1] for s, _ in failed}
     square = {n for n in lengths if math.isqrt(n) ** 2 == n}
     if square == set(lengths) and all(math.isqrt(n) ** 2 != n for n in bad_n):  # a square image's tokens
         found.notes["lengths"] = f"runs at lengths {lengths}, perfect squares, and fails at {sorted(bad_n)}: the " \
                                  "tokens of a square image (--length states one)"
-        return
+        return None
     if bad_n.isdisjoint(lengths) and all(runs_at(call, b, n, e, gen, dtype, device) for b, n, _ in ok[:1]) and \
             _runs(call, (2, 2 * lengths[-1], e), gen, dtype, device) is None:  # failures follow the length only
         found.notes["lengths"] = f"runs at lengths {[*lengths, 2 * lengths[-1]]}, fails at {sorted(bad_n)} (a length " \
                                  "the module's windows or patches divide)"
-        return
+        return None
     max_b, max_n = max(s[0] for s in ok), max(s[1] for s in ok)
     n_ok = min(s[1] for s in ok)
     b_ok = min(s[0] for s in ok)
@@ -496,7 +501,7 @@ def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, 
     if len(batches) == 1 and next(iter(batches)) not in bad_b and all(runs(max_b, n) for n in sorted(bad_n)[:2]):
         found.notes["batch size"] = f"runs only at batch size {max_b} (a size its cache or buffers fix; --batch " \
                                     f"states it), at every length tried"
-        return
+        return None
     if len(batches) == 1:  # a cache for exactly B rows and at most N positions (gpt-fast's): both at once
         long = {s[1] for s, _ in failed if s[0] == max_b}
         others = sorted(bad_n - long)
@@ -507,19 +512,31 @@ def _limits(found: Outcome, call: Caller, ran: list, wrong: list, failed: list, 
                                         "states it)"
             found.notes["length limit"] = f"runs for length <= {limit} (fails at {limit + 1}: " \
                                           f"{_runs(call, (max_b, limit + 1, e), gen, dtype, device)})"[:300]
-            return
+            return None
     if min(bad_b) > max_b and not runs(min(bad_b), n_ok):
         limit = _largest(max_b, min(bad_b), lambda b: runs(b, n_ok))
         found.notes["batch limit"] = f"runs for batch <= {limit} (fails at {limit + 1}: " \
                                      f"{_runs(call, (limit + 1, n_ok, e), gen, dtype, device)})"[:300]
-        return
+        return None
     if min(bad_n) > max_n and not runs(b_ok, min(bad_n)):
         limit = _largest(max_n, min(bad_n), lambda n: runs(b_ok, n))
+        longer = [n for n in range(limit + 2, limit + 26) if runs(b_ok, n)][:3]
+        if longer == [limit + 2, limit + 3, limit + 4]:  # one length fails, the next ones run: no limit
+            found.findings.append(Finding.of(SHAPE_DEPENDENT, f"the module fails at length {limit + 1} and runs at "
+                                             f"{limit} and at {longer}: a length that lines up with another size",
+                                             evidence))
+            return None
+        if longer:  # not a limit: lengths its reshapes divide (frames x patches + a class token)
+            found.notes["lengths"] = (f"runs at lengths {[limit, *longer]} and at none between them tried (lengths "
+                                      f"its reshapes divide); probed at {longer[0]}; --length states one")
+            ran.extend((b_ok, n, e) for n in longer)
+            return b_ok, longer[0], e
         found.notes["length limit"] = f"runs for length <= {limit} (fails at {limit + 1}: " \
                                       f"{_runs(call, (b_ok, limit + 1, e), gen, dtype, device)})"[:300]
-        return
+        return None
     found.findings.append(Finding.of(SHAPE_DEPENDENT, "the module runs for some valid shapes and fails for others, "
                                      "with no batch or length limit that explains it", evidence))
+    return None
 
 
 def _grew(old: object, new: object) -> bool:
