@@ -152,3 +152,57 @@ def test_a_class_is_built_at_the_default_width_without_options():
 
     result = score(sm.TutorialSelfAttention)
     assert result.non_equivalent > 0 and result.killed == result.non_equivalent, result
+
+
+_REQUIRED_MASK = textwrap.dedent('''
+    import math
+    import torch
+    from torch import nn
+
+
+    class Args:
+        def __init__(self, dim=32, heads=4):
+            self.dim, self.heads = dim, heads
+
+
+    class MaskedAttention(nn.Module):
+        """forward(query, key, value, mask): the mask (B, T, T), True = keep, is required; built from Args."""
+
+        def __init__(self, args):
+            super().__init__()
+            self.h, self.d = args.heads, args.dim // args.heads
+            self.q, self.k, self.v = (nn.Linear(args.dim, args.dim) for _ in range(3))
+
+        def forward(self, query, key, value, mask):
+            b, t, e = query.shape
+            q, k, v = (lin(z).view(b, -1, self.h, self.d).transpose(1, 2)
+                       for lin, z in ((self.q, query), (self.k, key), (self.v, value)))
+            scores = (q @ k.transpose(-2, -1) / math.sqrt(self.d)).masked_fill(~mask[:, None], -1e4)
+            return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, e)
+''')
+
+
+def test_mutants_of_a_module_that_requires_its_mask_are_run_with_it(tmp_path, monkeypatch):
+    """catches: --mutate on a forward that requires its mask called every mutant without one, inside the doctor's
+    own code (KeyError), and counted them all equivalent (100%); and --factory was not used to build them."""
+    score_module = importlib.import_module("selfattn.mutation.score")
+
+    path = tmp_path / "masked.py"
+    path.write_text(_REQUIRED_MASK)
+    namespace = score_module._load(_REQUIRED_MASK, path, "MaskedAttention").__init__.__globals__
+    module = namespace["MaskedAttention"](namespace["Args"]()).eval()
+    note = {"kind": "keep", "shape": score_module.MASK_SHAPES["BLL"], "argument": None}
+    outs = score_module._outputs(module, {}, note)
+    assert all(isinstance(o, torch.Tensor) for o in outs), outs
+    with pytest.raises(score_module.CannotRun, match="--call"):
+        score_module._outputs(module, {}, None)
+
+    built = []
+
+    def fake_score(spec, options, *, seed=0, make=None):
+        built.append(make(score_module._target(spec).load(_REQUIRED_MASK)))
+        return score_module.Score(spec, [])
+
+    monkeypatch.setattr(score_module, "score", fake_score)
+    score_module.main(f"{path}:MaskedAttention", {"factory": "lambda: MaskedAttention(Args(dim=16))"})
+    assert built and built[0].q.in_features == 16

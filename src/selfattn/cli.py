@@ -135,7 +135,7 @@ def _check(args: argparse.Namespace) -> int:
     if args.mutate:
         from .mutation import main as mutate_main
 
-        return mutate_main(args.target, options, as_json=args.json)
+        return mutate_main(args.target, {**options, "factory": args.factory}, as_json=args.json)
     target = args.target
     try:
         if args.factory:
@@ -146,8 +146,7 @@ def _check(args: argparse.Namespace) -> int:
             options["call"] = user_callable(args.call, namespace) if args.call else None
         report = check(target, **options)
     except ValueError as e:
-        console.print(f"[red]bad option[/red]: {e}")
-        return 2
+        return _bad_option(console, args.json, str(e))
     except CannotRun as e:
         return _cannot_run(console, args.json, f"could not run the module: {e}")
     except Exception as e:  # never a traceback: exit 1 means "found a bug", so a crash must not look like one
@@ -165,9 +164,8 @@ def _check_model(args: argparse.Namespace, options: dict, console: object) -> in
 
     for flag in ("init", "call", "factory", "mutate"):
         if getattr(args, flag):
-            console.print(f"[red]bad option[/red]: --{flag} does not go with --model (the model's own calls are "  # type: ignore[attr-defined]
-                          "replayed)")
-            return 2
+            return _bad_option(console, args.json, f"--{flag} does not go with --model (the model's own calls are "
+                                                   "replayed)")
     path, sep, name = args.target.rpartition(":")
     try:
         if not sep or not path or not name:
@@ -184,8 +182,7 @@ def _check_model(args: argparse.Namespace, options: dict, console: object) -> in
         kept = {k: v for k, v in options.items() if k not in ("init", "embed_dim", "call")}
         report = check_model(made[0], made[1], layers=args.layers, **kept)
     except ValueError as e:
-        console.print(f"[red]bad option[/red]: {e}")  # type: ignore[attr-defined]
-        return 2
+        return _bad_option(console, args.json, str(e))
     except CannotRun as e:
         return _cannot_run(console, args.json, f"could not run the model: {e}")
     except Exception as e:  # never a traceback
@@ -195,6 +192,15 @@ def _check_model(args: argparse.Namespace, options: dict, console: object) -> in
     else:
         render_model(report, console)  # type: ignore[arg-type]
     return {"passed": 0, "failed": 1, "inconclusive": 3}[report.verdict]
+
+
+def _bad_option(console: object, as_json: bool, message: str) -> int:
+    """Exit 2 for an option the doctor cannot use; with --json the message is the JSON's error."""
+    if as_json:
+        print(json.dumps({"passed": False, "verdict": "could not run", "error": f"bad option: {message}"}))
+    else:
+        console.print(f"[red]bad option[/red]: {message}")  # type: ignore[attr-defined]
+    return 2
 
 
 def _cannot_run(console: object, as_json: bool, message: str) -> int:

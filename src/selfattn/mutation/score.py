@@ -42,7 +42,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
-from ..check.subject.building import CannotRun, build, embed_dim_of
+from ..check.subject.building import CannotRun, build, embed_dim_of, load_file, user_callable
 from ..check.subject.caller import MASK_SHAPES, Caller, MaskSpec, find_call_style, parse_mask
 from .operators import Mutant, mutants
 
@@ -160,9 +160,30 @@ def _outputs(module: nn.Module, options: dict, mask_note: object) -> list[object
     lengths = [lengths, lengths] if isinstance(lengths, int) else list(lengths) * (2 if len(lengths) == 1 else 1)
     xs = [torch.randn(3, lengths[0], e, dtype=dtype), torch.randn(2, lengths[1], e, dtype=dtype)]
     adapter = options.get("call")
-    style = "adapter" if adapter else find_call_style(module, xs[0])[0]
+    style, why = ("adapter", None) if adapter else find_call_style(module, xs[0])
+    required = None
+    if not style and isinstance(mask_note, dict) and "kind" in mask_note:  # a forward that requires its mask
+        spec = _spec_of(mask_note)
+        for candidate in ("x", "qk", "qkv"):
+            with_mask = Caller(module, candidate).with_mask(spec, mask_note.get("argument"))
+            try:
+                with torch.no_grad():
+                    with_mask(xs[0], with_mask.module_mask(torch.ones(3, lengths[0], lengths[0], dtype=torch.bool),
+                                                           dtype))
+            except Exception:
+                continue
+            style, required = candidate, with_mask
+            break
+    if not style:
+        raise CannotRun(f"the module runs on no call the mutation tool tries ({why}); give --call")
     call = Caller(module, style, adapter=adapter if callable(adapter) else None)
-    runs: list[Callable[[], Tensor]] = [partial(call, t) for t in xs] + [lambda: call(xs[0] * 50)]
+    if required is not None:  # "without a mask" is then the mask that hides nothing
+        def plain(t: Tensor) -> Tensor:
+            n = t.shape[1]
+            return required(t, required.module_mask(torch.ones(t.shape[0], n, n, dtype=torch.bool), t.dtype))
+        runs: list[Callable[[], Tensor]] = [partial(plain, t) for t in xs] + [lambda: plain(xs[0] * 50)]
+    else:
+        runs = [partial(call, t) for t in xs] + [lambda: call(xs[0] * 50)]
     if isinstance(mask_note, dict) and "kind" in mask_note:
         spec = _spec_of(mask_note)
         masked = call.with_mask(spec, mask_note.get("argument"))
@@ -189,7 +210,18 @@ def _outputs(module: nn.Module, options: dict, mask_note: object) -> list[object
                 outs.append(run().float())
         except Exception as err:  # raising is a behaviour too: the mutant must raise the same way
             outs.append(type(err).__name__)
+    if not any(isinstance(o, Tensor) for o in outs):  # nothing to compare a mutant with
+        raise CannotRun(f"the module raises on every probe input the mutation tool gives it ({outs[0]}); give --call")
     return outs
+
+
+def _namespace_of(cls: type) -> dict:
+    """The globals of the file that defined ``cls`` (a mutant's own module): a function defined in its body holds
+    them; {} when none does."""
+    for value in vars(cls).values():
+        if inspect.isfunction(value):
+            return value.__globals__
+    return {}
 
 
 def _same(a: list[object], b: list[object]) -> bool:
@@ -244,6 +276,7 @@ def score(spec: str | type, options: dict | None = None, *, seed: int = 0,
     except Exception as e:
         raise CannotRun(f"the original {target.name} cannot be built: {type(e).__name__}: {e}") from e
     base = check(copy.deepcopy(original), seed=seed, **options)
+    options.pop("factory", None)
     note = base.inferred.get("mask")
     if "mask" not in options and "mask_convention" not in options and isinstance(note, dict) and "kind" in note:
         options["mask"] = _spec_of(note)  # the original's convention is the contract its mutants must keep
@@ -294,7 +327,15 @@ def main(spec: str, options: dict, *, as_json: bool = False) -> int:
     try:
         if isinstance(options.get("mask"), str):
             parse_mask(options["mask"])
-        s = score(spec, options, seed=options.get("seed", 0))
+        make = None
+        factory = options.pop("factory", None)
+        if isinstance(factory, str):  # evaluated in the namespace of each mutant's file, so it builds the mutant
+
+            def make(cls: type) -> nn.Module:
+                return user_callable(factory, _namespace_of(cls))()
+        if isinstance(options.get("call"), str):
+            options["call"] = user_callable(options["call"], vars(load_file(spec.rpartition(":")[0])))
+        s = score(spec, options, seed=options.get("seed", 0), make=make)
     except (CannotRun, ValueError) as e:
         print(json.dumps({"error": str(e)}) if as_json else f"could not run: {e}")
         return 2

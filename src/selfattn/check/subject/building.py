@@ -33,7 +33,7 @@ __all__ = ["CannotRun", "Sizes", "build", "copy_module", "embed_dim_of", "load_c
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
                "channels", "query_dim", "width", "n_state", "num_channels", "in_channels", "model_dim", "d_embed",
                "embed_size", "n_embed", "embedding_size", "hidden_channels", "inner_dim", "hid_dim",
-               "num_hiddens", "n_hidden", "d_hidden", "n_feat", "adim", "attention_dim")
+               "num_hiddens", "n_hidden", "d_hidden", "n_feat", "adim", "attention_dim", "input_dim", "size")
 # q, k, v projections by name
 ROLE_PATTERNS = {  # matched against the last part of a module's dotted name, whole
     "q": re.compile(r"(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q|linear_q|q_linear|qlinear)"),
@@ -247,24 +247,43 @@ def _config_kwargs(config_cls: type[Any], sizes: Sizes) -> dict:
     return kwargs
 
 
-def _config_class(cls: type[Any]) -> type | None:
+def _annotated_class(cls: type[Any], name: str) -> type | None:
+    """The class the constructor parameter ``name`` is annotated with (a type, or its name in the file that defines
+    ``cls``), when it is a class of its own (a config or args object), not a number, string or tensor."""
+    owner = sys.modules.get(cls.__module__)
+    names = vars(owner) if owner is not None else getattr(cls.__init__, "__globals__", {})
+    annotation = _signature(cls.__init__)[name].annotation
+    if isinstance(annotation, str):
+        annotation = names.get(annotation.split("|")[0].strip().strip("'\""))
+    if not isinstance(annotation, type) or annotation is inspect.Parameter.empty or \
+            annotation.__module__ in ("builtins", "typing") or issubclass(annotation, (torch.Tensor, nn.Module)):
+        return None
+    return annotation
+
+
+def _config_class(cls: type[Any], name: str = "config") -> type | None:
     """The configuration class a ``cls(config, ...)`` constructor wants: its annotation, or the one
     ``*Config`` class in the module that defines ``cls``."""
     owner = sys.modules.get(cls.__module__)
     names = vars(owner) if owner is not None else getattr(cls.__init__, "__globals__", {})
-    annotation = _signature(cls.__init__)["config"].annotation
-    if isinstance(annotation, type) and annotation is not inspect.Parameter.empty:
-        return annotation
-    if isinstance(annotation, str):
-        found = names.get(annotation.split("|")[0].strip().strip("'\""))
-        if isinstance(found, type):
-            return found
+    annotated = _annotated_class(cls, name)
+    if annotated is not None:
+        return annotated
     candidates = [v for k, v in names.items() if k.endswith("Config") and isinstance(v, type)]
     return candidates[0] if len(candidates) == 1 else None
 
 
-def _build_with_config(cls: type[Any], init: dict | None, sizes: Sizes) -> tuple[nn.Module, str]:
-    config_cls = _config_class(cls)
+def _config_parameter(cls: type[Any], params: dict[str, inspect.Parameter]) -> str | None:
+    """The constructor parameter that takes a config object: ``config``, or a required one annotated with a class
+    of its own (llama's ``Attention(args: ModelArgs)``)."""
+    if "config" in params:
+        return "config"
+    return next((n for n in _required(params) if _annotated_class(cls, n) is not None), None)
+
+
+def _build_with_config(cls: type[Any], init: dict | None, sizes: Sizes,
+                       param: str = "config") -> tuple[nn.Module, str]:
+    config_cls = _config_class(cls, param)
     if config_cls is None:
         raise CannotRun(f"{cls.__name__}(config, ...) needs a config object and no single *Config class was found "
                         "next to it; pass --factory 'lambda: ...'")
@@ -278,12 +297,12 @@ def _build_with_config(cls: type[Any], init: dict | None, sizes: Sizes) -> tuple
     if hasattr(config, "_attn_implementation"):
         config._attn_implementation = "eager"  # the module's own math, not a fused kernel
     extra = {"layer_idx": 0} if "layer_idx" in _signature(cls.__init__) else {}
-    missing = [n for n in _required(_signature(cls.__init__), ("self", "config")) if n not in extra]
+    missing = [n for n in _required(_signature(cls.__init__), ("self", param)) if n not in extra]
     if missing:
-        raise CannotRun(f"{cls.__name__}(config, ...) also needs {', '.join(repr(m) for m in missing)}; build it "
+        raise CannotRun(f"{cls.__name__}({param}, ...) also needs {', '.join(repr(m) for m in missing)}; build it "
                         "with --factory 'lambda: ...'")
     try:
-        return cls(config, **extra), shown
+        return cls(**{param: config}, **extra), shown
     except Exception as e:
         raise CannotRun(f"{shown} failed: {type(e).__name__}: {e}; pass --init with the config's fields or "
                         "--factory 'lambda: ...'") from e
@@ -298,8 +317,14 @@ def build(cls: type[Any], init: dict | None, embed_dim: int, *, heads: int = 4) 
     """
     params = _signature(cls.__init__)
     sizes = Sizes(embed_dim, heads)
-    if "config" in params:
-        return _build_with_config(cls, init, sizes)
+    if init is None and "config" in params and params["config"].default is None and not _required(params):
+        try:  # a config that defaults to None: the module's own defaults
+            return cls(), f"{cls.__name__}()"
+        except Exception:
+            pass
+    config_param = _config_parameter(cls, params)
+    if config_param is not None:
+        return _build_with_config(cls, init, sizes, config_param)
     if init is not None:
         try:
             return cls(**init), f"{cls.__name__}(**{init})"
