@@ -6,6 +6,8 @@ Shape legend: B batch, L length, E embed dim, H heads, D head dim, W window.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -192,3 +194,322 @@ def test_a_module_that_runs_at_lengths_in_steps_is_probed_past_the_shortest():
     assert good.inferred["probe shape"][1] >= 9 and "lengths" in good.inferred
     bad = check(DividedTimeAttention(tiled=True))
     assert "batch-mixing" in bad.ids, _ids(bad)
+
+
+# -- Conformer relative positions (Transformer-XL's u and v biases, a shift of 2T - 1 positions) -------------------
+def _sinusoids(length: int, dim: int) -> torch.Tensor:
+    """The 2T - 1 relative positions T - 1, ..., 0, ..., -(T - 1) as sinusoids, (1, 2T - 1, dim)."""
+    rel = torch.arange(length - 1, -length, -1, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
+    pe = torch.zeros(2 * length - 1, dim)
+    pe[:, 0::2], pe[:, 1::2] = torch.sin(rel * freq), torch.cos(rel * freq)
+    return pe[None]
+
+
+class ConformerRelAttention(nn.Module):
+    """A Conformer encoder's self-attention with relative positions (the new ESPnet / WeNet form): scores
+    ((q + u) k^T + shift((q + v) p^T)) / sqrt(d_k), p the 2T - 1 position embeddings through ``linear_pos``, the
+    shift turning column T - 1 + j - i into column j. ``scale_first``: q scaled before the biases are added, as
+    icefall's Conformer does ((q / sqrt(d_k) + u) k^T + ...). ``bug`` injects one mistake: "u-for-both" (u used
+    for the position term too, v never read), "u-on-keys" (u added to the keys: the softmax cancels q . u),
+    "mask-on-queries" (a (B, 1, T) key mask transposed onto the query axis, the (B, T, T) form read right),
+    "key-mask-only" (not a bug: only (B, 1, T) masks are accepted), "wrong-half" (the shift keeps the last T
+    columns of the 2T - 1: relative at one length, but which distances a column holds depends on the length),
+    "as-strided" (not a bug: the shift written with as_strided, as icefall writes it)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, bug: str | None = None, scale_first: bool = False) -> None:
+        super().__init__()
+        self.h, self.d_k, self.bug, self.scale_first = heads, dim // heads, bug, scale_first
+        self.linear_q, self.linear_k, self.linear_v = (nn.Linear(dim, dim) for _ in range(3))
+        self.linear_out = nn.Linear(dim, dim)
+        self.linear_pos = nn.Linear(dim, dim, bias=False)
+        self.pos_bias_u = nn.Parameter(nn.init.xavier_uniform_(torch.empty(heads, self.d_k)))
+        self.pos_bias_v = nn.Parameter(nn.init.xavier_uniform_(torch.empty(heads, self.d_k)))
+
+    def rel_shift(self, x):
+        b, h, t, n = x.shape                                                    # n = 2t - 1
+        if self.bug == "as-strided":
+            x = x.contiguous()
+            s = x.stride()
+            return x.as_strided((b, h, t, t), (s[0], s[1], s[2] - s[3], s[3]), storage_offset=s[3] * (t - 1))
+        padded = torch.cat([x.new_zeros(b, h, t, 1), x], dim=-1).view(b, h, n + 1, t)
+        shifted = padded[:, :, 1:].reshape(b, h, t, n)
+        return shifted[..., n // 2:] if self.bug == "wrong-half" else shifted[..., : n // 2 + 1]
+
+    def forward(self, x, mask=None):
+        b, t, _ = x.shape
+        q, k, v = (lin(x).view(b, t, self.h, self.d_k) for lin in (self.linear_q, self.linear_k, self.linear_v))
+        p = self.linear_pos(_sinusoids(t, x.shape[-1]).to(x)).view(1, -1, self.h, self.d_k).transpose(1, 2)
+        u = self.pos_bias_u
+        v_bias = u if self.bug == "u-for-both" else self.pos_bias_v
+        if self.bug == "u-on-keys":
+            k = k + u
+            u = torch.zeros_like(u)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        if self.scale_first:
+            q = q * self.d_k ** -0.5
+        content = (q + u).transpose(1, 2) @ k.transpose(-2, -1)
+        position = self.rel_shift((q + v_bias).transpose(1, 2) @ p.transpose(-2, -1))
+        scores = content + position if self.scale_first else (content + position) / math.sqrt(self.d_k)
+        if mask is not None:                                                    # (B, 1, T) or (B, T, T), True = keep
+            if self.bug == "key-mask-only" and mask.shape[1] != 1:
+                raise ValueError(f"mask must be (B, 1, T), got {tuple(mask.shape)}")
+            if self.bug == "mask-on-queries" and mask.shape[1] == 1:
+                mask = mask.transpose(1, 2)
+            hidden = ~mask.unsqueeze(1)
+            scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
+            weights = scores.softmax(-1).masked_fill(hidden, 0.0)
+        else:
+            weights = scores.softmax(-1)
+        return self.linear_out((weights @ v).transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("bug", ["u-for-both", "u-on-keys"])
+def test_a_position_bias_that_does_nothing_is_no_grad(bug):
+    """catches: pos_bias_v never read (pos_bias_u used for both terms) and pos_bias_u added to the keys (q . u is
+    the same for every key of a row, and the softmax cancels it) were certified: an unread parameter beside its
+    twin was not required to get a gradient, and a learned term named a bias was taken for a projection's."""
+    torch.manual_seed(0)
+    good = check(ConformerRelAttention())
+    assert good.passed, _ids(good)
+    bad = check(ConformerRelAttention(bug=bug))
+    assert bad.ids == {"no-grad"}, _ids(bad)
+
+
+def test_q_scaled_before_the_position_biases_are_added_keeps_its_scale():
+    """catches: icefall's order, q / sqrt(d_k) and then u and v added, read as a missing scale: the scale was looked
+    for on the operand after the bias was added, not on the tokens' part of it."""
+    torch.manual_seed(0)
+    good = check(ConformerRelAttention(scale_first=True))
+    assert good.passed, _ids(good)
+
+
+@pytest.mark.parametrize("bug", [None, "key-mask-only", "mask-on-queries"])
+def test_the_encoder_key_mask_of_speech_toolkits_is_probed(bug):
+    """catches: ESPnet's and WeNet's (B, 1, T) encoder mask was never sent: a module reading only that shape could
+    not run, and one that puts it on the query axis (while its (B, T, T) form works) was certified."""
+    torch.manual_seed(0)
+    report = check(ConformerRelAttention(bug=bug))
+    if bug == "mask-on-queries":
+        assert report.ids == {"mask-broadcast"}, _ids(report)
+    else:
+        assert report.passed and report.inferred["mask"]["kind"] == "keep", _ids(report)
+
+
+def test_a_bad_option_with_json_is_answered_in_json(tmp_path, capsys):
+    """catches: a --mask the doctor cannot parse printed plain text where --json promises JSON."""
+    import json
+
+    from selfattn.cli import main
+
+    path = tmp_path / "m.py"
+    path.write_text("import torch\n")
+    assert main(["check", f"{path}:M", "--mask", "keep (X)", "--json"]) == 2
+    out = json.loads(capsys.readouterr().out)
+    assert out["verdict"] == "could not run" and out["error"].startswith("bad option: mask must read")
+
+
+# -- AlphaFold's triangle attention: a pattern of its own, accepted with allow_nonstandard --------------------------
+class TriangleAttentionStartingNode(nn.Module):
+    """AlphaFold 2's triangle self-attention around the starting node (Algorithm 13) on a pair map (B, N, N, C): row
+    i's entries (i, j) attend over (i, k) with a bias b_jk projected from the pair (j, k) itself, and a sigmoid
+    gate. Each entry then depends on entries outside its row through the bias."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h, self.d = heads, dim // heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.bias = nn.Linear(dim, heads, bias=False)
+        self.gate = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, z):
+        b, n, _, c = z.shape
+        z = self.norm(z)
+        q, k, v = self.qkv(z).view(b, n, n, 3, self.h, self.d).unbind(3)          # (B, i, j, H, D)
+        scores = torch.einsum("bijhd,bikhd->bhijk", q, k) / math.sqrt(self.d)
+        scores = scores + self.bias(z).permute(0, 3, 1, 2)[:, :, None]            # b_jk, the same for every row i
+        o = torch.einsum("bhijk,bikhd->bijhd", scores.softmax(-1), v).reshape(b, n, n, c)
+        return self.out(torch.sigmoid(self.gate(z)) * o)
+
+
+def test_allow_nonstandard_accepts_a_dependency_pattern_no_design_follows():
+    """catches: with allow_nonstandard (no definition-mismatch, as documented), triangle attention still got one,
+    from the pattern of which tokens each output depends on."""
+    torch.manual_seed(0)
+
+    def call(m, x):
+        b, length, c = x.shape
+        side = math.isqrt(length)
+        return m(x.view(b, side, side, c)).view(b, length, c)
+
+    report = check(TriangleAttentionStartingNode(), call=call, length=[16], allow_nonstandard=True)
+    assert "definition-mismatch" not in report.ids, _ids(report)
+    assert report.passed, _ids(report)
+
+
+# -- a generation loop: a prefill, then one token at a time through a KV cache --------------------------------------
+class PrefillThenDecode(nn.Module):
+    """Causal attention computed as generation computes it (gpt-fast's, Meta's llama reference): the first
+    ``prefill`` tokens in one causal call, every later token alone, over the keys and values cached so far."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, prefill: int = 3) -> None:
+        super().__init__()
+        self.h, self.d, self.prefill = heads, dim // heads, prefill
+        self.wqkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def _attend(self, x, cache):
+        b, t, e = x.shape
+        q, k, v = (z.view(b, t, self.h, self.d).transpose(1, 2) for z in self.wqkv(x).chunk(3, -1))
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], 2), torch.cat([cache[1], v], 2)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=cache is None)
+        return self.wo(out.transpose(1, 2).reshape(b, t, e)), (k, v)
+
+    def forward(self, x):
+        out, cache = self._attend(x[:, : self.prefill], None)
+        outs = [out]
+        for t in range(self.prefill, x.shape[1]):
+            out, cache = self._attend(x[:, t : t + 1], cache)
+            outs.append(out)
+        return torch.cat(outs, 1)
+
+
+def test_a_generation_loop_is_not_read_as_a_head_split():
+    """catches: a prefill and decode steps through a cache, each an attention over part of the queries, named
+    definition-mismatch ("runs over an axis of size 3, not the 7 tokens"): the white box now says it does not read
+    the steps, and the black box's causal checks still run."""
+    torch.manual_seed(0)
+    report = check(PrefillThenDecode(), causal=True)
+    assert "definition-mismatch" not in report.ids, _ids(report)
+    assert report.verdict == "inconclusive" and "steps" in str(report.inferred["white box"]), _ids(report)
+
+
+# -- an own window that a given mask replaces (litgpt's sliding window: built only when no mask is passed) -----------
+class WindowUnlessMasked(nn.Module):
+    """Causal attention within a sliding window of 3 tokens, built as an additive mask when the caller passes none;
+    a mask the caller passes (B, 1, L, L), True = may attend, replaces it, as in litgpt and transformers' layers."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, window: int = 3) -> None:
+        super().__init__()
+        self.h, self.window = heads, window
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        if mask is None:
+            i = torch.arange(t, device=x.device)
+            inside = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - self.window)
+            mask = torch.zeros(t, t, dtype=x.dtype, device=x.device).masked_fill(~inside, float("-inf"))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.proj(out.transpose(1, 2).reshape(b, t, e))
+
+
+def test_a_mask_that_replaces_a_window_as_wide_as_the_probe_band_is_read():
+    """catches: a causal window of 3 that a given mask replaces, named causal-leak ("drops its causal mask"): the
+    doctor's (B, L, L) probe band is 3 wide too, so the mask it sent hid nothing the window did not, read as a mask
+    that changes nothing; a narrower band now shows the mask at work."""
+    torch.manual_seed(0)
+    report = check(WindowUnlessMasked(), causal=True)
+    assert report.passed, _ids(report)
+    assert "own pattern" in report.inferred["mask"], report.inferred["mask"]
+
+
+# -- rotary positions beside a learned null key put first -----------------------------------------------------------
+def _rotate(x, interleaved: bool = False):
+    """Rotary positions on (B, H, L, D): rotate-half pairing (feature i with i + D/2), or interleaved (2i with
+    2i + 1)."""
+    d = x.shape[-1]
+    pos = torch.arange(x.shape[-2], dtype=x.dtype, device=x.device)[:, None]
+    angles = pos / 10000 ** (torch.arange(0, d, 2, dtype=x.dtype, device=x.device) / d)
+    if interleaved:
+        cos, sin = angles.cos().repeat_interleave(2, -1), angles.sin().repeat_interleave(2, -1)
+        pairs = torch.stack([-x[..., 1::2], x[..., 0::2]], -1).flatten(-2)
+        return x * cos + pairs * sin
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class RotaryWithNullKey(nn.Module):
+    """q and k rotated, then a learned null key and value put before the tokens' (as lucidrains' and colt5's
+    attention classes do). ``k_pairs_interleaved`` is the bug: k rotated with the other pairing."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, k_pairs_interleaved: bool = False) -> None:
+        super().__init__()
+        self.h, self.k_interleaved = heads, k_pairs_interleaved
+        self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.null_kv = nn.Parameter(torch.randn(2, heads, 1, dim // heads))
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.h, -1).transpose(1, 2) for t in self.to_qkv(x).chunk(3, -1))
+        q, k = _rotate(q), _rotate(k, self.k_interleaved)
+        null_k, null_v = (t.expand(b, -1, -1, -1) for t in self.null_kv)
+        k, v = torch.cat([null_k, k], -2), torch.cat([null_v, v], -2)
+        weights = (q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5).softmax(-1)
+        return self.to_out((weights @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_rotary_beside_a_null_key_put_first_is_read_on_the_tokens_keys():
+    """catches: a null key before the tokens' keys read as rotary-mismatch: the check of q_i . k_i took the first L
+    keys, the null one among them, so each query met its neighbour's key."""
+    torch.manual_seed(0)
+    good = check(RotaryWithNullKey())
+    assert good.passed, _ids(good)
+    bad = check(RotaryWithNullKey(k_pairs_interleaved=True))
+    assert "rotary-mismatch" in bad.ids, _ids(bad)
+
+
+# -- a scale stated by the config under litgpt's name ---------------------------------------------------------------
+class _LitConfig:
+    def __init__(self, n_embd: int = 64, n_head: int = 4, attention_scores_scalar: int | None = None) -> None:
+        self.n_embd, self.n_head, self.attention_scores_scalar = n_embd, n_head, attention_scores_scalar
+
+
+class LitStyleAttention(nn.Module):
+    """litgpt's CausalSelfAttention in short: the scale 1/sqrt(config.attention_scores_scalar or head_size).
+    ``ignore_scalar`` is the bug: 1/sqrt(head_size) always."""
+
+    def __init__(self, config: _LitConfig, ignore_scalar: bool = False) -> None:
+        super().__init__()
+        self.config, self.ignore_scalar = config, ignore_scalar
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        h = self.config.n_head
+        q, k, v = self.qkv(x).view(b, t, 3, h, e // h).permute(2, 0, 3, 1, 4)
+        stated = None if self.ignore_scalar else self.config.attention_scores_scalar
+        scale = 1.0 / math.sqrt(stated or e // h)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return self.proj(out.transpose(1, 2).reshape(b, t, e))
+
+
+def test_litgpts_attention_scores_scalar_is_the_stated_scale():
+    """catches: litgpt's config.attention_scores_scalar (its name for Gemma's query_pre_attn_scalar) not read, so
+    the module that follows it got wrong-scale and the one that ignores it was certified."""
+    torch.manual_seed(0)
+    good = check(LitStyleAttention(_LitConfig(attention_scores_scalar=32)), causal=True)
+    assert good.passed, _ids(good)
+    bad = check(LitStyleAttention(_LitConfig(attention_scores_scalar=32), ignore_scalar=True), causal=True)
+    assert bad.ids == {"wrong-scale"}, _ids(bad)
+
+
+@pytest.mark.parametrize("bug", ["as-strided", "wrong-half"])
+def test_a_relative_shift_is_read_whatever_its_spelling_and_named_when_it_depends_on_the_length(bug):
+    """catches: the shift written with as_strided (icefall) read as a formula no attention follows, and a shift
+    keeping the wrong half of the 2T - 1 columns certified: relative at any one length, it weighs other distances
+    at another, so a padded item's real tokens differ from the same tokens alone."""
+    torch.manual_seed(0)
+    report = check(ConformerRelAttention(bug=bug))
+    if bug == "as-strided":
+        assert report.passed, _ids(report)
+    else:
+        assert report.ids == {"definition-mismatch"} and "length" in report.findings[0].message, _ids(report)

@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from ..findings import (
@@ -431,6 +431,12 @@ def causality(ctx: Context) -> Outcome[Tensor]:
     if ctx.causal and not causal and not any(f.id == CAUSAL_LEAK for f in found.findings):
         found.findings.append(Finding.of(CAUSAL_LEAK, "queries see future keys",
                                          {"future (query, key) pairs seen": seen_future.nonzero().tolist()[:10]}))
+    if ctx.allow_nonstandard:  # a pattern no attention design follows is the user's choice to make (triangle
+        # attention over pairs): said, not judged
+        odd = [f for f in found.findings if f.id == DEFINITION_MISMATCH]
+        if odd:
+            found.findings = [f for f in found.findings if f.id != DEFINITION_MISMATCH]
+            found.notes["pattern"] = f"{odd[0].message} (not judged: --allow-nonstandard)"
     return found
 
 
@@ -494,6 +500,19 @@ def _replaces_its_own(caller: Caller, x: Tensor, plain: Tensor, dep: Tensor) -> 
             return False
         based = replace(caller, base=dep)
         return close(based(x, based.module_mask(everything)), plain)
+
+
+def _beyond_its_own(keep: Tensor, dep: Tensor) -> Tensor:
+    """The probe's (B, L, L) band, or a narrower one when the module's own pattern ``dep`` already hides all the band
+    hides (a causal sliding window of 3, as wide as the band): a mask that replaces that pattern must hide more."""
+    if not torch.equal(keep[0].to(dep.device) & dep, dep):
+        return keep
+    i = torch.arange(keep.shape[-1])
+    for width in (2, 1):
+        band = ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - width)).expand_as(keep)
+        if not torch.equal(band[0].to(dep.device) & dep, dep):
+            return band
+    return keep
 
 
 def _drops_its_causal_mask(ctx: Context, caller: Caller, keep: Tensor, mask: object,
@@ -601,6 +620,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                     _replaces_its_own(caller, x, plain, dep):
                 native = replace(native, base=dep)
                 caller = ctx.exact_of(native)
+                keep = _beyond_its_own(keep, dep)
             mask = caller.module_mask(keep)
             watch = MaskWatch(mask, caller.module)
             with torch.no_grad(), watch:
@@ -1040,6 +1060,38 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
                                              "real tokens of another (sequences packed or cut at the wrong offsets?)",
                                              {"items whose real tokens change": moved}))
     return found
+
+
+def unlike_alone(ctx: Context, caller: Caller, x: Tensor) -> Finding | None:
+    """Under a padding mask that hides its last tokens, an item's real tokens must come out as they do alone, run on
+    those tokens without the padded ones: else the positions depend on the sequence's length (a relative shift
+    that keeps the wrong half of its 2L - 1 columns, a table cut by the length). For modules with relative
+    positions, whose padded tokens' values the padding probe found hidden; those that normalise over the tokens
+    are not judged."""
+    if any(isinstance(m, (nn.GroupNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.BatchNorm1d, nn.BatchNorm2d))
+           for m in caller.module.modules()):
+        return None
+    b, length, _ = x.shape
+    pads = [2 + i % 2 for i in range(b)]
+    with torch.no_grad():
+        padded = caller(x, caller.module_mask(_own_padding(b, length, False)))
+    for p in sorted(set(pads)):
+        items = [i for i, q in enumerate(pads) if q == p]
+        short = x[items, :length - p].clone()
+        try:
+            with torch.no_grad():
+                alone = ctx.analysis(short)
+        except Exception:  # not a length the module runs at
+            continue
+        real = padded[items, :length - p]
+        if alone.shape != real.shape or close(alone, real):
+            continue
+        return Finding.of(DEFINITION_MISMATCH, f"the relative positions depend on the length: under a padding mask "
+                          f"hiding the last {p} tokens, the real tokens' outputs differ from those of the same "
+                          f"{length - p} tokens run alone (a relative shift that keeps the wrong half of its 2L - 1 "
+                          "columns, positions counted from the end)",
+                          {"relative difference": rel(alone, real), "tokens": [length - p, length]})
+    return None
 
 
 class _TokenStatistics(TorchFunctionMode):

@@ -388,7 +388,10 @@ def _standalone(module: nn.Module, name: str) -> bool:
     joined = "_".join(words)  # bk, key_b, b_k: a raw projection's bias
     projection = bool(words) and (name_role(joined) is not None or (
         joined[:1] == "b" and len(words) == 1 and name_role(joined[1:]) is not None))
-    return not isinstance(owner, layers) and not _is_conv1d(owner) and "bias" not in last.lower() and \
+    # a bias named for no role and laid out per head (Transformer-XL's r_w_bias, a Conformer's pos_bias_u) is a
+    # learned term of its own, not a projection's bias
+    term = "bias" in last.lower() and bool(words) and not projection and module.get_parameter(name).dim() >= 2
+    return not isinstance(owner, layers) and not _is_conv1d(owner) and ("bias" not in last.lower() or term) and \
         not projection and not _is_norm(owner)
 
 
@@ -399,6 +402,29 @@ def _is_norm(mod: nn.Module) -> bool:
     """A normalisation layer with parameters: torch's, or one named so (a hand-written RMSNorm)."""
     return (isinstance(mod, _NORMS) or "norm" in type(mod).__name__.lower()) and any(
         p.requires_grad for p in mod.parameters(recurse=False))
+
+
+def _idle_twins(module: nn.Module, used: set[int]) -> list[str]:
+    """A module's own learned tensors (not a layer's weight or bias) the call never used while it used another of
+    the same shape held beside them: one of a pair taken for both (a Conformer's pos_bias_u added to q for the
+    position term too, pos_bias_v left unused; Transformer-XL's r_w_bias and r_r_bias)."""
+    idle = []
+    for path, mod in module.named_modules():
+        own = [(f"{path}.{n}" if path else n, p) for n, p in mod.named_parameters(recurse=False)
+               if p.requires_grad and p.dim() >= 1]
+        own = [(n, p) for n, p in own if _standalone(module, n) or "bias" in n.rpartition(".")[2].lower()]
+        for name, p in own:
+            twins = [q for n, q in own if n != name and q.shape == p.shape]
+            # a pair only: a third tensor of the shape may serve an optional input (XLNet's r_s_bias, for segments)
+            if id(p) not in used and len(twins) == 1 and id(twins[0]) in used and not _standalone_layer(mod):
+                idle.append(name)
+    return sorted(idle)
+
+
+def _standalone_layer(mod: nn.Module) -> bool:
+    """Is ``mod`` a layer whose weight and bias are its own business (a Linear's bias may be disabled by its use)?"""
+    return isinstance(mod, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
+                            nn.MultiheadAttention)) or _is_conv1d(mod) or _is_norm(mod)
 
 
 def _idle_norms(module: nn.Module, used: set[int]) -> list[str]:
@@ -467,13 +493,17 @@ def _gradients(ctx: Context) -> Outcome[None]:
     if exact and not missing and not no_input_grad:
         missing = _cancelled(call, x0, weights, used, grads, ctx.gen)
     idle = _idle_projections(m, watch.ids) + _idle_norms(m, watch.ids) + _idle_weights(m, watch.ids)
-    if idle:
+    twins = [] if idle else _idle_twins(m, watch.ids)
+    if idle or twins:
         m.zero_grad(set_to_none=True)
-        return Outcome([Finding.of(NO_GRAD, "a projection is never used: its weights get no gradient while the "
-                                   "projections beside it do (a key or value computed by another projection, e.g. "
-                                   "k = self.query(x), or keys normalised by the queries' norm)",
-                                   {"projections never used": idle})],
-                       notes={"gradients": f"{len(used)} parameter tensors used by the call"})
+        said = ("a projection is never used: its weights get no gradient while the projections beside it do (a key "
+                "or value computed by another projection, e.g. k = self.query(x), or keys normalised by the queries' "
+                "norm)", {"projections never used": idle}) if idle else \
+            ("a learned tensor is never used while its twin beside it (the same shape) is: one of a pair used in the "
+             "place of both (a Conformer's pos_bias_u added to q for the position term too, its pos_bias_v never "
+             "read)", {"never used": twins})
+        return Outcome([Finding.of(NO_GRAD, *said)], notes={"gradients": f"{len(used)} parameter tensors used by "
+                                                                       "the call"})
     if missing or no_input_grad:
         m.zero_grad(set_to_none=True)
         return Outcome([Finding.of(NO_GRAD, "some parameters (or the input) receive no gradient",

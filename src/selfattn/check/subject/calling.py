@@ -41,7 +41,7 @@ from .context import Outcome, close, probe_keep, tolerance
 
 __all__ = ["KIND_ORDER", "SHAPE_ORDER", "calling", "calls_in_a_row"]
 
-SHAPE_ORDER = ("BLL", "B1LL", "BL", "B11L", "LL")  # per-item shapes first: padding differs per item
+SHAPE_ORDER = ("BLL", "B1LL", "BL", "B1L", "B11L", "LL")  # per-item shapes first: padding differs per item
 KIND_ORDER = ("keep", "keep-int", "keep-float", "additive")  # bool "keep" also finds bool "ignore"
 _SEQUENCE_FIRST = ("sequence-first: the module takes (L, B, E) (as nn.MultiheadAttention with batch_first=False); "
                    "the doctor sends x.transpose(0, 1)")

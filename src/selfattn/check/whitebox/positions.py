@@ -220,6 +220,15 @@ def scale_origin(trace: Trace, tid: int) -> Origin:
             if len(sizes) == len(origin.op.in_ids) and max(sizes) * 2 > sum(sizes):
                 tid = origin.op.in_ids[sizes.index(max(sizes))]
                 continue
+        if rotated is None and origin.op is not None and origin.op.name in ("add", "radd", "add_", "iadd") and \
+                len(origin.op.inputs) == 2 and len(origin.op.in_ids) == 2:
+            # a learned bias broadcast onto q (Transformer-XL's u and v, added after icefall scales q): the scale
+            # is the one the tokens' part got
+            sizes = [t.numel() for t in origin.op.inputs]
+            big = sizes.index(max(sizes))
+            if sizes[1 - big] * 4 <= sizes[big] and origin.op.inputs[big].shape == origin.op.outputs[0].shape:
+                tid = origin.op.in_ids[big]
+                continue
         if rotated is None:
             return Origin(origin.id, factor, origin.op, origin.part, origin.parts)
         tid = rotated[0]

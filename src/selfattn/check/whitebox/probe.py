@@ -37,6 +37,7 @@ from ..findings import (
     ROTARY_MISMATCH,
     Finding,
 )
+from ..probes.masking import unlike_alone
 from ..subject.building import num_heads_of
 from ..subject.caller import Caller, grid
 from ..subject.context import Context, Outcome, padding_keep
@@ -58,9 +59,9 @@ __all__ = ["declared_scale", "white_box"]
 
 def declared_scale(module: nn.Module) -> tuple[Callable[[int], float | None], str | None]:
     """The score scale the module's config states instead of 1/sqrt(head dim), as a function of the head dim,
-    and where it was read (``query_pre_attn_scalar``, ``qk_scale_factor``, ``attention_multiplier``,
-    ``scale_attn_weights``, YaRN's ``mscale_all_dim`` in the rope parameters of latent attention; diffusers'
-    ``scale_qk=False`` on the module)."""
+    and where it was read (``query_pre_attn_scalar``, litgpt's ``attention_scores_scalar``, ``qk_scale_factor``,
+    ``attention_multiplier``, ``scale_attn_weights``, YaRN's ``mscale_all_dim`` in the rope parameters of latent
+    attention; diffusers' ``scale_qk=False`` on the module)."""
     config = getattr(module, "config", None)
     if getattr(module, "scale_qk", True) is False:  # diffusers' Attention: scale_qk=False multiplies by its scale
         stated = getattr(module, "scale", 1.0)
@@ -68,9 +69,10 @@ def declared_scale(module: nn.Module) -> tuple[Callable[[int], float | None], st
             return (lambda d: float(stated)), f"scale_qk = False, scale = {stated}"
     if config is None:
         return (lambda d: None), None
-    scalar = getattr(config, "query_pre_attn_scalar", None)
-    if isinstance(scalar, (int, float)) and not isinstance(scalar, bool) and scalar > 0:
-        return (lambda d: float(scalar) ** -0.5), f"config.query_pre_attn_scalar = {scalar}"
+    for name in ("query_pre_attn_scalar", "attention_scores_scalar"):  # Gemma's; litgpt's name for it
+        scalar = getattr(config, name, None)
+        if isinstance(scalar, (int, float)) and not isinstance(scalar, bool) and scalar > 0:
+            return (lambda d, s=float(scalar): s ** -0.5), f"config.{name} = {scalar}"
     factor = getattr(config, "qk_scale_factor", None)  # q normalised, then multiplied by it (MuseGlimmer)
     if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 0:
         return (lambda d: float(factor) / math.sqrt(d)), f"config.qk_scale_factor = {factor}"
@@ -106,7 +108,8 @@ def _raw(caller: Caller, mask: object, keep: Tensor) -> Tensor | None:
     b, length = keep.shape[0], keep.shape[-1]
     if caller.make_mask is None:  # the doctor encoded it: its shape is the spec's
         m = {"LL": lambda: m[None, None], "BLL": lambda: m[:, None], "B1LL": lambda: m,
-             "BL": lambda: m[:, None, None, :], "B11L": lambda: m, "LLB": lambda: m.permute(2, 0, 1)[:, None],
+             "BL": lambda: m[:, None, None, :], "B1L": lambda: m[:, None], "B11L": lambda: m,
+             "LLB": lambda: m.permute(2, 0, 1)[:, None],
              "LLB1": lambda: m[..., 0].permute(2, 0, 1)[:, None], "LL1": lambda: m.permute(2, 0, 1)[:, None]
              }[caller.spec.shape]()
     elif m.dim() == 2:  # the user's make_mask: read by rank ((L, L) or (B, L)); (B, 1, L) and (B, L, L) alike
@@ -284,6 +287,11 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
             findings.append(Finding.of(DEFINITION_MISMATCH, f"the relative positions are not relative: {shifted}",
                                        {"positions": facts.get("positions", positions)}))
             results["one token everywhere"] = shifted
+        elif masked is not None and masked.spec is not None and masked.spec.shape not in ("LL", "LL1"):
+            grown = unlike_alone(ctx, ctx.exact_of(masked), ctx.analysis_x)
+            if grown is not None:
+                findings.append(grown)
+                results["padded and alone"] = grown.message
     if x is not x0:
         results["input scale"] = f"x times {float(x.flatten()[0] / x0.flatten()[0]):.3g} (the scores were too " \
                                  "small to tell formulas apart)"

@@ -22,6 +22,7 @@ Shape legend: B batch, H heads, L length, D head dim.
 
 from __future__ import annotations
 
+import itertools
 import math
 import string
 from collections.abc import Callable
@@ -311,7 +312,8 @@ def _position_products(trace: Trace, tid: int, inputs: frozenset[int]) -> list[s
             found_names.append(f"a term of the queries with a position table ({op.name}" +
                                (f" {op.args[0]!r}" if op.name == "einsum" else "") + ")")
         elif op.name in LAYOUT or op.name in _ADDS or op.name in ("cat", "pad", "constant_pad_nd", "gather",
-                                                                  "index_select", "mul") or op.number() is not None:
+                                                                  "index_select", "mul", "as_strided") or \
+                op.number() is not None:  # as_strided: icefall's relative shift
             todo.extend(op.in_ids)
     return found_names or None
 
@@ -1678,6 +1680,11 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
     verdicts = []
     cores = sum(op.name == "scaled_dot_product_attention" or op.name in SOFTMAX for op in trace.ops)
     local = local or cores > 1  # steps that each see part of the tokens and together all (axial: rows, then columns)
+    steps = _decode_steps(trace, length)
+    if steps is not None:
+        raise Unseen(f"the call runs the attention in {len(steps)} steps over a growing cache (queries "
+                           f"{[q for q, _ in steps]}, keys {[k for _, k in steps]}: a prefill and decode steps); "
+                           "each step sees part of the tokens, and the record is not read step by step")
     for op in trace.ops:
         if op.outputs and op.outputs[0].numel() == 0:  # an attention over no queries (no global tokens) weighs nothing
             continue
@@ -1694,6 +1701,26 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
     if not verdicts:
         raise Unrecognised("no attention was found: no softmax feeding a product, no scaled_dot_product_attention")
     return verdicts
+
+
+def _decode_steps(trace: Trace, length: int) -> list[tuple[int, int]] | None:
+    """(queries, keys) of each attention core when the run is a generation loop over a KV cache: three or more
+    cores whose query counts add up to the L tokens, each fewer than L, over as many keys or more at each step (a
+    prefill, then decode steps; a cache allocated ahead, or a rolling one, keeps its size); else None."""
+    steps = []
+    for op in trace.ops:
+        if not op.outputs or op.outputs[0].dim() < 2:
+            continue
+        if op.name == "scaled_dot_product_attention" and len(op.inputs) >= 2 and op.inputs[1].dim() >= 2:
+            steps.append((op.inputs[0].shape[-2], op.inputs[1].shape[-2]))
+        elif op.name in SOFTMAX:
+            steps.append((op.outputs[0].shape[-2], op.outputs[0].shape[-1]))
+    if len(steps) == length >= 3:  # one attention per token (a decode step's query may have no axis of its own)
+        steps = [(1, k) for _, k in steps]
+    if len(steps) < 3 or sum(q for q, _ in steps) != length or any(q >= length for q, _ in steps):
+        return None
+    keys = [k for _, k in steps]
+    return steps if all(a <= b for a, b in itertools.pairwise(keys)) else None
 
 
 def _query_key_last(r: Tensor, length: int) -> Tensor | None:
@@ -1730,12 +1757,20 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4) -> str | N
                     r = _contract(product, pairs[0][1], pairs[1][1])
         except (Unseen, Unrecognised, RuntimeError):
             continue
+        extra = 0 if r is None or r.dim() < 2 else r.shape[-1] - length  # keys beyond the tokens: memory, a cache
         r = None if r is None else _query_key_last(r, length)
         if r is None or length < 3:
             continue
         diag = r.diagonal(dim1=-2, dim2=-1)
         spread = (diag - diag[..., :1]).abs()
         size = 1 + float(r.abs().max())
+        if float(spread.max()) > rtol * size and extra > 0 and op.name in SOFTMAX:
+            # learned keys put first (a null key and value, memory tokens): the tokens' keys are the last L
+            full = _contract(product, pairs[0][1], pairs[1][1])
+            if full.dim() >= 2 and full.shape[-2] == length:
+                late = full[..., extra:].diagonal(dim1=-2, dim2=-1)
+                if float((late - late[..., :1]).abs().max()) <= rtol * size:
+                    continue
         if float(spread.max()) > rtol * size:
             at = int(spread.reshape(-1, length).amax(0).argmax())
             return (f"with the same token at every position, its score with itself is {float(diag.flatten()[0]):.4g} "

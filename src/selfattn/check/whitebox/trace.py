@@ -42,6 +42,9 @@ LAYOUT = frozenset({"view", "reshape", "transpose", "permute", "contiguous", "cl
                     "narrow", "select", "repeat_interleave", "detach", "dropout", "view_as", "reshape_as", "mT",
                     "tensor_split", "split_with_sizes"})
 _SCALARS = frozenset({"mul", "rmul", "div", "truediv", "mul_", "div_", "imul", "itruediv"})
+_TEMPLATE_ONLY = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like",
+                            "empty_like", "full_like", "rand_like", "randn_like", "randint_like"})
+_TEMPLATE_SECOND = frozenset({"to", "type_as", "expand_as", "view_as", "reshape_as"})
 _KEEP = PRODUCTS | SOFTMAX | {"scaled_dot_product_attention", "linear", "addmm", "multi_head_attention_forward"}
 
 
@@ -144,6 +147,15 @@ class Op:
                     bool(((ones == 0) | (ones == 1)).all()) and not bool(((other == 0) | (other == 1)).all()):
                 return self.in_ids[1 - at]
         return None
+
+    def value_inputs(self) -> list[int]:
+        """The identities of the tensors whose values this operation reads: not a tensor it takes only as a template
+        for a shape, dtype or device (``x.new_zeros(...)``, ``zeros_like(x)``, ``t.to(x)``, ``t.expand_as(x)``)."""
+        if self.name in _TEMPLATE_ONLY:
+            return []
+        if self.name in _TEMPLATE_SECOND:
+            return self.in_ids[:1]
+        return list(self.in_ids)
 
     def main_input(self) -> int | None:
         """The identity of the tensor this operation transforms: the first tensor argument, or for a
@@ -310,7 +322,7 @@ class Trace(TorchFunctionMode):
         todo, seen, count = [tid], {tid}, 0
         while todo:
             found = self.maker(todo.pop(0))
-            for i in found[0].in_ids if found is not None else ():
+            for i in found[0].value_inputs() if found is not None else ():
                 if i not in seen:
                     if limit is not None and count >= limit:
                         return
