@@ -513,3 +513,44 @@ def test_a_relative_shift_is_read_whatever_its_spelling_and_named_when_it_depend
         assert report.passed, _ids(report)
     else:
         assert report.ids == {"definition-mismatch"} and "length" in report.findings[0].message, _ids(report)
+
+
+# -- a model that makes its layers causal through the mask it passes ------------------------------------------------
+class MaskedLayer(nn.Module):
+    """Meta's llama reference in short: forward(x, mask), scores + mask, the mask an additive (L, L) causal one the
+    model builds (the layer itself hides nothing)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x, mask):
+        b, t, e = x.shape
+        q, k, v = (w(x).view(b, t, self.h, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(e // self.h) + mask
+        return self.wo((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, e))
+
+
+class CausalThroughTheMask(nn.Module):
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([MaskedLayer(dim), MaskedLayer(dim)])
+
+    def forward(self, x):
+        t = x.shape[1]
+        mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
+        for layer in self.layers:
+            x = x + layer(x, mask)
+        return x
+
+
+def test_a_model_that_is_causal_through_the_mask_it_passes_is_causal():
+    """catches: check_model(..., causal=True) on a model whose layers are causal only through the mask it passes
+    named causal-leak on every layer: the replay without the doctor's mask dropped the model's causal mask."""
+    from selfattn.check import check_model
+
+    torch.manual_seed(0)
+    report = check_model(CausalThroughTheMask(), torch.randn(2, 8, 64), causal=True)
+    assert report.passed, [(name, r.ids) for name, r in report.layers.items()]
+    assert len(report.layers) == 2

@@ -108,13 +108,24 @@ class Layer:
                 tree_map(lambda v: found.append(v) if isinstance(v, int) and not isinstance(v, bool) else None, value)
         return bool(found)
 
-    def adapter(self) -> Callable:
-        """``call(module, x[, mask])`` replaying the recorded call (with a mask argument when the layer takes one)."""
+    def recorded_mask(self) -> object:
+        """What the model passed as the mask argument (None when the layer takes none)."""
+        if isinstance(self.mask, int):
+            return self.args[self.mask] if self.mask < len(self.args) else None
+        return self.kwargs.get(self.mask) if self.mask is not None else None
+
+    def adapter(self, causal: bool = False) -> Callable:
+        """``call(module, x[, mask])`` replaying the recorded call (with a mask argument when the layer takes one).
+        ``causal``: the model is causal (the user said so) and passes the layer a causal mask: a call without the
+        doctor's mask keeps the model's, cut to x's length, as the layer's own pattern (a mask replaces it)."""
         copies: dict = {}  # the modules the call passes, cast to the probe's dtype (a half-precision run)
+        own = self.recorded_mask() if causal and _is_causal_mask(self.recorded_mask(), self.length) else None
 
         def replay(module: nn.Module, x: Tensor, mask: object = None) -> object:
             fit = _fitter(x, self.batch, self.length, copies, self.sequence_first, num_heads_of(module),
                           self.shared)
+            if mask is None and own is not None:
+                mask = tree_map(fit, own)
             if self.sequence_first:
                 x = x.transpose(0, 1)
             args = [x if i in self.x else (mask if i == self.mask else tree_map(fit, a))
@@ -140,11 +151,26 @@ class Layer:
         rows = any(t.dim() > 1 and self.batch in t.shape[:1 + self.sequence_first] for t in self.extras)
         setattr(call, "rows_from_the_start", rows)  # noqa: B010 (an attribute of a function)
         setattr(call, "sequence_first", self.sequence_first)  # noqa: B010 (its masks in that layout: (L, L, B))
+        # the model's causal mask stands for the layer's own pattern: a key mask (B, L) cannot carry it
+        setattr(call, "own_causal", own is not None)  # noqa: B010
         # tables the model computed in half precision (rotary cos and sin in bfloat16) keep their rounding in the
         # float64 replay: a rotation by them is orthogonal to that precision only
         eps = [torch.finfo(t.dtype).eps for t in self.extras if t.is_floating_point()]
         setattr(call, "recorded_eps", max(eps, default=0.0))  # noqa: B010
         return call
+
+
+def _is_causal_mask(mask: object, length: int) -> bool:
+    """Is ``mask`` a causal mask over ``length`` tokens: (..., L, L), bool True = may attend or additive (0 / large
+    negative), hiding exactly the later keys of every query in every item?"""
+    if not isinstance(mask, Tensor) or mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length) or length < 2:
+        return False
+    seen = mask if mask.dtype == torch.bool else (torch.isfinite(mask) & (mask > -1e3)) if \
+        mask.is_floating_point() else None
+    if seen is None:
+        return False
+    lower = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
+    return bool((seen == lower).all())
 
 
 def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None, sequence_first: bool = False,
@@ -779,11 +805,12 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
         for sized in tries:
             try:
                 given = {k: v for k, v in options.items() if v is not None or k not in sized}
-                done = check(layer.module, call=layer.adapter(), **{**sized, **given})
+                causal = bool(options.get("causal"))
+                done = check(layer.module, call=layer.adapter(causal), **{**sized, **given})
                 if "length" not in sized and options.get("length") is None and _shape_limited(done):
                     # it runs only at sizes that line up with its heads or width, and the model called it at one
                     # of them: the recorded length is the layer's own (a fixed window), as --length states it
-                    retry = check(layer.module, call=layer.adapter(), **{**given, **recorded})
+                    retry = check(layer.module, call=layer.adapter(causal), **{**given, **recorded})
                     done = retry if not _shape_limited(retry) else done
                 report.layers[layer.name] = done
                 report.could_not_run.pop(layer.name, None)

@@ -457,6 +457,8 @@ def _candidates(ctx: Context) -> list[Caller]:
         # its own shapes: a (L, L, B) or (L, L, B, 1) mask, a (B, L) key mask (torch's MultiheadAttention), one (L, L)
         # or (L, L, 1) for every item
         shapes = ("LLB", "LLB1", "BL", "LL", "LL1")
+    if getattr(ctx.call.adapter, "own_causal", False):  # a layer replayed with its model's causal mask: the
+        shapes = tuple(s for s in shapes if not MaskSpec("keep", s).key_only)  # doctor's masks must carry it too
     lengths = [ctx.call.with_mask(MaskSpec("lengths", "B"), arg) for arg in args if arg in LENGTH_NAMES]
     return lengths + [ctx.call.with_mask(MaskSpec(kind, shape), arg) for arg in args for shape in shapes
                       for kind in kinds]
