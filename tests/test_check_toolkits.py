@@ -554,3 +554,74 @@ def test_a_model_that_is_causal_through_the_mask_it_passes_is_causal():
     report = check_model(CausalThroughTheMask(), torch.randn(2, 8, 64), causal=True)
     assert report.passed, [(name, r.ids) for name, r in report.layers.items()]
     assert len(report.layers) == 2
+
+
+# -- windows over a grid padded to a multiple of the window (SAM's and ViTDet's image encoder) ----------------------
+class PaddedWindows(nn.Module):
+    """ViTDet / SAM window attention on a (B, H, W, C) map: the map padded with zeros on the bottom and right to a
+    multiple of the window, attention within each window (the zero tokens attended to, as SAM does, no mask), the
+    padding cut off again."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, window: int = 4) -> None:
+        super().__init__()
+        self.h, self.window = heads, window
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, hh, ww, c = x.shape
+        w = self.window
+        ph, pw = (w - hh % w) % w, (w - ww % w) % w
+        x = nn.functional.pad(x, (0, 0, 0, pw, 0, ph))
+        hp, wp = hh + ph, ww + pw
+        win = x.view(b, hp // w, w, wp // w, w, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, w * w, c)
+        q, k, v = self.qkv(win).view(win.shape[0], w * w, 3, self.h, c // self.h).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(-1, w * w, c)
+        out = self.proj(out).view(b, hp // w, wp // w, w, w, c).permute(0, 1, 3, 2, 4, 5).reshape(b, hp, wp, c)
+        return out[:, :hh, :ww]
+
+
+def test_windows_of_a_grid_padded_to_their_multiple_are_windows():
+    """catches: SAM's windows of 4 on a 6 x 6 map, padded to 8 x 8, read as a head split (the window's 16 tokens
+    do not divide the 36): four padded windows of 16 now tile the grid."""
+    torch.manual_seed(0)
+    report = check(PaddedWindows(), length=[36])
+    assert report.passed, _ids(report)
+
+
+# -- gated row attention over MSA rows, as many heads as tokens in a row ---------------------------------------------
+class GatedRowAttention(nn.Module):
+    """OpenFold's Attention on (B, S, N, C) MSA rows: attention along N within each of the S rows, the output
+    gated by a sigmoid of the input before its projection. ``merge_by_view`` is the bug: the heads put back with a
+    reshape of (..., H, N, D), no transpose."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, merge_by_view: bool = False) -> None:
+        super().__init__()
+        self.h, self.merge_by_view = heads, merge_by_view
+        self.q, self.k, self.v, self.g = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x):                                                       # (B, S, N, C)
+        *lead, n, c = x.shape
+        d = c // self.h
+        q, k, v = (lin(x).view(*lead, n, self.h, d).transpose(-2, -3) for lin in (self.q, self.k, self.v))
+        q = q / math.sqrt(d)
+        o = torch.softmax(q @ k.transpose(-1, -2), -1) @ v                    # (B, S, H, N, D)
+        o = o.reshape(*lead, n, self.h, d) if self.merge_by_view else o.transpose(-2, -3)
+        o = o * torch.sigmoid(self.g(x)).view(*lead, n, self.h, d)
+        return self.o(o.reshape(*lead, n, c))
+
+
+def test_a_merge_is_read_where_a_row_holds_as_many_tokens_as_heads():
+    """catches: four tokens per MSA row and four heads: the transpose back kept the product's shape, and the
+    doctor, following what keeps the shape, read the gated tensor as the product's layout: head-merge on correct
+    code."""
+    torch.manual_seed(0)
+
+    def rows(m, x):
+        return m(x.reshape(x.shape[0], 2, x.shape[1] // 2, x.shape[2])).reshape(x.shape)
+
+    good = check(GatedRowAttention(), call=rows, length=[8])
+    assert good.passed, _ids(good)
+    bad = check(GatedRowAttention(merge_by_view=True), call=rows, length=[8])
+    assert "head-merge" in bad.ids, _ids(bad)

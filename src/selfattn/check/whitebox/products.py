@@ -987,7 +987,8 @@ def _main_line(trace: Trace, tid: int, out: Tensor, depth: int = 4) -> tuple[Ten
     over the head dim, a side branch) are passed over. None when nothing reads it (the module returns it)."""
     for nxt, key in trace.consumers(tid):
         value = trace.value(key)
-        same = value is not None and value.shape == out.shape
+        # read as it is: a transposed view keeps the shape only when sizes coincide (as many heads as tokens)
+        same = value is not None and value.shape == out.shape and (key == tid or torch.equal(value, out))
         if same and nxt.out_ids and nxt.outputs[0].shape == out.shape:
             if depth > 0 and (found := _main_line(trace, nxt.out_ids[0], nxt.outputs[0], depth - 1)) is not None:
                 return found  # still in the heads' layout: follow it
@@ -1566,8 +1567,14 @@ def _sdpa_hidden(op: Op, length: int) -> Tensor:
 
 def _tiles(length: int, size: int, lead: tuple[int, ...]) -> bool:
     """Do windows of ``size`` tile the L tokens: L a multiple of it, or an axis of ``lead`` counting the windows of
-    the L tokens padded to a multiple (chunked attention pads its last chunk)?"""
-    return length % size == 0 or any(n * size >= length > (n - 1) * size for n in lead)
+    the L tokens padded to a multiple (chunked attention pads its last chunk), or square windows of a square grid
+    padded on both sides to a multiple of the window's (SAM's and ViTDet's windows, padded with zeros)?"""
+    if length % size == 0 or any(n * size >= length > (n - 1) * size for n in lead):
+        return True
+    side, window = math.isqrt(length), math.isqrt(size)
+    if side * side != length or window * window != size or window < 2 or side % window == 0:
+        return False
+    return math.prod(lead) % (-(-side // window)) ** 2 == 0
 
 
 def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
