@@ -625,3 +625,66 @@ def test_a_merge_is_read_where_a_row_holds_as_many_tokens_as_heads():
     assert good.passed, _ids(good)
     bad = check(GatedRowAttention(merge_by_view=True), call=rows, length=[8])
     assert "head-merge" in bad.ids, _ids(bad)
+
+
+# -- streaming segments with a look-ahead (Emformer) -----------------------------------------------------------------
+class SegmentsWithLookAhead(nn.Module):
+    """Emformer-like streaming attention: segments of 3 tokens, each query sees every key up to the end of its own
+    segment and ``ahead`` tokens past it (the right context). ``ahead=4`` is the bug: counted from the end of the
+    next segment, a whole segment and one more token leak."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, ahead: int = 1) -> None:
+        super().__init__()
+        self.h, self.ahead = heads, ahead
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        i = torch.arange(t, device=x.device)
+        visible = i[None, :] < (i[:, None] // 3 + 1) * 3 + self.ahead
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        return self.proj(out.transpose(1, 2).reshape(b, t, e))
+
+
+def test_streaming_segments_with_a_right_context_are_a_design():
+    """catches: Emformer's segments with one look-ahead token named causal-leak ("queries see some future keys and
+    not others") without any option; a look-ahead of more than a segment is still a leak."""
+    torch.manual_seed(0)
+    good = check(SegmentsWithLookAhead(), length=[12])
+    assert good.passed and "right context" in good.inferred["window"], _ids(good)
+    bad = check(SegmentsWithLookAhead(ahead=4), length=[12])
+    assert "causal-leak" in bad.ids, _ids(bad)
+
+
+# -- a map put back transposed ----------------------------------------------------------------------------------------
+class MapAttention(nn.Module):
+    """A diffusion U-Net's attention block on a (B, C, H, W) map: 1 x 1 convolutions for q, k, v and the output,
+    attention over the H W positions flattened row by row. ``put_back_transposed`` is the bug: the output put back
+    as (B, C, W, H) read as (B, C, H, W), each position's output landing at the transposed position."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, put_back_transposed: bool = False) -> None:
+        super().__init__()
+        self.h, self.put_back_transposed = heads, put_back_transposed
+        self.to_qkv = nn.Conv2d(dim, 3 * dim, 1, bias=False)
+        self.to_out = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x):
+        b, c, hh, ww = x.shape
+        q, k, v = (t.reshape(b, self.h, c // self.h, hh * ww).transpose(-1, -2) for t in self.to_qkv(x).chunk(3, 1))
+        out = nn.functional.scaled_dot_product_attention(q, k, v)                  # (B, heads, H W, D)
+        out = out.transpose(-1, -2).reshape(b, c, hh, ww)
+        if self.put_back_transposed:
+            out = out.reshape(b, c, hh * ww).view(b, c, ww, hh).transpose(-1, -2)
+        return self.to_out(out)
+
+
+def test_a_map_put_back_transposed_is_a_head_merge():
+    """catches: the output put back at the transposed positions certified with a not-equivariant warning; permuting
+    the input gives the very rows of the unpermuted run in another order, so the rows are moved, not changed."""
+    torch.manual_seed(0)
+    good = check(MapAttention())
+    assert good.passed, _ids(good)
+    bad = check(MapAttention(put_back_transposed=True))
+    assert bad.ids == {"head-merge"}, _ids(bad)

@@ -186,6 +186,23 @@ def _streaming_chunks(dep: Tensor) -> tuple[int, int] | None:
     return None
 
 
+def _chunks_with_right_context(dep: Tensor) -> tuple[int, int, int] | None:
+    """(chunk size, chunks seen before its own, right context r) when each query sees its own chunk whole, some
+    chunks before it, and the first r < size tokens of the next chunk (Emformer's segments with right context,
+    a streaming Conformer's look-ahead), else None."""
+    length = dep.shape[0]
+    i = torch.arange(length, device=dep.device)
+    for size in range(2, min(length, 17)):
+        behind = i[:, None] // size - i[None, :] // size
+        ahead = (behind == -1) & (i[None, :] % size < torch.arange(1, size, device=dep.device)[:, None, None])
+        for left in range(0, (length - 1) // size + 1):
+            own = (behind >= 0) & (behind <= left)
+            for r in range(1, size):
+                if torch.equal(dep, own | ahead[r - 1]):
+                    return size, left, r
+    return None
+
+
 def _neighbourhood(dep: Tensor) -> str | None:
     """Neighbourhood attention (NAT's, or a sliding window clamped at the ends): each query sees one rectangle of
     keys of a fixed size around it, on the line or on the tokens' square grid, moved inwards at the borders (so a
@@ -286,6 +303,12 @@ def _local_design(dep: Tensor) -> str | None:
         before = "every chunk" if left >= (length - 1) // size else f"{left} chunk(s)" if left else "no chunk"
         return (f"streaming chunks: each query sees its own chunk of {size} tokens (later tokens of the chunk "
                 f"too) and {before} before it (the chunk masks of streaming speech encoders, WeNet's or ESPnet's)")
+    ahead = _chunks_with_right_context(dep)
+    if ahead is not None:
+        size, left, r = ahead
+        before = "every chunk" if left >= (length - 1) // size else f"{left} chunk(s)" if left else "no chunk"
+        return (f"streaming chunks with right context: each query sees its own chunk of {size} tokens, {before} "
+                f"before it and the first {r} token(s) of the next (Emformer's segments with look-ahead)")
     neighbourhood = _neighbourhood(dep)
     if neighbourhood is not None:
         return neighbourhood
