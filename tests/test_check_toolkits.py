@@ -688,3 +688,31 @@ def test_a_map_put_back_transposed_is_a_head_merge():
     assert good.passed, _ids(good)
     bad = check(MapAttention(put_back_transposed=True))
     assert bad.ids == {"head-merge"}, _ids(bad)
+
+
+class TemperatureOrScale(nn.Module):
+    """Cosine attention holding two alternatives of one shape, an option choosing which it learns: a logit scale
+    (Swin v2's) or a temperature; the other is never read. Not a bug: the two are not a pair."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(heads, 1, 1)))
+        self.tau = nn.Parameter(torch.full((heads, 1, 1), 0.1))
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        scores = nn.functional.normalize(q, dim=-1) @ nn.functional.normalize(k, dim=-1).transpose(-2, -1)
+        weights = (scores * self.logit_scale.clamp(max=math.log(100.0)).exp()).softmax(-1)
+        return self.proj((weights @ v).transpose(1, 2).reshape(b, t, e))
+
+
+def test_alternatives_of_one_shape_are_not_a_pair():
+    """guards: a parameter the module's option leaves unread beside another of its shape, named apart, is not
+    no-grad (pos_bias_u and pos_bias_v are a pair by their names; logit_scale and tau are not)."""
+    torch.manual_seed(0)
+    report = check(TemperatureOrScale())
+    assert report.passed, _ids(report)

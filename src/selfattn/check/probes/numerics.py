@@ -414,11 +414,20 @@ def _idle_twins(module: nn.Module, used: set[int]) -> list[str]:
                if p.requires_grad and p.dim() >= 1]
         own = [(n, p) for n, p in own if _standalone(module, n) or "bias" in n.rpartition(".")[2].lower()]
         for name, p in own:
-            twins = [q for n, q in own if n != name and q.shape == p.shape]
-            # a pair only: a third tensor of the shape may serve an optional input (XLNet's r_s_bias, for segments)
-            if id(p) not in used and len(twins) == 1 and id(twins[0]) in used and not _standalone_layer(mod):
+            twins = [(n, q) for n, q in own if n != name and q.shape == p.shape]
+            # a pair only, named as one (pos_bias_u and pos_bias_v, r_w_bias and r_r_bias): a third tensor of the
+            # shape may serve an optional input (XLNet's r_s_bias, for segments), and tensors named apart may be
+            # alternatives an option chooses between (a logit scale or a temperature)
+            if id(p) not in used and len(twins) == 1 and id(twins[0][1]) in used and \
+                    _one_word_apart(name, twins[0][0]) and not _standalone_layer(mod):
                 idle.append(name)
     return sorted(idle)
+
+
+def _one_word_apart(a: str, b: str) -> bool:
+    """Do two parameter names differ in exactly one of their words (``pos_bias_u`` and ``pos_bias_v``)?"""
+    wa, wb = re.split(r"[_.]", a.lower()), re.split(r"[_.]", b.lower())
+    return len(wa) == len(wb) > 1 and sum(x != y for x, y in zip(wa, wb, strict=True)) == 1
 
 
 def _standalone_layer(mod: nn.Module) -> bool:
