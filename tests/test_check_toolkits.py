@@ -716,3 +716,63 @@ def test_alternatives_of_one_shape_are_not_a_pair():
     torch.manual_seed(0)
     report = check(TemperatureOrScale())
     assert report.passed, _ids(report)
+
+
+# -- torchtune's forward(x, y=None, *, mask=None): self-attention is forward(x, x) ---------------------------------
+class XAndY(nn.Module):
+    """torchtune's MultiHeadAttention in short: keys and values from y; without a KV cache, y must be given, also
+    for self-attention (forward(x, x))."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.q_proj, self.k_proj, self.v_proj, self.output_proj = (nn.Linear(dim, dim, bias=False)
+                                                                   for _ in range(4))
+
+    def forward(self, x, y=None, *, mask=None):
+        if y is None:
+            raise ValueError("Must provide y input or use kv_cache to enable streaming decoding")
+        b, t, e = x.shape
+        q = self.q_proj(x).view(b, t, self.h, -1).transpose(1, 2)
+        k, v = (p(y).view(b, y.shape[1], self.h, -1).transpose(1, 2) for p in (self.k_proj, self.v_proj))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.output_proj(out.transpose(1, 2).reshape(b, t, e))
+
+
+def test_a_forward_whose_keys_argument_has_a_default_is_called_with_x_twice():
+    """catches: torchtune's forward(x, y=None) could not run (exit 2): forward(x, x) was tried only when the keys'
+    argument had no default."""
+    torch.manual_seed(0)
+    report = check(XAndY())
+    assert report.passed and report.inferred["call"].startswith("forward(q, kv)"), _ids(report)
+
+
+class FixedBatchCache(nn.Module):
+    """A prefill through a KV cache allocated for exactly two rows (gpt-fast's and torchtune's caches are made
+    for one batch size), with a (B, L) padding mask, True = real token."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.register_buffer("k_cache", torch.zeros(2, heads, 32, dim // heads), persistent=False)
+
+    def forward(self, x, mask=None):
+        b, t, e = x.shape
+        if b != self.k_cache.shape[0]:
+            raise ValueError(f"the cache holds {self.k_cache.shape[0]} rows, not {b}")
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        self.k_cache = self.k_cache.to(k.dtype)
+        self.k_cache[:, :, :t] = k.detach()
+        keep = None if mask is None else mask[:, None, None, :]
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        return self.proj(out.transpose(1, 2).reshape(b, t, e))
+
+
+def test_the_padding_probe_skips_one_item_alone_where_the_batch_is_fixed():
+    """catches: a module that runs only at its cache's batch size was inconclusive with a doctor error: the
+    padding probe ran one item alone, which the module refuses (the sizes probe had said so)."""
+    torch.manual_seed(0)
+    report = check(FixedBatchCache(), batch=2)
+    assert report.verdict == "passed" and not report.doctor_errors, (report.verdict, report.not_verified)

@@ -1023,7 +1023,14 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
     caller, x = ctx.exact_of(masked), ctx.analysis_x
     found = Outcome[None](coverage={"padding": "verified"})
     shared = caller.spec is not None and caller.spec.shape in ("LL", "LL1")  # one mask for every item: one padding
-    inputs = [x] + ([x[:1]] if x.shape[0] > 1 else [])  # one item alone too (a path for batch 1 that drops the mask)
+    inputs = [x]
+    if x.shape[0] > 1:  # one item alone too (a path for batch 1 that drops the mask), where the module runs at batch 1
+        try:
+            with torch.no_grad():
+                caller(x[:1], caller.module_mask(_own_padding(1, x.shape[1], shared)))
+            inputs.append(x[:1])
+        except Exception:  # a cache made for exactly B rows (gpt-fast's, torchtune's): the batch probe said so
+            pass
     for length in (n for n in PADDING_LENGTHS if n > x.shape[1]):
         longer = ctx.randn(x.shape[0], length, x.shape[2]).to(x.dtype)
         try:

@@ -395,13 +395,14 @@ def required_mask_parameter(module: nn.Module, style: str) -> str | None:
 
 def _takes_two_sequences(module: nn.Module) -> bool:
     """Does forward take the queries' and the keys' sequences as its first two arguments, and no values
-    (OpenFold's ``forward(q_x, kv_x, biases=None)``)?"""
+    (OpenFold's ``forward(q_x, kv_x, biases=None)``; torchtune's ``forward(x, y=None, *, mask=None)``, whose
+    self-attention without a cache needs y too)?"""
     try:
         params = [p for p in inspect.signature(module.forward).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         return False
-    if len(params) < 2 or any(p.default is not p.empty for p in params[:2]) or \
+    if len(params) < 2 or params[0].default is not params[0].empty or \
             (len(params) > 2 and params[2].default is params[2].empty):
         return False
     second = params[1].name.lower()
