@@ -776,3 +776,46 @@ def test_the_padding_probe_skips_one_item_alone_where_the_batch_is_fixed():
     torch.manual_seed(0)
     report = check(FixedBatchCache(), batch=2)
     assert report.verdict == "passed" and not report.doctor_errors, (report.verdict, report.not_verified)
+
+
+# -- q/k norms of the module's own class, and v through one of them --------------------------------------------------
+class HeadRMSNorm(nn.Module):
+    """An RMS norm over a head's features, written as a class of its own (Qwen 3's and OLMo 2's q/k norms)."""
+
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(size)), eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class QKNormAttention(nn.Module):
+    """Causal attention with q and k normalised per head by norms of the module's own class. ``v_through_k_norm`` is
+    the bug: the values passed through k_norm too."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, v_through_k_norm: bool = False) -> None:
+        super().__init__()
+        self.h, self.d, self.v_norm_bug = heads, dim // heads, v_through_k_norm
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.q_norm, self.k_norm = HeadRMSNorm(self.d), HeadRMSNorm(self.d)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = (p(x).view(b, t, self.h, self.d) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = self.q_norm(q), self.k_norm(k)
+        if self.v_norm_bug:
+            v = self.k_norm(v)
+        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, e))
+
+
+def test_values_through_the_keys_norm_are_changed():
+    """catches: v passed through k_norm (a norm of the module's own class) certified: a norm on v is a design
+    (Gemma 3n's v_norm), but one named for the keys or queries is the values changed."""
+    torch.manual_seed(0)
+    good = check(QKNormAttention(), causal=True)
+    assert good.passed, _ids(good)
+    bad = check(QKNormAttention(v_through_k_norm=True), causal=True)
+    assert bad.ids == {"values-changed"}, _ids(bad)

@@ -47,7 +47,7 @@ from ..findings import (
     VALUES_CHANGED,
     WRONG_SCALE,
 )
-from ..subject.building import ROLE_PATTERNS, name_role
+from ..subject.building import ROLE_PATTERNS, name_role, norm_role
 from .positions import (
     normalised,
     normalised_over_tokens,
@@ -718,6 +718,16 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
     if op.name in _MADE:
         return None
     norm = normalised(trace, vid)
+    if norm is not None and norm_role(norm) is None:  # a norm class of the module's own: its output is named
+        for t in (vid, *trace.ancestors(vid, limit=8)):
+            name = trace.names.get(t)
+            if name is not None:  # the nearest named output: the norm's, or the projection's (no norm named)
+                norm = name if norm_role(name) is not None else norm
+                break
+    if norm is not None and norm_role(norm) is not None:  # the keys' or queries' own norm (v = self.k_norm(v))
+        return Verdict(VALUES_CHANGED, {"matches": f"the values pass through {norm}, a norm named for the "
+                                          f"{'keys' if norm_role(norm) == 'k' else 'queries'}, after their "
+                                          "projection (a norm copied onto v by mistake?)", **evidence}, facts)
     if norm is not None:
         facts["values"] = f"V is normalised ({norm}) after its projection"
         return None

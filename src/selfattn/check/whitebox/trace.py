@@ -189,7 +189,7 @@ class Trace(TorchFunctionMode):
         # id(tensor) -> [(version, op index, output index)] in the order made; per version the first maker wins
         self.made_by: dict[int, list[tuple[int, int, int]]] = {}
         self._alive: list[object] = []  # keeps recorded tensors alive, so that ids are not reused
-        self.names: dict[int, str] = {}  # key of the output of an nn.Linear or hooked leaf -> its module name
+        self.names: dict[int, str] = {}  # key of the output of an nn.Linear, a norm or hooked leaf -> its name
         self.parameters: set[int] = set()  # ids of the trained parameters (nn.Parameter, requires_grad) read
         self.transformed = False  # some operations ran inside torch.vmap (or another torch.func transform): unrecorded
 
@@ -370,8 +370,8 @@ def record(module: nn.Module, call: Callable[[], Tensor]) -> tuple[Trace, Tensor
 
     for name, m in module.named_modules():
         weight = getattr(m, "weight", None)
-        if isinstance(m, nn.Linear):
-            handles.append(m.register_forward_hook(functools.partial(named, name=name)))
+        if isinstance(m, nn.Linear) or (name and "norm" in type(m).__name__.lower()):  # a norm of its own class
+            handles.append(m.register_forward_hook(functools.partial(named, name=name)))  # too: its output named
         elif not list(m.children()) and isinstance(weight, Tensor) and weight.dim() == 2 and \
                 not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):  # weight leaves not going through F.linear
             handles.append(m.register_forward_hook(functools.partial(leaf, name=name)))
