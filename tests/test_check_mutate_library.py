@@ -195,7 +195,7 @@ def test_mutants_of_a_module_that_requires_its_mask_are_run_with_it(tmp_path, mo
     outs = score_module._outputs(module, {}, note)
     assert all(isinstance(o, torch.Tensor) for o in outs), outs
     with pytest.raises(score_module.CannotRun, match="--call"):
-        score_module._outputs(module, {}, None)
+        score_module._outputs(module, {}, None, original=True)
 
     built = []
 

@@ -533,25 +533,39 @@ class MaskedLayer(nn.Module):
 
 
 class CausalThroughTheMask(nn.Module):
-    def __init__(self, dim: int = 64) -> None:
+    """Two layers made causal by the additive mask the model builds: (L, L) causal, or with ``window`` and a padding
+    mask a (B, 1, L, L) one that also hides keys past the window and the padded tokens (GPT with attention_mask)."""
+
+    def __init__(self, dim: int = 64, window: int | None = None) -> None:
         super().__init__()
+        self.window = window
         self.layers = nn.ModuleList([MaskedLayer(dim), MaskedLayer(dim)])
 
-    def forward(self, x):
+    def forward(self, x, attention_mask=None):
         t = x.shape[1]
-        mask = torch.full((t, t), float("-inf"), device=x.device).triu(1)
+        i = torch.arange(t, device=x.device)
+        keep = i[None, :] <= i[:, None]
+        if self.window is not None:
+            keep = keep & (i[None, :] > i[:, None] - self.window)
+        if attention_mask is not None:
+            keep = keep[None, None] & attention_mask[:, None, None, :].bool()
+        mask = torch.zeros(keep.shape, device=x.device).masked_fill(~keep, torch.finfo(x.dtype).min)
         for layer in self.layers:
             x = x + layer(x, mask)
         return x
 
 
-def test_a_model_that_is_causal_through_the_mask_it_passes_is_causal():
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_model_that_is_causal_through_the_mask_it_passes_is_causal(window):
     """catches: check_model(..., causal=True) on a model whose layers are causal only through the mask it passes
-    named causal-leak on every layer: the replay without the doctor's mask dropped the model's causal mask."""
+    named causal-leak on every layer: the replay without the doctor's mask dropped the model's causal mask (also
+    when that mask carries a window and the padding besides)."""
     from selfattn.check import check_model
 
     torch.manual_seed(0)
-    report = check_model(CausalThroughTheMask(), torch.randn(2, 8, 64), causal=True)
+    x = torch.randn(2, 8, 64)
+    inputs = (x,) if window is None else {"x": x, "attention_mask": torch.tensor([[1] * 8, [1] * 6 + [0] * 2])}
+    report = check_model(CausalThroughTheMask(window=window), inputs, causal=True)
     assert report.passed, [(name, r.ids) for name, r in report.layers.items()]
     assert len(report.layers) == 2
 
@@ -819,3 +833,31 @@ def test_values_through_the_keys_norm_are_changed():
     assert good.passed, _ids(good)
     bad = check(QKNormAttention(v_through_k_norm=True), causal=True)
     assert bad.ids == {"values-changed"}, _ids(bad)
+
+
+class WindowOfTwoUnlessMasked(nn.Module):
+    """A causal window of 2 built as an additive mask when none is given, the scores and the mask added before the
+    softmax; a given additive mask replaces it."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(e // self.h)
+        if mask is None:
+            full = torch.full((t, t), float("-inf"), device=x.device, dtype=x.dtype)
+            mask = torch.triu(full, diagonal=1) + torch.tril(full, diagonal=-2)
+        return self.proj(((scores + mask).softmax(-1) @ v).transpose(1, 2).reshape(b, t, e))
+
+
+def test_half_precision_is_not_compared_on_the_padded_tokens_rows():
+    """catches: half-precision-mismatch on a correct window of 2: under the padding mask, a padded token's row
+    whose window holds only padded keys has no value to agree on, and it was compared."""
+    torch.manual_seed(0)
+    report = check(WindowOfTwoUnlessMasked(), causal=True)
+    assert report.passed, _ids(report)

@@ -119,7 +119,7 @@ class Layer:
         ``causal``: the model is causal (the user said so) and passes the layer a causal mask: a call without the
         doctor's mask keeps the model's, cut to x's length, as the layer's own pattern (a mask replaces it)."""
         copies: dict = {}  # the modules the call passes, cast to the probe's dtype (a half-precision run)
-        own = self.recorded_mask() if causal and _is_causal_mask(self.recorded_mask(), self.length) else None
+        own = _causal_like(self.recorded_mask(), self.length) if causal else None
 
         def replay(module: nn.Module, x: Tensor, mask: object = None) -> object:
             fit = _fitter(x, self.batch, self.length, copies, self.sequence_first, num_heads_of(module),
@@ -160,17 +160,28 @@ class Layer:
         return call
 
 
-def _is_causal_mask(mask: object, length: int) -> bool:
-    """Is ``mask`` a causal mask over ``length`` tokens: (..., L, L), bool True = may attend or additive (0 / large
-    negative), hiding exactly the later keys of every query in every item?"""
+def _causal_like(mask: object, length: int) -> Tensor | None:
+    """For a mask over ``length`` tokens that hides every later key of every query in every item ((..., L, L), bool
+    True = may attend or additive 0 / large negative; a window or padding may hide more): the plain causal mask in
+    its shape, kind and fill, which stands for the layer's own pattern; else None."""
     if not isinstance(mask, Tensor) or mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length) or length < 2:
-        return False
-    seen = mask if mask.dtype == torch.bool else (torch.isfinite(mask) & (mask > -1e3)) if \
-        mask.is_floating_point() else None
-    if seen is None:
-        return False
+        return None
+    if mask.dtype == torch.bool:
+        seen = mask
+    elif mask.is_floating_point():
+        seen = torch.isfinite(mask) & (mask > -1e3)
+    else:
+        return None
     lower = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
-    return bool((seen == lower).all())
+    # no later key seen; each query sees its own key unless no query does (a padded key)
+    own = seen.diagonal(dim1=-2, dim2=-1) | ~seen.any(-2)
+    if bool((seen & ~lower).any()) or not bool(own.all()):
+        return None
+    shape = (1, *mask.shape[1:]) if mask.dim() > 2 else mask.shape  # one for every item: the batch broadcasts
+    if mask.dtype == torch.bool:
+        return lower.expand(shape).clone()
+    hidden = float(mask.min())
+    return torch.zeros(shape, dtype=mask.dtype, device=mask.device).masked_fill(~lower, hidden)
 
 
 def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None, sequence_first: bool = False,

@@ -151,8 +151,9 @@ def _spec_of(note: dict) -> MaskSpec:
     return MaskSpec(note["kind"], next(k for k, v in MASK_SHAPES.items() if v == note["shape"]))
 
 
-def _outputs(module: nn.Module, options: dict, mask_note: object) -> list[object]:
-    """The module's outputs on the probe inputs, with and without the masks the original takes."""
+def _outputs(module: nn.Module, options: dict, mask_note: object, original: bool = False) -> list[object]:
+    """The module's outputs on the probe inputs, with and without the masks the original takes. ``original``: the
+    module the mutants are compared with, which must give some output (a mutant may raise everywhere)."""
     torch.manual_seed(0)
     e = options.get("embed_dim") or embed_dim_of(module, 16)
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
@@ -160,12 +161,13 @@ def _outputs(module: nn.Module, options: dict, mask_note: object) -> list[object
     lengths = [lengths, lengths] if isinstance(lengths, int) else list(lengths) * (2 if len(lengths) == 1 else 1)
     xs = [torch.randn(3, lengths[0], e, dtype=dtype), torch.randn(2, lengths[1], e, dtype=dtype)]
     adapter = options.get("call")
-    style, why = ("adapter", None) if adapter else find_call_style(module, xs[0])
+    layout = options.get("layout", "batch-first")
+    style, why = ("adapter", None) if adapter else find_call_style(module, xs[0], layout)
     required = None
     if not style and isinstance(mask_note, dict) and "kind" in mask_note:  # a forward that requires its mask
         spec = _spec_of(mask_note)
         for candidate in ("x", "qk", "qkv"):
-            with_mask = Caller(module, candidate).with_mask(spec, mask_note.get("argument"))
+            with_mask = Caller(module, candidate, layout=layout).with_mask(spec, mask_note.get("argument"))
             try:
                 with torch.no_grad():
                     with_mask(xs[0], with_mask.module_mask(torch.ones(3, lengths[0], lengths[0], dtype=torch.bool),
@@ -174,9 +176,10 @@ def _outputs(module: nn.Module, options: dict, mask_note: object) -> list[object
                 continue
             style, required = candidate, with_mask
             break
-    if not style:
-        raise CannotRun(f"the module runs on no call the mutation tool tries ({why}); give --call")
-    call = Caller(module, style, adapter=adapter if callable(adapter) else None)
+    if not style and original:
+        raise CannotRun(f"the module runs on no call the mutation tool tries ({why}); give --call (and --length "
+                        "for a module that runs at some lengths only)")
+    call = Caller(module, style, adapter=adapter if callable(adapter) else None, layout=layout)
     if required is not None:  # "without a mask" is then the mask that hides nothing
         def plain(t: Tensor) -> Tensor:
             n = t.shape[1]
@@ -210,9 +213,13 @@ def _outputs(module: nn.Module, options: dict, mask_note: object) -> list[object
                 outs.append(run().float())
         except Exception as err:  # raising is a behaviour too: the mutant must raise the same way
             outs.append(type(err).__name__)
-    if not any(isinstance(o, Tensor) for o in outs):  # nothing to compare a mutant with
-        raise CannotRun(f"the module raises on every probe input the mutation tool gives it ({outs[0]}); give --call")
+    if original and not any(isinstance(o, Tensor) for o in outs):  # nothing to compare a mutant with
+        raise CannotRun(f"the module raises on every probe input the mutation tool gives it ({outs[0]}); give --call "
+                        "(and --length for a module that runs at some lengths only)")
     return outs
+
+
+_LAYOUTS = ("channels-first", "channels-last", "channels-first-1d", "grouped", "sequence-first")
 
 
 def _namespace_of(cls: type) -> dict:
@@ -287,13 +294,23 @@ def score(spec: str | type, options: dict | None = None, *, seed: int = 0,
             options["causal"] = True
     base_errors = {f.id for f in base.findings if f.severity == "error"}
     result = Score(spec if isinstance(spec, str) else f"{spec.__module__}:{spec.__qualname__}", sorted(base_errors))
-    reference = _outputs(original, options, base.inferred.get("mask"))
+    # the mutants run as the doctor ran the original: at its probe length and in its layout (an image, a fixed
+    # window) when the default lengths would not run it
+    probe = base.inferred.get("probe shape")
+    said = str(base.inferred.get("layout", "")).split(":")[0]
+    run = {**options, **({"layout": said} if said in _LAYOUTS else {})}
+    if "length" not in options and isinstance(probe, (list, tuple)) and len(probe) == 3 and probe[1] not in (5, 7):
+        run["length"] = [int(probe[1])]
+    reference = _outputs(original, run, base.inferred.get("mask"), original=True)
     for m in mutants(target.source, target.name, definitions_only=target.definitions_only):
         result.total += 1
         try:
             module = instance(target.load(m.source))
-            module.load_state_dict(original.state_dict(), strict=False)
-            outs = _outputs(module, options, base.inferred.get("mask"))
+            # the original's weights, not its buffers: a buffer the mutated code builds (Swin's shift mask, made in
+            # __init__) is the mutant's own
+            weights = dict(original.named_parameters())
+            module.load_state_dict({k: v for k, v in original.state_dict().items() if k in weights}, strict=False)
+            outs = _outputs(module, run, base.inferred.get("mask"))
         except Exception:  # a mutant that cannot even be built is stillborn
             result.stillborn += 1
             continue

@@ -410,13 +410,13 @@ def _takes_two_sequences(module: nn.Module) -> bool:
         second in ("k", "y", "x2")
 
 
-def find_call_style(module: nn.Module, x: Tensor) -> tuple[str, str | None]:
-    """('x', 'qk' or 'qkv', None) if the module runs on x; ("", the errors) otherwise."""
+def find_call_style(module: nn.Module, x: Tensor, layout: str = "batch-first") -> tuple[str, str | None]:
+    """('x', 'qk' or 'qkv', None) if the module runs on x (sent in ``layout``); ("", the errors) otherwise."""
     errors = []
     for style in ("x", "qk", "qkv") if _takes_two_sequences(module) else ("x", "qkv"):
         try:
             with torch.no_grad():
-                Caller(module, style)(x)
+                Caller(module, style, layout=layout)(x)
             return style, None
         except Exception as e:
             errors.append(f"forward({', '.join(('x',) if style == 'x' else style)}): {type(e).__name__}: {e}")
