@@ -75,8 +75,11 @@ class Score:
 
 
 # Edits that give the same module with its weights permuted when they survive: swapping the grouped axes of a head
-# split or merge, (h d) for (d h), permutes the columns a projection writes or reads. They are counted apart.
-RELABELLING = frozenset({"einops: swap a grouped axis"})
+# split or merge, (h d) for (d h), permutes the columns a projection writes or reads; swapping q and k in an SDPA
+# call gives softmax(K Q^T) V, which is the module with its query and key projections exchanged wherever q and k
+# are projections of the same tokens (the doctor names the swap where they are not: cross-attention, grouped
+# keys, positions on one side). They are counted apart.
+RELABELLING = frozenset({"einops: swap a grouped axis", "swap q and k"})
 
 
 def _load(source: str, path: Path, class_name: str) -> type:
