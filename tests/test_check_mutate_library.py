@@ -206,3 +206,25 @@ def test_mutants_of_a_module_that_requires_its_mask_are_run_with_it(tmp_path, mo
     monkeypatch.setattr(score_module, "score", fake_score)
     score_module.main(f"{path}:MaskedAttention", {"factory": "lambda: MaskedAttention(Args(dim=16))"})
     assert built and built[0].q.in_features == 16
+
+
+def test_mutants_run_in_the_originals_layout():
+    """catches: --mutate sent (B, L, E) at lengths 7 and 5 to a module that runs only as a (B, H, W, E) map, and
+    exited 2; the mutants now run in the layout and at the length the doctor probed the original with."""
+    score_module = importlib.import_module("selfattn.mutation.score")
+
+    class MapAttention(torch.nn.Module):
+        def __init__(self, dim: int = 32) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(dim, 3 * dim)
+
+        def forward(self, x):  # (B, H, W, E)
+            b, h, w, e = x.shape
+            q, k, v = self.qkv(x.reshape(b, h * w, e)).chunk(3, -1)
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v).reshape(b, h, w, e)
+
+    module = MapAttention().eval()
+    with pytest.raises(score_module.CannotRun):
+        score_module._outputs(module, {}, None, original=True)
+    outs = score_module._outputs(module, {"layout": "channels-last", "length": [16]}, None, original=True)
+    assert all(isinstance(o, torch.Tensor) for o in outs), outs

@@ -7,6 +7,7 @@ Shape legend: B batch, L length, E embed dim, H heads, D head dim, W window.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -860,4 +861,42 @@ def test_half_precision_is_not_compared_on_the_padded_tokens_rows():
     whose window holds only padded keys has no value to agree on, and it was compared."""
     torch.manual_seed(0)
     report = check(WindowOfTwoUnlessMasked(), causal=True)
+    assert report.passed, _ids(report)
+
+
+# -- building from an annotated args object, or a config that defaults to None ---------------------------------------
+@dataclass
+class ModelArgs:
+    dim: int = 64
+    n_heads: int = 4
+
+
+class ArgsAttention(nn.Module):
+    """Meta's llama reference builds its attention from ``args: ModelArgs``; this one also accepts ``config=None``
+    (the module's own defaults) when ``by_config`` is used."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.h = args.n_heads
+        self.wqkv = nn.Linear(args.dim, 3 * args.dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = self.wqkv(x).view(b, t, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(b, t, e))
+
+
+class DefaultConfigAttention(ArgsAttention):
+    def __init__(self, config=None) -> None:  # gpt-fast's: no annotation, the module's own defaults
+        super().__init__(config or ModelArgs())
+
+
+@pytest.mark.parametrize("cls", [ArgsAttention, DefaultConfigAttention], ids=["args: ModelArgs", "config=None"])
+def test_a_module_built_from_an_annotated_args_object_or_its_own_defaults_runs(cls):
+    """catches: exit 2, "needs 'args', which the doctor cannot guess", though the annotation names the class; and
+    "needs a config object" for a config that defaults to None."""
+    torch.manual_seed(0)
+    report = check(cls, causal=True)
     assert report.passed, _ids(report)
