@@ -130,7 +130,7 @@ PROBES: tuple[Probe, ...] = (
                      MASK_IGNORED,
                      CAUSAL_LEAK, DEFINITION_MISMATCH}),
           "white_box", ("masked", "dep"), gives="positions"),
-    Probe("permutation equivariance", equivariance, frozenset({NOT_EQUIVARIANT, HEAD_MERGE}), "equivariance",
+    Probe("permutation equivariance", equivariance, frozenset({NOT_EQUIVARIANT}), "equivariance",
           ("out", "dep", "positions")),
 )
 """Every probe, in the order :func:`examine` runs them."""

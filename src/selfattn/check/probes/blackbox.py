@@ -13,14 +13,13 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
-import math
 from typing import TypeVar
 
 import torch
 from torch import Tensor
 
 from .._seams import version
-from ..findings import BATCH_MIXING, DROPOUT_IN_EVAL, HEAD_MERGE, NON_FINITE, NOT_EQUIVARIANT, Finding
+from ..findings import BATCH_MIXING, DROPOUT_IN_EVAL, NON_FINITE, NOT_EQUIVARIANT, Finding
 from ..subject.context import Context, Outcome, close, rel
 
 __all__ = [
@@ -179,25 +178,5 @@ def equivariance(ctx: Context, out: Tensor, dep: Tensor, positions: str | None) 
         out_p = ctx.call(ctx.x[:, perm])
     if close(out_p, out[:, perm], ctx.rtol):
         return Outcome()
-    if _rows_rearranged(out_p, out, ctx.rtol):  # out = P g(x), g equivariant: the rows of any run are g's, moved
-        return Outcome([Finding.of(HEAD_MERGE, "the output's rows are those of an attention that permutes with the "
-                                   "tokens, put at other tokens' positions: permuting the input gives the same rows "
-                                   "in another order than the tokens' (a map put back as (x, y) where it was "
-                                   "flattened as (y, x), windows put back in another order)",
-                                   {"relative difference": rel(out_p, out[:, perm])})])
     return Outcome([Finding.of(NOT_EQUIVARIANT, "permuting the input tokens does not permute the output the "
                                "same way", {"relative difference": rel(out_p, out[:, perm])})])
-
-
-def _rows_rearranged(a: Tensor, b: Tensor, rtol: float) -> bool:
-    """Are the token rows of ``a`` (B, L, E), item by item, those of ``b`` in another order, each used once?"""
-    if a.shape != b.shape or a.dim() != 3 or a.shape[1] < 3:
-        return False
-    x, y = a.double(), b.double()
-    tol = rtol * (1 + float(y.abs().max())) * math.sqrt(a.shape[-1])
-    for i in range(a.shape[0]):
-        dist = torch.cdist(x[i], y[i])
-        nearest = dist.min(1)
-        if not bool((nearest.values <= tol).all()) or nearest.indices.unique().numel() != a.shape[1]:
-            return False
-    return True

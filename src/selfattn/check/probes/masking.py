@@ -710,9 +710,13 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             tried[label] = "acts the other way round: hides what the mask keeps"
             continue
         if caller.key_only and _hides_queries(masked_out, plain, k0[0]):
+            if caller.spec is not None and caller.spec.shape == "B1L":  # a 3-D mask read as (B, Lq, Lk) (XLM's):
+                tried[label] = "read as (B, Lq, Lk): (B, 1, L) is not this module's key mask"  # not its form
+                continue
             return _broadcast_finding(native, k0[0])
         if caller.key_only and caller.spec is not None and caller.spec.kind == "keep" and ctx.spec is None and \
-                not ctx.declared and _hides_queries(masked_out, plain, ~k0[0]):  # True = padding, on the queries
+                caller.spec.shape != "B1L" and not ctx.declared and \
+                _hides_queries(masked_out, plain, ~k0[0]):  # True = padding, on the queries
             return _broadcast_finding(native.with_mask(MaskSpec("ignore", caller.spec.shape)), ~k0[0])
         tried[label] = "accepted; its effect matches no convention"
         if leaky is None:
@@ -849,6 +853,8 @@ def _other_shapes(ctx: Context, found: Caller, candidates: list[Caller], plain: 
         if spec is None or native.mask_arg != found.mask_arg or spec.shape == found.spec.shape or \
                 spec.kind != ("keep" if found.spec.kind == "ignore" else found.spec.kind):
             continue
+        if spec.shape == "B1L":  # a 3-D mask is (B, Lq, Lk) to most modules (XLM's): (B, 1, L) is their query axis
+            continue
         if {spec.shape, found.spec.shape} == {"LLB", "LLB1"}:  # Transformer-XL's layout or XLNet's, never both: the
             continue  # other one broadcasts against the module's heads axis into another shape
         other = ctx.exact_of(native.with_mask(MaskSpec(found.spec.kind, spec.shape), native.mask_arg))
@@ -880,8 +886,8 @@ def _key_mask_broadcast(ctx: Context, candidates: list[Caller], plain: Tensor) -
     b, length, _ = x.shape
     keep = probe_keep(b, length, True)
     for native in candidates:
-        if not native.key_only:
-            continue
+        if not native.key_only or (native.spec is not None and native.spec.shape == "B1L"):  # (B, 1, L) is a query
+            continue  # axis to a module that reads 3-D masks as (B, Lq, Lk), as XLM does
         caller = ctx.exact_of(native)
         try:
             with torch.no_grad():
