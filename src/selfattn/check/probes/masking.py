@@ -710,12 +710,12 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             tried[label] = "acts the other way round: hides what the mask keeps"
             continue
         if caller.key_only and _hides_queries(masked_out, plain, k0[0]):
-            if caller.spec is not None and caller.spec.shape == "B1L":  # a 3-D mask read as (B, Lq, Lk) (XLM's):
-                tried[label] = "read as (B, Lq, Lk): (B, 1, L) is not this module's key mask"  # not its form
+            if not _query_axis_judged(caller):
+                tried[label] = "read as (B, Lq, Lk): (B, 1, L) is not this module's key mask"
                 continue
             return _broadcast_finding(native, k0[0])
-        if caller.key_only and caller.spec is not None and caller.spec.kind == "keep" and ctx.spec is None and \
-                caller.spec.shape != "B1L" and not ctx.declared and \
+        if _query_axis_judged(caller) and caller.spec is not None and caller.spec.kind == "keep" and \
+                ctx.spec is None and not ctx.declared and \
                 _hides_queries(masked_out, plain, ~k0[0]):  # True = padding, on the queries
             return _broadcast_finding(native.with_mask(MaskSpec("ignore", caller.spec.shape)), ~k0[0])
         tried[label] = "accepted; its effect matches no convention"
@@ -827,6 +827,13 @@ def _hides_queries(masked_out: Tensor, plain: Tensor, kv: Tensor) -> bool:
     return bool(torch.equal(changed_rows, ~kv))
 
 
+def _query_axis_judged(caller: Caller) -> bool:
+    """Is a key mask in this caller's form that hides query rows a broadcast bug? Not in (B, 1, L): a module that
+    reads every 3-D mask as (B, Lq, Lk), as XLM does, puts it on its query axis by design; that form only serves
+    a module that takes no other."""
+    return caller.key_only and (caller.spec is None or caller.spec.shape != "B1L")
+
+
 def _broadcast_finding(caller: Caller, kv: Tensor, how: str = "") -> Outcome[Caller]:
     what = caller.spec.describe() if caller.spec else "key mask"
     hidden = (~kv).nonzero().flatten().tolist()
@@ -853,7 +860,7 @@ def _other_shapes(ctx: Context, found: Caller, candidates: list[Caller], plain: 
         if spec is None or native.mask_arg != found.mask_arg or spec.shape == found.spec.shape or \
                 spec.kind != ("keep" if found.spec.kind == "ignore" else found.spec.kind):
             continue
-        if spec.shape == "B1L":  # a 3-D mask is (B, Lq, Lk) to most modules (XLM's): (B, 1, L) is their query axis
+        if not _query_axis_judged(native) and spec.key_only:
             continue
         if {spec.shape, found.spec.shape} == {"LLB", "LLB1"}:  # Transformer-XL's layout or XLNet's, never both: the
             continue  # other one broadcasts against the module's heads axis into another shape
@@ -886,8 +893,8 @@ def _key_mask_broadcast(ctx: Context, candidates: list[Caller], plain: Tensor) -
     b, length, _ = x.shape
     keep = probe_keep(b, length, True)
     for native in candidates:
-        if not native.key_only or (native.spec is not None and native.spec.shape == "B1L"):  # (B, 1, L) is a query
-            continue  # axis to a module that reads 3-D masks as (B, Lq, Lk), as XLM does
+        if not _query_axis_judged(native):
+            continue
         caller = ctx.exact_of(native)
         try:
             with torch.no_grad():
