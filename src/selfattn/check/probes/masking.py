@@ -321,6 +321,20 @@ def _local_design(dep: Tensor) -> str | None:
     return None
 
 
+def _recorded_padding(ctx: Context, dep: Tensor) -> tuple[int, int] | None:
+    """For a layer replayed as its model calls it, the tokens [start, stop) whose rows are written when the others,
+    a run at one end, depend on no token at all: the padding the model added and passes to the layer in its call
+    (Longformer's ``is_index_masked``, which zeroes the rows of its input padded to the window). A module checked
+    alone gets no such pass: rows it leaves empty without a mask are its own pattern, judged as such."""
+    if getattr(ctx.call.adapter, "sequence_first", None) is None:
+        return None
+    dead = (~dep.any(dim=1)).tolist()
+    live = [i for i, d in enumerate(dead) if not d]
+    if len(live) < 2 or len(live) == len(dead) or live != list(range(live[0], live[-1] + 1)):
+        return None
+    return live[0], live[-1] + 1
+
+
 def causality(ctx: Context) -> Outcome[Tensor]:
     """Which tokens each output row depends on; a causal module must hide exactly the future.
 
@@ -330,7 +344,10 @@ def causality(ctx: Context) -> Outcome[Tensor]:
         causal mask hides the diagonal or past keys outside any window, shows some future keys, or
         the user requires causality); value: dep (L, L) bool, row i depends on token j.
     """
-    dep = dependency(ctx.analysis, ctx.analysis_x, rtol=ctx.dependency_rtol)
+    full = dependency(ctx.analysis, ctx.analysis_x, rtol=ctx.dependency_rtol)
+    live = _recorded_padding(ctx, full)
+    start, stop = live if live is not None else (0, full.shape[0])
+    dep = full[start:stop, start:stop]  # the model's own padding, carried by its recorded call, is left out
     moved = ""
     if band(dep) is None and _local_design(dep) is None and not dep.all():
         # a mask hides the same positions whatever the tokens; zeros that follow the values (a ReLU or a top-k in
@@ -338,19 +355,26 @@ def causality(ctx: Context) -> Outcome[Tensor]:
         x, seen = ctx.analysis_x, dep.clone()
         orders = 12 if x.shape[1] <= 64 else 4  # a grid grown past one window: each reading costs L runs
         for seed in range(1, orders + 1):
-            order = torch.randperm(x.shape[1], generator=ctx.gen)
-            seen |= dependency(ctx.analysis, x[:, order], rtol=ctx.dependency_rtol, seed=seed)
+            order = torch.arange(x.shape[1])
+            order[start:stop] = start + torch.randperm(stop - start, generator=ctx.gen)
+            seen |= dependency(ctx.analysis, x[:, order], rtol=ctx.dependency_rtol, seed=seed)[start:stop, start:stop]
             if band(seen) is not None or _local_design(seen) is not None:
                 break
         if not torch.equal(seen, dep):
             moved = ("which keys a row depends on changes with the order of the tokens (zeros that follow the "
                      f"values, as a ReLU or a top-k in place of the softmax make): read over {seed + 1} orders")
             dep = seen
+            full = full.clone()
+            full[start:stop, start:stop] = seen
     length = dep.shape[0]
     whole = length - 1
     seen_future = dep & future(length)
     causal = not seen_future.any()
-    found = Outcome[Tensor](notes={"causal": causal, "sees every key": bool(dep.all())}, value=dep)
+    found = Outcome[Tensor](notes={"causal": causal, "sees every key": bool(dep.all())}, value=full)
+    if live is not None:
+        found.notes["recorded padding"] = (f"tokens {start}..{stop - 1} of {full.shape[0]} are read; the others' rows "
+                                           "depend on no token: the model pads them in the call it makes "
+                                           f"(the positions below count from token {start})")
     shape = band(dep)
     if not ctx.normalised and shape is None and not moved:
         moved = ("the weights go through no softmax (ReLU^2, sigmoid or linear attention): a key a row does not "
