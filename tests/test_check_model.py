@@ -965,12 +965,13 @@ def test_a_table_whose_first_size_is_the_batch_is_not_cut_per_item():
     assert report.verdict == "passed", report.summary()
 
 
-def test_a_causal_mask_the_model_builds_off_by_one_is_a_causal_leak():
-    """catches: a model whose causal mask shows each token the next one (triu(2) for triu(1)) was certified: each
-    layer's probes replace the model's mask with the doctor's. The recorded call is replayed with the model's own
-    mask and each row's dependencies read."""
+@pytest.mark.parametrize("diagonal", [2, 0], ids=["shows-the-next", "hides-the-diagonal"])
+def test_a_causal_mask_the_model_builds_off_by_one_is_a_causal_leak(diagonal):
+    """catches: a model whose causal mask shows each token the next one (triu(2) for triu(1)), or hides each
+    token's own key (triu(0)), was certified: each layer's probes replace the model's mask with the doctor's. The
+    recorded call is replayed with the model's own mask and each row's dependencies read."""
     torch.manual_seed(0)
-    rows = check_model(_CachedDecoder(diagonal=2), (_ids(),)).summary()
+    rows = check_model(_CachedDecoder(diagonal=diagonal), (_ids(),)).summary()
     assert all("causal-leak" in row["findings"] for row in rows), rows
 
 
@@ -1071,3 +1072,28 @@ def test_led_encoder_layers_are_reported():
     report = check_model(transformers.LEDModel(config).eval(), {"input_ids": ids, "decoder_input_ids": ids[:, :5]},
                          layers=[layer])
     assert report.layers[layer].verdict in ("passed", "inconclusive"), report.summary()
+
+
+class _FiniteFillDecoder(_CachedDecoder):
+    """The same decoder with its causal mask filled with finfo.min: hiding the diagonal too leaves the first query
+    a uniform weight over every key instead of NaN."""
+
+    def forward(self, ids, start_pos: int = 0):
+        x = self.emb(ids)
+        n = ids.shape[1]
+        mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(self.diagonal)
+        for layer in self.layers:
+            x = x + layer(x, start_pos, mask)
+        return x
+
+
+@pytest.mark.parametrize("diagonal", [1, 0], ids=["correct", "hides-the-diagonal"])
+def test_a_causal_mask_filled_with_finfo_min_that_hides_the_diagonal_is_a_causal_leak(diagonal):
+    """catches: a model's causal mask that hides the diagonal too, filled with finfo.min, was certified: the first
+    query's weights spread over every key, the later rows see only the past."""
+    torch.manual_seed(0)
+    rows = check_model(_FiniteFillDecoder(diagonal=diagonal), (_ids(),)).summary()
+    if diagonal:
+        assert all(row["verdict"] == "passed" for row in rows), rows
+    else:
+        assert all("causal-leak" in row["findings"] for row in rows), rows

@@ -45,6 +45,7 @@ from .probes.masking import band
 from .report import Report, render
 from .subject.building import CannotRun, copy_module, num_heads_of
 from .subject.caller import MASK_NAMES, SWITCH_NAMES, dependency
+from .subject.context import future
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -558,8 +559,9 @@ def _replay(layer: Layer) -> Callable[[Tensor], Tensor | None]:
 def _models_causal_mask(layer: Layer, pad: Tensor | None) -> Finding | None:
     """Replay the layer's recorded call with the model's own mask and read which tokens each output row of an item
     without padding depends on: a mask that hides most of the future but shows the next tokens (a causal mask
-    built off by one, ``triu(2)`` for ``triu(1)``), or the causal pattern transposed, is a causal-leak the model
-    builds; the layer's own probes, which replace that mask with the doctor's, cannot see it."""
+    built off by one, ``triu(2)`` for ``triu(1)``), one that hides the diagonal too (``triu(0)``), or the causal
+    pattern transposed, is a causal-leak the model builds; the layer's own probes, which replace that mask with the
+    doctor's, cannot see it."""
     slots = [*enumerate(layer.args), *layer.kwargs.items()]
     hidden = next(a for k, a in slots if k in layer.x)
     given = next((v for k, v in slots if k == layer.mask), None)
@@ -568,27 +570,41 @@ def _models_causal_mask(layer: Layer, pad: Tensor | None) -> Finding | None:
     items = [b for b in range(hidden.shape[0]) if pad is None or b >= pad.shape[0] or not bool(pad[b].any())]
     if not items:
         return None
+    if not bool(torch.isfinite(hidden).all()):  # an earlier layer's NaN rows (this bug's own): other states
+        hidden = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5)).to(hidden)
     run = _replay(layer)
     try:
         with _evaluated(layer.module):
-            if run(hidden) is None:
+            base = run(hidden)
+            if base is None:
                 return None
             dep = dependency(lambda x: run(x), hidden, item=items[0],  # type: ignore[arg-type,return-value]
                              rtol=1e-5 if hidden.dtype == torch.float32 else 1e-2)
     except Exception:  # the layer's own report says what fails
         return None
     length = dep.shape[0]
+    what = f"{given.dtype} {tuple(given.shape)}"
+    # a causal mask that hides the diagonal too (triu(0) for triu(1)) leaves the first query no key: NaN with a -inf
+    # fill, every key alike with a finite one; the later rows see only the past (row 1 key 0 alone, whatever q_1)
+    later = dep[1:] & future(length)[1:]
+    if length > 2 and not bool(later.any()) and not bool(dep[1, 1]) and bool(dep[1, 0]):
+        empty = base.shape == hidden.shape and not bool(torch.isfinite(base[items[0], 0]).all())
+        if empty or bool(dep[0].all()):
+            return Finding.of(CAUSAL_LEAK, "called as the model calls it, with the model's own mask, no query sees its "
+                              "own key: the causal mask the model builds hides the diagonal (triu(0) for triu(1)), so "
+                              "the first query has no key at all" + (" (its output is NaN)" if empty else
+                                                                     " and its weight spreads over every key"),
+                              {"query 1 depends on": "token 0 only", "mask the model passes": what})
     ahead = band(dep)
     if ahead is not None and ahead[0] == length - 1 and 0 < ahead[1] < length - 1:
         return Finding.of(CAUSAL_LEAK, f"called as the model calls it, with the model's own mask, each query sees the "
                           f"next {ahead[1]} token(s) and no later one: the causal mask the model builds is off by "
-                          "one", {"each query sees": f"keys <= i + {ahead[1]}", "mask the model passes":
-                                  f"{given.dtype} {tuple(given.shape)}"})
+                          "one", {"each query sees": f"keys <= i + {ahead[1]}", "mask the model passes": what})
     behind = band(dep.T)
     if not torch.equal(dep, dep.T) and behind is not None and behind[1] == 0 and behind[0] > 0:
         return Finding.of(CAUSAL_LEAK, "called as the model calls it, with the model's own mask, queries see later "
                           "keys and miss earlier ones: the model's causal mask is transposed",
-                          {"mask the model passes": f"{given.dtype} {tuple(given.shape)}"})
+                          {"mask the model passes": what})
     return None
 
 
@@ -599,6 +615,8 @@ def _padding_moves(layer: Layer, pad: Tensor) -> tuple[float, float] | None:
     hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
     if tuple(hidden.shape[:2]) != tuple(pad.shape) or hidden.dim() != 3:
         return None
+    if not bool(torch.isfinite(hidden).all()):  # an earlier layer's NaN rows (this bug's own): other states
+        hidden = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5)).to(hidden)
     run = _replay(layer)
     try:
         with _evaluated(layer.module):
