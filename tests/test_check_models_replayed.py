@@ -79,3 +79,60 @@ def test_rows_the_model_pads_in_its_call_are_not_read_as_a_pattern(scaled):
     else:
         assert "missing-scale" in {f.id for f in layer.findings}
         assert "definition-mismatch" not in {f.id for f in layer.findings}
+
+
+# -- a speech encoder given lengths: the model's padding is only in the (B, 1, T) mask it builds (ESPnet, WeNet) ----
+class EspnetStyleAttention(nn.Module):
+    """ESPnet's MultiHeadedAttention(query, key, value, mask): mask (B, 1, T), True = keep, turned into
+    ``mask.unsqueeze(1).eq(0)`` (True = masked) and filled with the dtype's min; ``inverted`` reads it with
+    ``eq(1)``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, inverted: bool = False) -> None:
+        super().__init__()
+        self.h, self.d_k, self.inverted = heads, dim // heads, inverted
+        self.linear_q, self.linear_k = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.linear_v, self.linear_out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, query, key, value, mask):
+        b = query.size(0)
+        q = self.linear_q(query).view(b, -1, self.h, self.d_k).transpose(1, 2)
+        k = self.linear_k(key).view(b, -1, self.h, self.d_k).transpose(1, 2)
+        v = self.linear_v(value).view(b, -1, self.h, self.d_k).transpose(1, 2)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)
+        masked = mask.unsqueeze(1).eq(1 if self.inverted else 0)
+        scores = scores.masked_fill(masked, torch.finfo(scores.dtype).min)
+        attn = scores.softmax(-1).masked_fill(masked, 0.0)
+        return self.linear_out((attn @ v).transpose(1, 2).reshape(b, -1, self.h * self.d_k))
+
+
+class LengthsEncoder(nn.Module):
+    """A speech encoder: features (B, T, F) and their lengths (B,) in, the (B, 1, T) keep mask built from them and
+    passed to every layer as (query, key, value, mask)."""
+
+    def __init__(self, feats: int = 8, dim: int = 32, last_inverted: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Linear(feats, dim)
+        self.layers = nn.ModuleList([EspnetStyleAttention(dim) for _ in range(2)] +
+                                    [EspnetStyleAttention(dim, inverted=last_inverted)])
+
+    def forward(self, xs, ilens):
+        mask = (torch.arange(xs.shape[1])[None, :] < ilens[:, None])[:, None, :]
+        x = self.embed(xs)
+        for layer in self.layers:
+            x = x + layer(x, x, x, mask)
+        return x, mask
+
+
+@pytest.mark.parametrize("bug", [False, True], ids=["correct", "last-layer-inverted"])
+def test_padding_in_the_mask_a_model_builds_from_lengths_is_checked(bug):
+    """catches: a speech encoder whose last layer reads the (B, 1, T) mask the model builds from the lengths the
+    other way round was certified: the model's inputs name no padding mask, so the replay with the padded frames
+    changed never ran. The padding is now read from the mask the model passes (the keep value is the one that
+    fills a whole item)."""
+    torch.manual_seed(0)
+    report = check_model(LengthsEncoder(last_inverted=bug), (torch.randn(2, 9, 8), torch.tensor([9, 6])))
+    verdicts = [(row["verdict"], row["findings"]) for row in report.summary()]
+    if bug:
+        assert verdicts[:2] == [("passed", [])] * 2 and "mask-inverted" in verdicts[2][1], verdicts
+    else:
+        assert verdicts == [("passed", [])] * 3, verdicts

@@ -525,6 +525,29 @@ def _padding(kwargs: dict) -> Tensor | None:
     return None
 
 
+def _padding_in_mask(layer: Layer) -> Tensor | None:
+    """(B, L) bool, True = padding, read from the mask the model passes the layer when the model's inputs name none
+    (a speech encoder given lengths, a model that pads inside): per item, the last query row of a mask (B, ..., L)
+    with two values, the keep value being the one that fills a whole item, the other a run of keys at one end of
+    some item; else None."""
+    given = layer.recorded_mask()
+    if not isinstance(given, Tensor) or given.dim() < 2 or given.shape[0] != layer.batch or layer.batch < 2 or \
+            given.shape[-1] != layer.length or layer.sequence_first or given.is_complex():
+        return None
+    rows = given.detach().reshape(given.shape[0], -1, given.shape[-1])[:, -1].cpu()
+    whole = [r for r in rows if bool((r == r[0]).all())]
+    if not whole or len(whole) == len(rows):
+        return None
+    pad = rows != whole[0][0]
+    for item in pad:
+        at = item.nonzero().flatten().tolist()
+        if at and (at != list(range(at[0], at[-1] + 1)) or (at[0] > 0 and at[-1] < len(item) - 1)):
+            return None  # not one run at the start or the end
+    if not bool((~pad).any(-1).all()):
+        return None
+    return pad
+
+
 def _carries_padding(t: object, pad: Tensor) -> bool:
     """Is ``t`` the model's padding in some form: a tensor (B or 1, ..., L) whose last query row marks exactly the
     padded keys of each item (bool either way round, 1/0, or an additive 0 / large negative)?"""
@@ -820,6 +843,9 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
         if layer.name in crossing:
             report.not_self_attention[layer.name] = crossing[layer.name]
             continue
+        pad_here = pad if pad is not None and tuple(pad.shape) == (layer.batch, layer.length) else \
+            _padding_in_mask(layer)
+        pad_here = pad if pad_here is None else pad_here
         # a call that carries tensors of the recorded sizes is replayed at them: (B, L), or (L, B) for a layer
         # the model calls sequence first (XLNet's); one that carries numbers (a feature map's (H, W)) at the
         # recorded length first, so that a size that lines up with them by chance is not a shape limit; any
@@ -844,7 +870,7 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                 report.layers[layer.name] = done
                 report.could_not_run.pop(layer.name, None)
                 done = report.layers[layer.name]
-                elsewhere = None if pad is None else _padding_elsewhere(layer, pad, done)
+                elsewhere = None if pad_here is None else _padding_elsewhere(layer, pad_here, done)
                 if elsewhere is not None:
                     done = Report.of({**done.inferred, "model's padding": (
                         f"taken through {elsewhere!r}, which the model passes with its padding added in; the mask "
@@ -859,8 +885,8 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                         "computes and passes on: T5's design")}},
                         [f for f in done.findings if f.id != MISSING_SCALE.id], done.not_verified, done.coverage,
                         done.seconds)
-                misread = None if pad is None else _reads_the_models_padding(layer, pad, done)
-                for extra in (misread, _models_causal_mask(layer, pad)):
+                misread = None if pad_here is None else _reads_the_models_padding(layer, pad_here, done)
+                for extra in (misread, _models_causal_mask(layer, pad_here)):
                     if extra is not None and all(f.id != extra.id for f in done.findings):
                         done = Report.of(done.inferred, [*done.findings, extra], done.not_verified, done.coverage,
                                          done.seconds)
