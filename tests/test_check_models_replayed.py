@@ -136,3 +136,58 @@ def test_padding_in_the_mask_a_model_builds_from_lengths_is_checked(bug):
         assert verdicts[:2] == [("passed", [])] * 2 and "mask-inverted" in verdicts[2][1], verdicts
     else:
         assert verdicts == [("passed", [])] * 3, verdicts
+
+
+# -- a decoder whose layers are causal only without a mask, and a model that passes them its key padding mask ------
+class CausalUnlessMasked(nn.Module):
+    """Attention that is causal through SDPA's ``is_causal`` when it gets no mask; a given mask replaces the pattern
+    (litgpt's and several Hugging Face ports' design: the caller's mask must carry causality)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.proj(y.transpose(1, 2).reshape(b, n, e))
+
+
+class PaddedDecoder(nn.Module):
+    """``causal_in_mask``: the model combines the causal pattern with the padding (right); else it passes only the
+    (B, 1, 1, L) key padding mask, and its layers drop their causality."""
+
+    def __init__(self, causal_in_mask: bool = True) -> None:
+        super().__init__()
+        self.causal_in_mask = causal_in_mask
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(CausalUnlessMasked() for _ in range(2))
+
+    def forward(self, input_ids, attention_mask):
+        n = input_ids.shape[1]
+        mask = attention_mask.bool()[:, None, None, :]
+        if self.causal_in_mask:
+            mask = mask & torch.ones(n, n, dtype=torch.bool).tril()
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h, mask)
+        return h
+
+
+@pytest.mark.parametrize("causal_in_mask", [True, False], ids=["correct", "padding-only"])
+def test_a_causal_model_that_passes_only_its_padding_to_layers_that_drop_causality_leaks(causal_in_mask):
+    """catches: check_model(..., causal=True) certified a decoder that hands its layers only the key padding mask
+    while they are causal only when they get no mask: every token saw the future. The replay with the model's own
+    mask is read for future keys when the user says the model is causal."""
+    torch.manual_seed(0)
+    padding = torch.ones(2, 8, dtype=torch.long)
+    padding[1, 6:] = 0
+    report = check_model(PaddedDecoder(causal_in_mask), {"input_ids": torch.randint(0, 50, (2, 8)),
+                                                         "attention_mask": padding}, causal=True)
+    rows = report.summary()
+    if causal_in_mask:
+        assert all(row["verdict"] == "passed" for row in rows), rows
+    else:
+        assert all("causal-leak" in row["findings"] for row in rows), rows

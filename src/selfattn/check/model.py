@@ -579,12 +579,13 @@ def _replay(layer: Layer) -> Callable[[Tensor], Tensor | None]:
     return run
 
 
-def _models_causal_mask(layer: Layer, pad: Tensor | None) -> Finding | None:
+def _models_causal_mask(layer: Layer, pad: Tensor | None, causal: bool = False) -> Finding | None:
     """Replay the layer's recorded call with the model's own mask and read which tokens each output row of an item
     without padding depends on: a mask that hides most of the future but shows the next tokens (a causal mask
     built off by one, ``triu(2)`` for ``triu(1)``), one that hides the diagonal too (``triu(0)``), or the causal
     pattern transposed, is a causal-leak the model builds; the layer's own probes, which replace that mask with the
-    doctor's, cannot see it."""
+    doctor's, cannot see it. ``causal``: the user said the model is causal, so any future key seen is a leak (a
+    model that passes only its key padding mask to layers that drop their own causal pattern when given one)."""
     slots = [*enumerate(layer.args), *layer.kwargs.items()]
     hidden = next(a for k, a in slots if k in layer.x)
     given = next((v for k, v in slots if k == layer.mask), None)
@@ -619,6 +620,13 @@ def _models_causal_mask(layer: Layer, pad: Tensor | None) -> Finding | None:
                                                                      " and its weight spreads over every key"),
                               {"query 1 depends on": "token 0 only", "mask the model passes": what})
     ahead = band(dep)
+    if causal and bool((dep & future(length)).any()) and not (ahead is not None and ahead[0] == length - 1 and
+                                                              0 < ahead[1] < length - 1):
+        return Finding.of(CAUSAL_LEAK, "called as the model calls it, with the model's own mask, queries see future "
+                          "keys: the mask the model passes does not carry causality, and the layer drops its own "
+                          "causal pattern when it gets a mask (or the model's causal mask is built wrong)",
+                          {"future (query, key) pairs seen": (dep & future(length)).nonzero().tolist()[:10],
+                           "mask the model passes": what})
     if ahead is not None and ahead[0] == length - 1 and 0 < ahead[1] < length - 1:
         return Finding.of(CAUSAL_LEAK, f"called as the model calls it, with the model's own mask, each query sees the "
                           f"next {ahead[1]} token(s) and no later one: the causal mask the model builds is off by "
@@ -886,7 +894,7 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                         [f for f in done.findings if f.id != MISSING_SCALE.id], done.not_verified, done.coverage,
                         done.seconds)
                 misread = None if pad_here is None else _reads_the_models_padding(layer, pad_here, done)
-                for extra in (misread, _models_causal_mask(layer, pad_here)):
+                for extra in (misread, _models_causal_mask(layer, pad_here, causal)):
                     if extra is not None and all(f.id != extra.id for f in done.findings):
                         done = Report.of(done.inferred, [*done.findings, extra], done.not_verified, done.coverage,
                                          done.seconds)
