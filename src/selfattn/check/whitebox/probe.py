@@ -47,6 +47,7 @@ from .products import (
     bucket_not_relative,
     examine_cores,
     folded_scale,
+    memory_tokens,
     relative_positions,
     unshifted_relative,
 )
@@ -258,7 +259,8 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
             facts["after the attention"] = evidence["compared with"]
         if label == "with a padding mask" and sent is not None:
             facts.update(_zeroed_rows(out, sent))
-    mixed = None if plain is None else _rows_of_one_token(module, caller, x, plain, plain_out)
+    memory = (0, 0) if plain is None else memory_tokens(plain, x.shape[1])
+    mixed = None if plain is None else _rows_of_one_token(module, caller, x, plain, plain_out, memory)
     if mixed is not None:
         findings.append(Finding.of(HEAD_MERGE if mixed.startswith("the output's") else HEAD_SPLIT, mixed,
                                    {"swapped tokens": [x.shape[1] // 2 - 1, x.shape[1] // 2]}))
@@ -269,7 +271,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         results["one token changed"] = normed
     rotated = "rotary" in str(facts.get("positions", positions or ""))
     if rotated and not any(f.severity == "error" for f in findings):
-        mismatch = _rotated_alike(module, caller, x, getattr(caller.adapter, "recorded_eps", 0.0))
+        mismatch = _rotated_alike(module, caller, x, getattr(caller.adapter, "recorded_eps", 0.0), memory)
         if mismatch is not None:
             findings.append(Finding.of(ROTARY_MISMATCH, f"q and k are not rotated alike (or not by a rotation): "
                                        f"{mismatch}",
@@ -307,10 +309,12 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     return Outcome(findings, notes, positions, {"white_box": cover})
 
 
-def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trace, out: int) -> str | None:
+def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trace, out: int,
+                       memory: tuple[int, int] = (0, 0)) -> str | None:
     """Run the module with two neighbouring tokens swapped in every item: where a layout operation on the way to q,
     k or v, or from the attention to the output ``out`` (a key in ``plain``), spreads them over the rows of others
-    (:mod:`.tokens`), or None."""
+    (:mod:`.tokens`), or None. ``memory``: the learned tokens the module joins to the tokens (how many, where the
+    tokens start), which the attention's tensors hold besides them."""
     t, u = x.shape[1] // 2, x.shape[1] // 2 - 1
     if u < 0:
         return None
@@ -320,7 +324,8 @@ def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trac
         trace, _ = record(module, partial(caller, other))
     except Exception:  # a module that rejects this input has been read on the probe's own
         return None
-    return mixed_rows(plain, trace, x.shape[1], (u, t)) or mixed_after(plain, trace, out, x.shape[1], (u, t))
+    n, swapped = x.shape[1] + memory[0], (u + memory[1], t + memory[1])
+    return mixed_rows(plain, trace, n, swapped) or mixed_after(plain, trace, out, n, swapped)
 
 
 def _normed_over_tokens(module: nn.Module, caller: Caller, x: Tensor, plain: Trace) -> str | None:
@@ -348,7 +353,8 @@ def _unpadded(trace: Trace, length: int) -> bool:
     return any(n < length for n in sizes) and all(n <= length for n in sizes)
 
 
-def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor, eps: float = 0.0) -> str | None:
+def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor, eps: float = 0.0,
+                   memory: tuple[int, int] = (0, 0)) -> str | None:
     """Run the module on each item's first token repeated at every position: with q and k rotated alike, each
     token's score with itself is then the same at every position; where it is not (:mod:`.products`), or None.
     ``eps``: the rounding of the rotation tables the call passes (a model's bfloat16 cos and sin), allowed for."""
@@ -357,7 +363,7 @@ def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor, eps: float = 0.
         trace, _ = record(module, partial(caller, same))
     except Exception:  # a module that rejects repeated tokens has been read on the probe input
         return None
-    return relative_positions(trace, x.shape[1], max(1e-4, 8 * eps))
+    return relative_positions(trace, x.shape[1], max(1e-4, 8 * eps), memory)
 
 
 def _distance_table(module: nn.Module, n: int, image: bool) -> tuple[nn.Parameter, tuple[int, int] | None] | None:

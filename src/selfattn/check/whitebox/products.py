@@ -61,8 +61,8 @@ from .positions import (
 )
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
-__all__ = ["ROLE_PATTERNS", "Verdict", "bucket_not_relative", "core_operands", "examine_cores", "name_role",
-           "relative_positions"]
+__all__ = ["ROLE_PATTERNS", "Verdict", "bucket_not_relative", "core_operands", "examine_cores", "memory_tokens",
+           "name_role", "relative_positions"]
 
 _SCALES = frozenset({"mul", "rmul", "mul_", "imul", "div", "truediv", "div_", "itruediv"})
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
@@ -1702,6 +1702,9 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
         raise Unseen(f"the call runs the attention in {len(steps)} steps over a growing cache (queries "
                            f"{[q for q, _ in steps]}, keys {[k for _, k in steps]}: a prefill and decode steps); "
                            "each step sees part of the tokens, and the record is not read step by step")
+    memory, _ = memory_tokens(trace, length)
+    if memory:  # learned tokens joined to the tokens inside the module: the attention runs over both
+        length, keep = length + memory, None  # the mask the run sent covers the tokens only: the probes judge it
     for op in trace.ops:
         if op.outputs and op.outputs[0].numel() == 0:  # an attention over no queries (no global tokens) weighs nothing
             continue
@@ -1712,12 +1715,42 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
                                   partner=partner)
             if found is not None:
                 verdicts.append(found)
+    if memory:
+        for verdict in verdicts:
+            verdict.facts["memory tokens"] = (f"{memory} learned token(s) joined to the {length - memory} tokens "
+                                              "inside the module, attended with them, their own outputs dropped "
+                                              "(memory or register tokens: x-transformers' num_memory_tokens, ViT "
+                                              "registers)")
     if not verdicts and trace.transformed:
         raise Unrecognised("no attention was found: the module computes it inside torch.vmap (a torch.func "
                            "transform), whose operations a record cannot keep")
     if not verdicts:
         raise Unrecognised("no attention was found: no softmax feeding a product, no scaled_dot_product_attention")
     return verdicts
+
+
+def memory_tokens(trace: Trace, length: int) -> tuple[int, int]:
+    """(how many, at which position the tokens start) for the learned tokens the module joins to its ``length``
+    tokens along the token axis of a (B, L, E) tensor (a ``cat`` of the tokens' states with parameters only, before
+    the projections: memory or register tokens) when an attention core then has that many more queries; else (0, 0).
+    Keys and values joined alone (a null key) keep the queries at L and are read where the keys are."""
+    cores = {op.inputs[0].shape[-2] for op in trace.ops if op.name == "scaled_dot_product_attention" and
+             op.inputs and op.inputs[0].dim() >= 2}
+    cores |= {op.outputs[0].shape[-2] for op in trace.ops if op.name in SOFTMAX and op.outputs and
+              op.outputs[0].dim() >= 2}
+    for op in trace.ops:
+        if op.name not in ("cat", "concat", "concatenate") or not op.outputs or op.outputs[0].dim() != 3:
+            continue
+        dim = op.kwargs.get("dim", op.args[1] if len(op.args) > 1 and isinstance(op.args[1], int) else 0)
+        if dim % 3 != 1:
+            continue
+        parts = [(t, trace.learned(i)) for i, t in zip(op.in_ids, op.inputs, strict=False)]
+        tokens = [at for at, (t, learned) in enumerate(parts) if t.shape[1] == length and not learned]
+        extra = sum(t.shape[1] for t, learned in parts if learned)
+        if len(tokens) == 1 and sum(learned for _, learned in parts) == len(parts) - 1 and extra and \
+                length + extra in cores:
+            return extra, sum(t.shape[1] for t, _ in parts[:tokens[0]])
+    return 0, 0
 
 
 def _decode_steps(trace: Trace, length: int) -> list[tuple[int, int]] | None:
@@ -1751,14 +1784,15 @@ def _query_key_last(r: Tensor, length: int) -> Tensor | None:
     return r.movedim(axes, (-2, -1))
 
 
-def relative_positions(trace: Trace, length: int, rtol: float = 1e-4) -> str | None:
+def relative_positions(trace: Trace, length: int, rtol: float = 1e-4, memory: tuple[int, int] = (0, 0)) -> str | None:
     """For a run on one token repeated at every position: where q and k of an attention core are not rotated alike
     (the rotated part of k concatenated after its pass-through part while q's comes first, other frequencies, k
     rotated at other positions than q); None when they are, or no core could be read.
 
     With one token everywhere, q_i = R_i q and k_j = S_j k; rotated alike (S = R, any orthogonal R_i: 1-D or 2-D
     rotary, xPos, a prefix kept unrotated), each token's score with itself is q . k, whatever its position: the
-    diagonal of Q K^T is constant (to ``rtol`` of the largest score)."""
+    diagonal of Q K^T is constant (to ``rtol`` of the largest score). ``memory``: the learned tokens the module
+    joins to the tokens (:func:`memory_tokens`), which are no copy of the token and are left out."""
     for op in trace.ops:
         r: Tensor | None = None
         try:
@@ -1774,6 +1808,8 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4) -> str | N
                     r = _contract(product, pairs[0][1], pairs[1][1])
         except (Unseen, Unrecognised, RuntimeError):
             continue
+        if memory[0] and r is not None and r.dim() >= 2 and r.shape[-2] == r.shape[-1] == length + memory[0]:
+            r = r[..., memory[1]:memory[1] + length, memory[1]:memory[1] + length]
         extra = 0 if r is None or r.dim() < 2 else r.shape[-1] - length  # keys beyond the tokens: memory, a cache
         r = None if r is None else _query_key_last(r, length)
         if r is None or length < 3:
