@@ -191,3 +191,172 @@ def test_a_causal_model_that_passes_only_its_padding_to_layers_that_drop_causali
         assert all(row["verdict"] == "passed" for row in rows), rows
     else:
         assert all("causal-leak" in row["findings"] for row in rows), rows
+
+
+# -- SASRec: torch's MultiheadAttention, sequence first, called with a normed query and the raw states as keys ------
+class SASRecLike(nn.Module):
+    """pmixer's SASRec.pytorch in short: item embeddings, left-padded sequences (item 0 = padding), each block
+    ``mha(LayerNorm(seqs), seqs, seqs, attn_mask=~tril, key_padding_mask=padding)`` on (L, B, E) states. ``bug``:
+    "kpm-inverted" (the padding mask negated), "mask-anticausal" (tril(-1) hidden: each item sees the future)."""
+
+    def __init__(self, items: int = 50, dim: int = 32, bug: str | None = None) -> None:
+        super().__init__()
+        self.bug = bug
+        self.item_emb = nn.Embedding(items + 1, dim, padding_idx=0)
+        self.norms = nn.ModuleList(nn.LayerNorm(dim) for _ in range(2))
+        self.attention_layers = nn.ModuleList(nn.MultiheadAttention(dim, 2) for _ in range(2))
+
+    def forward(self, log_seqs):
+        timeline_mask = log_seqs == 0
+        seqs = self.item_emb(log_seqs) * ~timeline_mask.unsqueeze(-1)
+        n = seqs.shape[1]
+        causal = ~torch.tril(torch.ones(n, n, dtype=torch.bool))
+        if self.bug == "mask-anticausal":
+            causal = torch.tril(torch.ones(n, n, dtype=torch.bool), diagonal=-1)
+        padding = ~timeline_mask if self.bug == "kpm-inverted" else timeline_mask
+        for norm, attention in zip(self.norms, self.attention_layers, strict=True):
+            seqs = seqs.transpose(0, 1)
+            q = norm(seqs)
+            out, _ = attention(q, seqs, seqs, attn_mask=causal, key_padding_mask=padding)
+            seqs = (q + out).transpose(0, 1) * ~timeline_mask.unsqueeze(-1)
+        return seqs
+
+
+def _item_sequences() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    seqs = torch.randint(1, 50, (3, 10), generator=g)
+    seqs[1, 6:] = 0
+    seqs[2, 3:] = 0
+    return seqs
+
+
+@pytest.mark.parametrize(("bug", "expected"), [(None, None), ("kpm-inverted", "mask-inverted"),
+                                               ("mask-anticausal", "causal-leak")])
+def test_a_query_normed_apart_from_its_keys_is_self_attention(bug, expected):
+    """catches: SASRec's mha(LayerNorm(x), x, x) replayed with the doctor's input as the query only, the keys left
+    as recorded: definition-mismatch ("each query sees only its own token") and mask-ignored on correct code, an
+    inverted padding mask certified, a mask that shows only the future read as a cross-attention (changing the
+    first token reached no other row). The keys and values go with the query when they are one tensor of its
+    shape, the padding is read from the mask the model passes, and the last token is changed too."""
+    torch.manual_seed(0)
+    report = check_model(SASRecLike(bug=bug), (_item_sequences(),), layers=1)
+    assert not report.not_self_attention, report.not_self_attention
+    (layer,) = report.layers.values()
+    if expected is None:
+        assert layer.passed, layer.findings
+    else:
+        assert expected in layer.ids, layer.findings
+
+
+# -- a model whose layers get no mask and read none (TSLib's FullAttention(mask_flag=False), iTransformer) ----------
+class FullAttention(nn.Module):
+    """TSLib's FullAttention wrapped in its AttentionLayer: ``attn_mask`` taken, read only when ``mask_flag``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, mask_flag: bool = False) -> None:
+        super().__init__()
+        self.h, self.mask_flag = heads, mask_flag
+        self.query_projection, self.key_projection = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.value_projection, self.out_projection = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, queries, keys, values, attn_mask):
+        b, n, e = queries.shape
+        q = self.query_projection(queries).view(b, n, self.h, -1)
+        k = self.key_projection(keys).view(b, n, self.h, -1)
+        v = self.value_projection(values).view(b, n, self.h, -1)
+        scores = torch.einsum("blhe,bshe->bhls", q, k) / math.sqrt(q.shape[-1])
+        if self.mask_flag and attn_mask is not None:
+            scores = scores.masked_fill(attn_mask, float("-inf"))
+        out = torch.einsum("bhls,bshd->blhd", scores.softmax(-1), v).reshape(b, n, e)
+        return self.out_projection(out), None
+
+
+class VariateTokens(nn.Module):
+    """iTransformer: each variate's series embedded as one token, attention over the variates, no mask."""
+
+    def __init__(self, steps: int = 24, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Linear(steps, dim)
+        self.layers = nn.ModuleList(FullAttention(dim) for _ in range(2))
+
+    def forward(self, x_enc):
+        h = self.embed(x_enc.transpose(1, 2))
+        for layer in self.layers:
+            h = h + layer(h, h, h, attn_mask=None)[0]
+        return h
+
+
+def test_a_mask_the_model_never_passes_and_the_layer_never_reads_is_not_judged():
+    """catches: iTransformer's layers, to which the model passes attn_mask=None and which read no mask by design,
+    were mask-ignored; the mask probe is not applicable as the model calls them, and said so."""
+    torch.manual_seed(0)
+    report = check_model(VariateTokens(), (torch.randn(2, 24, 7),))
+    assert report.passed, report.summary()
+    assert all("model's mask" in r.inferred for r in report.layers.values())
+
+
+# -- a bias added to the weights after the softmax (a Graphormer port's bug): the layer is still found --------------
+class BiasAfterSoftmax(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attn_bias):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        probs = (q @ k.transpose(-1, -2) / math.sqrt(e // self.h)).softmax(-1) + attn_bias
+        return self.out((probs @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class GraphWithBias(nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, dim)
+        self.spatial = nn.Embedding(8, 4)
+        self.layers = nn.ModuleList(BiasAfterSoftmax(dim) for _ in range(2))
+
+    def forward(self, nodes, distances):
+        bias = self.spatial(distances).permute(0, 3, 1, 2)
+        h = self.embed(nodes)
+        for layer in self.layers:
+            h = h + layer(h, bias)
+        return h
+
+
+def test_a_model_whose_bias_is_added_after_the_softmax_has_its_attention_found():
+    """catches: check_model said "no attention layer found" on a model whose layers add a bias to the weights
+    after the softmax; the weights are followed through the addition, and the bug is named."""
+    torch.manual_seed(0)
+    nodes, distances = torch.randint(0, 20, (2, 6)), torch.randint(0, 8, (2, 6, 6))
+    report = check_model(GraphWithBias(), (nodes, distances))
+    assert len(report.layers) == 2 and report.verdict == "failed", report.summary()
+
+
+# -- PyTorch's translation tutorial: nn.Transformer, sequence first, a decoder's cross-attention over the source ----
+class Seq2SeqTransformer(nn.Module):
+    """The tutorial's model in short: token embeddings, nn.Transformer (L, B, E), a causal target mask and both
+    padding masks; the decoder's cross-attention takes the source's memory as keys and values."""
+
+    def __init__(self, vocab: int = 40, dim: int = 32) -> None:
+        super().__init__()
+        self.src_emb, self.tgt_emb = nn.Embedding(vocab, dim), nn.Embedding(vocab, dim)
+        self.transformer = nn.Transformer(dim, 4, 1, 1, 64, dropout=0.0)
+
+    def forward(self, src, tgt):
+        src_pad, tgt_pad = (src == 0).T, (tgt == 0).T
+        tgt_mask = self.transformer.generate_square_subsequent_mask(tgt.shape[0])
+        return self.transformer(self.src_emb(src), self.tgt_emb(tgt), tgt_mask=tgt_mask,
+                                src_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad,
+                                memory_key_padding_mask=src_pad)
+
+
+def test_a_sequence_first_cross_attention_is_not_checked_as_self_attention():
+    """catches: the decoder's cross-attention of a sequence-first nn.Transformer was checked as self-attention
+    (definition-mismatch: "each query sees only its own token"): the test that its rows depend on its own input's
+    other tokens handed the layer the recorded (L, B, E) states where the replay takes (B, L, E), and failed."""
+    torch.manual_seed(0)
+    src, tgt = torch.randint(1, 40, (9, 3)), torch.randint(1, 40, (7, 3))
+    src[7:, 1], tgt[5:, 2] = 0, 0
+    report = check_model(Seq2SeqTransformer().eval(), (src, tgt))
+    assert list(report.not_self_attention) == ["transformer.decoder.layers.0.multihead_attn"], report.summary()
+    assert report.passed, report.summary()

@@ -56,13 +56,13 @@ _SOFTMAX = frozenset({"softmax", "_softmax", "log_softmax"})
 _KERNELS = frozenset({"scaled_dot_product_attention", "flex_attention", "_scaled_dot_product_attention_math",
                       "multi_head_attention_forward"})  # a mode sees the call, not the operations inside
 _PRODUCTS = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "einsum", "baddbmm"})
-# what weights pass through on their way to the product (dropout, a cast, a mask put on after the softmax, a 1 x 1
-# convolution or a linear map mixing the heads: talking heads)
+# what weights pass through on their way to the product (dropout, a cast, a mask put on or a bias added after the
+# softmax, a 1 x 1 convolution or a linear map mixing the heads: talking heads)
 _PASSING = frozenset({"dropout", "to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous",
                       "conv1d", "conv2d", "linear",
                       "masked_fill", "masked_fill_", "mul", "__mul__", "where", "nan_to_num", "clone", "view",
                       "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand", "detach",
-                      "__getitem__", "pad", "narrow", "as_strided", "roll"})
+                      "__getitem__", "pad", "narrow", "as_strided", "roll", "add", "__add__", "__radd__"})
 
 
 @dataclass
@@ -292,6 +292,45 @@ def _mask_parameter(module: nn.Module, kwargs: dict, taken: set) -> str | None:
     return (names or [None])[0]
 
 
+def _keys_and_values(slots: list[tuple[int | str, object]], hidden: Tensor, params: list[str]) -> tuple:
+    """The slots of forward(query, key, value) (or forward(queries, keys)) that take one other tensor of the query's
+    shape as the keys and values: self-attention whose query alone went through a norm (SASRec's
+    ``mha(LayerNorm(x), x, x)``). The doctor's input goes to all of them, as it does for a module checked alone;
+    else ()."""
+    def named(k: int | str) -> str:
+        return (params[k] if k < len(params) else "") if isinstance(k, int) else k
+
+    same = [(k, a) for k, a in slots if isinstance(a, Tensor) and a is not hidden and a.shape == hidden.shape]
+    if not same or len(same) > 2 or any(a is not same[0][1] for _, a in same):
+        return ()
+    if all(named(k).lower() in _KEY_VALUE_NAMES for k, _ in same) and _normed_from(hidden, same[0][1]):
+        return tuple(k for k, _ in same)
+    return ()
+
+
+def _normed_from(q: Tensor, k: Tensor) -> bool:
+    """Is ``q`` a layer or RMS norm of ``k``, token by token (with any per-feature gain and bias)? Tells a query
+    normed apart from its keys (SASRec) from a cross-attention over another sequence of the same shape."""
+    if not (q.is_floating_point() and k.is_floating_point()) or q.shape[-1] < 2:
+        return False
+    q2, k2 = q.detach().double().reshape(-1, q.shape[-1]), k.detach().double().reshape(-1, k.shape[-1])
+    if q2.shape[0] < 3 or not (bool(torch.isfinite(q2).all()) and bool(torch.isfinite(k2).all())):
+        return False
+    centred = k2 - k2.mean(-1, keepdim=True)
+    for normed in (centred / centred.pow(2).mean(-1, keepdim=True).add(1e-12).sqrt(),
+                   k2 / k2.pow(2).mean(-1, keepdim=True).add(1e-12).sqrt()):
+        # per feature, the least-squares fit q = a * normed + c over the tokens
+        dn, dq = normed - normed.mean(0), q2 - q2.mean(0)
+        a = (dn * dq).sum(0) / dn.pow(2).sum(0).clamp_min(1e-24)
+        residual = dq - a * dn
+        if float(residual.abs().max()) <= 1e-4 * (1 + float(q2.abs().max())):
+            return True
+    return False
+
+
+_KEY_VALUE_NAMES = frozenset({"key", "k", "keys", "value", "v", "values", "kv", "key_value"})
+
+
 def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
            batch: int | None = None) -> Layer | None:
     """The layer for this recorded call, when it maps hidden states (B, L, E) to an output of that shape. Hidden
@@ -305,14 +344,15 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
     if hidden is None:
         return None
     x = tuple(k for k, a in slots if a is hidden)
-    if y.dim() == 4 and any(isinstance(a, Tensor) and a is not hidden and a.dim() == 4 and a.shape[0] == y.shape[0]
-                            and a.shape[-1] == y.shape[-1] for _, a in slots):
-        return None  # q, k and v (B, H, L, D), k and v with more keys (memory) or fewer heads (grouped): an
-        # attention core, checked through its parent
     try:
         params = list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
         params = []
+    x = x + _keys_and_values(slots, hidden, params)
+    if y.dim() == 4 and any(isinstance(a, Tensor) and a is not hidden and a.dim() == 4 and a.shape[0] == y.shape[0]
+                            and a.shape[-1] == y.shape[-1] for _, a in slots):
+        return None  # q, k and v (B, H, L, D), k and v with more keys (memory) or fewer heads (grouped): an
+        # attention core, checked through its parent
     taken = {params[k] if isinstance(k, int) and k < len(params) else k for k in x}
     mask = _mask_parameter(module, kwargs, taken)
     if mask is not None and mask not in kwargs and mask in params and params.index(mask) < len(args):
@@ -326,8 +366,13 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
     # replayed so: it attends over the batch
     square = any(isinstance(a, Tensor) and a.dim() >= 2 and a.shape[-1] == a.shape[-2] == hidden.shape[0] !=
                  hidden.shape[1] for _, a in slots)
+    # or a (B, L) key padding mask beside (L, B, E) states (the model's inputs given (L, B), so that its batch reads
+    # as their length)
+    keyed = hidden.dim() == 3 and hidden.shape[0] != hidden.shape[1] and any(
+        isinstance(a, Tensor) and a.dim() == 2 and tuple(a.shape) == (hidden.shape[1], hidden.shape[0])
+        for _, a in slots)
     told = getattr(module, "batch_first", None) is False and (batch is None or hidden.shape[1] == batch or
-                                                             hidden.shape[0] != batch or square)
+                                                             hidden.shape[0] != batch or square or keyed)
     if hidden.dim() == 3 and (told or (batch is not None and hidden.shape[1] == batch != hidden.shape[0])):
         return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[1], hidden.shape[0], hidden.shape[0],
                      sequence_first=True)
@@ -492,6 +537,8 @@ def _rows_independent(layer: Layer, module: nn.Module) -> bool:
     """Does each output row of ``module`` (the layer or a copy of it), called as the model called the layer, stay
     the same when another token of its input changes?"""
     hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    if layer.sequence_first and hidden.dim() == 3:  # the replay takes (B, L, E) and hands the layer (L, B, E)
+        hidden = hidden.transpose(0, 1)
     if hidden.shape[1] < 2:
         return False
     call = layer.adapter()
@@ -501,12 +548,16 @@ def _rows_independent(layer: Layer, module: nn.Module) -> bool:
             # the tokens on dim 1 (batch first), dim 0 (sequence first, as torch's default), or, in a 4-D input,
             # dim 2 (groups of tokens: MaxViT's (B, G, P, E) partitions)
             for dim in (1, 0, *range(2, hidden.dim() - 1)):
-                changed = hidden.clone()
-                changed.select(dim, 0).add_(1.0)
-                b = _first_tensor(call(module, changed))
-                if a is None or b is None or a.shape != b.shape or \
-                        not torch.equal(a.narrow(dim, 1, a.shape[dim] - 1), b.narrow(dim, 1, b.shape[dim] - 1)):
-                    return False
+                for at in (0, hidden.shape[dim] - 1):  # the first token and the last (a mask that shows the future
+                    changed = hidden.clone()  # only: the last one reaches every row)
+                    changed.select(dim, at).add_(1.0)
+                    b = _first_tensor(call(module, changed))
+                    if a is None or b is None or a.shape != b.shape:
+                        return False
+                    others = [i for i in range(a.shape[dim]) if i != at] if dim < a.dim() else []
+                    if not torch.equal(a.index_select(dim, torch.tensor(others, device=a.device)),
+                                       b.index_select(dim, torch.tensor(others, device=b.device))):
+                        return False
     except Exception:  # the doctor's own run will say what fails
         return False
     return True
@@ -532,7 +583,7 @@ def _padding_in_mask(layer: Layer) -> Tensor | None:
     some item; else None."""
     given = layer.recorded_mask()
     if not isinstance(given, Tensor) or given.dim() < 2 or given.shape[0] != layer.batch or layer.batch < 2 or \
-            given.shape[-1] != layer.length or layer.sequence_first or given.is_complex():
+            given.shape[-1] != layer.length or given.is_complex():
         return None
     rows = given.detach().reshape(given.shape[0], -1, given.shape[-1])[:, -1].cpu()
     whole = [r for r in rows if bool((r == r[0]).all())]
@@ -644,6 +695,7 @@ def _padding_moves(layer: Layer, pad: Tensor) -> tuple[float, float] | None:
     (the largest change of a real token's output, the largest output); None when the call cannot be replayed so
     (not the model's tokens, or the layer fails)."""
     hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    pad = pad.T if layer.sequence_first else pad  # the states (L, B, E): the padding on their first two axes
     if tuple(hidden.shape[:2]) != tuple(pad.shape) or hidden.dim() != 3:
         return None
     if not bool(torch.isfinite(hidden).all()):  # an earlier layer's NaN rows (this bug's own): other states
@@ -662,6 +714,30 @@ def _padding_moves(layer: Layer, pad: Tensor) -> tuple[float, float] | None:
     if not bool(real.any()):
         return None
     return float((moved - base)[real].abs().max()), float(base[real].abs().max())
+
+
+def _real_rows_empty(layer: Layer, pad: Tensor) -> bool:
+    """Replay the layer's recorded call as the model made it: is every real token's output of the padded items NaN
+    or inf, where the layer's output is finite elsewhere or the unpadded items are NaN too?"""
+    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    p = pad.T if layer.sequence_first else pad
+    if tuple(hidden.shape[:2]) != tuple(p.shape) or hidden.dim() != 3 or not bool(torch.isfinite(hidden).all()):
+        return False
+    try:
+        with _evaluated(layer.module):
+            base = _replay(layer)(hidden)
+    except Exception:  # the layer's own report says what fails
+        return False
+    if base is None or base.shape != hidden.shape:
+        return False
+    padded = p.any(0 if layer.sequence_first else 1)  # the items with padding
+    items = padded.nonzero().flatten().tolist()
+    if not items:
+        return False
+    finite = torch.isfinite(base).all(-1).cpu()  # (B, L) or (L, B)
+    real = ~p.cpu()
+    rows = [finite[:, b][real[:, b]] if layer.sequence_first else finite[b][real[b]] for b in items]
+    return all(r.numel() and not bool(r.any()) for r in rows)
 
 
 def _padding_elsewhere(layer: Layer, pad: Tensor, report: Report) -> str | None:
@@ -684,6 +760,21 @@ def _padding_elsewhere(layer: Layer, pad: Tensor, report: Report) -> str | None:
         except (TypeError, ValueError):
             pass
     return str(name)
+
+
+def _mask_unused(layer: Layer, report: Report) -> bool:
+    """Is ``report``'s mask-ignored only that no operation read the doctor's mask, where the model passes this layer
+    no mask, or one that hides nothing (one value throughout: T5's later layers, given the padding in their position
+    bias; a layer built with masking off, as TSLib's ``FullAttention(mask_flag=False)``)?"""
+    ignored = [f for f in report.findings if f.id == MASK_IGNORED.id]
+    if not ignored or not all(any("no operation read it" in str(v) for v in f.evidence.values()) for f in ignored):
+        return False
+    given = layer.recorded_mask()
+    if given is None:
+        return True
+    if not isinstance(given, Tensor) or given.numel() == 0 or given.is_complex():
+        return False
+    return bool((given == given.flatten()[0]).all())
 
 
 def _t5_sibling(report: Report, done: dict[str, Report], classes: dict[str, str], name: str) -> bool:
@@ -709,13 +800,17 @@ def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Find
         given = next((v for k, v in slots if k not in layer.x and _carries_padding(v, pad)), None)
     if not isinstance(given, Tensor):
         return None  # no mask passed to this layer (a model that pads nothing here)
+    what = f"{given.dtype} {tuple(given.shape)}"
+    if _real_rows_empty(layer, pad):
+        return Finding.of(MASK_INVERTED, "called as the model calls it, every real token of the padded items gets a "
+                          "NaN output: the mask the model passes hides all their keys (the padding kept, the tokens "
+                          "hidden: a padding mask read the other way round)", {"mask the model passes": what})
     moved = _padding_moves(layer, pad)
     if moved is None:
         return None
     change, scale = moved
     if not change > 1e-4 * (1 + scale):
         return None
-    what = f"{given.dtype} {tuple(given.shape)}"
     reads = report.inferred.get("mask")
     if MASK_IGNORED.id in report.ids or not (isinstance(reads, dict) and "convention" in reads):
         name = next((k for k, v in slots if v is given), None)
@@ -887,6 +982,14 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                         {**done.coverage, "mask": "verified: the model's padding, through another argument",
                          "padding": "verified: as the model calls it, the padded tokens do not reach the real ones"},
                         done.seconds)
+                if _mask_unused(layer, done):
+                    done = Report.of({**done.inferred, "model's mask": (
+                        "the model passes this layer no mask (or one that hides nothing), and the layer reads none: "
+                        "not judged as the model calls it (give the model padded inputs to check its padding)")},
+                        [f for f in done.findings if f.id != MASK_IGNORED.id], done.not_verified,
+                        {**done.coverage, "mask": "not applicable: the model passes no mask that hides a key, and "
+                                                  "the layer reads none",
+                         "padding": "not applicable: the model passes no mask that hides a key"}, done.seconds)
                 if _t5_sibling(done, report.layers, report.classes, layer.name):
                     done = Report.of({**done.inferred, "design": {**done.inferred.get("design", {}), "scale": (
                         "none on the scores, with the relative-position bias the model's first layer of this class "
