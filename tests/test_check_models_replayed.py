@@ -360,3 +360,189 @@ def test_a_sequence_first_cross_attention_is_not_checked_as_self_attention():
     report = check_model(Seq2SeqTransformer().eval(), (src, tgt))
     assert list(report.not_self_attention) == ["transformer.decoder.layers.0.multihead_attn"], report.summary()
     assert report.passed, report.summary()
+
+
+# -- decoders whose causality comes from the model: a switch, a buffer cut by the layer, one layer left out ----------
+class SwitchedAttention(nn.Module):
+    """MPT's layer in short: forward(x, attn_bias, attention_mask, is_causal=True); the causal pattern is built
+    from the switch and combined with the (B, L) padding mask. ``ignores_switch``: the bug."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, ignores_switch: bool = False) -> None:
+        super().__init__()
+        self.h, self.ignores_switch = heads, ignores_switch
+        self.Wqkv, self.out_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attn_bias=None, attention_mask=None, is_causal=True):
+        b, n, e = x.shape
+        q, k, v = self.Wqkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(e // self.h)
+        if attn_bias is not None:
+            scores = scores + attn_bias[..., -n:, -n:]
+        if is_causal and not self.ignores_switch:
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        if attention_mask is not None:
+            scores = scores.masked_fill(~attention_mask[:, None, None, :].bool(), float("-inf"))
+        return self.out_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class BufferedAttention(nn.Module):
+    """Whisper's MultiHeadAttention in short: forward(x, xa=None, mask=None), the model's (n_ctx, n_ctx) -inf
+    buffer cut to the tokens by the layer."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x, xa=None, mask=None):
+        b, n, e = x.shape
+        q, k, v = (f(x).view(b, n, self.h, -1).transpose(1, 2) for f in (self.query, self.key, self.value))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(e // self.h)
+        if mask is not None:
+            scores = scores + mask[:n, :n]
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class SwitchedDecoder(nn.Module):
+    """``style``: "switch" (is_causal=True and the padding mask to every layer), "buffer" (Whisper's layers and
+    (16, 16) causal buffer, no padding), "skip-one" (the model passes layer 1 no causal switch); ``bad_layer``: that
+    layer ignores the switch."""
+
+    def __init__(self, style: str = "switch", bad_layer: int | None = None) -> None:
+        super().__init__()
+        self.style = style
+        self.embed = nn.Embedding(50, 32)
+        self.blocks = nn.ModuleList(BufferedAttention() if style == "buffer" else
+                                    SwitchedAttention(ignores_switch=i == bad_layer) for i in range(3))
+        self.register_buffer("mask", torch.full((16, 16), float("-inf")).triu(1))
+
+    def forward(self, input_ids, attention_mask):
+        h = self.embed(input_ids)
+        for i, block in enumerate(self.blocks):
+            if self.style == "buffer":
+                h = h + block(h, mask=self.mask)
+            else:
+                h = h + block(h, attention_mask=attention_mask, is_causal=not (self.style == "skip-one" and i == 1))
+        return h
+
+
+def _padded_ids() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    keep = torch.ones(2, 8, dtype=torch.long)
+    keep[1, 6:] = 0
+    return ids, keep
+
+
+@pytest.mark.parametrize("style", ["switch", "buffer"])
+def test_a_decoder_causal_through_a_switch_or_a_buffer_is_causal(style):
+    """catches: check_model(..., causal=True) named causal-leak on a correct decoder whose layers get an is_causal
+    switch beside a key padding mask (the replay turned the switch off whenever the layer takes a mask), or an
+    (n_ctx, n_ctx) causal buffer that the layer cuts to the tokens (not read as the model's causal mask)."""
+    torch.manual_seed(0)
+    ids, keep = _padded_ids()
+    report = check_model(SwitchedDecoder(style), {"input_ids": ids, "attention_mask": keep}, causal=True)
+    assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize(("style", "bad_layer"), [("skip-one", None), ("switch", 2)])
+def test_the_one_layer_of_a_stack_that_sees_the_future_is_named(style, bad_layer):
+    """catches: without --causal, a decoder whose model passes one layer no causal switch, or one of whose layers
+    ignores the switch, was certified: each layer alone is a correct attention. As the model calls them, the other
+    layers of the stack are causal and this one sees the future: causal-leak on that layer only."""
+    torch.manual_seed(0)
+    ids, keep = _padded_ids()
+    report = check_model(SwitchedDecoder(style, bad_layer), {"input_ids": ids, "attention_mask": keep})
+    odd = "blocks.1" if bad_layer is None else f"blocks.{bad_layer}"
+    assert {row["layer"]: "causal-leak" in row["findings"] for row in report.summary()} == {
+        f"blocks.{i}": f"blocks.{i}" == odd for i in range(3)}, report.summary()
+
+
+# -- a padding mask the model builds wrong: one item's padding for every item -------------------------------------
+class ExtendedMaskEncoder(nn.Module):
+    """BERT's extended mask, (1 - mask) * min, here (B, L) for the layers' additive key mask. ``bug``: "first-item"
+    builds every item's from the first item's padding."""
+
+    def __init__(self, bug: str | None = None) -> None:
+        super().__init__()
+        self.bug = bug
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(IndexMaskedAttention(32) for _ in range(2))
+
+    def forward(self, input_ids, attention_mask):
+        keep = attention_mask.float()
+        if self.bug == "first-item":
+            keep = keep[:1].expand_as(keep)
+        extended = (1.0 - keep) * torch.finfo(torch.float32).min
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h, attention_mask=extended)[0]
+        return h
+
+
+@pytest.mark.parametrize(("bug", "expected"), [(None, None), ("first-item", "mask-ignored")])
+def test_a_padding_mask_the_model_builds_wrong_is_named_for_what_it_does(bug, expected):
+    """catches: a model that gives every item the first item's padding was named mask-inverted: the real tokens
+    of a padded item still see each other, so the mask is not read the other way round, it leaves the padding
+    visible (mask-ignored)."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (2, 8), generator=torch.Generator().manual_seed(2))
+    keep = torch.ones(2, 8, dtype=torch.long)
+    keep[1, 5:] = 0
+    report = check_model(ExtendedMaskEncoder(bug), {"input_ids": ids, "attention_mask": keep})
+    if expected is None:
+        assert report.passed, report.summary()
+    else:
+        assert all(expected in row["findings"] and "mask-inverted" not in row["findings"]
+                   for row in report.summary()), report.summary()
+
+
+# -- T5's decoder: the causal mask added into the position bias the first layer returns ---------------------------
+class T5StyleAttention(nn.Module):
+    """transformers 4's T5Attention in short: no scale; the first layer owns the bucketed bias table, adds the mask
+    into the bias and returns it; later layers take ``position_bias`` and leave ``mask`` unread."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, owns_bias: bool = False) -> None:
+        super().__init__()
+        self.h = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.relative_attention_bias = nn.Embedding(16, heads) if owns_bias else None
+
+    def forward(self, hidden_states, mask=None, position_bias=None):
+        b, n, e = hidden_states.shape
+        q, k, v = (f(hidden_states).view(b, n, self.h, -1).transpose(1, 2) for f in (self.q, self.k, self.v))
+        if position_bias is None:
+            assert self.relative_attention_bias is not None
+            rel = torch.arange(n)[None, :] - torch.arange(n)[:, None]
+            buckets = (-rel).clamp(min=0, max=15)  # a decoder's buckets: the past only
+            position_bias = self.relative_attention_bias(buckets).permute(2, 0, 1)[None]
+            if mask is not None:
+                position_bias = position_bias + mask
+        w = (q @ k.transpose(-1, -2) + position_bias).softmax(-1)
+        return self.o((w @ v).transpose(1, 2).reshape(b, n, e)), position_bias
+
+
+class T5StyleDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(T5StyleAttention(owns_bias=i == 0) for i in range(2))
+
+    def forward(self, input_ids):
+        n = input_ids.shape[1]
+        mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
+        h, bias = self.embed(input_ids), None
+        for layer in self.layers:
+            out, bias = layer(h, mask=mask, position_bias=bias)
+            h = h + out
+        return h
+
+
+def test_a_mask_carried_by_the_position_bias_the_first_layer_returns_is_read_there():
+    """catches: T5's later decoder layers, which take the causal mask through the position bias the first layer
+    returns and leave their mask argument unread, were mask-ignored (and missing-scale, T5's design, with it) when
+    the model's inputs carry no padding; a recorded argument that hides exactly the keys the mask hides carries
+    it."""
+    torch.manual_seed(0)
+    report = check_model(T5StyleDecoder(), (torch.randint(0, 50, (2, 7)),))
+    assert report.passed, report.summary()
+    assert "position_bias" in report.layers["layers.1"].inferred["model's mask"]

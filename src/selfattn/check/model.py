@@ -31,10 +31,12 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from ._seams import untraced
 from .doctor import check
 from .findings import (
     BATCH_MIXING,
     CAUSAL_LEAK,
+    MASK_BROADCAST,
     MASK_IGNORED,
     MASK_INVERTED,
     MISSING_SCALE,
@@ -133,8 +135,10 @@ class Layer:
                     for i, a in enumerate(self.args)]
             kwargs = {k: x if k in self.x else (mask if k == self.mask else tree_map(fit, v))
                       for k, v in self.kwargs.items()}
-            if self.mask is not None:  # the doctor's mask carries the whole pattern: a causal switch the model set
-                kwargs.update({k: False for k, v in kwargs.items() if k in SWITCH_NAMES and v is True})  # goes off
+            if self.mask is not None and _carries_pattern(mask):  # the doctor's (..., L, L) mask carries the whole
+                # pattern: a causal switch the model set goes off; with no mask, or a key mask, which cannot carry
+                # causality, it stays as the model set it (MPT's is_causal beside its attention_mask)
+                kwargs.update({k: False for k, v in kwargs.items() if k in SWITCH_NAMES and v is True})
             if isinstance(self.mask, str) and self.mask not in kwargs and mask is not None:
                 kwargs[self.mask] = mask
             if not self.sequence_first:
@@ -161,26 +165,37 @@ class Layer:
         return call
 
 
+def _carries_pattern(mask: object) -> bool:
+    """Is ``mask`` one that can carry a pattern over the queries: a tensor (..., Lq, Lk) with Lq > 1, not a key
+    mask (B, L) or (B, 1, 1, L)? (Read outside the doctor's watch on the mask: this look is not the module's.)"""
+    if not isinstance(mask, Tensor):
+        return False
+    with untraced():
+        return mask.dim() >= 3 and mask.shape[-2] > 1
+
+
 def _causal_like(mask: object, length: int) -> Tensor | None:
     """For a mask over ``length`` tokens that hides every later key of every query in every item ((..., L, L), bool
     True = may attend or additive 0 / large negative; a window or padding may hide more): the plain causal mask in
-    its shape, kind and fill, which stands for the layer's own pattern; else None."""
-    if not isinstance(mask, Tensor) or mask.dim() < 2 or tuple(mask.shape[-2:]) != (length, length) or length < 2:
+    its shape, kind and fill, which stands for the layer's own pattern; else None. A square mask over more positions
+    (Whisper's (n_ctx, n_ctx) buffer, which the layer cuts to the tokens) is read whole and kept at its size."""
+    if not isinstance(mask, Tensor) or mask.dim() < 2 or mask.shape[-1] != mask.shape[-2] or \
+            mask.shape[-1] < length or length < 2:
         return None
-    if mask.dtype == torch.bool:
-        seen = mask
-    elif mask.is_floating_point():
-        seen = torch.isfinite(mask) & (mask > -1e3)
-    else:
-        return None
+    length = mask.shape[-1]
     lower = torch.ones(length, length, dtype=torch.bool, device=mask.device).tril()
-    # no later key seen; each query sees its own key unless no query does (a padded key)
-    own = seen.diagonal(dim1=-2, dim2=-1) | ~seen.any(-2)
-    if bool((seen & ~lower).any()) or not bool(own.all()):
-        return None
+
+    def causal(seen: Tensor) -> bool:  # no later key seen; each query sees its own key unless no query does (padding)
+        own = seen.diagonal(dim1=-2, dim2=-1) | ~seen.any(-2)
+        return not bool((seen & ~lower).any()) and bool(own.all())
+
     shape = (1, *mask.shape[1:]) if mask.dim() > 2 else mask.shape  # one for every item: the batch broadcasts
-    if mask.dtype == torch.bool:
-        return lower.expand(shape).clone()
+    if mask.dtype == torch.bool:  # True = may attend, or True = masked (MPT's, Hugging Face's older layers)
+        if causal(mask):
+            return lower.expand(shape).clone()
+        return (~lower).expand(shape).clone() if causal(~mask) else None
+    if not mask.is_floating_point() or not causal(torch.isfinite(mask) & (mask > -1e3)):
+        return None
     hidden = float(mask.min())
     return torch.zeros(shape, dtype=mask.dtype, device=mask.device).masked_fill(~lower, hidden)
 
@@ -630,22 +645,19 @@ def _replay(layer: Layer) -> Callable[[Tensor], Tensor | None]:
     return run
 
 
-def _models_causal_mask(layer: Layer, pad: Tensor | None, causal: bool = False) -> Finding | None:
-    """Replay the layer's recorded call with the model's own mask and read which tokens each output row of an item
-    without padding depends on: a mask that hides most of the future but shows the next tokens (a causal mask
-    built off by one, ``triu(2)`` for ``triu(1)``), one that hides the diagonal too (``triu(0)``), or the causal
-    pattern transposed, is a causal-leak the model builds; the layer's own probes, which replace that mask with the
-    doctor's, cannot see it. ``causal``: the user said the model is causal, so any future key seen is a leak (a
-    model that passes only its key padding mask to layers that drop their own causal pattern when given one)."""
+def _as_called(layer: Layer, pad: Tensor | None) -> tuple[Tensor, Tensor, Tensor, int] | None:
+    """Replay the layer's recorded call as the model made it (its own mask, switches and arguments) and read which
+    tokens each output row of the first item without padding depends on: (dep (L, L), the output, the hidden states
+    used, that item); None when the call cannot be replayed so (a sequence-first layer, fewer than 4 tokens, every
+    item padded, or the layer fails). Hidden states an earlier layer left NaN are replaced by other states."""
     slots = [*enumerate(layer.args), *layer.kwargs.items()]
     hidden = next(a for k, a in slots if k in layer.x)
-    given = next((v for k, v in slots if k == layer.mask), None)
-    if not isinstance(given, Tensor) or hidden.dim() != 3 or layer.sequence_first or hidden.shape[1] < 4:
+    if hidden.dim() != 3 or layer.sequence_first or hidden.shape[1] < 4:
         return None
     items = [b for b in range(hidden.shape[0]) if pad is None or b >= pad.shape[0] or not bool(pad[b].any())]
     if not items:
         return None
-    if not bool(torch.isfinite(hidden).all()):  # an earlier layer's NaN rows (this bug's own): other states
+    if not bool(torch.isfinite(hidden).all()):
         hidden = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5)).to(hidden)
     run = _replay(layer)
     try:
@@ -657,13 +669,56 @@ def _models_causal_mask(layer: Layer, pad: Tensor | None, causal: bool = False) 
                              rtol=1e-5 if hidden.dtype == torch.float32 else 1e-2)
     except Exception:  # the layer's own report says what fails
         return None
+    return dep, base, hidden, items[0]
+
+
+def _stack_of(name: str) -> str:
+    """The layer's place in its stack, without the layer's index: ``decoder.block.#.SelfAttention``."""
+    return ".".join("#" if part.isdigit() else part for part in name.split("."))
+
+
+def _odd_one_out(report: ModelReport, causal_as_called: dict[str, bool]) -> dict[str, Finding]:
+    """Layers of one class in one stack that see future keys as the model calls them, where another layer of that
+    stack is causal as the model calls it: the model left out one layer's causal mask (or that layer ignores the
+    causal switch the model passes). Stacks that differ by name stay apart (T5's bidirectional encoder and causal
+    decoder share a class)."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name in causal_as_called:
+        groups.setdefault((report.classes.get(name, ""), _stack_of(name)), []).append(name)
+    found: dict[str, Finding] = {}
+    for names in groups.values():
+        causal = [n for n in names if causal_as_called[n]]
+        if not causal or len(causal) == len(names):
+            continue
+        for name in names:
+            if not causal_as_called[name]:
+                found[name] = Finding.of(CAUSAL_LEAK, "called as the model calls it, this layer sees future keys while "
+                                         f"{len(causal)} other layer(s) of its stack are causal "
+                                         f"({', '.join(causal[:3])}): the model leaves out this layer's causal mask, "
+                                         "or the layer ignores the causal switch the model passes",
+                                         {"causal layers of this stack": causal})
+    return found
+
+
+def _models_causal_mask(layer: Layer, pad: Tensor | None, causal: bool = False) -> Finding | None:
+    """Replay the layer's recorded call with the model's own mask and read which tokens each output row of an item
+    without padding depends on: a mask that hides most of the future but shows the next tokens (a causal mask
+    built off by one, ``triu(2)`` for ``triu(1)``), one that hides the diagonal too (``triu(0)``), or the causal
+    pattern transposed, is a causal-leak the model builds; the layer's own probes, which replace that mask with the
+    doctor's, cannot see it. ``causal``: the user said the model is causal, so any future key seen is a leak (a
+    model that passes only its key padding mask to layers that drop their own causal pattern when given one)."""
+    given = layer.recorded_mask()
+    read = _as_called(layer, pad) if isinstance(given, Tensor) else None
+    if read is None or not isinstance(given, Tensor):
+        return None
+    dep, base, hidden, item = read
     length = dep.shape[0]
     what = f"{given.dtype} {tuple(given.shape)}"
     # a causal mask that hides the diagonal too (triu(0) for triu(1)) leaves the first query no key: NaN with a -inf
     # fill, every key alike with a finite one; the later rows see only the past (row 1 key 0 alone, whatever q_1)
     later = dep[1:] & future(length)[1:]
     if length > 2 and not bool(later.any()) and not bool(dep[1, 1]) and bool(dep[1, 0]):
-        empty = base.shape == hidden.shape and not bool(torch.isfinite(base[items[0], 0]).all())
+        empty = base.shape == hidden.shape and not bool(torch.isfinite(base[item, 0]).all())
         if empty or bool(dep[0].all()):
             return Finding.of(CAUSAL_LEAK, "called as the model calls it, with the model's own mask, no query sees its "
                               "own key: the causal mask the model builds hides the diagonal (triu(0) for triu(1)), so "
@@ -740,6 +795,30 @@ def _real_rows_empty(layer: Layer, pad: Tensor) -> bool:
     return all(r.numel() and not bool(r.any()) for r in rows)
 
 
+def _real_keys_seen(layer: Layer, pad: Tensor) -> bool:
+    """Replay the layer's recorded call as the model made it: does a real token of a padded item depend on another
+    real token there? Then the mask the model passes does not hide the real tokens: it leaves the padding visible
+    (built from another item's padding, or given in a form the layer does not read as a mask), which is not a mask
+    read the other way round."""
+    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    if layer.sequence_first or hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(pad.shape) or \
+            not bool(torch.isfinite(hidden).all()):
+        return False
+    items = [b for b in range(pad.shape[0]) if bool(pad[b].any()) and int((~pad[b]).sum()) >= 2]
+    if not items:
+        return False
+    run = _replay(layer)
+    try:
+        with _evaluated(layer.module):
+            dep = dependency(lambda x: run(x), hidden, item=items[0],  # type: ignore[arg-type,return-value]
+                             rtol=1e-5 if hidden.dtype == torch.float32 else 1e-2)
+    except Exception:  # the layer's own report says what fails
+        return False
+    real = ~pad[items[0]].cpu()
+    among = dep[real][:, real] & ~torch.eye(int(real.sum()), dtype=torch.bool)
+    return bool(among.any())
+
+
 def _padding_elsewhere(layer: Layer, pad: Tensor, report: Report) -> str | None:
     """The argument through which the layer takes the model's padding when its own mask argument is read by no
     operation (T5's later layers: the padding added into the ``position_bias`` the first layer returns), and the
@@ -760,6 +839,37 @@ def _padding_elsewhere(layer: Layer, pad: Tensor, report: Report) -> str | None:
         except (TypeError, ValueError):
             pass
     return str(name)
+
+
+def _mask_carried_by(layer: Layer, report: Report) -> str | None:
+    """The argument that carries the model's mask into the layer when the layer's own mask argument is read by no
+    operation: another recorded tensor that hides exactly the keys the recorded mask hides (T5's later decoder
+    layers: the causal mask and the padding added into the ``position_bias`` the first layer returns); else None."""
+    unread = any(f.id == MASK_IGNORED.id and any("no operation read it" in str(v) for v in f.evidence.values())
+                 for f in report.findings)
+    given = layer.recorded_mask()
+    if not unread or not isinstance(given, Tensor) or given.dim() < 2 or given.is_complex():
+        return None
+    hidden = given <= -1e4 if given.is_floating_point() else None
+    if hidden is None or not bool(hidden.any()):
+        return None
+    for key, value in [*enumerate(layer.args), *layer.kwargs.items()]:
+        if key in layer.x or key == layer.mask or not isinstance(value, Tensor) or value is given or \
+                not value.is_floating_point() or value.dim() < 2:
+            continue
+        try:
+            shape = torch.broadcast_shapes(hidden.shape, value.shape)
+        except RuntimeError:
+            continue
+        if torch.equal(hidden.expand(shape), (value <= -1e4).expand(shape)):
+            if isinstance(key, int):
+                try:
+                    params = list(inspect.signature(layer.module.forward).parameters)
+                    key = params[key] if key < len(params) else key
+                except (TypeError, ValueError):
+                    pass
+            return str(key)
+    return None
 
 
 def _mask_unused(layer: Layer, report: Report) -> bool:
@@ -811,8 +921,14 @@ def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Find
     change, scale = moved
     if not change > 1e-4 * (1 + scale):
         return None
+    if given.dim() >= 3 and given.shape[-1] == 1 and given.shape[-2] == pad.shape[1] > 1:
+        return Finding.of(MASK_BROADCAST, "called as the model calls it, the layer lets the padded tokens change the "
+                          "real tokens' outputs: the model's mask is laid out on the query axis ((B, 1, L, 1)), so it "
+                          "hides padded queries' rows and no key", {"mask the model passes": what,
+                                                                   "largest change of a real token's output": change})
     reads = report.inferred.get("mask")
-    if MASK_IGNORED.id in report.ids or not (isinstance(reads, dict) and "convention" in reads):
+    if MASK_IGNORED.id in report.ids or not (isinstance(reads, dict) and "convention" in reads) or \
+            _real_keys_seen(layer, pad):
         name = next((k for k, v in slots if v is given), None)
         return Finding.of(MASK_IGNORED, "called as the model calls it, the layer lets the padded tokens change the "
                           f"real tokens' outputs: the model passes its padding (argument {name!r}) and the layer does "
@@ -941,6 +1057,7 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
     except (TypeError, ValueError):
         named = kwargs
     pad = _padding(named)
+    causal_as_called: dict[str, bool] = {}  # per layer: does it hide every future key as the model calls it?
     for layer in found:
         report.classes[layer.name] = type(layer.module).__name__
         if layer.name in crossing:
@@ -982,6 +1099,15 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                         {**done.coverage, "mask": "verified: the model's padding, through another argument",
                          "padding": "verified: as the model calls it, the padded tokens do not reach the real ones"},
                         done.seconds)
+                carried = _mask_carried_by(layer, done)
+                if carried is not None:
+                    done = Report.of({**done.inferred, "model's mask": (
+                        f"taken through {carried!r}, which the model passes with its mask added in (every key the "
+                        "mask hides, hidden there too); the mask argument is not read when it is given")},
+                        [f for f in done.findings if f.id != MASK_IGNORED.id], done.not_verified,
+                        {**done.coverage, "mask": "verified: the model's mask, through another argument",
+                         "padding": f"not applicable: the layer takes the model's mask through {carried!r}, not "
+                                    "through its mask argument"}, done.seconds)
                 if _mask_unused(layer, done):
                     done = Report.of({**done.inferred, "model's mask": (
                         "the model passes this layer no mask (or one that hides nothing), and the layer reads none: "
@@ -996,6 +1122,13 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                         "computes and passes on: T5's design")}},
                         [f for f in done.findings if f.id != MISSING_SCALE.id], done.not_verified, done.coverage,
                         done.seconds)
+                read = _as_called(layer, pad_here)
+                if read is not None:  # a causal pattern (each row its own token and some earlier one), a leak, or
+                    dep, ahead = read[0], future(read[0].shape[0])  # neither (rows left empty: not judged here)
+                    if bool((dep & ahead).any()):
+                        causal_as_called[layer.name] = False
+                    elif bool(dep.diagonal().all()) and bool((dep & ~ahead).sum() > dep.shape[0]):
+                        causal_as_called[layer.name] = True
                 misread = None if pad_here is None else _reads_the_models_padding(layer, pad_here, done)
                 for extra in (misread, _models_causal_mask(layer, pad_here, causal)):
                     if extra is not None and all(f.id != extra.id for f in done.findings):
@@ -1005,6 +1138,11 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                 break
             except CannotRun as err:
                 report.could_not_run.setdefault(layer.name, str(err))
+    for name, extra in _odd_one_out(report, causal_as_called).items():
+        odd = report.layers.get(name)
+        if odd is not None and all(f.id != extra.id for f in odd.findings):
+            report.layers[name] = Report.of(odd.inferred, [*odd.findings, extra], odd.not_verified, odd.coverage,
+                                            odd.seconds)
     return report
 
 
