@@ -546,3 +546,69 @@ def test_a_mask_carried_by_the_position_bias_the_first_layer_returns_is_read_the
     report = check_model(T5StyleDecoder(), (torch.randint(0, 50, (2, 7)),))
     assert report.passed, report.summary()
     assert "position_bias" in report.layers["layers.1"].inferred["model's mask"]
+
+
+# -- d2l's encoder: MultiHeadAttention(queries, keys, values, valid_lens) around a DotProductAttention core -------
+class DotProductAttention(nn.Module):
+    """d2l's core: no weights, heads folded into the batch, masked_softmax over valid_lens (a finite fill)."""
+
+    def forward(self, queries, keys, values, valid_lens=None):
+        scores = queries @ keys.transpose(1, 2) / math.sqrt(queries.shape[-1])
+        if valid_lens is not None:
+            hidden = torch.arange(scores.shape[-1])[None, None, :] >= valid_lens[:, None, None]
+            scores = scores.masked_fill(hidden, -1e4)
+        return scores.softmax(-1) @ values
+
+
+class D2LMultiHeadAttention(nn.Module):
+    """``repeat_order``: valid_lens repeated item after item (torch.repeat) where the heads are folded item-major
+    (repeat_interleave): items get each other's lengths."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, repeat_order: bool = False) -> None:
+        super().__init__()
+        self.num_heads, self.repeat_order = heads, repeat_order
+        self.attention = DotProductAttention()
+        self.W_q, self.W_k, self.W_v, self.W_o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def transpose_qkv(self, x):
+        x = x.reshape(x.shape[0], x.shape[1], self.num_heads, -1).permute(0, 2, 1, 3)
+        return x.reshape(-1, x.shape[2], x.shape[3])
+
+    def forward(self, queries, keys, values, valid_lens):
+        q, k, v = self.transpose_qkv(self.W_q(queries)), self.transpose_qkv(self.W_k(keys)), \
+            self.transpose_qkv(self.W_v(values))
+        if valid_lens is not None:
+            valid_lens = valid_lens.repeat(self.num_heads) if self.repeat_order else \
+                torch.repeat_interleave(valid_lens, repeats=self.num_heads, dim=0)
+        out = self.attention(q, k, v, valid_lens)
+        out = out.reshape(-1, self.num_heads, out.shape[1], out.shape[2]).permute(0, 2, 1, 3)
+        return self.W_o(out.reshape(out.shape[0], out.shape[1], -1))
+
+
+class D2LEncoder(nn.Module):
+    def __init__(self, repeat_order: bool = False) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(40, 32)
+        self.blks = nn.ModuleList(D2LMultiHeadAttention(repeat_order=repeat_order) for _ in range(2))
+
+    def forward(self, X, valid_lens):
+        h = self.embedding(X)
+        for blk in self.blks:
+            h = h + blk(h, h, h, valid_lens)
+        return h
+
+
+@pytest.mark.parametrize("repeat_order", [False, True], ids=["correct", "lengths-repeated-in-the-wrong-order"])
+def test_a_layer_around_a_weightless_core_given_lengths_is_checked(repeat_order):
+    """catches: in d2l's encoder the doctor chose the weightless DotProductAttention, given q, k and v apart, as
+    the layer and skipped it as a cross-attention (no layer checked); the valid_lens the model passes were replayed
+    as recorded, so lengths repeated in the wrong order across the heads were certified. The core is checked
+    through its parent, the lengths go where the model's went, and the model's padding is read from them."""
+    torch.manual_seed(0)
+    X = torch.randint(0, 40, (3, 9), generator=torch.Generator().manual_seed(0))
+    report = check_model(D2LEncoder(repeat_order), (X, torch.tensor([9, 5, 3])))
+    assert list(report.layers) == ["blks.0", "blks.1"], report.summary()
+    if repeat_order:
+        assert all("mask-ignored" in row["findings"] for row in report.summary()), report.summary()
+    else:
+        assert report.passed, report.summary()

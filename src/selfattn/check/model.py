@@ -46,7 +46,7 @@ from .findings import (
 from .probes.masking import band
 from .report import Report, render
 from .subject.building import CannotRun, copy_module, num_heads_of
-from .subject.caller import MASK_NAMES, SWITCH_NAMES, dependency
+from .subject.caller import LENGTH_NAMES, MASK_NAMES, SWITCH_NAMES, dependency
 from .subject.context import future
 
 if TYPE_CHECKING:
@@ -158,11 +158,23 @@ class Layer:
         setattr(call, "sequence_first", self.sequence_first)  # noqa: B010 (its masks in that layout: (L, L, B))
         # the model's causal mask stands for the layer's own pattern: a key mask (B, L) cannot carry it
         setattr(call, "own_causal", own is not None)  # noqa: B010
+        # the parameter the doctor's mask goes to, by name (each item's length, as d2l's valid_lens, is sent so)
+        params = _parameters(self.module)
+        name = params[self.mask] if isinstance(self.mask, int) and self.mask < len(params) else self.mask
+        setattr(call, "mask_name", name if isinstance(name, str) else None)  # noqa: B010
         # tables the model computed in half precision (rotary cos and sin in bfloat16) keep their rounding in the
         # float64 replay: a rotation by them is orthogonal to that precision only
         eps = [torch.finfo(t.dtype).eps for t in self.extras if t.is_floating_point()]
         setattr(call, "recorded_eps", max(eps, default=0.0))  # noqa: B010
         return call
+
+
+def _parameters(module: nn.Module) -> list[str]:
+    """The names of ``module.forward``'s parameters, in order (none when they cannot be read)."""
+    try:
+        return list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return []
 
 
 def _carries_pattern(mask: object) -> bool:
@@ -304,6 +316,8 @@ def _mask_parameter(module: nn.Module, kwargs: dict, taken: set) -> str | None:
     except (TypeError, ValueError):
         params = []
     names = [k for k in [*params, *kwargs] if k in MASK_NAMES or ("mask" in k.lower() and k not in SWITCH_NAMES)]
+    # else padding given as each item's length (d2l's valid_lens)
+    names = names or [k for k in [*params, *kwargs] if k in LENGTH_NAMES]
     return (names or [None])[0]
 
 
@@ -368,6 +382,11 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
                             and a.shape[-1] == y.shape[-1] for _, a in slots):
         return None  # q, k and v (B, H, L, D), k and v with more keys (memory) or fewer heads (grouped): an
         # attention core, checked through its parent
+    if len(x) == 1 and not any(True for _ in module.parameters()) and sum(
+            isinstance(a, Tensor) and a is not hidden and a.dim() == y.dim() and a.shape[0] == y.shape[0] and
+            a.shape[-1] == y.shape[-1] for _, a in slots) >= 2:
+        return None  # a module with no weights of its own given q, k and v apart (d2l's DotProductAttention on the
+        # heads folded into the batch): the core, checked through its parent
     taken = {params[k] if isinstance(k, int) and k < len(params) else k for k in x}
     mask = _mask_parameter(module, kwargs, taken)
     if mask is not None and mask not in kwargs and mask in params and params.index(mask) < len(args):
@@ -580,14 +599,22 @@ def _rows_independent(layer: Layer, module: nn.Module) -> bool:
 
 def _padding(kwargs: dict) -> Tensor | None:
     """(B, L) bool, True = padding, from a padding mask among the model's keyword inputs (``attention_mask`` 1 =
-    token, as transformers takes it; ``key_padding_mask`` / ``padding_mask`` True = padding), when it pads some
-    positions of some item and not all; else None."""
+    token, as transformers takes it; ``key_padding_mask`` / ``padding_mask`` True = padding), or from each item's
+    length beside token ids (B, L), when it pads some positions of some item and not all; else None."""
     for key, value in kwargs.items():
         if key not in MASK_NAMES or not isinstance(value, Tensor) or value.dim() != 2:
             continue
         pad = value.bool() if "padding" in key else ~value.bool()
         if bool(pad.any()) and bool((~pad).any(-1).all()):
             return pad
+    tokens = next((v for v in kwargs.values() if isinstance(v, Tensor) and v.dim() == 2 and not v.is_floating_point()),
+                  None)  # token ids (B, L) beside each item's length (d2l's valid_lens)
+    for key, value in kwargs.items():
+        if key in LENGTH_NAMES and isinstance(value, Tensor) and value.dim() == 1 and tokens is not None and \
+                value.shape[0] == tokens.shape[0] and not value.is_floating_point():
+            pad = torch.arange(tokens.shape[1], device=value.device)[None, :] >= value[:, None]
+            if bool(pad.any()) and bool((~pad).any(-1).all()):
+                return pad.cpu()
     return None
 
 

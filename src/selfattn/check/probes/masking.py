@@ -506,7 +506,9 @@ def _candidates(ctx: Context) -> list[Caller]:
         shapes = ("LLB", "LLB1", "BL", "LL", "LL1")
     if getattr(ctx.call.adapter, "own_causal", False):  # a layer replayed with its model's causal mask: the
         shapes = tuple(s for s in shapes if not MaskSpec("keep", s).key_only)  # doctor's masks must carry it too
-    lengths = [ctx.call.with_mask(MaskSpec("lengths", "B"), arg) for arg in args if arg in LENGTH_NAMES]
+    # lengths go to an argument named for them, or through a replayed layer's call to its parameter so named
+    lengths = [ctx.call.with_mask(MaskSpec("lengths", "B"), arg) for arg in args if arg in LENGTH_NAMES or
+               (arg is None and getattr(ctx.call.adapter, "mask_name", None) in LENGTH_NAMES)]
     return lengths + [ctx.call.with_mask(MaskSpec(kind, shape), arg) for arg in args for shape in shapes
                       for kind in kinds]
 
