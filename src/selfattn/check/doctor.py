@@ -271,7 +271,38 @@ def _constant(call: Caller, x: Tensor, out: Tensor) -> bool:
         return False
     branch, branch_other = (out - x).double(), (new - other).double()
     size = 1 + float(torch.cat([x.double().abs().flatten(), out.double().abs().flatten()]).max())
-    return bool(((branch - branch_other).abs() <= 4 * torch.finfo(x.dtype).eps * size).all())
+    if not bool(((branch - branch_other).abs() <= 4 * torch.finfo(x.dtype).eps * size).all()):
+        return False
+    # the same branch on a small input too: weights that put all their mass on each token's own key (no projection,
+    # a wide model: x x^T dominated by its diagonal) give the input back on large inputs only
+    small = other * 0.05
+    try:
+        with torch.no_grad():
+            new_small = call(small)
+    except Exception:
+        return True
+    if new_small.shape != small.shape:
+        return True
+    return bool(((new_small - small).double() - branch).abs().max() <= 4 * torch.finfo(x.dtype).eps * size)
+
+
+def _shrink_to_mix(call: Caller, x: Tensor, out: Tensor) -> float | None:
+    """When the output is the input itself (to the dtype's precision) but not on smaller inputs, the factor to scale
+    the probe input by so that the tokens mix: the weights of a module with no projection (d2l's
+    DotProductAttention called with x thrice, a teaching module's x x^T without a scale) are one-hot on N(0, 1)
+    tokens of a wide model. None when the output is not the input, or stays it."""
+    if out.shape != x.shape or not torch.allclose(out.double(), x.double(), rtol=0.0,
+                                                  atol=64 * torch.finfo(x.dtype).eps * (1 + float(x.abs().max()))):
+        return None
+    for factor in (0.25, 0.1, 0.03, 0.01):
+        try:
+            with torch.no_grad():
+                small = call(x * factor)
+        except Exception:
+            return None
+        if small.shape == x.shape and float((small - x * factor).abs().max()) > 1e-3 * factor * float(x.abs().max()):
+            return factor
+    return None
 
 
 def _with_zeros_drawn(call: Caller, x: Tensor, gen: torch.Generator) -> tuple[nn.Module, Caller, Tensor, list[str]]:
@@ -363,6 +394,14 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
                 out = call(x)
         except Exception as err:
             raise CannotRun(f"the module failed on the probe input: {type(err).__name__}: {err}") from err
+        shrink = _shrink_to_mix(call, x, out)
+        if shrink is not None:  # no projection before the scores: x x^T is dominated by its diagonal
+            x = x * shrink
+            with torch.no_grad():
+                out = call(x)
+            got.inferred["input scale"] = (f"x times {shrink:g}: on N(0, 1) tokens each token's weight on its own key "
+                                           "is 1 to the dtype's precision and the output is the input (scores with "
+                                           "no projection, or no scale, dominated by their diagonal)")
         if _constant(call, x, out):  # a zero-initialised output layer: probe a copy with those values drawn
             module, call, out, drawn = _with_zeros_drawn(call, x, gen)
             got.inferred["drawn"] = ("the output does not depend on the input (or is the input plus a constant: a "
