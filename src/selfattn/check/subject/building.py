@@ -33,12 +33,13 @@ __all__ = ["CannotRun", "Sizes", "build", "copy_module", "embed_dim_of", "load_c
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
                "channels", "query_dim", "width", "n_state", "num_channels", "in_channels", "model_dim", "d_embed",
                "embed_size", "n_embed", "embedding_size", "hidden_channels", "inner_dim", "hid_dim",
-               "num_hiddens", "n_hidden", "d_hidden", "n_feat", "adim", "attention_dim", "input_dim", "size")
+               "num_hiddens", "n_hidden", "d_hidden", "n_feat", "adim", "attention_dim", "input_dim", "size", "emb",
+               "d_in", "d_out", "in_dim", "in_features", "hidden_units", "num_units")
 # q, k, v projections by name
-ROLE_PATTERNS = {  # matched against the last part of a module's dotted name, whole
-    "q": re.compile(r"(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q|linear_q|q_linear|qlinear)"),
-    "k": re.compile(r"(k|wk|key|keys|k_proj|to_k|key_proj|k_lin|w_k|linear_k|k_linear|klinear)"),
-    "v": re.compile(r"(v|wv|value|values|v_proj|to_v|value_proj|v_lin|w_v|linear_v|v_linear|vlinear)"),
+ROLE_PATTERNS = {  # matched against the last part of a module's dotted name, whole (Bloem's tokeys, toqueries too)
+    "q": re.compile(r"(q|wq|query|queries|q_proj|to_q|query_proj|q_lin|w_q|linear_q|q_linear|qlinear|toqueries)"),
+    "k": re.compile(r"(k|wk|key|keys|k_proj|to_k|key_proj|k_lin|w_k|linear_k|k_linear|klinear|tokeys)"),
+    "v": re.compile(r"(v|wv|value|values|v_proj|to_v|value_proj|v_lin|w_v|linear_v|v_linear|vlinear|tovalues)"),
 }
 
 
