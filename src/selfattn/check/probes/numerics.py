@@ -120,7 +120,10 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
                         except Exception as err:  # a bool mask that the module turns into a float32 term
                             if not isinstance(sent, Tensor) or sent.dtype != torch.bool or raised_inside_doctor(err):
                                 raise
-                            out = masked.for_module(m)(x32.to(dtype), sent.to(dtype))
+                            try:
+                                out = masked.for_module(m)(x32.to(dtype), sent.to(dtype))
+                            except Exception:  # not that either: what the bool mask raised is the module's error
+                                raise err from None
                             notes[f"{label} as 0/1"] = (
                                 f"the bool mask raises ({type(err).__name__}: {err}"[:160] + "); the same mask as "
                                 f"{str(dtype)[6:]} 0/1 values runs: the module takes float masks in its dtype")
