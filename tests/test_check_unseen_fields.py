@@ -76,3 +76,101 @@ def test_a_bug_beside_memory_tokens_is_named(bug, expected):
     torch.manual_seed(0)
     report = check(MemoryTokenAttention(rotary=bug == "k-pairs", bug=bug))
     assert expected in report.ids, report.findings
+
+
+# -- attention with no projections (d2l's DotProductAttention called with x thrice, a wide model) ------------------
+class NoProjectionAttention(nn.Module):
+    """softmax(x x^T / sqrt(E)) x: the teaching code's first attention, no weights; ``scaled`` False drops the
+    scale (the bug)."""
+
+    def __init__(self, scaled: bool = True) -> None:
+        super().__init__()
+        self.scaled = scaled
+
+    def forward(self, queries, keys, values):
+        scores = torch.bmm(queries, keys.transpose(1, 2))
+        if self.scaled:
+            scores = scores / queries.shape[-1] ** 0.5
+        return torch.bmm(scores.softmax(-1), values)
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["correct", "unscaled"])
+def test_a_module_whose_weights_are_one_hot_on_the_probe_input_is_probed_on_a_smaller_one(scaled):
+    """catches: with no projection and 512 features, x x^T is dominated by its diagonal, each token's weight on its
+    own key is 1 and the output is the input: the doctor read it as a residual around a zero branch and could not
+    run it (exit 2, "the output does not depend on its input"). The probe input is scaled down until tokens mix."""
+    torch.manual_seed(0)
+    report = check(NoProjectionAttention(scaled), embed_dim=512)
+    assert "input scale" in report.inferred, report.inferred
+    if scaled:
+        assert report.passed, report.findings
+    else:
+        assert "missing-scale" in report.ids, report.findings
+
+
+# -- Peter Bloem's "transformers from scratch": SelfAttention(emb, heads), tokeys called before toqueries ---------
+class BloemSelfAttention(nn.Module):
+    """The blog's wide self-attention: heads folded into the batch, keys computed first. ``bug``: "softmax-dim1"
+    (softmax over the queries) or "weights-transposed" (the weights transposed before the values)."""
+
+    bug: str | None = None
+
+    def __init__(self, emb: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.tokeys = nn.Linear(emb, emb, bias=False)
+        self.toqueries = nn.Linear(emb, emb, bias=False)
+        self.tovalues = nn.Linear(emb, emb, bias=False)
+        self.unifyheads = nn.Linear(emb, emb)
+
+    def forward(self, x):
+        b, t, e = x.size()
+        h, s = self.heads, e // self.heads
+        keys, queries, values = self.tokeys(x), self.toqueries(x), self.tovalues(x)
+        keys = keys.view(b, t, h, s).transpose(1, 2).contiguous().view(b * h, t, s)
+        queries = queries.view(b, t, h, s).transpose(1, 2).contiguous().view(b * h, t, s)
+        values = values.view(b, t, h, s).transpose(1, 2).contiguous().view(b * h, t, s)
+        dot = torch.bmm(queries, keys.transpose(1, 2)) / s ** 0.5
+        dot = F.softmax(dot, dim=1 if self.bug == "softmax-dim1" else 2)
+        if self.bug == "weights-transposed":
+            dot = dot.transpose(1, 2)
+        out = torch.bmm(dot, values).view(b, h, t, s).transpose(1, 2).contiguous().view(b, t, h * s)
+        return self.unifyheads(out)
+
+
+@pytest.mark.parametrize(("bug", "expected"), [(None, None), ("softmax-dim1", "softmax-dim"),
+                                               ("weights-transposed", "matmul-order")])
+def test_projections_named_tokeys_and_toqueries_take_their_roles_by_name(bug, expected):
+    """catches: a constructor width named ``emb`` could not be built, and projections named ``tokeys`` and
+    ``toqueries`` took their roles in call order (keys first), which swapped softmax-dim and matmul-order."""
+    torch.manual_seed(0)
+    report = check(type("Former", (BloemSelfAttention,), {"bug": bug}))
+    if expected is None:
+        assert report.passed, report.findings
+    else:
+        assert report.ids & {"softmax-dim", "matmul-order"} == {expected}, report.findings
+
+
+# -- kang205's SASRec fill, -2**32 + 1, which float16 cannot hold -------------------------------------------------
+class HugeFillAttention(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+
+    def forward(self, x, mask):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2) / (e // self.h) ** 0.5).masked_fill(~mask[:, None, None, :], -2 ** 32 + 1)
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e)
+
+
+def test_half_precision_evidence_is_the_modules_own_error():
+    """catches: a bool mask whose half-precision run raised for the module's own reason (a fill float16 cannot
+    hold) was retried as 0/1 values, and the evidence quoted that retry's error (masked_fill wants a bool mask),
+    a cast the doctor made."""
+    torch.manual_seed(0)
+    report = check(HugeFillAttention(), mask="keep (B,L)")
+    (found,) = [f for f in report.findings if f.id == "half-precision-overflow"]
+    said = str(found.evidence)
+    assert "boolean" not in said.lower() and "invert" not in said and "overflow" in said, said
