@@ -174,3 +174,36 @@ def test_half_precision_evidence_is_the_modules_own_error():
     (found,) = [f for f in report.findings if f.id == "half-precision-overflow"]
     said = str(found.evidence)
     assert "boolean" not in said.lower() and "invert" not in said and "overflow" in said, said
+
+
+# -- kang205's SASRec (TensorFlow) ported: masks read off the data, torch.where with a constant fill -------------
+class TFSASRecAttention(nn.Module):
+    """Heads split by torch.split / cat on the batch, keys' padding read as sign(|sum(keys)|), masks applied with
+    where(mask == 0, ones_like(scores) * (-2**32 + 1), scores), no output projection, the input added back."""
+
+    def __init__(self, num_units: int = 32, num_heads: int = 4) -> None:
+        super().__init__()
+        self.Q, self.K, self.V = (nn.Linear(num_units, num_units) for _ in range(3))
+        self.num_heads = num_heads
+
+    def forward(self, queries):
+        h, keys = self.num_heads, queries
+        q, k, v = self.Q(queries), self.K(keys), self.V(keys)
+        q_, k_, v_ = (torch.cat(torch.split(t, t.shape[-1] // h, dim=2), dim=0) for t in (q, k, v))
+        outputs = q_ @ k_.transpose(1, 2) / k_.shape[-1] ** 0.5
+        key_masks = torch.sign(torch.abs(keys.sum(-1))).repeat(h, 1).unsqueeze(1).repeat(1, queries.shape[1], 1)
+        paddings = torch.ones_like(outputs) * (-2 ** 32 + 1)
+        outputs = torch.where(key_masks == 0, paddings, outputs)
+        tril = torch.tril(torch.ones_like(outputs[0, :, :]))
+        outputs = torch.where(tril.unsqueeze(0).repeat(outputs.shape[0], 1, 1) == 0, paddings, outputs)
+        outputs = torch.softmax(outputs, dim=-1) @ v_
+        return torch.cat(torch.split(outputs, q.shape[0], dim=0), dim=2) + queries
+
+
+def test_masks_applied_with_where_and_a_constant_fill_are_read_as_masks():
+    """catches: kang205's SASRec, whose masks are applied with torch.where(mask == 0, ones_like(scores) * fill,
+    scores), was definition-mismatch ("the scores pass through eq() between the product and the softmax"): the walk
+    back from the softmax followed the condition. It follows the one input that is not a constant fill."""
+    torch.manual_seed(0)
+    report = check(TFSASRecAttention(), causal=True)
+    assert report.passed, report.findings

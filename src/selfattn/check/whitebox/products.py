@@ -488,6 +488,14 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
                      (isinstance(op.args[2], Tensor) and op.args[2].numel() == 1)):
                 chain.fills.append((float(op.args[2]), len(steps) - 1))
             pairs = list(zip(op.in_ids, op.inputs, strict=False))
+            if op.name == "where":  # where(cond, fill, scores): the condition is no score, nor a constant fill
+                # (kang205's SASRec: where(key_masks == 0, ones_like(scores) * (-2**32 + 1), scores))
+                values = [(i, t) for i, t in pairs if t.is_floating_point() and t.numel() > 1]
+                varying = [(i, t) for i, t in values if not bool((t == t.flatten()[0]).all())]
+                if len(varying) == 1 and len(values) == 2:
+                    fill = next(t for i, t in values if i != varying[0][0])
+                    chain.fills.append((float(fill.flatten()[0]), len(steps) - 1))
+                pairs = varying or values or pairs
             nxt = max(pairs, key=lambda it: it[1].numel())[0] if pairs else None
             if op.name in ("add", "radd", "add_", "iadd") and len(pairs) == 2:
                 after = math.prod(x for _, x in steps if x is not None)
