@@ -612,3 +612,40 @@ def test_a_layer_around_a_weightless_core_given_lengths_is_checked(repeat_order)
         assert all("mask-ignored" in row["findings"] for row in report.summary()), report.summary()
     else:
         assert report.passed, report.summary()
+
+
+# -- Reformer's local attention: the softmax written out as exp(scores - logsumexp(scores)) -------------------------
+class LogsumexpAttention(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.query_key, self.value, self.dense = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, hidden_states):
+        b, n, e = hidden_states.shape
+        qk = self.query_key(hidden_states).view(b, n, self.h, -1).transpose(1, 2)
+        v = self.value(hidden_states).view(b, n, self.h, -1).transpose(1, 2)
+        dots = qk @ qk.transpose(-1, -2) / math.sqrt(e // self.h)
+        probs = torch.exp(dots - torch.logsumexp(dots, dim=-1, keepdim=True))
+        return self.dense((probs @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class LogsumexpModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(LogsumexpAttention() for _ in range(2))
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+
+
+def test_attention_normalised_with_logsumexp_is_found_in_a_model():
+    """catches: check_model said "no attention layer found" on Reformer, whose layers normalise the scores with
+    exp(dots - logsumexp(dots)) instead of calling softmax."""
+    torch.manual_seed(0)
+    report = check_model(LogsumexpModel(), (torch.randint(0, 50, (2, 7)),))
+    assert list(report.layers) == ["layers.0", "layers.1"], report.summary()

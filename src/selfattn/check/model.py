@@ -263,6 +263,7 @@ class _Watch(TorchFunctionMode):
         super().__init__()
         self.stack = stack
         self.weights: set[int] = set()
+        self.lse: set[int] = set()  # logsumexp of scores, and scores less it
         self.kept: list[Tensor] = []
         self.found: set[str] = set()
 
@@ -278,6 +279,16 @@ class _Watch(TorchFunctionMode):
                                                              id(tensors[0]) in self.weights)):
             self.weights.add(id(out))
             self.kept.append(out)  # alive until the run ends, so that no other tensor takes its id
+        elif isinstance(out, Tensor) and name == "logsumexp":  # softmax written out: exp(scores - logsumexp(scores))
+            self.lse.add(id(out))  # (Reformer's attention)
+            self.kept.append(out)
+        elif isinstance(out, Tensor) and name in ("sub", "__sub__", "sub_", "__isub__") and \
+                any(id(t) in self.lse for t in tensors):
+            self.lse.add(id(out))
+            self.kept.append(out)
+        elif isinstance(out, Tensor) and name in ("exp", "exp_") and tensors and id(tensors[0]) in self.lse:
+            self.weights.add(id(out))
+            self.kept.append(out)
         return out
 
 
