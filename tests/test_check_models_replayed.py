@@ -649,3 +649,43 @@ def test_attention_normalised_with_logsumexp_is_found_in_a_model():
     torch.manual_seed(0)
     report = check_model(LogsumexpModel(), (torch.randint(0, 50, (2, 7)),))
     assert list(report.layers) == ["layers.0", "layers.1"], report.summary()
+
+
+# -- a dense graph transformer: each graph's adjacency passed to every layer --------------------------------------
+class AdjacencyAttention(nn.Module):
+    """Graph-transformer attention restricted to each node's neighbours: forward(h, adj), adj (B, N, N) 0/1."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.Q, self.K, self.V, self.O = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, h, adj):
+        b, n, e = h.shape
+        q, k, v = (f(h).view(b, n, self.h, -1).transpose(1, 2) for f in (self.Q, self.K, self.V))
+        score = (q @ k.transpose(-1, -2) / math.sqrt(e // self.h)).masked_fill(adj.unsqueeze(1) == 0, float("-inf"))
+        return self.O((score.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class GraphTransformer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(8, 32)
+        self.layers = nn.ModuleList(AdjacencyAttention() for _ in range(2))
+
+    def forward(self, feats, adj):
+        h = self.embed(feats)
+        for layer in self.layers:
+            h = h + layer(h, adj)
+        return h
+
+
+def test_each_items_own_pattern_from_the_call_is_what_the_white_box_compares_with():
+    """catches: a graph transformer given a different adjacency per graph was mask-ignored ("the scores hide other
+    keys than the mask"): the white box compared every item's scores with the first item's pattern."""
+    g = torch.Generator().manual_seed(0)
+    adj = (torch.rand(3, 7, 7, generator=g) < 0.4).float()
+    adj = ((adj + adj.transpose(1, 2) + torch.eye(7)) > 0).float()
+    torch.manual_seed(0)
+    report = check_model(GraphTransformer(), (torch.randn(3, 7, 8, generator=g), adj))
+    assert report.passed, report.summary()

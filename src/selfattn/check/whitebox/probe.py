@@ -39,7 +39,7 @@ from ..findings import (
 )
 from ..probes.masking import unlike_alone
 from ..subject.building import num_heads_of
-from ..subject.caller import Caller, grid
+from ..subject.caller import Caller, dependency, grid
 from ..subject.context import Context, Outcome, padding_keep
 from .products import (
     Unrecognised,
@@ -152,7 +152,12 @@ def _runs(ctx: Context, masked: Caller | None, dep: Tensor) -> list[tuple[str, T
         else:
             i = torch.arange(length)
             runs.append(("with a causal mask", (i[None, :] <= i[:, None]).expand(b, length, length)))
-    own = None if dep.all() else dep.expand(b, length, length)
+    deps = [dep]
+    if getattr(ctx.call.adapter, "rows_from_the_start", False) and ctx.analysis_x.shape[0] == b:
+        # a replayed layer given per-item tensors (a graph's adjacency for each item): each item's own pattern
+        deps += [dependency(ctx.analysis, ctx.analysis_x, item=i, rtol=ctx.dependency_rtol) for i in range(1, b)]
+    own = None if all(bool(d.all()) for d in deps) else \
+        torch.stack(deps) if len(deps) == b else dep.expand(b, length, length)
     return [(label, sent, sent if own is None else own if sent is None else sent & own) for label, sent in runs]
 
 
@@ -195,7 +200,8 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     skipped = 0
     plain: Trace | None = None
     plain_out = 0
-    for label, sent, keep in _runs(ctx, masked, dep):
+    runs = _runs(ctx, masked, dep)
+    for label, sent, keep in runs:
         run_caller = ctx.exact_of(masked) if sent is not None and masked is not None else caller
         mask = run_caller.module_mask(sent) if sent is not None and masked is not None else None
 
@@ -299,7 +305,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         results["input scale"] = f"x times {float(x.flatten()[0] / x0.flatten()[0]):.3g} (the scores were too " \
                                  "small to tell formulas apart)"
     notes = {"white box": results, **({"design": facts} if facts else {})}
-    if skipped == len(_runs(ctx, masked, dep)):
+    if skipped == len(runs):
         why = next(iter(results.values()))
         if ctx.allow_nonstandard:  # no softmax attention to read, as the user said: ReLU^2, linear, sigmoid
             why = f"--allow-nonstandard and no softmax attention was followed ({why})"
