@@ -153,8 +153,9 @@ def _runs(ctx: Context, masked: Caller | None, dep: Tensor) -> list[tuple[str, T
             i = torch.arange(length)
             runs.append(("with a causal mask", (i[None, :] <= i[:, None]).expand(b, length, length)))
     deps = [dep]
-    if getattr(ctx.call.adapter, "rows_from_the_start", False) and ctx.analysis_x.shape[0] == b:
-        # a replayed layer given per-item tensors (a graph's adjacency for each item): each item's own pattern
+    if getattr(ctx.call.adapter, "rows_from_the_start", False) and ctx.analysis_x.shape[0] == b and not dep.all():
+        # a replayed layer given per-item tensors with a pattern of its own (a graph's adjacency for each item):
+        # each item's own pattern (a padding the call carries leaves the first item's all-visible one unread)
         deps += [dependency(ctx.analysis, ctx.analysis_x, item=i, rtol=ctx.dependency_rtol) for i in range(1, b)]
     own = None if all(bool(d.all()) for d in deps) else \
         torch.stack(deps) if len(deps) == b else dep.expand(b, length, length)
