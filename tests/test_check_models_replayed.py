@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from selfattn.check import check_model
@@ -55,7 +56,7 @@ class PaddedToTheWindow(nn.Module):
 
     def forward(self, input_ids):
         n = input_ids.shape[1]
-        input_ids = nn.functional.pad(input_ids, (0, (-n) % self.window))
+        input_ids = F.pad(input_ids, (0, (-n) % self.window))
         keep = torch.zeros_like(input_ids, dtype=torch.bool)
         keep[:, :n] = True
         additive = (~keep).float() * -10000.0
@@ -151,7 +152,7 @@ class CausalUnlessMasked(nn.Module):
     def forward(self, x, mask=None):
         b, n, e = x.shape
         q, k, v = self.qkv(x).view(b, n, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
-        y = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.proj(y.transpose(1, 2).reshape(b, n, e))
 
 
@@ -689,3 +690,41 @@ def test_each_items_own_pattern_from_the_call_is_what_the_white_box_compares_wit
     torch.manual_seed(0)
     report = check_model(GraphTransformer(), (torch.randn(3, 7, 8, generator=g), adj))
     assert report.passed, report.summary()
+
+
+# -- Set Transformer: a first block that changes the width (dim_in -> dim_out) ------------------------------------
+class WideningSAB(nn.Module):
+    """juho-lee's MAB(X, X) from dim_in to dim_out: Q + softmax(Q K^T / sqrt(dim_out)) V, then a row-wise layer."""
+
+    def __init__(self, dim_in: int, dim_out: int, heads: int = 4) -> None:
+        super().__init__()
+        self.h, self.dim_V = heads, dim_out
+        self.fc_q, self.fc_k, self.fc_v = (nn.Linear(dim_in, dim_out) for _ in range(3))
+        self.fc_o = nn.Linear(dim_out, dim_out)
+
+    def forward(self, x):
+        q, k, v = self.fc_q(x), self.fc_k(x), self.fc_v(x)
+        s = self.dim_V // self.h
+        q_, k_, v_ = (torch.cat(t.split(s, 2), 0) for t in (q, k, v))
+        a = torch.softmax(q_ @ k_.transpose(1, 2) / math.sqrt(s), 2)
+        o = torch.cat((q_ + a @ v_).split(q.size(0), 0), 2)
+        return o + F.relu(self.fc_o(o))
+
+
+class SetEncoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(WideningSAB(8, 32), WideningSAB(32, 32))
+
+    def forward(self, x):
+        return self.enc(x)
+
+
+def test_an_attention_that_changes_the_width_is_listed_not_dropped():
+    """catches: a model whose first attention block maps 8 features to 32 was reported without that block (no
+    module maps (B, L, E) to itself there), and the model could pass on the other layers alone. It is listed as a
+    layer the doctor could not run, and the model is inconclusive unless another layer fails."""
+    torch.manual_seed(0)
+    report = check_model(SetEncoder(), (torch.randn(2, 7, 8),))
+    assert "enc.0" in report.could_not_run and "enc.1" in report.layers, report.summary()
+    assert report.verdict != "passed"

@@ -207,3 +207,25 @@ def test_masks_applied_with_where_and_a_constant_fill_are_read_as_masks():
     torch.manual_seed(0)
     report = check(TFSASRecAttention(), causal=True)
     assert report.passed, report.findings
+
+
+# -- a graph attention whose forward requires the adjacency: forward(h, adj) -------------------------------------
+class DenseGraphAttention(nn.Module):
+    def __init__(self, in_dim: int = 32, num_heads: int = 4) -> None:
+        super().__init__()
+        self.h = num_heads
+        self.Q, self.K, self.V = (nn.Linear(in_dim, in_dim) for _ in range(3))
+
+    def forward(self, h, adj):
+        b, n, e = h.shape
+        q, k, v = (f(h).view(b, n, self.h, -1).transpose(1, 2) for f in (self.Q, self.K, self.V))
+        score = (q @ k.transpose(-1, -2) / (e // self.h) ** 0.5).masked_fill(adj.unsqueeze(1) == 0, -1e4)
+        return (score.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e)
+
+
+def test_a_stated_mask_goes_to_the_one_argument_forward_requires():
+    """catches: with --mask stated, a module whose forward requires one more argument not named like a mask
+    (a graph's adj) could not run: the doctor called forward(x) alone. The stated mask goes there."""
+    torch.manual_seed(0)
+    report = check(DenseGraphAttention(), mask="keep-int (B,L,L)")
+    assert report.passed, report.findings

@@ -425,7 +425,7 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
                  math.prod(hidden.shape[1:-1]))
 
 
-def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
+def find_attention(model: nn.Module, example_inputs: object, missed: list[str] | None = None) -> list[Layer]:
     """Run ``model`` on ``example_inputs`` and return its attention layers, in the order they ran. With a batch of
     several items the model also runs on the first item alone, which tells the recorded tensors that are per item
     (their first size follows the batch) from tables whose first size is the batch's by chance.
@@ -433,6 +433,8 @@ def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
     Args:
         model: any module.
         example_inputs: a tensor, a tuple of positional arguments, or a dict of keyword arguments.
+        missed: when given, the names of the modules that ran an attention but have no such ancestor are added
+            to it.
 
     Returns:
         One :class:`Layer` per attention submodule (the innermost module whose own forward multiplies
@@ -467,6 +469,8 @@ def find_attention(model: nn.Module, example_inputs: object) -> list[Layer]:
                     layers.setdefault(name, layer)
                     break
             name = parents.get(name)
+        if name is None and missed is not None and inner:  # no module on the way up maps (B, L, E) to itself
+            missed.append(inner)
     return sorted(layers.values(), key=lambda layer: order.index(layer.name))
 
 
@@ -1074,7 +1078,8 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
     if unknown:
         raise ValueError(f"check_model does not take {', '.join(unknown)}; its options are "
                          f"{', '.join(sorted(allowed))}")
-    found = find_attention(model, example_inputs)
+    missed: list[str] = []
+    found = find_attention(model, example_inputs, missed)
     if not found:
         raise CannotRun("no attention layer found: no submodule multiplied softmax weights into a tensor or ran an "
                         "attention kernel on the example inputs, while mapping hidden states (B, L, E) to that shape")
@@ -1089,6 +1094,12 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                              f"{', '.join(layer.name for layer in found)}")
         found = [layer for layer in found if layer.name in wanted]
     report = ModelReport()
+    for name in missed if layers is None else []:  # attention the doctor cannot call on (B, L, E) -> (B, L, E)
+        report.classes[name] = type(model.get_submodule(name)).__name__
+        report.could_not_run[name] = ("it runs an attention, but neither it nor a module above it maps hidden "
+                                      "states (B, L, E) to an output of that shape (a width that changes, E_in -> "
+                                      "E_out, as Set Transformer's first block): the doctor checks attention that "
+                                      "keeps the width; check the module alone with --call")
     args, kwargs = _inputs(example_inputs)
     try:  # the model's inputs by name, positional ones too
         named = dict(inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments)

@@ -377,8 +377,9 @@ def switch_parameter(module: nn.Module) -> str | None:
                  isinstance(p.default, bool)), None)
 
 
-def required_mask_parameter(module: nn.Module, style: str) -> str | None:
-    """The mask-like forward parameter with no default (the module cannot run without it), or None."""
+def required_mask_parameter(module: nn.Module, style: str, any_name: bool = False) -> str | None:
+    """The mask-like forward parameter with no default (the module cannot run without it), or None. ``any_name``:
+    the one parameter with no default, whatever its name (the user stated a mask: a graph's ``adj``)."""
     try:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
@@ -387,7 +388,7 @@ def required_mask_parameter(module: nn.Module, style: str) -> str | None:
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][skip:]
     required = [p for p in positional + [p for p in params if p.kind == p.KEYWORD_ONLY]
                 if p.default is p.empty]
-    if len(required) == 1 and (required[0].name in MASK_NAMES or required[0].name in LENGTH_NAMES or
+    if len(required) == 1 and (any_name or required[0].name in MASK_NAMES or required[0].name in LENGTH_NAMES or
                                "mask" in required[0].name.lower()):
         return required[0].name
     return None

@@ -143,6 +143,8 @@ def _caller_for(module: nn.Module, x: Tensor, stated: MaskSpec | None = None) ->
     for style in ("x", "qkv"):  # a mask the signature requires, or one the module cannot do without in practice
         named = [a for a in mask_parameters(module, style) if a in MASK_NAMES]
         arg = required_mask_parameter(module, style) or (named[0] if named else None)
+        if arg is None and stated is not None:  # the user states a mask: the one argument forward requires beside
+            arg = required_mask_parameter(module, style, any_name=True)  # x takes it (a graph's adjacency)
         if arg is not None:
             errors: list[str] = []
             found = _required_mask_caller(module, style, arg, x, stated=stated, errors=errors)
