@@ -728,3 +728,34 @@ def test_an_attention_that_changes_the_width_is_listed_not_dropped():
     report = check_model(SetEncoder(), (torch.randn(2, 7, 8),))
     assert "enc.0" in report.could_not_run and "enc.1" in report.layers, report.summary()
     assert report.verdict != "passed"
+
+
+# -- a block that drops its attention's output ------------------------------------------------------------------
+class DroppingGPT(nn.Module):
+    """nanoGPT's blocks in short; ``drop``: the block at that index adds its input where the attention's output
+    belongs (x = x + ln(x) instead of x = x + attn(ln(x)))."""
+
+    def __init__(self, drop: int | None = None) -> None:
+        super().__init__()
+        self.drop = drop
+        self.embed = nn.Embedding(50, 32)
+        self.ln = nn.ModuleList(nn.LayerNorm(32) for _ in range(3))
+        self.attn = nn.ModuleList(CausalUnlessMasked() for _ in range(3))
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for i, (ln, attn) in enumerate(zip(self.ln, self.attn, strict=True)):
+            out = attn(ln(x))
+            x = x + (ln(x) if i == self.drop else out)
+        return x
+
+
+@pytest.mark.parametrize("drop", [None, 1])
+def test_a_layer_whose_output_the_model_never_uses_is_no_grad(drop):
+    """catches: a block that computes its attention and then adds something else was certified: each layer alone is
+    correct. Changing the layer's output must change the model's output."""
+    torch.manual_seed(0)
+    rows = {row["layer"]: row["findings"] for row in check_model(DroppingGPT(drop),
+                                                                 (torch.randint(0, 50, (2, 7)),)).summary()}
+    assert {name: "no-grad" in found for name, found in rows.items()} == {
+        f"attn.{i}": i == drop for i in range(3)}, rows

@@ -40,6 +40,7 @@ from .findings import (
     MASK_IGNORED,
     MASK_INVERTED,
     MISSING_SCALE,
+    NO_GRAD,
     SHAPE_DEPENDENT,
     Finding,
 )
@@ -582,6 +583,72 @@ def _evaluated(module: nn.Module) -> Iterator[None]:
         module.train(was_training)
 
 
+def _floats_of(value: object) -> list[Tensor]:
+    """The floating tensors in a model's output (a tensor, tuples, lists, dicts and ModelOutput), in order."""
+    if isinstance(value, Tensor):
+        return [value] if value.is_floating_point() or value.is_complex() else []
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _floats_of(v)]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _floats_of(v)]
+    return []
+
+
+def _with_zeros_drawn(model: nn.Module) -> nn.Module:
+    """``model`` itself, or a copy whose all-zero parameters are drawn from N(0, 0.02^2): a gain initialised at 0
+    (LayerScale, adaLN-Zero) silences what follows it in a fresh model, which is not what the model does trained."""
+    if not any(p.numel() and not bool(p.any()) for p in model.parameters()):
+        return model
+    try:
+        drawn = copy.deepcopy(model)
+    except Exception:  # a model that cannot be copied is read as it is
+        return model
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in drawn.parameters():
+            if p.numel() and not p.any():
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
+    return drawn
+
+
+def _output_unused(model: nn.Module, args: tuple, kwargs: dict, layer: Layer) -> bool:
+    """Run the model twice, the second time with this layer's output changed: is the model's output the same (the
+    layer's attention never reaches it: a block that drops it, a residual that adds the input twice)? ``model``:
+    with its all-zero parameters drawn (:func:`_with_zeros_drawn`)."""
+    module = model.get_submodule(layer.name)
+
+    def changed(mod: nn.Module, inputs: tuple, out: object) -> object:
+        if isinstance(out, Tensor) and out.is_floating_point():
+            return out + 1.0 + out.abs()
+        if isinstance(out, tuple) and out and isinstance(out[0], Tensor) and out[0].is_floating_point():
+            return (out[0] + 1.0 + out[0].abs(), *out[1:])
+        return out
+
+    kept = [(b, b.detach().clone()) for b in model.buffers()]  # a cache the runs write in place
+    try:
+        with _evaluated(model):
+            base = _floats_of(model(*args, **kwargs))
+            with torch.no_grad():
+                for buffer, value in kept:
+                    buffer.copy_(value)
+            handle = module.register_forward_hook(changed)
+            try:
+                other = _floats_of(model(*args, **kwargs))
+            finally:
+                handle.remove()
+    except Exception:  # the model ran on these inputs before: a run that fails now says nothing of the layer
+        return False
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                if buffer.shape == value.shape:
+                    buffer.copy_(value)
+    if not base or len(base) != len(other):
+        return False
+    return all(a.shape == b.shape and bool(torch.equal(a.nan_to_num(), b.nan_to_num())) for a, b in zip(base, other,
+                                                                                                    strict=True))
+
+
 def _rows_independent(layer: Layer, module: nn.Module) -> bool:
     """Does each output row of ``module`` (the layer or a copy of it), called as the model called the layer, stay
     the same when another token of its input changes?"""
@@ -1107,6 +1174,7 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
         named = kwargs
     pad = _padding(named)
     causal_as_called: dict[str, bool] = {}  # per layer: does it hide every future key as the model calls it?
+    drawn: nn.Module | None = None  # the model with its all-zero parameters drawn, made when first needed
     for layer in found:
         report.classes[layer.name] = type(layer.module).__name__
         if layer.name in crossing:
@@ -1179,7 +1247,13 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                     elif bool(dep.diagonal().all()) and bool((dep & ~ahead).sum() > dep.shape[0]):
                         causal_as_called[layer.name] = True
                 misread = None if pad_here is None else _reads_the_models_padding(layer, pad_here, done)
-                for extra in (misread, _models_causal_mask(layer, pad_here, causal)):
+                if drawn is None:
+                    drawn = _with_zeros_drawn(model)
+                unused = None if not _output_unused(drawn, args, kwargs, layer) else Finding.of(
+                    NO_GRAD, "the model never uses this layer's output: changing it leaves every output of the model "
+                    "as it was (a block that drops the attention's result, or adds its input in its place)",
+                    {"layer": layer.name})
+                for extra in (misread, _models_causal_mask(layer, pad_here, causal), unused):
                     if extra is not None and all(f.id != extra.id for f in done.findings):
                         done = Report.of(done.inferred, [*done.findings, extra], done.not_verified, done.coverage,
                                          done.seconds)
