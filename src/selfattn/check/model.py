@@ -754,6 +754,11 @@ def _replay(layer: Layer) -> Callable[[Tensor], Tensor | None]:
     return run
 
 
+# the longest recorded call whose dependencies are read token by token (one run of the layer per token: a model
+# that pads to a window of 512, as Longformer does, is left to the layer's own probes)
+_READ_AS_CALLED = 256
+
+
 def _as_called(layer: Layer, pad: Tensor | None) -> tuple[Tensor, Tensor, Tensor, int] | None:
     """Replay the layer's recorded call as the model made it (its own mask, switches and arguments) and read which
     tokens each output row of the first item without padding depends on: (dep (L, L), the output, the hidden states
@@ -761,7 +766,7 @@ def _as_called(layer: Layer, pad: Tensor | None) -> tuple[Tensor, Tensor, Tensor
     item padded, or the layer fails). Hidden states an earlier layer left NaN are replaced by other states."""
     slots = [*enumerate(layer.args), *layer.kwargs.items()]
     hidden = next(a for k, a in slots if k in layer.x)
-    if hidden.dim() != 3 or layer.sequence_first or hidden.shape[1] < 4:
+    if hidden.dim() != 3 or layer.sequence_first or not 4 <= hidden.shape[1] <= _READ_AS_CALLED:
         return None
     items = [b for b in range(hidden.shape[0]) if pad is None or b >= pad.shape[0] or not bool(pad[b].any())]
     if not items:
@@ -911,7 +916,7 @@ def _real_keys_seen(layer: Layer, pad: Tensor) -> bool:
     read the other way round."""
     hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
     if layer.sequence_first or hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(pad.shape) or \
-            not bool(torch.isfinite(hidden).all()):
+            not bool(torch.isfinite(hidden).all()) or hidden.shape[1] > _READ_AS_CALLED:
         return False
     items = [b for b in range(pad.shape[0]) if bool(pad[b].any()) and int((~pad[b]).sum()) >= 2]
     if not items:
