@@ -229,3 +229,42 @@ def test_a_stated_mask_goes_to_the_one_argument_forward_requires():
     torch.manual_seed(0)
     report = check(DenseGraphAttention(), mask="keep-int (B,L,L)")
     assert report.passed, report.findings
+
+
+# -- LDM's SpatialSelfAttention: channels first, the values product written as an einsum of v and w^T --------------
+class SpatialSelfAttention(nn.Module):
+    """ldm/modules/attention.py: 1 x 1 convolutions on a (B, C, H, W) map, w_ = softmax(q k / sqrt(C)) over the keys,
+    then einsum('bij,bjk->bik', v, w_^T), channels first. ``untransposed``: the bug, w_ not transposed (the
+    product contracts the queries)."""
+
+    def __init__(self, in_channels: int = 32, untransposed: bool = False) -> None:
+        super().__init__()
+        self.untransposed = untransposed
+        self.norm = nn.GroupNorm(8, in_channels)
+        self.q, self.k, self.v, self.proj_out = (nn.Conv2d(in_channels, in_channels, 1) for _ in range(4))
+
+    def forward(self, x):
+        h_ = self.norm(x)
+        q, k, v = self.q(h_), self.k(h_), self.v(h_)
+        b, c, h, w = q.shape
+        q = q.reshape(b, c, h * w).permute(0, 2, 1)
+        k = k.reshape(b, c, h * w)
+        w_ = torch.einsum("bij,bjk->bik", q, k) * (int(c) ** (-0.5))
+        w_ = F.softmax(w_, dim=2)
+        v = v.reshape(b, c, h * w)
+        if not self.untransposed:
+            w_ = w_.permute(0, 2, 1)
+        h_ = torch.einsum("bij,bjk->bik", v, w_).reshape(b, c, h, w)
+        return x + self.proj_out(h_)
+
+
+@pytest.mark.parametrize("untransposed", [False, True], ids=["correct", "weights-not-transposed"])
+def test_a_channels_first_einsum_of_v_and_the_transposed_weights_is_the_definition(untransposed):
+    """catches: LDM's einsum('bij,bjk->bik', v, w_^T), which contracts the keys and gives the output channels first,
+    was matmul-order ("weights transposed before V"); only a matmul was read that way."""
+    torch.manual_seed(0)
+    report = check(SpatialSelfAttention(untransposed=untransposed))
+    if untransposed:
+        assert "matmul-order" in report.ids, report.findings
+    else:
+        assert report.passed, report.findings

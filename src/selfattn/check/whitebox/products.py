@@ -172,6 +172,18 @@ def _weights_contracted_last(op: Op, position: int, w: Tensor) -> bool:
     return position == 0  # matmul(W, V) contracts W's last dim; matmul(V, W) its second to last
 
 
+def _transposed_keys_contracted(op: Op, position: int) -> bool:
+    """For weights read transposed (keys on their second-to-last dim): does the product contract that dim, giving
+    the transpose of W @ V (channels first: ``V @ W^T``, LDM's ``einsum('bij,bjk->bik', v, w^T)``)?"""
+    eq = _equation(op)
+    if eq is not None:
+        (sa, sb), out = eq
+        subs, other = (sa, sb) if position == 0 else (sb, sa)
+        contracted = {c for c in subs if c in other and c not in out}
+        return len(subs) >= 2 and contracted == {subs[-2]}
+    return position == 1  # matmul(V, W^T) contracts W^T's second-to-last dim
+
+
 def _einsum_token_axes(op: Op, position: int, w: Tensor, p: Tensor, length: int) -> tuple[int, int] | None:
     """For weights ``p`` that an einsum ``op`` multiplies by the values as they are (``w`` is ``p``), with the
     tokens not on the last two axes ("ijbh,jbhd->ibhd"): (query axis, key axis) of ``p``, the key axis the one the
@@ -1361,7 +1373,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     orientation = _orientation(w, p)
     # V^T @ W^T (channels first, as convolutional blocks compute it) contracts the keys too: the output is the
     # transpose of W @ V, (..., D, L)
-    channels_first = axes is None and pv.name != "einsum" and position == 1 and orientation == "transposed"
+    channels_first = axes is None and orientation == "transposed" and _transposed_keys_contracted(pv, position)
     if axes is None and not channels_first and (orientation is None or not _weights_contracted_last(pv, position, w)):
         how = "V @ weights instead of weights @ V" if position == 1 and pv.name != "einsum" else \
             "weights transposed before V" if orientation == "transposed" else \
