@@ -214,9 +214,11 @@ def _first_spread(first: Trace, second: Trace, length: int, judged: Callable[[Op
 
 def _spread(changed: Tensor, token_axis: int, feature_axis: int) -> bool:
     """Does some row of the operand's other axes (an item, head or window) hold the two swapped tokens on more than
-    two positions of its token axis?"""
+    two positions of its token axis, or do the rows together hold them on more than two (each head holding two,
+    but other ones: a heads-first tensor re-viewed as (B, L, H, D) at a length that is no multiple of the heads)?"""
     rows = changed.movedim((token_axis, feature_axis), (-2, -1)).any(-1)  # (..., positions)
-    return bool((rows.reshape(-1, rows.shape[-1]).sum(-1) > 2).any())
+    flat = rows.reshape(-1, rows.shape[-1])
+    return bool((flat.sum(-1) > 2).any()) or int(flat.any(0).sum()) > 2
 
 
 def _rows_changed(changed: Tensor, length: int) -> str:
