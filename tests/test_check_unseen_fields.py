@@ -303,3 +303,43 @@ def test_a_heads_first_tensor_re_viewed_as_tokens_first_is_a_head_split_at_any_l
         assert report.passed, report.findings
     else:
         assert "head-split" in report.ids, report.findings
+
+
+# -- Flux's rope: 2 x 2 rotation matrices applied by apply_rope, through SDPA ---------------------------------------
+def _apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    pairs = x.float().reshape(*x.shape[:-1], -1, 1, 2)
+    out = freqs[..., 0] * pairs[..., 0] + freqs[..., 1] * pairs[..., 1]
+    return out.reshape(*x.shape).type_as(x)
+
+
+class FluxStyleAttention(nn.Module):
+    """Flux's SelfAttention in short: fused qkv, rope as (L, D/2, 2, 2) rotation matrices, SDPA. ``rope_on_v``: the
+    bug, v rotated too."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, rope_on_v: bool = False) -> None:
+        super().__init__()
+        self.h, self.rope_on_v = heads, rope_on_v
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        d = e // self.h
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.h, d).permute(2, 0, 3, 1, 4)
+        angle = torch.outer(torch.arange(n, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+        freqs = torch.stack([angle.cos(), -angle.sin(), angle.sin(), angle.cos()], -1).reshape(n, d // 2, 2, 2)
+        q, k = _apply_rope(q, freqs), _apply_rope(k, freqs)
+        if self.rope_on_v:
+            v = _apply_rope(v, freqs)
+        return self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize("rope_on_v", [False, True], ids=["correct", "rope-on-v"])
+def test_values_changed_by_a_term_of_the_input_are_read_through_sdpa_too(rope_on_v):
+    """catches: Flux's rope applied to v as well, as a sum of products with a table (no rotate_half to recognise),
+    was certified through SDPA: the values' term from the input was read only for a softmax written out."""
+    torch.manual_seed(0)
+    report = check(FluxStyleAttention(rope_on_v=rope_on_v))
+    if rope_on_v:
+        assert "values-changed" in report.ids, report.findings
+    else:
+        assert report.passed, report.findings

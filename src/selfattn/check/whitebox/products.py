@@ -1608,7 +1608,8 @@ def _tiles(length: int, size: int, lead: tuple[int, ...]) -> bool:
 
 
 def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
-               expected: Callable[[int], float | None], keep: Tensor | None = None, local: bool = False) -> Verdict:
+               expected: Callable[[int], float | None], keep: Tensor | None = None, local: bool = False,
+               inputs: frozenset[int] = frozenset()) -> Verdict:
     q, k = op.inputs[0], op.inputs[1]
     d = q.shape[-1]
     facts: dict = {}
@@ -1654,7 +1655,7 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
             merge_fid, merged = _merge(trace, op, op.outputs[0], final)  # a wrong merge distorts the pattern
             return Verdict(merge_fid, {"matches": merged, **evidence}) if merge_fid is not None else masked
     wrong = _roles_verdict(trace, (op.in_ids[0], op.in_ids[1], op.in_ids[2]), evidence, {}) or \
-        _values_verdict(trace, op.in_ids[2], evidence, {}) or \
+        _values_verdict(trace, op.in_ids[2], evidence, {}, inputs) or \
         _groups_verdict(trace, op.in_ids[1], op.in_ids[2], evidence, facts)
     if wrong is not None:
         return wrong
@@ -1729,7 +1730,7 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
         if op.outputs and op.outputs[0].numel() == 0:  # an attention over no queries (no global tokens) weighs nothing
             continue
         if op.name == "scaled_dot_product_attention":
-            verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep, local))
+            verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep, local, inputs))
         elif op.name in SOFTMAX:
             found = _softmax_core(trace, op, final, width, length, expected, keep, batch, inputs, local,
                                   partner=partner)
