@@ -555,8 +555,9 @@ class DotProductAttention(nn.Module):
 
     def forward(self, queries, keys, values, valid_lens=None):
         scores = queries @ keys.transpose(1, 2) / math.sqrt(queries.shape[-1])
-        if valid_lens is not None:
-            hidden = torch.arange(scores.shape[-1])[None, None, :] >= valid_lens[:, None, None]
+        if valid_lens is not None:  # (B*H,) lengths, or (B*H, L) ones per query (a decoder's causal pattern)
+            lens = valid_lens[:, None, None] if valid_lens.dim() == 1 else valid_lens[:, :, None]
+            hidden = torch.arange(scores.shape[-1])[None, None, :] >= lens
             scores = scores.masked_fill(hidden, -1e4)
         return scores.softmax(-1) @ values
 
@@ -759,3 +760,58 @@ def test_a_layer_whose_output_the_model_never_uses_is_no_grad(drop):
                                                                  (torch.randint(0, 50, (2, 7)),)).summary()}
     assert {name: "no-grad" in found for name, found in rows.items()} == {
         f"attn.{i}": i == drop for i in range(3)}, rows
+
+
+class D2LDecoder(nn.Module):
+    """d2l's decoder self-attention in training: dec_valid_lens = arange(1, L + 1) for every item, (B, L), one length
+    per query: the causal pattern itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(40, 32)
+        self.attention1 = nn.ModuleList(D2LMultiHeadAttention() for _ in range(2))
+
+    def forward(self, X):
+        b, n = X.shape
+        dec_valid_lens = torch.arange(1, n + 1).repeat(b, 1)
+        h = self.embedding(X)
+        for attention in self.attention1:
+            h = h + attention(h, h, h, dec_valid_lens)
+        return h
+
+
+def test_lengths_given_per_query_stay_as_the_model_gave_them():
+    """catches: d2l's decoder passes (B, L) lengths, one per query, which carry its causal pattern; taken as the
+    layer's mask argument, they were replaced by the doctor's (B,) lengths, and --causal named causal-leak."""
+    torch.manual_seed(0)
+    X = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(1))
+    report = check_model(D2LDecoder(), (X,), causal=True)
+    assert report.passed, report.summary()
+
+
+class LeftPaddedEncoder(nn.Module):
+    """fairseq's TransformerEncoder in short: src_tokens left-padded with the pad index 1, src_lengths beside them,
+    the key padding mask read off the tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.padding_idx = 1
+        self.embed_tokens = nn.Embedding(40, 32, padding_idx=1)
+        self.layers = nn.ModuleList(IndexMaskedAttention(32) for _ in range(2))
+
+    def forward(self, src_tokens, src_lengths):
+        additive = src_tokens.eq(self.padding_idx).float() * -10000.0
+        h = self.embed_tokens(src_tokens)
+        for layer in self.layers:
+            h = h + layer(h, attention_mask=additive)[0]
+        return h
+
+
+def test_lengths_beside_left_padded_tokens_are_left_padding():
+    """catches: the model's padding read from src_lengths was taken as right padding; fairseq pads on the left, and
+    correct layers were mask-inverted. The side whose padded positions all hold one token id is the padding."""
+    torch.manual_seed(0)
+    tokens = torch.randint(4, 40, (3, 8), generator=torch.Generator().manual_seed(2))
+    tokens[1, :3], tokens[2, :5] = 1, 1
+    report = check_model(LeftPaddedEncoder(), {"src_tokens": tokens, "src_lengths": torch.tensor([8, 5, 3])})
+    assert report.passed, report.summary()

@@ -319,7 +319,7 @@ def _first_tensor(out: object) -> Tensor | None:
     return None
 
 
-def _mask_parameter(module: nn.Module, kwargs: dict, taken: set) -> str | None:
+def _mask_parameter(module: nn.Module, kwargs: dict, taken: set, given: dict | None = None) -> str | None:
     """The forward parameter the mask goes to: the first named like a mask in the signature's order (the one
     :func:`~selfattn.check.check` tries first, so that a layer is read the same way alone and in its model),
     else a recorded keyword named like one."""
@@ -328,8 +328,11 @@ def _mask_parameter(module: nn.Module, kwargs: dict, taken: set) -> str | None:
     except (TypeError, ValueError):
         params = []
     names = [k for k in [*params, *kwargs] if k in MASK_NAMES or ("mask" in k.lower() and k not in SWITCH_NAMES)]
-    # else padding given as each item's length (d2l's valid_lens)
-    names = names or [k for k in [*params, *kwargs] if k in LENGTH_NAMES]
+    # else padding given as each item's length (d2l's valid_lens), when the model gives one per item (a decoder's
+    # (B, L) lengths, one per query, carry its causal pattern: they stay as recorded)
+    values = {**kwargs, **(given or {})}  # what the model passed, by parameter name
+    names = names or [k for k in [*params, *kwargs] if k in LENGTH_NAMES and
+                      (not isinstance(values.get(k), Tensor) or values[k].dim() == 1)]
     return (names or [None])[0]
 
 
@@ -400,7 +403,8 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
         return None  # a module with no weights of its own given q, k and v apart (d2l's DotProductAttention on the
         # heads folded into the batch): the core, checked through its parent
     taken = {params[k] if isinstance(k, int) and k < len(params) else k for k in x}
-    mask = _mask_parameter(module, kwargs, taken)
+    given = {**{params[i]: a for i, a in enumerate(args) if i < len(params)}, **kwargs}
+    mask = _mask_parameter(module, kwargs, taken, given)
     if mask is not None and mask not in kwargs and mask in params and params.index(mask) < len(args):
         mask_slot: str | int | None = params.index(mask)  # passed positionally
     else:
@@ -694,9 +698,13 @@ def _padding(kwargs: dict) -> Tensor | None:
     for key, value in kwargs.items():
         if key in LENGTH_NAMES and isinstance(value, Tensor) and value.dim() == 1 and tokens is not None and \
                 value.shape[0] == tokens.shape[0] and not value.is_floating_point():
-            pad = torch.arange(tokens.shape[1], device=value.device)[None, :] >= value[:, None]
-            if bool(pad.any()) and bool((~pad).any(-1).all()):
-                return pad.cpu()
+            at = torch.arange(tokens.shape[1], device=value.device)[None, :]
+            # padded on the right (d2l) or on the left (fairseq's encoders): the side whose padded positions all
+            # hold one token id, the padding's
+            for pad in (at >= value[:, None], at < tokens.shape[1] - value[:, None]):
+                held = tokens.to(value.device)[pad]
+                if bool(pad.any()) and bool((~pad).any(-1).all()) and bool((held == held[0]).all()):
+                    return pad.cpu()
     return None
 
 
