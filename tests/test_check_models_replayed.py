@@ -815,3 +815,45 @@ def test_lengths_beside_left_padded_tokens_are_left_padding():
     tokens[1, :3], tokens[2, :5] = 1, 1
     report = check_model(LeftPaddedEncoder(), {"src_tokens": tokens, "src_lengths": torch.tensor([8, 5, 3])})
     assert report.passed, report.summary()
+
+
+# -- a bool causal mask with True = masked (MPT's, older Hugging Face layers) under --causal ------------------------
+class IgnoreMaskAttention(nn.Module):
+    """scores.masked_fill(attention_mask, min): the model's bool mask, True = masked."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.Wqkv, self.out_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attention_mask=None):
+        b, n, e = x.shape
+        q, k, v = self.Wqkv(x).view(b, n, 3, self.h, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(e // self.h)
+        if attention_mask is not None:
+            scores = scores.masked_fill(attention_mask, torch.finfo(scores.dtype).min)
+        return self.out_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class IgnoreMaskDecoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.blocks = nn.ModuleList(IgnoreMaskAttention() for _ in range(2))
+
+    def forward(self, input_ids):
+        n = input_ids.shape[1]
+        mask = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None].expand(input_ids.shape[0], 1, n, n)
+        h = self.embed(input_ids)
+        for block in self.blocks:
+            h = h + block(h, attention_mask=mask)
+        return h
+
+
+def test_a_bool_causal_mask_with_true_masked_is_the_models_causal_mask():
+    """catches: under --causal, a model passing a bool causal mask with True = masked was either causal-leak (not
+    read as its causal mask) or inconclusive (the doctor's masks, which must carry causality, were tried with
+    True = keep only)."""
+    torch.manual_seed(0)
+    report = check_model(IgnoreMaskDecoder(), (torch.randint(0, 50, (2, 7)),), causal=True)
+    assert report.passed, report.summary()

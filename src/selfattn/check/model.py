@@ -159,6 +159,9 @@ class Layer:
         setattr(call, "sequence_first", self.sequence_first)  # noqa: B010 (its masks in that layout: (L, L, B))
         # the model's causal mask stands for the layer's own pattern: a key mask (B, L) cannot carry it
         setattr(call, "own_causal", own is not None)  # noqa: B010
+        # a bool causal mask with True = masked (MPT's): the doctor's masks are tried in that polarity first
+        flipped = own is not None and own.dtype == torch.bool and bool(own.reshape(-1, *own.shape[-2:])[0, 0, -1])
+        setattr(call, "own_kind", "ignore" if flipped else None)  # noqa: B010
         # the parameter the doctor's mask goes to, by name (each item's length, as d2l's valid_lens, is sent so)
         params = _parameters(self.module)
         name = params[self.mask] if isinstance(self.mask, int) and self.mask < len(params) else self.mask

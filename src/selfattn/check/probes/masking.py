@@ -497,6 +497,8 @@ def _candidates(ctx: Context) -> list[Caller]:
         spec = ctx.spec or MaskSpec(ctx.declared or "keep", "BLL")
         return [ctx.call.with_mask(spec, arg) for arg in args]
     kinds = [ctx.declared] if ctx.declared else list(KIND_ORDER)
+    if not ctx.declared and getattr(ctx.call.adapter, "own_kind", None) == "ignore":
+        kinds = ["ignore", *kinds]  # a replayed layer whose model's causal mask is bool, True = masked
     shapes: tuple[str, ...] = SHAPE_ORDER
     if num_heads_of(ctx.module) == ctx.x.shape[0]:  # a (B, L, L) mask broadcast onto B heads (SDPA aligns it to
         shapes = ("B1LL", *(s for s in SHAPE_ORDER if s != "B1LL"))  # the heads) would read as per-item
