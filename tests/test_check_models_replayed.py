@@ -857,3 +857,32 @@ def test_a_bool_causal_mask_with_true_masked_is_the_models_causal_mask():
     torch.manual_seed(0)
     report = check_model(IgnoreMaskDecoder(), (torch.randint(0, 50, (2, 7)),), causal=True)
     assert report.passed, report.summary()
+
+
+class ListOutputAttention(CausalUnlessMasked):
+    """An attention returning [output, present] as a list (OpenAI GPT's Attention in transformers)."""
+
+    def forward(self, x, mask=None):
+        return [super().forward(x, mask), None]
+
+
+class ListOutputGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.attn = nn.ModuleList(ListOutputAttention() for _ in range(2))
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        for attn in self.attn:
+            x = x + attn(x)[0]
+        return x
+
+
+def test_a_layer_whose_output_the_hook_cannot_change_is_not_called_unused():
+    """catches: a layer returning a list was no-grad in the whole-model sweep (OpenAI GPT): the hook that changes
+    the layer's output changed nothing, and the model's output stayed the same. Only a change the hook made is
+    read, and on the model's own weights and on its copy with all-zero parameters drawn alike."""
+    torch.manual_seed(0)
+    report = check_model(ListOutputGPT(), (torch.randint(0, 50, (2, 7)),))
+    assert report.passed, report.summary()

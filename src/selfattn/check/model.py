@@ -623,13 +623,16 @@ def _output_unused(model: nn.Module, args: tuple, kwargs: dict, layer: Layer) ->
     layer's attention never reaches it: a block that drops it, a residual that adds the input twice)? ``model``:
     with its all-zero parameters drawn (:func:`_with_zeros_drawn`)."""
     module = model.get_submodule(layer.name)
+    hit: list[bool] = []
 
     def changed(mod: nn.Module, inputs: tuple, out: object) -> object:
         if isinstance(out, Tensor) and out.is_floating_point():
+            hit.append(True)
             return out + 1.0 + out.abs()
-        if isinstance(out, tuple) and out and isinstance(out[0], Tensor) and out[0].is_floating_point():
-            return (out[0] + 1.0 + out[0].abs(), *out[1:])
-        return out
+        if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor) and out[0].is_floating_point():
+            hit.append(True)
+            return type(out)([out[0] + 1.0 + out[0].abs(), *out[1:]])
+        return out  # an output this hook cannot change (a dict, a dataclass): nothing is concluded
 
     kept = [(b, b.detach().clone()) for b in model.buffers()]  # a cache the runs write in place
     try:
@@ -650,8 +653,8 @@ def _output_unused(model: nn.Module, args: tuple, kwargs: dict, layer: Layer) ->
             for buffer, value in kept:
                 if buffer.shape == value.shape:
                     buffer.copy_(value)
-    if not base or len(base) != len(other):
-        return False
+    if not hit or not base or len(base) != len(other) or not all(bool(torch.isfinite(t).all()) for t in base):
+        return False  # an output with NaN or inf says nothing of what reaches it
     return all(a.shape == b.shape and bool(torch.equal(a.nan_to_num(), b.nan_to_num())) for a, b in zip(base, other,
                                                                                                     strict=True))
 
@@ -1265,7 +1268,9 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                 misread = None if pad_here is None else _reads_the_models_padding(layer, pad_here, done)
                 if drawn is None:
                     drawn = _with_zeros_drawn(model)
-                unused = None if not _output_unused(drawn, args, kwargs, layer) else Finding.of(
+                # unused with the model's weights and with its all-zero ones drawn (a gain at 0 silences a layer)
+                unused = None if not (_output_unused(model, args, kwargs, layer) and (
+                    drawn is model or _output_unused(drawn, args, kwargs, layer))) else Finding.of(
                     NO_GRAD, "the model never uses this layer's output: changing it leaves every output of the model "
                     "as it was (a block that drops the attention's result, or adds its input in its place)",
                     {"layer": layer.name})
