@@ -620,8 +620,9 @@ def _with_zeros_drawn(model: nn.Module) -> nn.Module:
 
 def _output_unused(model: nn.Module, args: tuple, kwargs: dict, layer: Layer) -> bool:
     """Run the model twice, the second time with this layer's output changed: is the model's output the same (the
-    layer's attention never reaches it: a block that drops it, a residual that adds the input twice)? ``model``:
-    with its all-zero parameters drawn (:func:`_with_zeros_drawn`)."""
+    layer's attention never reaches it: a block that drops it, a residual that adds the input twice)? Only a change
+    the hook made and finite outputs conclude; the caller asks it of the model and of its copy with the all-zero
+    parameters drawn (:func:`_with_zeros_drawn`)."""
     module = model.get_submodule(layer.name)
     hit: list[bool] = []
 
@@ -680,9 +681,9 @@ def _rows_independent(layer: Layer, module: nn.Module) -> bool:
                     b = _first_tensor(call(module, changed))
                     if a is None or b is None or a.shape != b.shape:
                         return False
-                    others = [i for i in range(a.shape[dim]) if i != at] if dim < a.dim() else []
-                    if not torch.equal(a.index_select(dim, torch.tensor(others, device=a.device)),
-                                       b.index_select(dim, torch.tensor(others, device=b.device))):
+                    others = torch.tensor([i for i in range(a.shape[dim]) if i != at], dtype=torch.long)
+                    if not torch.equal(a.index_select(dim, others.to(a.device)), b.index_select(dim,
+                                                                                             others.to(b.device))):
                         return False
     except Exception:  # the doctor's own run will say what fails
         return False
@@ -901,7 +902,7 @@ def _padding_moves(layer: Layer, pad: Tensor) -> tuple[float, float] | None:
 
 def _real_rows_empty(layer: Layer, pad: Tensor) -> bool:
     """Replay the layer's recorded call as the model made it: is every real token's output of the padded items NaN
-    or inf, where the layer's output is finite elsewhere or the unpadded items are NaN too?"""
+    or inf (the model's mask leaves them no key: a padding mask read the other way round)?"""
     hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
     p = pad.T if layer.sequence_first else pad
     if tuple(hidden.shape[:2]) != tuple(p.shape) or hidden.dim() != 3 or not bool(torch.isfinite(hidden).all()):
