@@ -72,6 +72,7 @@ from .subject.building import (
     Sizes,
     build,
     copy_module,
+    draw_zeros,
     embed_dims_of,
     load_file,
     param_device,
@@ -309,12 +310,7 @@ def _with_zeros_drawn(call: Caller, x: Tensor, gen: torch.Generator) -> tuple[nn
     """A copy of the module whose all-zero parameters are drawn from N(0, 0.02^2) (weights of the scale real
     models initialise), its caller and output; CannotRun when there is none to draw or the output stays constant."""
     module = copy_module(call.module)
-    drawn = []
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.numel() and not p.any():
-                p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
-                drawn.append(name)
+    drawn = draw_zeros(module, gen)
     if not drawn:
         raise CannotRun("the module's output does not depend on its input (the same for two random inputs), and no "
                         "parameter is all zeros to explain it: check what the forward returns")

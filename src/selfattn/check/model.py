@@ -46,7 +46,7 @@ from .findings import (
 )
 from .probes.masking import band
 from .report import Report, render
-from .subject.building import CannotRun, copy_module, num_heads_of
+from .subject.building import CannotRun, copy_module, draw_zeros, num_heads_of
 from .subject.caller import LENGTH_NAMES, MASK_NAMES, SWITCH_NAMES, dependency
 from .subject.context import future
 
@@ -326,10 +326,7 @@ def _mask_parameter(module: nn.Module, kwargs: dict, taken: set, given: dict | N
     """The forward parameter the mask goes to: the first named like a mask in the signature's order (the one
     :func:`~selfattn.check.check` tries first, so that a layer is read the same way alone and in its model),
     else a recorded keyword named like one."""
-    try:
-        params = [p for p in inspect.signature(module.forward).parameters if p not in taken]
-    except (TypeError, ValueError):
-        params = []
+    params = [p for p in _parameters(module) if p not in taken]
     names = [k for k in [*params, *kwargs] if k in MASK_NAMES or ("mask" in k.lower() and k not in SWITCH_NAMES)]
     # else padding given as each item's length (d2l's valid_lens), when the model gives one per item (a decoder's
     # (B, L) lengths, one per query, carry its causal pattern: they stay as recorded)
@@ -391,10 +388,7 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
     if hidden is None:
         return None
     x = tuple(k for k, a in slots if a is hidden)
-    try:
-        params = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        params = []
+    params = _parameters(module)
     x = x + _keys_and_values(slots, hidden, params)
     if y.dim() == 4 and any(isinstance(a, Tensor) and a is not hidden and a.dim() == 4 and a.shape[0] == y.shape[0]
                             and a.shape[-1] == y.shape[-1] for _, a in slots):
@@ -567,11 +561,7 @@ def _not_self_attention(layer: Layer) -> str | None:
     zeros = [p for p in layer.module.parameters() if p.numel() and not p.any()]
     if zeros:
         module = copy_module(layer.module)
-        gen = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for p in module.parameters():
-                if p.numel() and not p.any():
-                    p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
+        draw_zeros(module, torch.Generator().manual_seed(0))
         if not _rows_independent(layer, module):
             return None
     return ("its output rows do not depend on the other tokens of its input: a cross-attention over another "
@@ -601,29 +591,23 @@ def _floats_of(value: object) -> list[Tensor]:
     return []
 
 
-def _with_zeros_drawn(model: nn.Module) -> nn.Module:
-    """``model`` itself, or a copy whose all-zero parameters are drawn from N(0, 0.02^2): a gain initialised at 0
+def _model_zeros_drawn(model: nn.Module) -> nn.Module:
+    """``model`` itself, or a copy whose all-zero parameters are drawn (:func:`draw_zeros`): a gain initialised at 0
     (LayerScale, adaLN-Zero) silences what follows it in a fresh model, which is not what the model does trained."""
     if not any(p.numel() and not bool(p.any()) for p in model.parameters()):
         return model
     try:
-        drawn = copy.deepcopy(model)
+        drawn = copy_module(model)
     except Exception:  # a model that cannot be copied is read as it is
         return model
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in drawn.parameters():
-            if p.numel() and not p.any():
-                p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
+    draw_zeros(drawn, torch.Generator().manual_seed(0))
     return drawn
 
 
-def _output_unused(model: nn.Module, args: tuple, kwargs: dict, layer: Layer) -> bool:
-    """Run the model twice, the second time with this layer's output changed: is the model's output the same (the
-    layer's attention never reaches it: a block that drops it, a residual that adds the input twice)? Only a change
-    the hook made and finite outputs conclude; the caller asks it of the model and of its copy with the all-zero
-    parameters drawn (:func:`_with_zeros_drawn`)."""
-    module = model.get_submodule(layer.name)
+def _model_outputs(model: nn.Module, args: tuple, kwargs: dict, layer: str | None = None) -> list[Tensor] | None:
+    """The floating outputs of the model run in eval mode, its buffers (a cache the run writes in place) given their
+    values back; with ``layer``, that layer's output changed by a hook (None when the hook could not change it, or
+    the run fails: the model ran on these inputs before, so such a failure says nothing of the layer)."""
     hit: list[bool] = []
 
     def changed(mod: nn.Module, inputs: tuple, out: object) -> object:
@@ -635,29 +619,31 @@ def _output_unused(model: nn.Module, args: tuple, kwargs: dict, layer: Layer) ->
             return type(out)([out[0] + 1.0 + out[0].abs(), *out[1:]])
         return out  # an output this hook cannot change (a dict, a dataclass): nothing is concluded
 
-    kept = [(b, b.detach().clone()) for b in model.buffers()]  # a cache the runs write in place
+    kept = [(b, b.detach().clone()) for b in model.buffers()]
+    handle = None if layer is None else model.get_submodule(layer).register_forward_hook(changed)
     try:
         with _evaluated(model):
-            base = _floats_of(model(*args, **kwargs))
-            with torch.no_grad():
-                for buffer, value in kept:
-                    buffer.copy_(value)
-            handle = module.register_forward_hook(changed)
-            try:
-                other = _floats_of(model(*args, **kwargs))
-            finally:
-                handle.remove()
-    except Exception:  # the model ran on these inputs before: a run that fails now says nothing of the layer
-        return False
+            outputs = _floats_of(model(*args, **kwargs))
+    except Exception:
+        return None
     finally:
+        if handle is not None:
+            handle.remove()
         with torch.no_grad():
             for buffer, value in kept:
                 if buffer.shape == value.shape:
                     buffer.copy_(value)
-    if not hit or not base or len(base) != len(other) or not all(bool(torch.isfinite(t).all()) for t in base):
+    return None if layer is not None and not hit else outputs
+
+
+def _output_unused(base: list[Tensor] | None, other: list[Tensor] | None) -> bool:
+    """Are the model's outputs ``other``, with a layer's output changed, the same as ``base`` (the layer's attention
+    never reaches them: a block that drops it, a residual that adds the input twice)? Only finite outputs, and a
+    change the hook made, conclude (:func:`_model_outputs`)."""
+    if not base or other is None or len(base) != len(other) or not all(bool(torch.isfinite(t).all()) for t in base):
         return False  # an output with NaN or inf says nothing of what reaches it
-    return all(a.shape == b.shape and bool(torch.equal(a.nan_to_num(), b.nan_to_num())) for a, b in zip(base, other,
-                                                                                                    strict=True))
+    return all(a.shape == b.shape and bool(torch.equal(a.nan_to_num(), b.nan_to_num()))
+               for a, b in zip(base, other, strict=True))
 
 
 def _rows_independent(layer: Layer, module: nn.Module) -> bool:
@@ -829,15 +815,16 @@ def _odd_one_out(report: ModelReport, causal_as_called: dict[str, bool]) -> dict
     return found
 
 
-def _models_causal_mask(layer: Layer, pad: Tensor | None, causal: bool = False) -> Finding | None:
-    """Replay the layer's recorded call with the model's own mask and read which tokens each output row of an item
-    without padding depends on: a mask that hides most of the future but shows the next tokens (a causal mask
+def _models_causal_mask(layer: Layer, read: tuple[Tensor, Tensor, Tensor, int] | None,
+                        causal: bool = False) -> Finding | None:
+    """Read ``read``, the layer's recorded call replayed with the model's own mask (:func:`_as_called`: which tokens
+    each output row of an item without padding depends on): a mask that hides most of the future but shows the next
+    tokens (a causal mask
     built off by one, ``triu(2)`` for ``triu(1)``), one that hides the diagonal too (``triu(0)``), or the causal
     pattern transposed, is a causal-leak the model builds; the layer's own probes, which replace that mask with the
     doctor's, cannot see it. ``causal``: the user said the model is causal, so any future key seen is a leak (a
     model that passes only its key padding mask to layers that drop their own causal pattern when given one)."""
     given = layer.recorded_mask()
-    read = _as_called(layer, pad) if isinstance(given, Tensor) else None
     if read is None or not isinstance(given, Tensor):
         return None
     dep, base, hidden, item = read
@@ -952,32 +939,34 @@ def _padding_elsewhere(layer: Layer, pad: Tensor, report: Report) -> str | None:
     """The argument through which the layer takes the model's padding when its own mask argument is read by no
     operation (T5's later layers: the padding added into the ``position_bias`` the first layer returns), and the
     replay with the padded tokens changed leaves the real tokens' outputs as they were; else None."""
-    unread = any(f.id == MASK_IGNORED.id and any("no operation read it" in str(v) for v in f.evidence.values())
-                 for f in report.findings)
-    if not unread:
+    if not any(_unread(f) for f in report.findings):
         return None
     slots = [*enumerate(layer.args), *layer.kwargs.items()]
     name = next((k for k, v in slots if k not in layer.x and k != layer.mask and _carries_padding(v, pad)), None)
     moved = None if name is None else _padding_moves(layer, pad)
-    if moved is None or moved[0] > 1e-4 * (1 + moved[1]):
+    if name is None or moved is None or moved[0] > 1e-4 * (1 + moved[1]):
         return None
-    if isinstance(name, int):  # passed by position: its parameter's name
-        try:
-            params = list(inspect.signature(layer.module.forward).parameters)
-            name = params[name] if name < len(params) else name
-        except (TypeError, ValueError):
-            pass
-    return str(name)
+    return _parameter_name(layer, name)
+
+
+def _unread(finding: Finding) -> bool:
+    """Is ``finding`` a mask-ignored whose mask no operation of the layer read?"""
+    return finding.id == MASK_IGNORED.id and any("no operation read it" in str(v) for v in finding.evidence.values())
+
+
+def _parameter_name(layer: Layer, key: int | str) -> str:
+    """The forward parameter a recorded argument went to: its keyword, or the name of its position."""
+    params = _parameters(layer.module)
+    return str(params[key] if isinstance(key, int) and key < len(params) else key)
 
 
 def _mask_carried_by(layer: Layer, report: Report) -> str | None:
     """The argument that carries the model's mask into the layer when the layer's own mask argument is read by no
     operation: another recorded tensor that hides exactly the keys the recorded mask hides (T5's later decoder
     layers: the causal mask and the padding added into the ``position_bias`` the first layer returns); else None."""
-    unread = any(f.id == MASK_IGNORED.id and any("no operation read it" in str(v) for v in f.evidence.values())
-                 for f in report.findings)
     given = layer.recorded_mask()
-    if not unread or not isinstance(given, Tensor) or given.dim() < 2 or given.is_complex():
+    if not any(_unread(f) for f in report.findings) or not isinstance(given, Tensor) or given.dim() < 2 or \
+            given.is_complex():
         return None
     hidden = given <= -1e4 if given.is_floating_point() else None
     if hidden is None or not bool(hidden.any()):
@@ -991,13 +980,7 @@ def _mask_carried_by(layer: Layer, report: Report) -> str | None:
         except RuntimeError:
             continue
         if torch.equal(hidden.expand(shape), (value <= -1e4).expand(shape)):
-            if isinstance(key, int):
-                try:
-                    params = list(inspect.signature(layer.module.forward).parameters)
-                    key = params[key] if key < len(params) else key
-                except (TypeError, ValueError):
-                    pass
-            return str(key)
+            return _parameter_name(layer, key)
     return None
 
 
@@ -1006,7 +989,7 @@ def _mask_unused(layer: Layer, report: Report) -> bool:
     no mask, or one that hides nothing (one value throughout: T5's later layers, given the padding in their position
     bias; a layer built with masking off, as TSLib's ``FullAttention(mask_flag=False)``)?"""
     ignored = [f for f in report.findings if f.id == MASK_IGNORED.id]
-    if not ignored or not all(any("no operation read it" in str(v) for v in f.evidence.values()) for f in ignored):
+    if not ignored or not all(_unread(f) for f in ignored):
         return False
     given = layer.recorded_mask()
     if given is None:
@@ -1014,6 +997,17 @@ def _mask_unused(layer: Layer, report: Report) -> bool:
     if not isinstance(given, Tensor) or given.numel() == 0 or given.is_complex():
         return False
     return bool((given == given.flatten()[0]).all())
+
+
+def _amended(report: Report, notes: dict | None = None, drop: str | None = None, add: Finding | None = None,
+             coverage: dict | None = None) -> Report:
+    """``report`` with ``notes`` added to what it inferred, the findings of id ``drop`` taken out, ``add`` added
+    (unless one of its id is there) and ``coverage`` updated."""
+    findings = [f for f in report.findings if f.id != drop]
+    if add is not None and all(f.id != add.id for f in findings):
+        findings.append(add)
+    return Report.of({**report.inferred, **(notes or {})}, findings, report.not_verified,
+                     {**report.coverage, **(coverage or {})}, report.seconds)
 
 
 def _t5_sibling(report: Report, done: dict[str, Report], classes: dict[str, str], name: str) -> bool:
@@ -1195,6 +1189,7 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
     pad = _padding(named)
     causal_as_called: dict[str, bool] = {}  # per layer: does it hide every future key as the model calls it?
     drawn: nn.Module | None = None  # the model with its all-zero parameters drawn, made when first needed
+    outputs: dict[int, list[Tensor] | None] = {}  # the outputs of the model and of that copy, by id
     for layer in found:
         report.classes[layer.name] = type(layer.module).__name__
         if layer.name in crossing:
@@ -1229,36 +1224,32 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                 done = report.layers[layer.name]
                 elsewhere = None if pad_here is None else _padding_elsewhere(layer, pad_here, done)
                 if elsewhere is not None:
-                    done = Report.of({**done.inferred, "model's padding": (
+                    done = _amended(done, {"model's padding": (
                         f"taken through {elsewhere!r}, which the model passes with its padding added in; the mask "
-                        "argument is not read when it is given")},
-                        [f for f in done.findings if f.id != MASK_IGNORED.id], done.not_verified,
-                        {**done.coverage, "mask": "verified: the model's padding, through another argument",
-                         "padding": "verified: as the model calls it, the padded tokens do not reach the real ones"},
-                        done.seconds)
+                        "argument is not read when it is given")}, drop=MASK_IGNORED.id, coverage={
+                        "mask": "verified: the model's padding, through another argument",
+                        "padding": "verified: as the model calls it, the padded tokens do not reach the real ones"})
                 carried = _mask_carried_by(layer, done)
                 if carried is not None:
-                    done = Report.of({**done.inferred, "model's mask": (
+                    done = _amended(done, {"model's mask": (
                         f"taken through {carried!r}, which the model passes with its mask added in (every key the "
                         "mask hides, hidden there too); the mask argument is not read when it is given")},
-                        [f for f in done.findings if f.id != MASK_IGNORED.id], done.not_verified,
-                        {**done.coverage, "mask": "verified: the model's mask, through another argument",
-                         "padding": f"not applicable: the layer takes the model's mask through {carried!r}, not "
-                                    "through its mask argument"}, done.seconds)
+                        drop=MASK_IGNORED.id, coverage={
+                            "mask": "verified: the model's mask, through another argument",
+                            "padding": f"not applicable: the layer takes the model's mask through {carried!r}, not "
+                                       "through its mask argument"})
                 if _mask_unused(layer, done):
-                    done = Report.of({**done.inferred, "model's mask": (
+                    done = _amended(done, {"model's mask": (
                         "the model passes this layer no mask (or one that hides nothing), and the layer reads none: "
                         "not judged as the model calls it (give the model padded inputs to check its padding)")},
-                        [f for f in done.findings if f.id != MASK_IGNORED.id], done.not_verified,
-                        {**done.coverage, "mask": "not applicable: the model passes no mask that hides a key, and "
-                                                  "the layer reads none",
-                         "padding": "not applicable: the model passes no mask that hides a key"}, done.seconds)
+                        drop=MASK_IGNORED.id, coverage={
+                            "mask": "not applicable: the model passes no mask that hides a key, and the layer reads "
+                                    "none",
+                            "padding": "not applicable: the model passes no mask that hides a key"})
                 if _t5_sibling(done, report.layers, report.classes, layer.name):
-                    done = Report.of({**done.inferred, "design": {**done.inferred.get("design", {}), "scale": (
+                    done = _amended(done, {"design": {**done.inferred.get("design", {}), "scale": (
                         "none on the scores, with the relative-position bias the model's first layer of this class "
-                        "computes and passes on: T5's design")}},
-                        [f for f in done.findings if f.id != MISSING_SCALE.id], done.not_verified, done.coverage,
-                        done.seconds)
+                        "computes and passes on: T5's design")}}, drop=MISSING_SCALE.id)
                 read = _as_called(layer, pad_here)
                 if read is not None:  # a causal pattern (each row its own token and some earlier one), a leak, or
                     dep, ahead = read[0], future(read[0].shape[0])  # neither (rows left empty: not judged here)
@@ -1267,27 +1258,25 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                     elif bool(dep.diagonal().all()) and bool((dep & ~ahead).sum() > dep.shape[0]):
                         causal_as_called[layer.name] = True
                 misread = None if pad_here is None else _reads_the_models_padding(layer, pad_here, done)
-                if drawn is None:
-                    drawn = _with_zeros_drawn(model)
+                if drawn is None:  # the model's outputs, with its weights and with its all-zero ones drawn
+                    drawn = _model_zeros_drawn(model)
+                    outputs = {id(m): _model_outputs(m, args, kwargs) for m in (model, drawn)}
                 # unused with the model's weights and with its all-zero ones drawn (a gain at 0 silences a layer)
-                unused = None if not (_output_unused(model, args, kwargs, layer) and (
-                    drawn is model or _output_unused(drawn, args, kwargs, layer))) else Finding.of(
+                unused = None if not all(_output_unused(outputs[id(m)], _model_outputs(m, args, kwargs, layer.name))
+                                         for m in dict.fromkeys((model, drawn))) else Finding.of(
                     NO_GRAD, "the model never uses this layer's output: changing it leaves every output of the model "
                     "as it was (a block that drops the attention's result, or adds its input in its place)",
                     {"layer": layer.name})
-                for extra in (misread, _models_causal_mask(layer, pad_here, causal), unused):
-                    if extra is not None and all(f.id != extra.id for f in done.findings):
-                        done = Report.of(done.inferred, [*done.findings, extra], done.not_verified, done.coverage,
-                                         done.seconds)
+                for extra in (misread, _models_causal_mask(layer, read, causal), unused):
+                    done = _amended(done, add=extra)
                 report.layers[layer.name] = done
                 break
             except CannotRun as err:
                 report.could_not_run.setdefault(layer.name, str(err))
     for name, extra in _odd_one_out(report, causal_as_called).items():
         odd = report.layers.get(name)
-        if odd is not None and all(f.id != extra.id for f in odd.findings):
-            report.layers[name] = Report.of(odd.inferred, [*odd.findings, extra], odd.not_verified, odd.coverage,
-                                            odd.seconds)
+        if odd is not None:
+            report.layers[name] = _amended(odd, add=extra)
     return report
 
 

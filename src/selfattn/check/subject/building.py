@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CannotRun", "Sizes", "build", "copy_module", "embed_dim_of", "load_class", "load_file", "num_heads_of",
-           "param_device", "param_dtype", "user_callable"]
+__all__ = ["CannotRun", "Sizes", "build", "copy_module", "draw_zeros", "embed_dim_of", "load_class", "load_file",
+           "num_heads_of", "param_device", "param_dtype", "user_callable"]
 
 # constructor and config parameters the doctor fills with the embed dim / the head count
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
@@ -407,6 +407,18 @@ def num_heads_of(module: nn.Module) -> int | None:
     # a block around one attention (a norm and nn.MultiheadAttention): the heads its attention layers agree on
     inner = {_int_attr(m, _HEAD_KEYS) for m in module.modules() if m is not module} - {None, 0}
     return inner.pop() if len(inner) == 1 else None
+
+
+def draw_zeros(module: nn.Module, gen: torch.Generator) -> list[str]:
+    """Draw ``module``'s all-zero parameters, in place, from N(0, 0.02^2) (weights of the scale real models
+    initialise: a gain initialised at 0 silences a fresh module); the names of those drawn."""
+    drawn = []
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.numel() and not p.any():
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
+                drawn.append(name)
+    return drawn
 
 
 def copy_module(module: nn.Module) -> nn.Module:
