@@ -528,9 +528,11 @@ class T5StyleDecoder(nn.Module):
         self.embed = nn.Embedding(50, 32)
         self.layers = nn.ModuleList(T5StyleAttention(owns_bias=i == 0) for i in range(2))
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, attention_mask=None):
         n = input_ids.shape[1]
         mask = torch.full((n, n), torch.finfo(torch.float32).min).triu(1)[None, None]
+        if attention_mask is not None:  # the padding added in too: (B, 1, L, L)
+            mask = mask.masked_fill(~attention_mask.bool()[:, None, None, :], torch.finfo(torch.float32).min)
         h, bias = self.embed(input_ids), None
         for layer in self.layers:
             out, bias = layer(h, mask=mask, position_bias=bias)
@@ -547,6 +549,19 @@ def test_a_mask_carried_by_the_position_bias_the_first_layer_returns_is_read_the
     report = check_model(T5StyleDecoder(), (torch.randint(0, 50, (2, 7)),))
     assert report.passed, report.summary()
     assert "position_bias" in report.layers["layers.1"].inferred["model's mask"]
+
+
+def test_left_padding_carried_by_the_position_bias_leaves_the_padded_rows_to_the_model():
+    """catches: with left padding added into T5's position bias, the later layers' padded queries have every key
+    hidden by finfo.min; their rows changed with the length (causal-leak), their gradients were rounded away
+    (wrong-gradient), and the bias cast to float16 became -inf there (half-precision-overflow, where the model built
+    in float16 fills with float16's finfo.min and stays finite)."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :3], ids[1, :3] = 0, 0
+    report = check_model(T5StyleDecoder(), {"input_ids": ids, "attention_mask": mask})
+    assert report.passed, report.to_json()
 
 
 # -- d2l's encoder: MultiHeadAttention(queries, keys, values, valid_lens) around a DotProductAttention core -------
@@ -691,6 +706,41 @@ def test_each_items_own_pattern_from_the_call_is_what_the_white_box_compares_wit
     torch.manual_seed(0)
     report = check_model(GraphTransformer(), (torch.randn(3, 7, 8, generator=g), adj))
     assert report.passed, report.summary()
+
+
+class GraphMHA(nn.Module):
+    """Each graph's adjacency as nn.MultiheadAttention's attn_mask, (B * H, N, N) item-major as torch documents it
+    (``repeat_interleave``); ``head_major`` repeats it graph after graph (``repeat``), giving heads other graphs'."""
+
+    def __init__(self, head_major: bool = False) -> None:
+        super().__init__()
+        self.head_major = head_major
+        self.embed = nn.Linear(8, 32)
+        self.layers = nn.ModuleList(nn.MultiheadAttention(32, 4, batch_first=True) for _ in range(2))
+
+    def forward(self, feats, adj):
+        blocked = ~(adj.bool() | torch.eye(adj.shape[-1], dtype=torch.bool))
+        mask = blocked.repeat(4, 1, 1) if self.head_major else blocked.repeat_interleave(4, dim=0)
+        h = self.embed(feats)
+        for layer in self.layers:
+            h = h + layer(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return h
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["correct", "repeated-graph-after-graph"])
+def test_a_per_graph_mask_with_the_heads_folded_into_the_batch_is_each_items_own(head_major):
+    """catches: a (B * H, N, N) attn_mask, one per graph, was not cut item by item for an item alone (only
+    tensors whose first size is B were), so the second graph alone got the first one's adjacency (batch-mixing
+    on a correct model)."""
+    g = torch.Generator().manual_seed(1)
+    adj = (torch.rand(3, 7, 7, generator=g) < 0.3).float()
+    adj = adj + adj.transpose(1, 2)
+    torch.manual_seed(0)
+    report = check_model(GraphMHA(head_major).eval(), (torch.randn(3, 7, 8, generator=g), adj))
+    if head_major:
+        assert not report.passed, report.summary()
+    else:
+        assert report.passed, report.summary()
 
 
 # -- Set Transformer: a first block that changes the width (dim_in -> dim_out) ------------------------------------
@@ -886,3 +936,87 @@ def test_a_layer_whose_output_the_hook_cannot_change_is_not_called_unused():
     torch.manual_seed(0)
     report = check_model(ListOutputGPT(), (torch.randint(0, 50, (2, 7)),))
     assert report.passed, report.summary()
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_alibi_built_per_item_from_the_padding_is_read_under_a_causal_mask(side):
+    """catches: transformers' BLOOM builds its ALiBi from each item's padding (positions counted over the real
+    tokens), so the doctor's causal run sees keys the model's mask hid with a bias of each item's own. The scale
+    is read from the differences of two runs that share that bias; a key masked in both runs left a difference
+    of 0 there (two equal fills), which the fit read as a score and the layer got definition-mismatch."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=1, n_head=4, pad_token_id=0)
+    model = transformers.BloomModel(config).eval()
+    ids = torch.randint(3, 64, (2, 8))
+    pad = slice(0, 3) if side == "left" else slice(5, 8)
+    mask = torch.ones_like(ids)
+    mask[1, pad], ids[1, pad] = 0, 0
+    report = check_model(model, {"input_ids": ids, "attention_mask": mask}, causal=True)
+    assert report.verdict == "passed", report.to_json()
+
+
+# -- a model that adds its padding into the bias it passes every layer (llm-foundry's MPT: ALiBi, causal, padding) --
+class BiasedAttention(nn.Module):
+    """Fused q, k, v; the scores plus the bias the model passes, nothing else (MPT's torch attention)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.Wqkv, self.out_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attn_bias=None):
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.Wqkv(x).chunk(3, -1))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)
+        if attn_bias is not None:
+            scores = scores + attn_bias
+        return self.out_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class BiasedModel(nn.Module):
+    """ALiBi counted from the last key, the causal mask and the padding, added into one (B, H, L, L) float bias with
+    finfo.min: a padded query on the left has every key hidden. ``bug``: "self hidden" builds the causal mask with
+    tril(-1), "queries" lays the padding on the query axis, "dropped" passes the layers no bias at all."""
+
+    def __init__(self, bug: str | None = None, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.bug, self.heads = bug, heads
+        self.wte = nn.Embedding(50, dim)
+        self.blocks = nn.ModuleList([BiasedAttention(dim, heads) for _ in range(2)])
+
+    def forward(self, input_ids, attention_mask):
+        b, n = input_ids.shape
+        slopes = 2.0 ** (-8.0 * torch.arange(1, self.heads + 1) / self.heads)
+        bias = (slopes[:, None, None] * torch.arange(1 - n, 1)[None, None, :]).expand(b, -1, n, n)
+        keep = torch.ones(n, n, dtype=torch.bool).tril(-1 if self.bug == "self hidden" else 0)
+        real = attention_mask.bool()
+        keep = keep & (real[:, None, :, None] if self.bug == "queries" else real[:, None, None, :])
+        bias = bias.masked_fill(~keep[:, None] if keep.dim() == 3 else ~keep, torch.finfo(bias.dtype).min)
+        h = self.wte(input_ids)
+        for block in self.blocks:
+            h = h + block(h, attn_bias=None if self.bug == "dropped" else bias)
+        return h
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize(("bug", "expected"), [(None, None), ("self hidden", "causal-leak"),
+                                               ("queries", "mask-broadcast"), ("dropped", "mask-ignored")])
+def test_padding_added_into_the_bias_the_model_passes_is_the_models(side, bug, expected):
+    """catches: MPT-style padding added into the bias: a padded query with every key hidden weighs them all alike
+    (finfo.min), so its row changed with the length (causal-leak) and its gradient was rounded away
+    (wrong-gradient), and the white box read its row as one the mask should hide (mask-ignored), on correct models.
+    Those rows are the model's padding. A causal mask that hides the diagonal, padding laid on the query axis, and a
+    layer that gets none of the padding the inputs mark are named."""
+    if bug in ("dropped", "queries") and side == "right":
+        pytest.skip("a causal layer hides right padding from the real tokens without any key mask")
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (2, 8))
+    mask = torch.ones_like(ids)
+    pad = slice(0, 3) if side == "left" else slice(5, 8)
+    mask[1, pad], ids[1, pad] = 0, 0
+    report = check_model(BiasedModel(bug).eval(), {"input_ids": ids, "attention_mask": mask})
+    if expected is None:
+        assert report.verdict == "passed", report.to_json()
+    else:
+        assert all(expected in layer.ids for layer in report.layers.values()), report.to_json()

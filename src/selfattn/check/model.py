@@ -118,10 +118,11 @@ class Layer:
             return self.args[self.mask] if self.mask < len(self.args) else None
         return self.kwargs.get(self.mask) if self.mask is not None else None
 
-    def adapter(self, causal: bool = False) -> Callable:
+    def adapter(self, causal: bool = False, pad: Tensor | None = None) -> Callable:
         """``call(module, x[, mask])`` replaying the recorded call (with a mask argument when the layer takes one).
         ``causal``: the model is causal (the user said so) and passes the layer a causal mask: a call without the
-        doctor's mask keeps the model's, cut to x's length, as the layer's own pattern (a mask replaces it)."""
+        doctor's mask keeps the model's, cut to x's length, as the layer's own pattern (a mask replaces it).
+        ``pad``: the model's padding (B, L), True = padding, when known."""
         copies: dict = {}  # the modules the call passes, cast to the probe's dtype (a half-precision run)
         own = _causal_like(self.recorded_mask(), self.length) if causal else None
 
@@ -154,7 +155,10 @@ class Layer:
         call = (lambda module, x: replay(module, x)) if self.mask is None else replay
         # the recorded per-item tensors (a residual of scores, a text sequence) are cut to x's batch from the
         # first row: an item alone is given the first item's, which the batch probe must know
-        rows = any(t.dim() > 1 and self.batch in t.shape[:1 + self.sequence_first] for t in self.extras)
+        heads = num_heads_of(self.module) or 1  # or heads folded into the batch, item-major (a per-graph (B * H, N, N)
+        rows = any(t.dim() > 1 and (self.batch in t.shape[:1 + self.sequence_first] or  # mask): cut alike
+                                    (heads > 1 and t.shape[0] == self.batch * heads != self.length))
+                   for t in self.extras)
         setattr(call, "rows_from_the_start", rows)  # noqa: B010 (an attribute of a function)
         setattr(call, "sequence_first", self.sequence_first)  # noqa: B010 (its masks in that layout: (L, L, B))
         # the model's causal mask stands for the layer's own pattern: a key mask (B, L) cannot carry it
@@ -170,6 +174,12 @@ class Layer:
         # float64 replay: a rotation by them is orthogonal to that precision only
         eps = [torch.finfo(t.dtype).eps for t in self.extras if t.is_floating_point()]
         setattr(call, "recorded_eps", max(eps, default=0.0))  # noqa: B010
+        # the model's padding added into an argument other than the mask (MPT's attn_bias, T5's position bias): the
+        # doctor's mask does not replace it, so the padded rows stay the model's in every run, not the layer's
+        carried = pad is not None and tuple(pad.shape) == (self.batch, self.length) and any(
+            _carries_padding(v, pad) or _pads_queries(v, pad) for k, v in [*enumerate(self.args), *self.kwargs.items()]
+            if k not in self.x and k != self.mask)
+        setattr(call, "padded_rows", pad if carried else None)  # noqa: B010
         return call
 
 
@@ -253,7 +263,10 @@ def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None, sequ
                 if n > length:
                     raise ValueError(f"the model called this layer at length {length}; it cannot be replayed at {n}")
                 t = t.narrow(d, 0, n)
-        if t.is_floating_point():
+        if t.is_floating_point() and x.is_floating_point() and t.dtype != x.dtype:
+            top = torch.finfo(x.dtype).max
+            if torch.finfo(t.dtype).max > top:  # a fill made in the model's dtype (finfo.min) is the narrower
+                t = torch.where(t.isinf(), t, t.clamp(-top, top))  # dtype's, as the model in it makes it, not -inf
             t = t.to(dtype=x.dtype)
         return t.to(x.device)
 
@@ -744,6 +757,22 @@ def _carries_padding(t: object, pad: Tensor) -> bool:
     return True
 
 
+def _pads_queries(t: object, pad: Tensor) -> bool:
+    """Is ``t`` a mask (B, ..., L, L) that hides every key of exactly the padded queries of each padded item, and
+    leaves some padded key visible to a real query: the model's padding laid out on the query axis?"""
+    if not isinstance(t, Tensor) or t.dim() < 3 or t.shape[0] != pad.shape[0] or \
+            t.shape[-1] != t.shape[-2] or t.shape[-1] != pad.shape[1] or t.is_complex():
+        return False
+    first = t.detach().reshape(t.shape[0], -1, *t.shape[-2:])[:, 0].cpu()  # (B, L, L): the first head's
+    items = [b for b in range(pad.shape[0]) if bool(pad[b].any())]
+    readings = [first, ~first] if first.dtype == torch.bool else [first <= -1e4] if first.is_floating_point() else []
+    for hidden in readings:
+        if items and all(torch.equal(hidden[b].all(-1), pad[b].cpu()) for b in items) and \
+                any(not bool(hidden[b][~pad[b].cpu()][:, pad[b].cpu()].all()) for b in items):
+            return True
+    return False
+
+
 def _replay(layer: Layer) -> Callable[[Tensor], Tensor | None]:
     """The layer's recorded call as the model made it (its own mask and arguments, in their own dtypes), on other
     hidden states."""
@@ -1031,8 +1060,23 @@ def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Find
     given = next((v for k, v in slots if k == layer.mask), None)
     if given is None:
         given = next((v for k, v in slots if k not in layer.x and _carries_padding(v, pad)), None)
-    if not isinstance(given, Tensor):
-        return None  # no mask passed to this layer (a model that pads nothing here)
+    on_queries = None if given is not None else \
+        next((v for k, v in slots if k not in layer.x and _pads_queries(v, pad)), None)
+    if not isinstance(given, Tensor):  # the model's inputs carry padding and this layer gets none of it (or only
+        moved = _padding_moves(layer, pad)  # on the queries' axis): the padded tokens must still not reach the real
+        if moved is None or not moved[0] > 1e-4 * (1 + moved[1]):  # ones (a causal layer hides right padding)
+            return None
+        change, scale = moved
+        if isinstance(on_queries, Tensor):
+            return Finding.of(MASK_BROADCAST, "called as the model calls it, the layer lets the padded tokens change "
+                              "the real tokens' outputs: the mask the model builds hides the padded queries' rows "
+                              "and no key (laid out on the query axis)", {
+                                  "mask the model passes": f"{on_queries.dtype} {tuple(on_queries.shape)}",
+                                  "largest change of a real token's output": change, "output scale": scale})
+        return Finding.of(MASK_IGNORED, "called as the model calls it, the layer lets the padded tokens change the "
+                          "real tokens' outputs: the model's inputs mark padding, and the model passes this layer "
+                          "nothing that hides it", {"largest change of a real token's output": change,
+                                                    "output scale": scale})
     what = f"{given.dtype} {tuple(given.shape)}"
     if _real_rows_empty(layer, pad):
         return Finding.of(MASK_INVERTED, "called as the model calls it, every real token of the padded items gets a "
@@ -1213,11 +1257,11 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
             try:
                 given = {k: v for k, v in options.items() if v is not None or k not in sized}
                 causal = bool(options.get("causal"))
-                done = check(layer.module, call=layer.adapter(causal), **{**sized, **given})
+                done = check(layer.module, call=layer.adapter(causal, pad_here), **{**sized, **given})
                 if "length" not in sized and options.get("length") is None and _shape_limited(done):
                     # it runs only at sizes that line up with its heads or width, and the model called it at one
                     # of them: the recorded length is the layer's own (a fixed window), as --length states it
-                    retry = check(layer.module, call=layer.adapter(causal), **{**given, **recorded})
+                    retry = check(layer.module, call=layer.adapter(causal, pad_here), **{**given, **recorded})
                     done = retry if not _shape_limited(retry) else done
                 report.layers[layer.name] = done
                 report.could_not_run.pop(layer.name, None)

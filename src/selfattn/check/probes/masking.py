@@ -58,6 +58,7 @@ from ..subject.context import (
     close,
     empty_row_keep,
     future,
+    padded_rows,
     probe_keep,
     raised_inside_doctor,
     rel,
@@ -135,6 +136,9 @@ def _length_dependent(ctx: Context) -> dict | None:
             full.shape[1] != x.shape[1] or part.shape != full[:, :short].shape:
         return None
     head = full[:, :short].double()
+    padded = padded_rows(call, head)
+    if padded is not None:  # rows the model pads, which see every key alike: not the layer's outputs
+        head, part = head[~padded], part[~padded]
     same = (part == head) | (part.isnan() & head.isnan())
     diff = float((part.double() - head).abs().masked_fill(same, 0).nan_to_num(float("inf")).max())
     size = float(full.double().abs().nan_to_num(0.0, posinf=0.0, neginf=0.0).max())
@@ -142,6 +146,16 @@ def _length_dependent(ctx: Context) -> dict | None:
         return None  # float64 copy rounds differently at another length
     return {"largest change of the first rows": f"{diff:.3g} (outputs up to {size:.3g})",
             "lengths": [x.shape[1], short]}
+
+
+def _hides_the_diagonal(dep: Tensor) -> bool:
+    """Does ``dep`` read as a causal mask that hides the diagonal (``triu(0)``)? Row i sees keys < i; its output still
+    depends on its own token through its query wherever two keys weigh against each other (rows 2 on), not where one
+    key takes all the weight (row 1); row 0 has no key left, and a large finite fill weighs every key alike there (or
+    -inf leaves it NaN)."""
+    lower = torch.ones_like(dep).tril()
+    return (bool(dep[0].all()) or not dep[0].any()) and torch.equal(dep[2:], lower[2:]) and \
+        bool(dep[1, 0]) and not dep[1, 1:].any()
 
 
 def _transposed(dep: Tensor) -> str | None:
@@ -376,6 +390,8 @@ def causality(ctx: Context) -> Outcome[Tensor]:
                                            "depend on no token: the model pads them in the call it makes "
                                            f"(the positions below count from token {start})")
     shape = band(dep)
+    if shape is None and length > 2 and _hides_the_diagonal(dep):
+        shape = (whole, -1)
     if not ctx.normalised and shape is None and not moved:
         moved = ("the weights go through no softmax (ReLU^2, sigmoid or linear attention): a key a row does not "
                  "depend on may be a zero of its scores, not a mask")

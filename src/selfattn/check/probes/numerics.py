@@ -29,7 +29,7 @@ from ..findings import (
 )
 from ..subject.building import copy_module, name_role, norm_role
 from ..subject.caller import Caller
-from ..subject.context import Context, Outcome, empty_row_keep, padding_keep, raised_inside_doctor, rel
+from ..subject.context import Context, Outcome, empty_row_keep, padded_rows, padding_keep, raised_inside_doctor, rel
 
 __all__ = ["HALF_ULPS", "gradients", "half_precision"]
 
@@ -492,6 +492,9 @@ def _gradients(ctx: Context) -> Outcome[None]:
         if not out.requires_grad:
             return Outcome([Finding.of(NO_GRAD, "the output carries no gradient", {})])
         weights = torch.randn(out.shape, generator=ctx.gen, dtype=torch.float64).to(out.device)
+        padded = padded_rows(call, out)
+        if padded is not None:  # rows the model pads (every key hidden: the scores rounded away under the fill,
+            weights[padded] = 0  # which autograd does not see) are not the layer's outputs
         (out.double() * weights).sum().backward()
     except RuntimeError as err:
         if not _autograd_refuses_in_place(err):

@@ -19,8 +19,8 @@ from torch import Tensor, nn
 from ..findings import Finding
 from .caller import Caller, MaskSpec
 
-__all__ = ["Context", "Outcome", "close", "empty_row_keep", "future", "not_verified", "padding_keep", "probe_keep",
-           "raised_inside_doctor", "rel", "tolerance"]
+__all__ = ["Context", "Outcome", "close", "empty_row_keep", "future", "not_verified", "padded_rows", "padding_keep",
+           "probe_keep", "raised_inside_doctor", "rel", "tolerance"]
 
 T = TypeVar("T")
 
@@ -128,6 +128,18 @@ def raised_inside_doctor(err: BaseException) -> bool:
                 deepest = name
         tb = tb.tb_next
     return deepest is not None and deepest.startswith(_DOCTOR + os.sep)
+
+
+def padded_rows(call: Caller, out: Tensor) -> Tensor | None:
+    """(B, L) bool, True at the rows of ``out`` (B, L, ...) that a replayed layer's model pads through an argument
+    of its call other than the mask (MPT's ``attn_bias``, T5's position bias, with the padding added in): rows the
+    model never reads, which may see every key (a row with all of them hidden weighs them alike); None when the call
+    carries no such padding or ``out`` is larger than the recorded call."""
+    pad = getattr(call.adapter, "padded_rows", None)
+    if not isinstance(pad, Tensor) or out.dim() < 2 or out.shape[0] > pad.shape[0] or out.shape[1] > pad.shape[1]:
+        return None
+    rows = pad[:out.shape[0], :out.shape[1]].to(out.device)  # the recorded call is cut from its start alike
+    return rows if bool(rows.any()) else None
 
 
 def close(a: Tensor, b: Tensor, rtol: float = 1e-4) -> bool:

@@ -40,7 +40,7 @@ from ..findings import (
 from ..probes.masking import unlike_alone
 from ..subject.building import num_heads_of
 from ..subject.caller import Caller, dependency, grid
-from ..subject.context import Context, Outcome, padding_keep
+from ..subject.context import Context, Outcome, padded_rows, padding_keep
 from .products import (
     Unrecognised,
     Unseen,
@@ -159,6 +159,10 @@ def _runs(ctx: Context, masked: Caller | None, dep: Tensor) -> list[tuple[str, T
         deps += [dependency(ctx.analysis, ctx.analysis_x, item=i, rtol=ctx.dependency_rtol) for i in range(1, b)]
     own = None if all(bool(d.all()) for d in deps) else \
         torch.stack(deps) if len(deps) == b else dep.expand(b, length, length)
+    padded = None if own is None else padded_rows(ctx.call, ctx.x)
+    if own is not None and padded is not None:  # the rows the model pads through its call (every key hidden, so
+        own = own.clone()  # each weighs them alike) are no query's: no key is one they may see
+        own[padded.cpu()] = False
     return [(label, sent, sent if own is None else own if sent is None else sent & own) for label, sent in runs]
 
 

@@ -623,6 +623,11 @@ def _residual_head_mix(trace: Trace, op: Op) -> int | None:
     return None
 
 
+def _visible(s: Tensor) -> Tensor:
+    """The scores no mask hides (finite and above a fill)."""
+    return torch.isfinite(s) & (s > _MASKED)
+
+
 def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool,
          given: float | None = None) -> tuple[float, Tensor, Tensor]:
     """Fit s = c * r + t + a constant per row (the softmax ignores one) over the visible entries (with terms: those
@@ -633,7 +638,7 @@ def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool,
         batch = 1
     r = r.double().reshape(batch, -1, lq, lk)
     s = s.double().reshape(r.shape)
-    seen = torch.isfinite(s) & (s > _MASKED) & torch.isfinite(r)
+    seen = _visible(s) & torch.isfinite(r)
     # a term shared by the items is fitted where every item sees the key; without one each item's own visible
     # scores will do (a top-k that keeps other keys in each item, beside a padding mask)
     joint = seen.all(0, keepdim=True).expand_as(seen) if with_terms else seen
@@ -1147,7 +1152,8 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict, apart: in
         return None
     # a key no query may see is padding: its own query's row is not an output anyone reads (packed documents give
     # the padding a document of its own), so it is not compared
-    padded_rows = want.all(-2, keepdim=True).transpose(-1, -2)  # (B, 1, L, 1)
+    # nor is the row of a query that may see no key (a row the model pads, or one that depends on no token)
+    padded_rows = want.all(-2, keepdim=True).transpose(-1, -2) | want.all(-1, keepdim=True)  # (B, 1, L, 1)
     if torch.equal(torch.where(padded_rows, want, hidden), want.expand_as(hidden)):
         return None
     if len(lead) == 1 and lead[0] > b and b > 1:
@@ -1223,7 +1229,8 @@ def _fit_on_two_runs(s: Tensor, r: Tensor, s2: Tensor, r2: Tensor, batch: int) -
     shared."""
     if s.shape != s2.shape or r.shape != r2.shape:
         return None
-    c, _, seen = _fit(s - s2, r - r2, batch, False)
+    apart = torch.where(_visible(s) & _visible(s2), s.double() - s2.double(), -math.inf)  # a key masked in a run
+    c, _, seen = _fit(apart, r - r2, batch, False)  # is no entry of the difference (two fills would leave it 0)
     _, t, seen2 = _fit(s, r, batch, False, c)
     _, t2, _ = _fit(s2, r2, batch, False, c)
     size = 1 + float(s.double().reshape(t.shape)[seen2].abs().max())
