@@ -1020,3 +1020,48 @@ def test_padding_added_into_the_bias_the_model_passes_is_the_models(side, bug, e
         assert report.verdict == "passed", report.to_json()
     else:
         assert all(expected in layer.ids for layer in report.layers.values()), report.to_json()
+
+
+# -- the Annotated Transformer's decoder: a mask it requires, built by the model as padding & subsequent ----------
+class AnnotatedAttention(nn.Module):
+    """MultiHeadedAttention(query, key, value, mask): the mask is required, (B, L, L) with 0 = masked (filled with
+    -1e4 here, where the original's -1e9 overflows float16)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.linears = nn.ModuleList(nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, query, key, value, mask):
+        b, n, e = query.shape
+        q, k, v = (lin(t).view(b, -1, self.h, e // self.h).transpose(1, 2)
+                   for lin, t in zip(self.linears, (query, key, value), strict=False))
+        scores = (q @ k.transpose(-2, -1) / math.sqrt(e // self.h)).masked_fill(mask.unsqueeze(1) == 0, -1e4)
+        return self.linears[-1]((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class AnnotatedDecoderLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(AnnotatedAttention() for _ in range(2))
+
+    def forward(self, tgt):
+        n = tgt.shape[1]
+        mask = (tgt != 0).unsqueeze(-2) & (torch.triu(torch.ones(1, n, n), diagonal=1) == 0)
+        h = self.embed(tgt)
+        for layer in self.layers:
+            h = h + layer(h, h, h, mask)
+        return h
+
+
+def test_the_models_causal_mask_stands_for_the_layers_pattern_at_any_length():
+    """catches: under --causal, a decoder whose layers require the mask the model builds was replayed without the
+    model's causal mask when the doctor's probe was longer than the recorded call (a target of 5 tokens): that
+    mask was cut to the probe's length, which it cannot be, so an all-visible one went in (causal-leak on a correct
+    decoder)."""
+    torch.manual_seed(0)
+    tgt = torch.randint(1, 50, (2, 5))
+    tgt[0, -2:] = 0
+    report = check_model(AnnotatedDecoderLM().eval(), (tgt,), causal=True)
+    assert report.passed, report.summary()

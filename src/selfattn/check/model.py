@@ -129,8 +129,8 @@ class Layer:
         def replay(module: nn.Module, x: Tensor, mask: object = None) -> object:
             fit = _fitter(x, self.batch, self.length, copies, self.sequence_first, num_heads_of(module),
                           self.shared)
-            if mask is None and own is not None:
-                mask = tree_map(fit, own)
+            if mask is None and own is not None:  # the plain causal mask at x's length (a buffer larger than the
+                mask = fit(own if own.shape[-1] > self.length else _causal_at(own, x.shape[1]))  # call: at its size)
             if self.sequence_first:
                 x = x.transpose(0, 1)
             args = [x if i in self.x else (mask if i == self.mask else tree_map(fit, a))
@@ -224,6 +224,16 @@ def _causal_like(mask: object, length: int) -> Tensor | None:
         return None
     hidden = float(mask.min())
     return torch.zeros(shape, dtype=mask.dtype, device=mask.device).masked_fill(~lower, hidden)
+
+
+def _causal_at(own: Tensor, length: int) -> Tensor:
+    """The plain causal mask ``own`` (from :func:`_causal_like`) in its kind, fill and leading shape, over ``length``
+    tokens."""
+    lower = torch.ones(length, length, dtype=torch.bool, device=own.device).tril()
+    shape = (*own.shape[:-2], length, length)
+    if own.dtype == torch.bool:  # True = may attend when the first query sees its own key
+        return (lower if bool(own.reshape(-1, *own.shape[-2:])[0, 0, 0]) else ~lower).expand(shape).clone()
+    return torch.zeros(shape, dtype=own.dtype, device=own.device).masked_fill(~lower, float(own.min()))
 
 
 def _fitter(x: Tensor, batch: int, length: int, copies: dict | None = None, sequence_first: bool = False,
