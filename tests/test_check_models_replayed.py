@@ -218,7 +218,10 @@ class SASRecLike(nn.Module):
         for norm, attention in zip(self.norms, self.attention_layers, strict=True):
             seqs = seqs.transpose(0, 1)
             q = norm(seqs)
-            out, _ = attention(q, seqs, seqs, attn_mask=causal, key_padding_mask=padding)
+            if self.bug == "keys-normed":  # the other way round: the keys and values normed, the query raw
+                out, _ = attention(seqs, q, q, attn_mask=causal, key_padding_mask=padding)
+            else:
+                out, _ = attention(q, seqs, seqs, attn_mask=causal, key_padding_mask=padding)
             seqs = (q + out).transpose(0, 1) * ~timeline_mask.unsqueeze(-1)
         return seqs
 
@@ -231,14 +234,15 @@ def _item_sequences() -> torch.Tensor:
     return seqs
 
 
-@pytest.mark.parametrize(("bug", "expected"), [(None, None), ("kpm-inverted", "mask-inverted"),
+@pytest.mark.parametrize(("bug", "expected"), [(None, None), ("keys-normed", None), ("kpm-inverted", "mask-inverted"),
                                                ("mask-anticausal", "causal-leak")])
 def test_a_query_normed_apart_from_its_keys_is_self_attention(bug, expected):
     """catches: SASRec's mha(LayerNorm(x), x, x) replayed with the doctor's input as the query only, the keys left
     as recorded: definition-mismatch ("each query sees only its own token") and mask-ignored on correct code, an
     inverted padding mask certified, a mask that shows only the future read as a cross-attention (changing the
     first token reached no other row). The keys and values go with the query when they are one tensor of its
-    shape, the padding is read from the mask the model passes, and the last token is changed too."""
+    shape, the padding is read from the mask the model passes, and the last token is changed too. Keys and
+    values normed where the query is not (a correct variant) were read as a cross-attention and not checked."""
     torch.manual_seed(0)
     report = check_model(SASRecLike(bug=bug), (_item_sequences(),), layers=1)
     assert not report.not_self_attention, report.not_self_attention

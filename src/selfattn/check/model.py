@@ -362,15 +362,16 @@ def _mask_parameter(module: nn.Module, kwargs: dict, taken: set, given: dict | N
 def _keys_and_values(slots: list[tuple[int | str, object]], hidden: Tensor, params: list[str]) -> tuple:
     """The slots of forward(query, key, value) (or forward(queries, keys)) that take one other tensor of the query's
     shape as the keys and values: self-attention whose query alone went through a norm (SASRec's
-    ``mha(LayerNorm(x), x, x)``). The doctor's input goes to all of them, as it does for a module checked alone;
-    else ()."""
+    ``mha(LayerNorm(x), x, x)``), or whose keys and values did. The doctor's input goes to all of them, as it does
+    for a module checked alone; else ()."""
     def named(k: int | str) -> str:
         return (params[k] if k < len(params) else "") if isinstance(k, int) else k
 
     same = [(k, a) for k, a in slots if isinstance(a, Tensor) and a is not hidden and a.shape == hidden.shape]
     if not same or len(same) > 2 or any(a is not same[0][1] for _, a in same):
         return ()
-    if all(named(k).lower() in _KEY_VALUE_NAMES for k, _ in same) and _normed_from(hidden, same[0][1]):
+    if all(named(k).lower() in _KEY_VALUE_NAMES for k, _ in same) and \
+            (_normed_from(hidden, same[0][1]) or _normed_from(same[0][1], hidden)):  # or the keys and values normed
         return tuple(k for k, _ in same)
     return ()
 
