@@ -343,3 +343,42 @@ def test_values_changed_by_a_term_of_the_input_are_read_through_sdpa_too(rope_on
         assert "values-changed" in report.ids, report.findings
     else:
         assert report.passed, report.findings
+
+
+# -- x-transformers' per-head RMS norms: F.normalize(t, dim=-1) * sqrt(dim_head) * (gamma + 1) --------------------
+class HeadRMSNormAttention(nn.Module):
+    """x-transformers' ``k_rmsnorm`` / ``qk_rmsnorm``: the keys (``both``: the queries too) RMS-normed per head as a
+    unit norm times sqrt(dim_head) and a learned gain, then the usual 1/sqrt(dim_head) (``unscaled``: left out)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, both: bool = False, unscaled: bool = False) -> None:
+        super().__init__()
+        self.h, self.both, self.unscaled = heads, both, unscaled
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.to_out = nn.Linear(dim, dim, bias=False)
+        self.k_gamma = nn.Parameter(torch.zeros(heads, 1, dim // heads))
+        self.q_gamma = nn.Parameter(torch.zeros(heads, 1, dim // heads))
+
+    def forward(self, x):
+        b, n, e = x.shape
+        d = e // self.h
+        q, k, v = (f(x).view(b, n, self.h, d).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        k = F.normalize(k, dim=-1) * d ** 0.5 * (self.k_gamma + 1.0)
+        if self.both:
+            q = F.normalize(q, dim=-1) * d ** 0.5 * (self.q_gamma + 1.0)
+        scores = torch.einsum("bhid,bhjd->bhij", q, k) * (1.0 if self.unscaled else d ** -0.5)
+        out = torch.einsum("bhij,bhjd->bhid", scores.softmax(-1), v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize(("both", "unscaled", "expected"), [(False, False, None), (True, False, None),
+                                                            (False, True, "missing-scale")])
+def test_keys_rms_normed_as_a_unit_norm_times_sqrt_d_keep_their_scale(both, unscaled, expected):
+    """catches: keys RMS-normed as F.normalize(k) * sqrt(dim_head) were read as scaled by sqrt(dim_head), so the
+    correct 1/sqrt(dim_head) after them came out as no scale at all (missing-scale on correct code); that sqrt(d)
+    is the norm's own."""
+    torch.manual_seed(0)
+    report = check(HeadRMSNormAttention(both=both, unscaled=unscaled))
+    if expected is None:
+        assert report.passed, report.findings
+    else:
+        assert expected in report.ids, report.findings

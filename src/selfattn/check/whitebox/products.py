@@ -59,7 +59,7 @@ from .positions import (
     unit_before_gains,
     unit_over_tokens,
 )
-from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
+from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Origin, Trace
 
 __all__ = ["ROLE_PATTERNS", "Verdict", "bucket_not_relative", "core_operands", "examine_cores", "memory_tokens",
            "name_role", "relative_positions"]
@@ -1204,6 +1204,16 @@ class _ScoresRead(Exception):  # not an error: how the read of a partner run han
         self.s, self.r = s, r
 
 
+def _past_the_norm(origin: Origin, d: int) -> float:
+    """The factor an operand got after its origin, less the sqrt(d) of an RMS norm written as a unit norm times
+    sqrt(d) (x-transformers' ``F.normalize(k, dim=-1) * dim_head ** 0.5``): that factor is the norm's own, and the
+    operand's entries are of size 1 after it, as a plain projection's are."""
+    if origin.op is not None and origin.op.name in ("normalize", "l2norm") and \
+            abs(origin.factor / math.sqrt(d) - 1) < 1e-3:
+        return origin.factor / math.sqrt(d)
+    return origin.factor
+
+
 def _partner_scores(partner: Callable[[], Trace | None] | None, trace: Trace, sm: Op, final: Tensor, width: int,
                     length: int, expected: Callable[[int], float | None], batch: int,
                     local: bool) -> tuple[Tensor, Tensor] | None:
@@ -1487,7 +1497,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if over_tokens:
         return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, **evidence}, facts)
     origin_a, origin_b = scale_origin(trace, aid), scale_origin(trace, bid)
-    scale = c * origin_a.factor * origin_b.factor
+    scale = c * _past_the_norm(origin_a, d) * _past_the_norm(origin_b, d)
     unit = _unit_norm(a, b, origin_a.factor, origin_b.factor) or \
         (unit_before_gains(trace, aid, d) and unit_before_gains(trace, bid, d))
     fid, said = _scale_verdict(scale, d, width, expected(d), unit)
