@@ -382,3 +382,49 @@ def test_keys_rms_normed_as_a_unit_norm_times_sqrt_d_keep_their_scale(both, unsc
         assert report.passed, report.findings
     else:
         assert expected in report.ids, report.findings
+
+
+class XPosMemoryKVAttention(nn.Module):
+    """x-transformers' ``rotary_xpos`` with ``attn_num_mem_kv``: rotary positions that also scale q by s^(i/512) and
+    k by s^(-i/512) per frequency (xPos), then learned memory keys and values put before the keys. ``bug``:
+    "k-pairs" rotates k by interleaved pairs where q is rotated by halves."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, memory: int = 2, bug: str | None = None) -> None:
+        super().__init__()
+        self.h, self.bug = heads, bug
+        d = dim // heads
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.to_out = nn.Linear(dim, dim, bias=False)
+        self.mem_k = nn.Parameter(torch.randn(heads, memory, d))
+        self.mem_v = nn.Parameter(torch.randn(heads, memory, d))
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+        self.register_buffer("xpos", (torch.arange(0, d, 2).float() + 0.4 * d) / (1.4 * d))
+
+    def forward(self, x):
+        b, n, e = x.shape
+        d = e // self.h
+        q, k, v = (f(x).view(b, n, self.h, d).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        t = torch.arange(n, dtype=x.dtype)
+        freqs = torch.cat([torch.outer(t, self.inv_freq)] * 2, -1)
+        power = (t - n // 2)[:, None] / 512
+        scale = torch.cat([self.xpos] * 2)[None, :] ** power
+        q = q * freqs.cos() * scale + _rotate_half(q) * freqs.sin() * scale
+        turn = _rotate_pairs if self.bug == "k-pairs" else _rotate_half
+        k = k * freqs.cos() / scale + turn(k) * freqs.sin() / scale
+        k = torch.cat((self.mem_k.expand(b, -1, -1, -1), k), dim=-2)
+        v = torch.cat((self.mem_v.expand(b, -1, -1, -1), v), dim=-2)
+        w = (q @ k.transpose(-1, -2) * d ** -0.5).softmax(-1)
+        return self.to_out((w @ v).transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize(("bug", "expected"), [(None, None), ("k-pairs", "rotary-mismatch")])
+def test_memory_keys_joined_after_xpos_rotary_are_not_read_as_part_of_the_rotation(bug, expected):
+    """catches: xPos keys with memory keys put before them were read as one rotated operand: the memory part is no
+    rotation, so the xPos decay was named rotary-mismatch (x-transformers' Decoder(rotary_xpos=True,
+    attn_num_mem_kv=2)); the tokens' part of the keys is read."""
+    torch.manual_seed(0)
+    report = check(XPosMemoryKVAttention(bug=bug), causal=False)
+    if expected is None:
+        assert report.passed, report.findings
+    else:
+        assert expected in report.ids, report.findings

@@ -85,12 +85,20 @@ def rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:
     operand's row norms up to that factor."""
     found = trace.maker(tid)
     if found is not None and found[0].name == "cat" and found[0].in_ids:
-        found = trace.maker(found[0].in_ids[0])  # partial rotary: the rotated part comes first
+        op = found[0]
+        dim = op.kwargs.get("dim", op.args[1] if len(op.args) > 1 and isinstance(op.args[1], int) else 0)
+        if dim in (-1, value.dim() - 1):
+            found = trace.maker(op.in_ids[0])  # partial rotary: the rotated part comes first
+        else:  # memory keys joined along the tokens (x-transformers' mem_k before the rotated keys): the tokens' part
+            sizes = [t.numel() for t in op.inputs]
+            if len(sizes) != len(op.in_ids) or max(sizes) * 2 <= sum(sizes):
+                return None
+            return rotation_problem(trace, op.in_ids[sizes.index(max(sizes))], op.inputs[sizes.index(max(sizes))])
     elif found is not None and found[0].name in ("setitem", "copy_") and found[0].in_ids:
         found = trace.maker(found[0].in_ids[-1])  # written into a part of the tokens in place (CogVideoX's image part)
     if found is None or found[0].name not in ("add", "sub") or len(found[0].in_ids) != 2:
         return None
-    if any(p is None or p[0].name != "mul" for p in (trace.maker(i) for i in found[0].in_ids)):
+    if any(p is None or p[0].name not in ("mul", "div", "truediv") for p in (trace.maker(i) for i in found[0].in_ids)):
         return None
     norms = value.double().norm(dim=-1)
     ratios = []
