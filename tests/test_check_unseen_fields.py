@@ -389,9 +389,10 @@ class XPosMemoryKVAttention(nn.Module):
     k by s^(-i/512) per frequency (xPos), then learned memory keys and values put before the keys. ``bug``:
     "k-pairs" rotates k by interleaved pairs where q is rotated by halves."""
 
-    def __init__(self, dim: int = 64, heads: int = 4, memory: int = 2, bug: str | None = None) -> None:
+    def __init__(self, dim: int = 64, heads: int = 4, memory: int = 2, bug: str | None = None,
+                 scale_first: bool = False) -> None:
         super().__init__()
-        self.h, self.bug = heads, bug
+        self.h, self.bug, self.scale_first = heads, bug, scale_first
         d = dim // heads
         self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
         self.to_out = nn.Linear(dim, dim, bias=False)
@@ -408,13 +409,25 @@ class XPosMemoryKVAttention(nn.Module):
         freqs = torch.cat([torch.outer(t, self.inv_freq)] * 2, -1)
         power = (t - n // 2)[:, None] / 512
         scale = torch.cat([self.xpos] * 2)[None, :] ** power
+        if self.scale_first:  # local-attention's order: q scaled, then rotated
+            q = q * d ** -0.5
         q = q * freqs.cos() * scale + _rotate_half(q) * freqs.sin() * scale
         turn = _rotate_pairs if self.bug == "k-pairs" else _rotate_half
         k = k * freqs.cos() / scale + turn(k) * freqs.sin() / scale
         k = torch.cat((self.mem_k.expand(b, -1, -1, -1), k), dim=-2)
         v = torch.cat((self.mem_v.expand(b, -1, -1, -1), v), dim=-2)
-        w = (q @ k.transpose(-1, -2) * d ** -0.5).softmax(-1)
+        w = (q @ k.transpose(-1, -2) * (1.0 if self.scale_first else d ** -0.5)).softmax(-1)
         return self.to_out((w @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_scale_applied_before_xpos_rotary_counts():
+    """catches: q scaled by 1/sqrt(d) before an xPos rotation (local-attention's LocalMHA(use_xpos=True)) was
+    missing-scale: the walk back from the scores stopped at the rotation, which is no pure one (it scales each row);
+    it goes on to the tensor the rotation was made from. (Here q's size alone also tells a scale folded into it.)"""
+    torch.manual_seed(0)
+    report = check(XPosMemoryKVAttention(scale_first=True))
+    assert report.passed, report.findings
+    assert "scaled by 0.25 = 1/sqrt(16)" in report.inferred["white box"]["without mask"], report.inferred
 
 
 @pytest.mark.parametrize(("bug", "expected"), [(None, None), ("k-pairs", "rotary-mismatch")])
@@ -424,6 +437,46 @@ def test_memory_keys_joined_after_xpos_rotary_are_not_read_as_part_of_the_rotati
     attn_num_mem_kv=2)); the tokens' part of the keys is read."""
     torch.manual_seed(0)
     report = check(XPosMemoryKVAttention(bug=bug), causal=False)
+    if expected is None:
+        assert report.passed, report.findings
+    else:
+        assert expected in report.ids, report.findings
+
+
+# -- torchscale's MultiheadAttention: q scaled in place, NaN scores zeroed before the additive mask ----------------
+class TorchscaleStyleAttention(nn.Module):
+    """torchscale's layer called by its Decoder: ``q *= self.scaling``, heads folded into the batch, ``nan_to_num``
+    on the scores, then the -inf causal mask added in place, and its sub-LayerNorm (``subln``) before the output
+    projection. ``unscaled``: the in-place scaling left out."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, unscaled: bool = False) -> None:
+        super().__init__()
+        self.h, self.unscaled = heads, unscaled
+        self.scaling = (dim // heads) ** -0.5
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(dim, dim) for _ in range(3))
+        self.inner_attn_ln = nn.LayerNorm(dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if not self.unscaled:
+            q *= self.scaling
+        q, k, v = (t.view(b, n, self.h, -1).transpose(1, 2).reshape(b * self.h, n, -1) for t in (q, k, v))
+        attn_mask = torch.triu(torch.zeros(n, n).fill_(float("-inf")), 1)
+        w = torch.bmm(q, k.transpose(1, 2))
+        w = torch.nan_to_num(w)
+        w += attn_mask.unsqueeze(0)
+        out = torch.bmm(F.softmax(w, dim=-1), v)
+        return self.out_proj(self.inner_attn_ln(out.view(b, self.h, n, -1).transpose(1, 2).reshape(b, n, e)))
+
+
+@pytest.mark.parametrize(("unscaled", "expected"), [(False, None), (True, "missing-scale")])
+def test_scores_through_nan_to_num_are_read(unscaled, expected):
+    """catches: torchscale's nan_to_num between the score product and the softmax stopped the reading of the
+    scores (definition-mismatch, "the scores pass through nan_to_num()"); on finite scores it changes nothing."""
+    torch.manual_seed(0)
+    report = check(TorchscaleStyleAttention(unscaled=unscaled))
     if expected is None:
         assert report.passed, report.findings
     else:

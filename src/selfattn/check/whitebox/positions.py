@@ -158,6 +158,31 @@ def rotated_from(trace: Trace, tid: int) -> tuple[int, float] | None:
     return None
 
 
+def scaled_rotation_source(trace: Trace, tid: int) -> int | None:
+    """For ``tid`` made as t * cos * s + f(t) * sin * s (rotary positions that also scale each row: xPos), the key of
+    t: the tensor of ``tid``'s shape that the first product's factors lead back to and that the second term was made
+    from too; else None."""
+    found = trace.maker(tid)
+    value = trace.value(tid)
+    if found is None or value is None or found[0].name not in _SUMS or len(found[0].in_ids) != 2:
+        return None
+    first, second = found[0].in_ids
+    cur = first
+    for _ in range(6):  # down the factors of the first term to the tensor they multiply
+        made = trace.maker(cur)
+        if made is None or made[0].name not in ("mul", "div", "truediv") or len(made[0].inputs) != 2 or \
+                made[0].number() is not None:  # by tables (cos, sin, the scale per row), not by a number
+            break
+        same = [i for i, t in zip(made[0].in_ids, made[0].inputs, strict=False) if t.shape == value.shape]
+        if len(same) != 1:
+            break
+        cur = same[0]
+    made_from = trace.value(cur)
+    if cur == first or made_from is None or made_from.shape != value.shape:
+        return None
+    return cur if cur in set(trace.ancestors(second, limit=24)) else None
+
+
 def rotation_on_the_way(trace: Trace, tid: int) -> bool | None:
     """Was the score operand ``tid`` rotated (:func:`rotated_from`) somewhere between its projection and the
     product? True when some tensor it was made from is a rotation; False when the walk back reached the projection
@@ -237,6 +262,10 @@ def scale_origin(trace: Trace, tid: int) -> Origin:
             if sizes[1 - big] * 4 <= sizes[big] and origin.op.inputs[big].shape == origin.op.outputs[0].shape:
                 tid = origin.op.in_ids[big]
                 continue
+        if rotated is None and origin.op is not None and (source := scaled_rotation_source(trace, origin.id)) is not \
+                None:  # xPos: a rotation that also scales each row by s^i (q) or s^-i (k), which cancel in q . k:
+            tid = source  # a factor applied before it counts as one applied after
+            continue
         if rotated is None:
             return Origin(origin.id, factor, origin.op, origin.part, origin.parts)
         tid = rotated[0]

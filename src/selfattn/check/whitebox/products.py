@@ -488,6 +488,8 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
         elif number is not None or op.name in LAYOUT or op.name in ("tanh",):
             steps.append((op.name, number))
             nxt = op.main_input()
+        elif op.name == "nan_to_num" and op.in_ids:  # NaN scores to 0 (torchscale's, before its mask is added):
+            nxt = op.in_ids[0]  # the finite scores pass as they are
         elif op.name in ("setitem", "index_put", "index_put_") and op.in_ids and len(op.args) >= 3 and \
                 (isinstance(op.args[2], (int, float)) or (isinstance(op.args[2], Tensor) and op.args[2].numel() == 1)):
             steps.append(("masked_fill", None))  # scores at some indices set to a number: a mask written in place
