@@ -481,3 +481,43 @@ def test_scores_through_nan_to_num_are_read(unscaled, expected):
         assert report.passed, report.findings
     else:
         assert expected in report.ids, report.findings
+
+
+# -- x-transformers' pre_scale_post_talking_heads: the weights scaled after the softmax by a mix of the heads' scores --
+class PreScalePostTalkingHeads(nn.Module):
+    """x-transformers' Attend with ``pre_scale_post_talking_heads``: a 1x1 convolution over the heads of the scaled
+    scores, which then multiplies the softmax's weights (its "improvisation"). ``masked``: a 0/1 causal mask
+    multiplied into the weights after the softmax instead (a bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, masked: bool = False) -> None:
+        super().__init__()
+        self.h, self.masked = heads, masked
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.pre_scale_post_talking_heads = nn.Conv2d(heads, heads, 1, bias=False)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.h, -1).transpose(1, 2) for t in self.to_qkv(x).chunk(3, -1))
+        sim = torch.einsum("bhid,bhjd->bhij", q, k) * (e // self.h) ** -0.5
+        attn = sim.softmax(-1)
+        if self.masked:
+            attn = attn * torch.ones(n, n).tril()
+        else:
+            attn = attn * self.pre_scale_post_talking_heads(sim)
+        out = torch.einsum("bhij,bhjd->bhid", attn, v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize(("masked", "allow", "expected"), [(False, False, "definition-mismatch"), (False, True, None),
+                                                           (True, False, "mask-after-softmax")])
+def test_weights_rescaled_after_the_softmax_by_a_dense_term_are_no_mask(masked, allow, expected):
+    """catches: weights multiplied after the softmax by a term of the scores (a mix of the heads) were named
+    mask-after-softmax, even with --allow-nonstandard; a mask multiplies by 0 or 1, this by many values: it follows
+    no formula of attention (definition-mismatch, which the user may allow). A 0/1 mask there stays
+    mask-after-softmax."""
+    torch.manual_seed(0)
+    report = check(PreScalePostTalkingHeads(masked=masked), allow_nonstandard=allow)
+    if expected is None:
+        assert report.passed, report.findings
+    else:
+        assert expected in report.ids, report.findings

@@ -1206,6 +1206,22 @@ class _ScoresRead(Exception):  # not an error: how the read of a partner run han
         self.s, self.r = s, r
 
 
+def _rescaled_densely(w: Tensor, p: Tensor) -> bool:
+    """Are the weights ``w`` the softmax's ``p`` times a tensor of many values (x-transformers' weights scaled by a
+    mix of the heads' scores), not of 0 and one other number (a mask applied after the softmax)?"""
+    if w.shape != p.shape:
+        return False
+    p64, w64 = p.detach().double(), w.detach().double()
+    seen = p64.abs() > 1e-9
+    if not bool(seen.any()):
+        return False
+    ratio = (w64[seen] / p64[seen]).abs()
+    ratio = ratio[ratio > 1e-6]
+    if ratio.numel() < 2:
+        return False
+    return float(ratio.max() - ratio.min()) > 1e-3 * float(ratio.max())
+
+
 def _past_the_norm(origin: Origin, d: int) -> float:
     """The factor an operand got after its origin, less the sqrt(d) of an RMS norm written as a unit norm times
     sqrt(d) (x-transformers' ``F.normalize(k, dim=-1) * dim_head ** 0.5``): that factor is the norm's own, and the
@@ -1384,6 +1400,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                                       f"({', '.join(passed)}), so that each row sums to {factor:.3g}: "
                                                       "a scale belongs on the scores, before the softmax",
                                            **evidence})
+        if _orientation(w, p) is None and _rescaled_densely(w, p):
+            return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights are multiplied after the softmax by a "
+                                                   f"tensor that varies entry by entry ({', '.join(passed)}; not a "
+                                                   "mask, which multiplies by 0 or 1): the visible keys' weights no "
+                                                   "longer sum to 1", **evidence})
         if _orientation(w, p) is None:
             return Verdict(MASK_AFTER_SOFTMAX, {"matches": f"the weights are masked after the softmax "
                                                   f"({', '.join(passed)}): the visible keys' weights no longer sum "
