@@ -521,3 +521,45 @@ def test_weights_rescaled_after_the_softmax_by_a_dense_term_are_no_mask(masked, 
         assert report.passed, report.findings
     else:
         assert expected in report.ids, report.findings
+
+
+# -- older transformers decoders (LLaMA in transformers 4.28, Baichuan, InternLM): the scores floored at finfo.min --
+class FlooredScoresAttention(nn.Module):
+    """Baichuan2-13B's order: the scores plus an ALiBi bias with the future hidden, the additive mask added, then
+    ``torch.max(scores, torch.tensor(finfo.min))`` (``clamp``: ``scores.clamp(min=finfo.min)``) so that -inf plus a
+    mask stays finite. ``scale``: the scale on the scores."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, clamp: bool = False, scale: float | None = None) -> None:
+        super().__init__()
+        self.h, self.clamp = heads, clamp
+        self.scale = scale if scale is not None else (dim // heads) ** -0.5
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, hidden_states, attention_mask=None):
+        b, n, e = hidden_states.shape
+        q, k, v = (f(hidden_states).view(b, n, self.h, -1).transpose(1, 2) for f in (self.q_proj, self.k_proj,
+                                                                                     self.v_proj))
+        i = torch.arange(n)
+        slopes = 2.0 ** (-8.0 * torch.arange(1, self.h + 1) / self.h)
+        future = torch.full((n, n), float("-inf")).triu(1)  # Baichuan's future_mask: ALiBi over the keys, causal
+        w = q @ k.transpose(2, 3) * self.scale + slopes[:, None, None] * i[None, None, :] + future
+        if attention_mask is not None:
+            w = w + attention_mask
+            low = torch.finfo(w.dtype).min
+            w = w.clamp(min=low) if self.clamp else torch.max(w, torch.tensor(low))
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+        return self.o_proj((w @ v).transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize("clamp", [False, True], ids=["max", "clamp"])
+@pytest.mark.parametrize(("scale", "expected"), [(None, None), (1 / 8, "wrong-scale")])
+def test_scores_floored_at_finfo_min_are_read(clamp, scale, expected):
+    """catches: torch.max(scores, finfo.min) after the mask (the older transformers decoders', Baichuan's) stopped
+    the reading of the scores under a mask (definition-mismatch, "the scores pass through max()"); it only lifts
+    -inf to the lowest finite number."""
+    torch.manual_seed(0)
+    report = check(FlooredScoresAttention(clamp=clamp, scale=scale))
+    if expected is None:
+        assert report.passed, report.findings
+    else:
+        assert expected in report.ids, report.findings

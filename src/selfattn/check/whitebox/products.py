@@ -490,6 +490,8 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
             nxt = op.main_input()
         elif op.name == "nan_to_num" and op.in_ids:  # NaN scores to 0 (torchscale's, before its mask is added):
             nxt = op.in_ids[0]  # the finite scores pass as they are
+        elif (floor := _floor_of(op)) is not None:  # torch.max(scores, finfo.min), clamp(min=finfo.min): a -inf
+            nxt = floor  # lifted to the lowest finite number; every other score passes as it is
         elif op.name in ("setitem", "index_put", "index_put_") and op.in_ids and len(op.args) >= 3 and \
                 (isinstance(op.args[2], (int, float)) or (isinstance(op.args[2], Tensor) and op.args[2].numel() == 1)):
             steps.append(("masked_fill", None))  # scores at some indices set to a number: a mask written in place
@@ -1204,6 +1206,27 @@ class _ScoresRead(Exception):  # not an error: how the read of a partner run han
     def __init__(self, s: Tensor, r: Tensor) -> None:
         super().__init__()
         self.s, self.r = s, r
+
+
+def _floor_of(op: Op) -> int | None:
+    """For an operation that only lifts scores below a very negative floor to it (``torch.max(s,
+    torch.tensor(finfo.min))``, ``s.clamp(min=finfo.min)``, as older transformers models and Baichuan write it), the
+    key of the scores it takes; else None."""
+    if op.name in ("max", "maximum") and len(op.in_ids) == 2 and len(op.inputs) == 2:
+        small = [i for i, t in enumerate(op.inputs) if t.numel() == 1]
+        if len(small) == 1 and float(op.inputs[small[0]]) <= _MASKED:
+            return op.in_ids[1 - small[0]]
+        return None
+    if op.name in ("clamp", "clamp_", "clamp_min", "clamp_min_") and op.in_ids:
+        low = op.kwargs.get("min", op.args[1] if len(op.args) > 1 else None)
+        high = op.kwargs.get("max", op.args[2] if len(op.args) > 2 and op.name.startswith("clamp") else None)
+        if "min" in op.name and low is None:
+            low = op.args[1] if len(op.args) > 1 else None
+        if isinstance(low, Tensor) and low.numel() == 1:
+            low = float(low)
+        if isinstance(low, (int, float)) and low <= _MASKED and high is None:
+            return op.in_ids[0]
+    return None
 
 
 def _rescaled_densely(w: Tensor, p: Tensor) -> bool:
