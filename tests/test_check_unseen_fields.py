@@ -6,6 +6,8 @@ Each module is written in the style of the code base it names; the tests say whi
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -559,6 +561,83 @@ def test_scores_floored_at_finfo_min_are_read(clamp, scale, expected):
     -inf to the lowest finite number."""
     torch.manual_seed(0)
     report = check(FlooredScoresAttention(clamp=clamp, scale=scale))
+    if expected is None:
+        assert report.passed, report.findings
+    else:
+        assert expected in report.ids, report.findings
+
+
+# -- remote-code LLMs: Phi-1.5's packed rotary rejoined to v, Qwen-1's log-n scaling of q ---------------------------
+def _rope_tables(n: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = torch.outer(torch.arange(n, dtype=torch.float32), 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+class PhiStyleMHA(nn.Module):
+    """Phi-1.5's remote code: Wqkv viewed (B, L, 3, H, D), rotary on the first ``rotary_dim`` dims of q and k (halves),
+    then ``torch.cat([q, k, qkv[:, :, 2:3]], 2)`` and ``unbind``: v passes the rejoin unrotated. ``bug``: "k-sign"
+    rotates k the other way."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, rotary_dim: int = 8, bug: str | None = None) -> None:
+        super().__init__()
+        self.h, self.rd, self.bug = heads, rotary_dim, bug
+        self.Wqkv, self.out_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        qkv = self.Wqkv(x).view(b, n, 3, self.h, e // self.h)
+        cos, sin = (t[:, None, :] for t in _rope_tables(n, self.rd, x.dtype))
+
+        def turn(t, sign=1.0):
+            t1, t2 = t[..., :self.rd].chunk(2, -1)
+            return torch.cat([t1 * cos - sign * t2 * sin, sign * t1 * sin + t2 * cos, t[..., self.rd:]], -1)
+
+        q = turn(qkv[:, :, 0]).unsqueeze(2)
+        k = turn(qkv[:, :, 1], -1.0 if self.bug == "k-sign" else 1.0).unsqueeze(2)
+        q, k, v = torch.cat([q, k, qkv[:, :, 2:3]], dim=2).unbind(dim=2)
+        scores = torch.einsum("bthd,bshd->bhts", q, k / math.sqrt(q.shape[-1]))
+        scores = scores + torch.triu(torch.full((n, n), -10000.0, dtype=scores.dtype), 1)
+        out = torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v)
+        return self.out_proj(out.reshape(b, n, e))
+
+
+class QwenStyleAttention(nn.Module):
+    """Qwen-1: rotary by halves, then q at position i past the training length (``seq_length``) multiplied by
+    log_{seq_length}(i) (``use_logn_attn``), causal SDPA. ``bug``: "logn-key" scales k instead."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, seq_length: int = 3, bug: str | None = None) -> None:
+        super().__init__()
+        self.h, self.bug = heads, bug
+        self.c_attn, self.c_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim, bias=False)
+        logn = [math.log(i, seq_length) if i > seq_length else 1.0 for i in range(1, 64)]
+        self.register_buffer("logn_tensor", torch.tensor(logn)[None, :, None, None], persistent=False)
+
+    def forward(self, hidden_states):
+        b, n, e = hidden_states.shape
+        d = e // self.h
+        q, k, v = (t.view(b, n, self.h, d) for t in self.c_attn(hidden_states).split(e, dim=2))
+        cos, sin = (torch.cat([t, t], -1)[None, :, None, :] for t in _rope_tables(n, d, hidden_states.dtype))
+        q, k = (t * cos + _rotate_half(t) * sin for t in (q, k))
+        if self.bug == "logn-key":
+            k = k * self.logn_tensor[:, :n].type_as(k)
+        else:
+            q = q * self.logn_tensor[:, :n].type_as(q)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.c_proj(out.transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize(("module", "expected"), [
+    (lambda: PhiStyleMHA(), None), (lambda: PhiStyleMHA(bug="k-sign"), "rotary-mismatch"),
+    (lambda: QwenStyleAttention(), None), (lambda: QwenStyleAttention(bug="logn-key"), "rotary-mismatch")],
+    ids=["phi", "phi-k-sign", "qwen-logn", "qwen-logn-on-k"])
+def test_remote_code_llm_attention_as_it_ships(module, expected):
+    """catches: Phi's v, rejoined to the rotated q and k and unbound again, was read through every part of the join
+    (values-changed on correct code), and no rotation was read at all, so k rotated the other way was certified
+    (the run on one token everywhere now runs whenever the module computes cos and sin itself); Qwen's log-n
+    scaling of q, one factor per query position, was rotary-mismatch (the scores are relative once each row is
+    divided by it), while the same factor on k is a mismatch."""
+    torch.manual_seed(0)
+    report = check(module())
     if expected is None:
         assert report.passed, report.findings
     else:

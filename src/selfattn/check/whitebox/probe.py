@@ -281,6 +281,12 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         findings.append(Finding.of(DEFINITION_MISMATCH, normed, {"changed token": x.shape[1] // 2}))
         results["one token changed"] = normed
     rotated = "rotary" in str(facts.get("positions", positions or ""))
+    if not rotated and plain is not None and not facts.get("positions") and not positions:
+        # no rotation read from the operands, though the module computes cos and sin itself (a partial rotation
+        # rejoined to v in a packed qkv, as Phi's remote code does): one token everywhere tells whether the scores
+        # are relative
+        made = {op.name for op in plain.ops}
+        rotated = {"cos", "sin"} <= made
     if rotated and not any(f.severity == "error" for f in findings):
         mismatch = _rotated_alike(module, caller, x, getattr(caller.adapter, "recorded_eps", 0.0), memory)
         if mismatch is not None:

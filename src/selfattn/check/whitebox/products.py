@@ -723,6 +723,16 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
         return None
     if op.name == "stack" and origin.part is not None and origin.parts == len(op.in_ids) and depth > 0:
         return _values_verdict(trace, op.in_ids[origin.part], evidence, facts, inputs, depth - 1)  # unbind(stack)
+    if op.name == "cat" and origin.part is not None and origin.parts and depth > 0:  # unbind(cat([q, k, v], 2))[2]
+        dim = op.kwargs.get("dim", op.kwargs.get("axis", op.args[1] if len(op.args) > 1 and
+                                                 isinstance(op.args[1], int) else 0))
+        sizes = [t.shape[dim] if -t.dim() <= dim < t.dim() else 0 for t in op.inputs]
+        if sum(sizes) == origin.parts and len(sizes) == len(op.in_ids):  # (Phi's rotary rejoins q and k to v)
+            at = origin.part
+            for pid, size in zip(op.in_ids, sizes, strict=True):
+                if at < size:
+                    return _values_verdict(trace, pid, evidence, facts, inputs, depth - 1) if size == 1 else None
+                at -= size
     if op.name in ("stack", "cat") and origin.part is None and depth > 0 and (now := trace.value(vid)) is not None:
         flat = now.flatten().sort().values  # V taken out of a packed tensor (torch.stack([q, k, v], 2)[:, :, 2]):
         for pid, piece in zip(op.in_ids, op.inputs, strict=False):  # the part it holds is what V is
@@ -1908,12 +1918,30 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4, memory: tu
                 late = full[..., extra:].diagonal(dim1=-2, dim2=-1)
                 if float((late - late[..., :1]).abs().max()) <= rtol * size:
                     continue
+        if float(spread.max()) > rtol * size and _scaled_per_query(r, length, rtol * size):
+            continue
         if float(spread.max()) > rtol * size:
             at = int(spread.reshape(-1, length).amax(0).argmax())
             return (f"with the same token at every position, its score with itself is {float(diag.flatten()[0]):.4g} "
                     f"at position 0 but differs by {float(spread.max()):.3g} at position {at} (scores up to "
                     f"{size - 1:.3g}): rotated alike, q_i . k_i would be q . k at every position")
     return None
+
+
+def _scaled_per_query(r: Tensor, length: int, atol: float) -> bool:
+    """For scores of one token repeated at every position: is each query row one factor of its position (the same in
+    every head and item, Qwen's log-n attention scaling of q past the training length) times scores that are
+    relative (each diagonal constant)?"""
+    flat = r.reshape(-1, length, length).double()
+    diag = flat.diagonal(dim1=-2, dim2=-1)
+    if bool((diag[:, :1].abs() <= atol).any()):
+        return False
+    factor = diag / diag[:, :1]
+    if bool((factor <= 0).any()) or float((factor - factor[:1]).abs().max()) > 1e-6 * float(factor.abs().max()):
+        return False
+    rows = flat / factor[:, :, None]
+    return all(float((band - band[..., :1]).abs().max()) <= atol
+               for band in (rows.diagonal(offset=d, dim1=-2, dim2=-1) for d in range(1 - length, length)))
 
 
 def unshifted_relative(trace: Trace, length: int, grid: tuple[int, int] | None = None,
