@@ -642,3 +642,62 @@ def test_remote_code_llm_attention_as_it_ships(module, expected):
         assert report.passed, report.findings
     else:
         assert expected in report.ids, report.findings
+
+
+class FalconRWStyleAttention(nn.Module):
+    """Falcon's remote code (RW): causal SDPA when given no mask; given the model's (B, 1, L, L) bool mask (True =
+    masked, the causal pattern and the padding together), that mask alone, as -1e9 where True."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.query_key_value, self.dense = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, hidden_states, alibi=None, attention_mask=None):
+        b, n, e = hidden_states.shape
+        q, k, v = (t.view(b, n, self.h, -1).transpose(1, 2) for t in self.query_key_value(hidden_states).chunk(3, -1))
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            additive = (attention_mask * 1.0).masked_fill(attention_mask, -1e9).to(q.dtype)
+            out = F.scaled_dot_product_attention(q, k, v, additive)
+        return self.dense(out.transpose(1, 2).reshape(b, n, e)), None
+
+
+def test_a_mask_with_true_masked_that_replaces_the_causal_pattern_is_read_so():
+    """catches: a layer causal only when given no mask, whose mask is the model's (B, 1, L, L) with True = masked,
+    was read as taking a (B, 1, 1, L) key mask and named causal-leak ("drops its causal mask"): that a mask
+    replaces the layer's own pattern was tried in the keep polarity only."""
+    torch.manual_seed(0)
+    report = check(FalconRWStyleAttention())
+    assert report.passed, report.findings
+    assert report.inferred["mask"]["shape"] == "(B, 1, L, L)", report.inferred["mask"]
+
+
+class ChatGLMStyleAttention(nn.Module):
+    """ChatGLM2's SelfAttention: states (L, B, E), causal SDPA when given no mask, else the model's bool mask with
+    True = masked, inverted for SDPA."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.query_key_value, self.dense = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, hidden_states, attention_mask=None):
+        n, b, e = hidden_states.shape
+        q, k, v = (t.view(n, b, self.h, -1).permute(1, 2, 0, 3)
+                   for t in self.query_key_value(hidden_states).chunk(3, -1))
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, ~attention_mask)
+        return self.dense(out.permute(2, 0, 1, 3).reshape(n, b, e))
+
+
+def test_a_sequence_first_layer_whose_mask_replaces_its_causal_pattern_is_certified():
+    """catches: ChatGLM's layer, causal without a mask and given the model's bool mask with True = masked, was
+    inconclusive (no mask the doctor sends read as one): the mask replacing the causal pattern was tried in the
+    keep polarity only."""
+    torch.manual_seed(0)
+    report = check(ChatGLMStyleAttention())
+    assert report.passed, (report.findings, report.inferred.get("mask"))
