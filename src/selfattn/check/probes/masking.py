@@ -520,8 +520,8 @@ def _candidates(ctx: Context) -> list[Caller]:
         shapes = ("B1LL", *(s for s in SHAPE_ORDER if s != "B1LL"))  # the heads) would read as per-item
     if ctx.call.layout == "sequence-first" or getattr(ctx.call.adapter, "sequence_first", False):
         # its own shapes: a (L, L, B) or (L, L, B, 1) mask, a (B, L) key mask (torch's MultiheadAttention), one (L, L)
-        # or (L, L, 1) for every item; or the batch-first (B, 1, L, L) Megatron and ChatGLM take beside (L, B, E)
-        shapes = ("LLB", "LLB1", "BL", "LL", "LL1", "B1LL")
+        # or (L, L, 1) for every item
+        shapes = ("LLB", "LLB1", "BL", "LL", "LL1")
     if getattr(ctx.call.adapter, "own_causal", False):  # a layer replayed with its model's causal mask: the
         shapes = tuple(s for s in shapes if not MaskSpec("keep", s).key_only)  # doctor's masks must carry it too
     # lengths go to an argument named for them, or through a replayed layer's call to its parameter so named
@@ -688,10 +688,12 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             if caller.spec is not None and not caller.key_only and not bool(dep.all()):
                 if _replaces_its_own(caller, x, plain, dep):
                     native = replace(native, base=dep)
-                elif caller.spec.kind == "keep" and ctx.spec is None and not ctx.declared and \
+                elif caller.spec.kind == "keep" and ctx.spec is None and not ctx.declared and not any(
+                        c.mask_arg in _PADDING_NAMES and c.mask_arg != caller.mask_arg for c in candidates) and \
                         _replaces_its_own(ctx.exact_of(flip := native.with_mask(MaskSpec("ignore", caller.spec.shape))),
                                           x, plain, dep):  # a bool mask with True = masked that replaces the pattern
-                    native = replace(flip, base=dep)  # (Falcon's remote code: causal only when given no mask)
+                    native = replace(flip, base=dep)  # (Falcon's remote code: causal only when given no mask; a
+                    # padding argument beside it, as torch's layers have, is still the one the padding goes to)
                 if native.base is not None:
                     caller = ctx.exact_of(native)
                     keep = _beyond_its_own(keep, dep)
