@@ -701,3 +701,44 @@ def test_a_sequence_first_layer_whose_mask_replaces_its_causal_pattern_is_certif
     torch.manual_seed(0)
     report = check(ChatGLMStyleAttention())
     assert report.passed, (report.findings, report.inferred.get("mask"))
+
+
+class Falcon40BStyleAttention(nn.Module):
+    """Falcon-40B's new decoder architecture: qkv viewed (B, L, G, r + 2, D), each group's key and value broadcast
+    to its r query heads and flattened, rotary on q and k after that, causal SDPA. ``bug``: "tiled" lays the values
+    out group after group ([0, 1, 0, 1]) where the keys go [0, 0, 1, 1]."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, groups: int = 2, bug: str | None = None) -> None:
+        super().__init__()
+        self.h, self.g, self.bug = heads, groups, bug
+        self.d = dim // heads
+        self.query_key_value = nn.Linear(dim, (heads + 2 * groups) * self.d, bias=False)
+        self.dense = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, hidden_states):
+        b, n, e = hidden_states.shape
+        r = self.h // self.g
+        qkv = self.query_key_value(hidden_states).view(b, n, self.g, r + 2, self.d)
+        q = qkv[:, :, :, :-2]
+        k, v = (torch.broadcast_to(t, q.shape) for t in (qkv[:, :, :, [-2]], qkv[:, :, :, [-1]]))
+        q, k, v = (t.flatten(2, 3) for t in (q, k, v))
+        if self.bug == "tiled":
+            v = v.view(b, n, self.g, r, self.d).transpose(2, 3).reshape(b, n, self.h, self.d)
+        cos, sin = (torch.cat([t, t], -1)[None, :, None, :] for t in _rope_tables(n, self.d, hidden_states.dtype))
+        q, k = (t * cos + _rotate_half(t) * sin for t in (q, k))
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.dense(out.transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize(("bug", "expected"), [(None, None), ("tiled", "group-mismatch")])
+def test_kv_groups_broadcast_and_rotated_after_their_repeat_are_read(bug, expected):
+    """catches: Falcon-40B's kv heads are broadcast over an axis of one and flattened, and the keys rotated after
+    that: neither repeat was read (the one-sized axis, and no head of the rotated keys equals one before), so values
+    laid out in another group order than the keys were certified. The broadcast is read with its axis dropped, and
+    a side rotated after its repeat is read by which of its heads are copies of each other."""
+    torch.manual_seed(0)
+    report = check(Falcon40BStyleAttention(bug=bug))
+    if expected is None:
+        assert report.passed, report.findings
+    else:
+        assert expected in report.ids, report.findings

@@ -813,7 +813,11 @@ def _kv_heads(trace: Trace, tid: int) -> list[int] | None:
     chain = [(cur, trace.value(cur)) for cur in (tid, *trace.ancestors(tid, limit=24))]  # k^T, k, k before repeat
     tensors = [t for _, t in chain if t is not None and t.dim() >= 3 and not t.is_complex()]
     for i, value in enumerate(tensors):
-        for before in tensors[i + 1:]:
+        # a kv head broadcast to its group before a flatten (Falcon-40B's (B, L, G, 1, D) expanded to r, flattened
+        # to G * r heads) is read with its axis of one dropped
+        earlier = [t.squeeze(a) if t.dim() == value.dim() + 1 and t.shape[a] == 1 else t
+                   for t in tensors[i + 1:] for a in ([*range(t.dim())] if t.dim() == value.dim() + 1 else [0])]
+        for before in earlier:
             if before.dim() != value.dim():
                 continue
             axes = [a for a in range(value.dim()) if before.shape[a] != value.shape[a]]
@@ -833,10 +837,34 @@ def _kv_heads(trace: Trace, tid: int) -> list[int] | None:
     return None
 
 
+def _first_seen(labels: list[int]) -> list[int]:
+    """``labels`` renumbered by first appearance ([1, 1, 0, 0] -> [0, 0, 1, 1]): which heads share one."""
+    order: dict[int, int] = {}
+    return [order.setdefault(x, len(order)) for x in labels]
+
+
+def _equal_heads(t: Tensor, heads: int) -> list[int] | None:
+    """For an operand (..., H, L, D) with ``heads`` heads on its third axis from the end: each head labelled by the
+    first head equal to it, renumbered by first appearance; None when the axis is not there."""
+    if t.dim() < 3 or t.shape[-3] != heads:
+        return None
+    labels: list[int] = []
+    for h in range(heads):
+        head = t.select(-3, h)
+        labels.append(next((g for g in range(h) if torch.equal(head, t.select(-3, g))), h))
+    return _first_seen(labels)
+
+
 def _groups_verdict(trace: Trace, kid: int, vid: int, evidence: dict, facts: dict) -> Verdict | None:
     """group-mismatch when k and v are both repeated from fewer kv heads (GQA, MQA) but a query head takes its keys
     from one kv head and its values from another (repeat_interleave for one, repeat for the other); else None."""
     k_heads, v_heads = _kv_heads(trace, kid), _kv_heads(trace, vid)
+    if (k_heads is None) != (v_heads is None):  # one side rotated after its repeat (Falcon-40B's keys): which of
+        known = k_heads if k_heads is not None else v_heads  # its heads are copies of each other still tells
+        other = trace.value(vid if k_heads is not None else kid)
+        found = None if other is None or known is None else _equal_heads(other, len(known))
+        if found is not None and known is not None and len(set(found)) < len(found):
+            k_heads, v_heads = (_first_seen(known), found) if v_heads is None else (found, _first_seen(known))
     if k_heads is None or v_heads is None or len(k_heads) != len(v_heads):
         return None
     if k_heads == v_heads:
