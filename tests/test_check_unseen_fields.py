@@ -742,3 +742,19 @@ def test_kv_groups_broadcast_and_rotated_after_their_repeat_are_read(bug, expect
         assert report.passed, report.findings
     else:
         assert expected in report.ids, report.findings
+
+
+def test_values_grouped_otherwise_than_the_keys_by_design_are_not_a_group_mismatch():
+    """catches: transformers' DiffLlama splits its kv heads in two halves for the values of its two attentions
+    (every value head of one a copy of one kv head) while the keys are grouped as usual: reading the heads that are
+    copies of each other on one side named that group-mismatch; only a layout with as many groups as the other
+    side is compared."""
+    transformers = pytest.importorskip("transformers")
+    from selfattn.check import check_model
+
+    torch.manual_seed(0)
+    config = transformers.DiffLlamaConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+                                          intermediate_size=64, num_hidden_layers=1, vocab_size=64)
+    config._attn_implementation = "eager"
+    report = check_model(transformers.DiffLlamaModel(config).eval(), {"input_ids": torch.randint(0, 64, (2, 7))})
+    assert report.passed, report.summary()

@@ -863,7 +863,8 @@ def _groups_verdict(trace: Trace, kid: int, vid: int, evidence: dict, facts: dic
         known = k_heads if k_heads is not None else v_heads  # its heads are copies of each other still tells
         other = trace.value(vid if k_heads is not None else kid)
         found = None if other is None or known is None else _equal_heads(other, len(known))
-        if found is not None and known is not None and len(set(found)) < len(found):
+        if found is not None and known is not None and len(set(found)) == len(set(known)) < len(found):
+            # as many groups as the known side (values grouped otherwise by design, DiffLlama's halves, are not read)
             k_heads, v_heads = (_first_seen(known), found) if v_heads is None else (found, _first_seen(known))
     if k_heads is None or v_heads is None or len(k_heads) != len(v_heads):
         return None
