@@ -1003,7 +1003,7 @@ class BiasedModel(nn.Module):
         return h
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("side", ["left", "right", "every-item-left"])
 @pytest.mark.parametrize(("bug", "expected"), [(None, None), ("self hidden", "causal-leak"),
                                                ("queries", "mask-broadcast"), ("dropped", "mask-ignored")])
 def test_padding_added_into_the_bias_the_model_passes_is_the_models(side, bug, expected):
@@ -1011,14 +1011,19 @@ def test_padding_added_into_the_bias_the_model_passes_is_the_models(side, bug, e
     (finfo.min), so its row changed with the length (causal-leak) and its gradient was rounded away
     (wrong-gradient), and the white box read its row as one the mask should hide (mask-ignored), on correct models.
     Those rows are the model's padding. A causal mask that hides the diagonal, padding laid on the query axis, and a
-    layer that gets none of the padding the inputs mark are named."""
+    layer that gets none of the padding the inputs mark are named. With every item padded, the first item's padded
+    rows are the model's too (the dependencies are read on the first item)."""
+    if bug is not None and side == "every-item-left":
+        pytest.skip("the bugs are read on the models padded one item at a time")
     if bug in ("dropped", "queries") and side == "right":
         pytest.skip("a causal layer hides right padding from the real tokens without any key mask")
     torch.manual_seed(0)
     ids = torch.randint(1, 50, (2, 8))
     mask = torch.ones_like(ids)
-    pad = slice(0, 3) if side == "left" else slice(5, 8)
+    pad = slice(5, 8) if side == "right" else slice(0, 3)
     mask[1, pad], ids[1, pad] = 0, 0
+    if side == "every-item-left":
+        mask[0, :2], ids[0, :2] = 0, 0
     report = check_model(BiasedModel(bug).eval(), {"input_ids": ids, "attention_mask": mask})
     if expected is None:
         assert report.verdict == "passed", report.to_json()

@@ -337,12 +337,16 @@ def _local_design(dep: Tensor) -> str | None:
 
 def _recorded_padding(ctx: Context, dep: Tensor) -> tuple[int, int] | None:
     """For a layer replayed as its model calls it, the tokens [start, stop) whose rows are written when the others,
-    a run at one end, depend on no token at all: the padding the model added and passes to the layer in its call
-    (Longformer's ``is_index_masked``, which zeroes the rows of its input padded to the window). A module checked
+    a run at one end, depend on no token at all (Longformer's ``is_index_masked``, which zeroes the rows of its
+    input padded to the window) or are rows the model pads through a bias it passes (:func:`padded_rows`): the
+    padding the model added and passes to the layer in its call. A module checked
     alone gets no such pass: rows it leaves empty without a mask are its own pattern, judged as such."""
     if getattr(ctx.call.adapter, "sequence_first", None) is None:
         return None
-    dead = (~dep.any(dim=1)).tolist()
+    padded = padded_rows(ctx.call, ctx.analysis_x)
+    # the first item's rows the model pads through a bias (every key hidden: they weigh all keys alike), or rows
+    # that depend on no token
+    dead = padded[0].tolist() if padded is not None and bool(padded[0].any()) else (~dep.any(dim=1)).tolist()
     live = [i for i, d in enumerate(dead) if not d]
     if len(live) < 2 or len(live) == len(dead) or live != list(range(live[0], live[-1] + 1)):
         return None
