@@ -1074,3 +1074,50 @@ def test_the_models_causal_mask_stands_for_the_layers_pattern_at_any_length():
     tgt[0, -2:] = 0
     report = check_model(AnnotatedDecoderLM().eval(), (tgt,), causal=True)
     assert report.passed, report.summary()
+
+
+class CausalKeyPaddingAttention(nn.Module):
+    """Causal on its own; ``attention_mask`` (B, 1, L, L), True = masked, replaces that pattern, and
+    ``key_padding_mask`` (B, L), True = padding, is hidden on top of either."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.query_key_value, self.dense = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, attention_mask=None, key_padding_mask=None):
+        b, n, e = hidden_states.shape
+        q, k, v = (t.view(b, n, self.h, -1).transpose(1, 2) for t in self.query_key_value(hidden_states).chunk(3, -1))
+        if attention_mask is None:
+            attention_mask = torch.ones(n, n, dtype=torch.bool).triu(1)[None, None]
+        if key_padding_mask is not None:
+            attention_mask = attention_mask | key_padding_mask[:, None, None, :]
+        s = (q @ k.transpose(-1, -2) / math.sqrt(e // self.h)).masked_fill(attention_mask, torch.finfo(q.dtype).min)
+        return self.dense((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class KeyPaddingOnly(nn.Module):
+    """Passes its layers only the key padding mask, from transformers' attention_mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(CausalKeyPaddingAttention() for _ in range(2))
+
+    def forward(self, input_ids, attention_mask):
+        h = self.emb(input_ids)
+        for layer in self.layers:
+            h = h + layer(h, key_padding_mask=~attention_mask.bool())
+        return h
+
+
+def test_the_padding_probe_leaves_the_models_padded_query_rows_out():
+    """catches: a causal layer given only the model's left padding as key_padding_mask: the model's padded queries
+    see no key and weigh every key alike, so the doctor's padding probe, which changes its own padded keys, saw
+    those rows move and named mask-ignored on a correct model."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3], mask[2, :5] = 0, 0
+    report = check_model(KeyPaddingOnly().eval(), {"input_ids": ids, "attention_mask": mask}, causal=True)
+    assert report.passed, report.summary()

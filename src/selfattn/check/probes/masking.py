@@ -1122,7 +1122,9 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
                 if not grad:
                     raise
                 break  # autograd refuses the module's in-place work: it has no training path to drop the mask on
-            moved = [i for i, p in enumerate(pads) if not close(c[i, :length - p], a[i, :length - p])]
+            padded = padded_rows(caller, a)  # the rows the model pads through its call are not real tokens
+            rows = [slice(None) if padded is None else ~padded[i, :length - p] for i, p in enumerate(pads)]
+            moved = [i for i, p in enumerate(pads) if not close(c[i, :length - p][rows[i]], a[i, :length - p][rows[i]])]
             if moved and _through_token_statistics(partial(caller, t, mask), partial(caller, t2, mask), pads, grad):
                 found.notes["statistics over the tokens"] = (
                     "a group or instance norm before the attention normalises each channel over the tokens (a "
