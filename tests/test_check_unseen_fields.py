@@ -489,11 +489,13 @@ def test_scores_through_nan_to_num_are_read(unscaled, expected):
 class PreScalePostTalkingHeads(nn.Module):
     """x-transformers' Attend with ``pre_scale_post_talking_heads``: a 1x1 convolution over the heads of the scaled
     scores, which then multiplies the softmax's weights (its "improvisation"). ``masked``: a 0/1 causal mask
-    multiplied into the weights after the softmax instead (a bug)."""
+    multiplied into the weights after the softmax instead (a bug). ``gate``: one learned number per head multiplies
+    the weights instead (the same as scaling each head's output), after ``masked``'s mask if both."""
 
-    def __init__(self, dim: int = 64, heads: int = 4, masked: bool = False) -> None:
+    def __init__(self, dim: int = 64, heads: int = 4, masked: bool = False, gate: bool = False) -> None:
         super().__init__()
-        self.h, self.masked = heads, masked
+        self.h, self.masked, self.gate = heads, masked, gate
+        self.head_gate = nn.Parameter(torch.rand(1, heads, 1, 1) + 0.5)
         self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
         self.pre_scale_post_talking_heads = nn.Conv2d(heads, heads, 1, bias=False)
 
@@ -504,21 +506,25 @@ class PreScalePostTalkingHeads(nn.Module):
         attn = sim.softmax(-1)
         if self.masked:
             attn = attn * torch.ones(n, n).tril()
-        else:
+        if self.gate:
+            attn = attn * self.head_gate
+        elif not self.masked:
             attn = attn * self.pre_scale_post_talking_heads(sim)
         out = torch.einsum("bhij,bhjd->bhid", attn, v)
         return self.to_out(out.transpose(1, 2).reshape(b, n, e))
 
 
-@pytest.mark.parametrize(("masked", "allow", "expected"), [(False, False, "definition-mismatch"), (False, True, None),
-                                                           (True, False, "mask-after-softmax")])
-def test_weights_rescaled_after_the_softmax_by_a_dense_term_are_no_mask(masked, allow, expected):
+@pytest.mark.parametrize(("masked", "gate", "allow", "expected"), [
+    (False, False, False, "definition-mismatch"), (False, False, True, None),
+    (True, False, False, "mask-after-softmax"), (False, True, False, None), (True, True, False, "mask-after-softmax")])
+def test_weights_rescaled_after_the_softmax_by_a_dense_term_are_no_mask(masked, gate, allow, expected):
     """catches: weights multiplied after the softmax by a term of the scores (a mix of the heads) were named
     mask-after-softmax, even with --allow-nonstandard; a mask multiplies by 0 or 1, this by many values: it follows
     no formula of attention (definition-mismatch, which the user may allow). A 0/1 mask there stays
-    mask-after-softmax."""
+    mask-after-softmax, with a gate per head or not; a gate per head alone scales each head's output (it was
+    definition-mismatch)."""
     torch.manual_seed(0)
-    report = check(PreScalePostTalkingHeads(masked=masked), allow_nonstandard=allow)
+    report = check(PreScalePostTalkingHeads(masked=masked, gate=gate), allow_nonstandard=allow)
     if expected is None:
         assert report.passed, report.findings
     else:

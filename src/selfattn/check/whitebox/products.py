@@ -1268,20 +1268,38 @@ def _floor_of(op: Op) -> int | None:
     return None
 
 
-def _rescaled_densely(w: Tensor, p: Tensor) -> bool:
-    """Are the weights ``w`` the softmax's ``p`` times a tensor of many values (x-transformers' weights scaled by a
-    mix of the heads' scores), not of 0 and one other number (a mask applied after the softmax)?"""
-    if w.shape != p.shape:
+def _scaled_per_row(w: Tensor, p: Tensor) -> bool:
+    """Are the weights ``w`` the softmax's ``p`` times one positive number per row (not the same for all rows)?"""
+    if w.shape != p.shape or p.dim() < 2:
         return False
     p64, w64 = p.detach().double(), w.detach().double()
     seen = p64.abs() > 1e-9
-    if not bool(seen.any()):
+    ratio = torch.where(seen, w64 / torch.where(seen, p64, 1.0), torch.nan)
+    low = torch.where(seen, ratio, torch.inf).amin(-1)
+    high = torch.where(seen, ratio, -torch.inf).amax(-1)
+    rows = seen.any(-1)
+    if not bool(rows.any()) or bool((low[rows] <= 0).any()):
         return False
-    ratio = (w64[seen] / p64[seen]).abs()
-    ratio = ratio[ratio > 1e-6]
-    if ratio.numel() < 2:
+    constant = bool(((high - low)[rows] <= 1e-6 * high[rows].abs()).all())
+    return constant and float(high[rows].max() - low[rows].min()) > 1e-6 * float(high[rows].max())
+
+
+def _rescaled_densely(w: Tensor, p: Tensor) -> bool:
+    """Are the weights ``w`` the softmax's ``p`` times a tensor of many values within a row (x-transformers' weights
+    scaled by a mix of the heads' scores), not of 0 and one number per row (a mask applied after the softmax, with
+    a gate per head or not)?"""
+    if w.shape != p.shape or p.dim() < 1:
         return False
-    return float(ratio.max() - ratio.min()) > 1e-3 * float(ratio.max())
+    p64, w64 = p.detach().double(), w.detach().double()
+    seen = p64.abs() > 1e-9
+    ratio = (w64 / torch.where(seen, p64, 1.0)).abs()
+    kept = seen & (ratio > 1e-6)  # entries a mask did not zero
+    if not bool(kept.any()):
+        return False
+    low = torch.where(kept, ratio, torch.inf).amin(-1)
+    high = torch.where(kept, ratio, -torch.inf).amax(-1)
+    rows = kept.any(-1)
+    return bool(((high - low)[rows] > 1e-3 * high[rows]).any())
 
 
 def _past_the_norm(origin: Origin, d: int) -> float:
@@ -1462,6 +1480,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                                       f"({', '.join(passed)}), so that each row sums to {factor:.3g}: "
                                                       "a scale belongs on the scores, before the softmax",
                                            **evidence})
+        if _orientation(w, p) is None and _scaled_per_row(w, p):  # a gate per head (or per query): the same as
+            facts["gated weights"] = (f"each row of weights is multiplied after the softmax by a number of its own "
+                                      f"({', '.join(passed)}: a gate per head, the same as scaling each head's "
+                                      "output)")
+            p = w  # scaling that head's output instead
         if _orientation(w, p) is None and _rescaled_densely(w, p):
             return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights are multiplied after the softmax by a "
                                                    f"tensor that varies entry by entry ({', '.join(passed)}; not a "
