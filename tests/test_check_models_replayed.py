@@ -722,8 +722,12 @@ class GraphMHA(nn.Module):
         self.embed = nn.Linear(8, 32)
         self.layers = nn.ModuleList(nn.MultiheadAttention(32, 4, batch_first=True) for _ in range(2))
 
-    def forward(self, feats, adj):
-        blocked = ~(adj.bool() | torch.eye(adj.shape[-1], dtype=torch.bool))
+    def forward(self, feats, adj, node_mask=None):
+        allowed = adj.bool() | torch.eye(adj.shape[-1], dtype=torch.bool)
+        if node_mask is not None:  # padded nodes see only themselves and are seen by none
+            allowed = (allowed & node_mask[:, None, :] & node_mask[:, :, None]) | torch.eye(adj.shape[-1],
+                                                                                           dtype=torch.bool)
+        blocked = ~allowed
         mask = blocked.repeat(4, 1, 1) if self.head_major else blocked.repeat_interleave(4, dim=0)
         h = self.embed(feats)
         for layer in self.layers:
@@ -731,16 +735,22 @@ class GraphMHA(nn.Module):
         return h
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["", "padded-nodes"])
 @pytest.mark.parametrize("head_major", [False, True], ids=["correct", "repeated-graph-after-graph"])
-def test_a_per_graph_mask_with_the_heads_folded_into_the_batch_is_each_items_own(head_major):
+def test_a_per_graph_mask_with_the_heads_folded_into_the_batch_is_each_items_own(head_major, padded):
     """catches: a (B * H, N, N) attn_mask, one per graph, was not cut item by item for an item alone (only
     tensors whose first size is B were), so the second graph alone got the first one's adjacency (batch-mixing
-    on a correct model)."""
+    on a correct model). With padded nodes, a (B, 1, 1, L) key_padding_mask beside that attn_mask gives NaN (torch
+    broadcasts it into another shape) and a row the doctor's mask empties is NaN in every shape: neither was read
+    as a mask shape hiding other keys (mask-ignored)."""
     g = torch.Generator().manual_seed(1)
     adj = (torch.rand(3, 7, 7, generator=g) < 0.3).float()
     adj = adj + adj.transpose(1, 2)
+    nodes = torch.ones(3, 7, dtype=torch.bool)
+    nodes[1, 5:], nodes[2, 4:] = False, False
     torch.manual_seed(0)
-    report = check_model(GraphMHA(head_major).eval(), (torch.randn(3, 7, 8, generator=g), adj))
+    inputs = (torch.randn(3, 7, 8, generator=g), adj, *([nodes] if padded else []))
+    report = check_model(GraphMHA(head_major).eval(), inputs)
     if head_major:
         assert not report.passed, report.summary()
     else:

@@ -925,9 +925,13 @@ def _other_shapes(ctx: Context, found: Caller, candidates: list[Caller], plain: 
                 out = other(x, other.module_mask(keep))
                 if out.shape != ref.shape or not close(other(x, other.module_mask(torch.ones_like(keep))), plain):
                     continue  # not accepted: a mask that hides nothing must give the unmasked output
+                if bool((torch.isfinite(ref) & ~torch.isfinite(out)).any()):
+                    continue  # NaN where the found shape gives numbers: broadcast into another shape (a 4-D mask
+                    # given to nn.MultiheadAttention's key_padding_mask beside a 3-D attn_mask), not a reading
         except Exception:  # this shape is not accepted: nothing to check
             continue
-        if close(out, ref):
+        finite = torch.isfinite(ref)  # rows the call's own mask leaves without a key are NaN in both
+        if close(out[finite], ref[finite]):
             continue
         if _hides_queries(out, plain, keep[0, 0]):
             return _broadcast_finding(other, keep[0, 0])
