@@ -1131,3 +1131,39 @@ def test_the_padding_probe_leaves_the_models_padded_query_rows_out():
     mask[1, :3], mask[2, :5] = 0, 0
     report = check_model(KeyPaddingOnly().eval(), {"input_ids": ids, "attention_mask": mask}, causal=True)
     assert report.passed, report.summary()
+
+
+class ExpandedPaddingMHA(nn.Module):
+    """The key padding expanded into nn.MultiheadAttention's attn_mask, (B * H, L, L) item-major (``repeat``, graph
+    after graph, in the bug)."""
+
+    def __init__(self, head_major: bool = False) -> None:
+        super().__init__()
+        self.head_major = head_major
+        self.emb = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(nn.MultiheadAttention(32, 4, batch_first=True) for _ in range(2))
+
+    def forward(self, input_ids, attention_mask):
+        n = input_ids.shape[1]
+        hidden = ~attention_mask.bool()[:, None, :].expand(-1, n, n)
+        mask = hidden.repeat(4, 1, 1) if self.head_major else hidden.repeat_interleave(4, dim=0)
+        h = self.emb(input_ids)
+        for layer in self.layers:
+            h = h + layer(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return h
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["correct", "repeated-item-after-item"])
+def test_padding_expanded_into_a_per_item_attn_mask_is_read_item_by_item(head_major):
+    """catches: the model's padding expanded into a (B * H, L, L) attn_mask was not seen as the model's padding (only
+    (B, ..., L) tensors were), so the white box compared every item with the first, unpadded one
+    (definition-mismatch on a correct model)."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (3, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:], mask[2, 4:] = 0, 0
+    report = check_model(ExpandedPaddingMHA(head_major).eval(), {"input_ids": ids, "attention_mask": mask})
+    if head_major:
+        assert not report.passed, report.summary()
+    else:
+        assert report.passed, report.summary()

@@ -180,6 +180,7 @@ class Layer:
             _carries_padding(v, pad) or _pads_queries(v, pad) for k, v in [*enumerate(self.args), *self.kwargs.items()]
             if k not in self.x and k != self.mask)
         setattr(call, "padded_rows", pad if carried else None)  # noqa: B010
+        setattr(call, "carries_padding", carried)  # noqa: B010 (each item's own pattern is read in the white box)
         return call
 
 
@@ -749,12 +750,15 @@ def _padding_in_mask(layer: Layer) -> Tensor | None:
 
 
 def _carries_padding(t: object, pad: Tensor) -> bool:
-    """Is ``t`` the model's padding in some form: a tensor (B or 1, ..., L) whose last query row marks exactly the
-    padded keys of each item (bool either way round, 1/0, or an additive 0 / large negative)?"""
-    if not isinstance(t, Tensor) or t.dim() < 2 or t.shape[-1] != pad.shape[1] or t.shape[0] not in (1, pad.shape[0]) \
-            or t.is_complex():
+    """Is ``t`` the model's padding in some form: a tensor (B or 1, ..., L), or (B * H, L, L), whose last query row
+    marks exactly the padded keys of each item (bool either way round, 1/0, or an additive 0 / large negative)?"""
+    b = pad.shape[0]
+    if not isinstance(t, Tensor) or t.dim() < 2 or t.shape[-1] != pad.shape[1] or t.is_complex() or \
+            not (t.shape[0] in (1, b) or (t.dim() >= 3 and t.shape[0] > b and t.shape[0] % b == 0)):
         return False
-    rows = t.detach().reshape(t.shape[0], -1, t.shape[-1])[:, -1].expand(pad.shape[0], -1).cpu()
+    # (B, ..., L), or (B * H, L, L) with the heads folded into the batch item-major (nn.MultiheadAttention's attn_mask)
+    items = t.shape[0] if t.shape[0] in (1, b) else b
+    rows = t.detach().reshape(items, -1, t.shape[-1])[:, -1].expand(b, -1).cpu()
     for item, padded in zip(rows, pad.cpu(), strict=True):
         if not bool(padded.any()):
             continue

@@ -153,16 +153,21 @@ def _runs(ctx: Context, masked: Caller | None, dep: Tensor) -> list[tuple[str, T
             i = torch.arange(length)
             runs.append(("with a causal mask", (i[None, :] <= i[:, None]).expand(b, length, length)))
     deps = [dep]
-    if getattr(ctx.call.adapter, "rows_from_the_start", False) and ctx.analysis_x.shape[0] == b and not dep.all():
+    if getattr(ctx.call.adapter, "rows_from_the_start", False) and ctx.analysis_x.shape[0] == b and \
+            (not dep.all() or getattr(ctx.call.adapter, "carries_padding", False)):
         # a replayed layer given per-item tensors with a pattern of its own (a graph's adjacency for each item):
         # each item's own pattern (a padding the call carries leaves the first item's all-visible one unread)
         deps += [dependency(ctx.analysis, ctx.analysis_x, item=i, rtol=ctx.dependency_rtol) for i in range(1, b)]
     own = None if all(bool(d.all()) for d in deps) else \
         torch.stack(deps) if len(deps) == b else dep.expand(b, length, length)
     padded = None if own is None else padded_rows(ctx.call, ctx.x)
-    if own is not None and padded is not None:  # the rows the model pads through its call (every key hidden, so
-        own = own.clone()  # each weighs them alike) are no query's: no key is one they may see
-        own[padded.cpu()] = False
+    if own is not None and padded is not None:  # the rows the model pads through its call with every key hidden,
+        own = own.clone()  # which weigh them all alike, are no query's: no key is one they may see
+        own[padded.cpu() & own.all(-1)] = False
+        # a padded key no other query sees: its own row depends on its token through the query only
+        eye = torch.eye(length, dtype=torch.bool)
+        alone = ~(own & ~eye).any(-2)  # (B, L): keys no other query sees
+        own[eye.expand_as(own) & (padded.cpu() & alone)[:, None, :]] = False
     return [(label, sent, sent if own is None else own if sent is None else sent & own) for label, sent in runs]
 
 
