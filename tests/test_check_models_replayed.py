@@ -1167,3 +1167,60 @@ def test_padding_expanded_into_a_per_item_attn_mask_is_read_item_by_item(head_ma
         assert not report.passed, report.summary()
     else:
         assert report.passed, report.summary()
+
+
+class GLMStyleSelfAttention(nn.Module):
+    """ChatGLM's layer: states (L, B, E); causal SDPA when given no mask, else the model's bool mask (B, 1, L, L) with
+    True = masked, inverted for SDPA."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.query_key_value, self.dense = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, attention_mask=None):
+        n, b, e = hidden_states.shape
+        q, k, v = (t.view(n, b, self.h, -1).permute(1, 2, 0, 3)
+                   for t in self.query_key_value(hidden_states).chunk(3, -1))
+        if attention_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, ~attention_mask)
+        return self.dense(out.permute(2, 0, 1, 3).reshape(n, b, e))
+
+
+class GLMStyleModel(nn.Module):
+    """ChatGLM's get_masks: ones(B, L, L).tril_() (``leak``: tril_(1), each query also sees the next token), the
+    padding folded in, True = masked; the states go through the layers sequence first."""
+
+    def __init__(self, leak: bool = False) -> None:
+        super().__init__()
+        self.leak = leak
+        self.emb = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(GLMStyleSelfAttention() for _ in range(2))
+
+    def forward(self, input_ids, attention_mask):
+        b, n = input_ids.shape
+        full = torch.ones(b, n, n).tril_(1 if self.leak else 0)
+        full = full * attention_mask[:, None, :]
+        mask = (full < 0.5).unsqueeze(1)
+        h = self.emb(input_ids).transpose(0, 1)
+        for layer in self.layers:
+            h = h + layer(h, attention_mask=mask)
+        return h.transpose(0, 1)
+
+
+@pytest.mark.parametrize(("leak", "expected"), [(False, None), (True, "causal-leak")])
+def test_a_causal_mask_built_off_by_one_is_read_in_a_sequence_first_model(leak, expected):
+    """catches: the read of a layer as the model calls it, with the model's own mask, skipped layers called sequence
+    first, so ChatGLM's get_masks built with tril_(1) (each query also seeing the next token) was certified while
+    the same slip in a batch-first model was named."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (2, 8))
+    mask = torch.ones_like(ids)
+    mask[1, :2], ids[1, :2] = 0, 0
+    report = check_model(GLMStyleModel(leak).eval(), {"input_ids": ids, "attention_mask": mask}, causal=True)
+    if expected is None:
+        assert report.passed, report.summary()
+    else:
+        assert all(expected in layer.ids for layer in report.layers.values()), report.summary()

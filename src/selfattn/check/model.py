@@ -807,18 +807,30 @@ _READ_AS_CALLED = 256
 def _as_called(layer: Layer, pad: Tensor | None) -> tuple[Tensor, Tensor, Tensor, int] | None:
     """Replay the layer's recorded call as the model made it (its own mask, switches and arguments) and read which
     tokens each output row of the first item without padding depends on: (dep (L, L), the output, the hidden states
-    used, that item); None when the call cannot be replayed so (a sequence-first layer, fewer than 4 tokens, every
-    item padded, or the layer fails). Hidden states an earlier layer left NaN are replaced by other states."""
+    used, that item); None when the call cannot be replayed so (fewer than 4 tokens, every item padded, or the layer
+    fails). A layer called sequence first is read batch first. Hidden states an earlier layer left NaN are replaced
+    by other states."""
     slots = [*enumerate(layer.args), *layer.kwargs.items()]
     hidden = next(a for k, a in slots if k in layer.x)
-    if hidden.dim() != 3 or layer.sequence_first or not 4 <= hidden.shape[1] <= _READ_AS_CALLED:
+    if hidden.dim() != 3:
+        return None
+    if layer.sequence_first:  # (L, B, E) as called (ChatGLM's, torch's batch_first=False): read batch first
+        hidden = hidden.transpose(0, 1)
+    if not 4 <= hidden.shape[1] <= _READ_AS_CALLED:
         return None
     items = [b for b in range(hidden.shape[0]) if pad is None or b >= pad.shape[0] or not bool(pad[b].any())]
     if not items:
         return None
     if not bool(torch.isfinite(hidden).all()):
         hidden = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5)).to(hidden)
-    run = _replay(layer)
+    replayed = _replay(layer)
+
+    def run(x: Tensor) -> Tensor | None:
+        if not layer.sequence_first:
+            return replayed(x)
+        out = replayed(x.transpose(0, 1))
+        return None if out is None else out.transpose(0, 1)
+
     try:
         with _evaluated(layer.module):
             base = run(hidden)
