@@ -764,3 +764,40 @@ def test_values_grouped_otherwise_than_the_keys_by_design_are_not_a_group_mismat
     config._attn_implementation = "eager"
     report = check_model(transformers.DiffLlamaModel(config).eval(), {"input_ids": torch.randint(0, 64, (2, 7))})
     assert report.passed, report.summary()
+
+
+# -- per-head projection lists and heads averaged over one shared value projection (Temporal Fusion Transformer) --
+class InterpretableHeads(nn.Module):
+    """pytorch-forecasting's ``InterpretableMultiHeadAttention``: a q and a k projection per head in ``ModuleList``s,
+    one value projection all heads share, the heads averaged, then ``w_h`` from one head's width back to the model's.
+    ``k_from_q``: each head's keys taken from its query layer (``ks = self.q_layers[i](k)``)."""
+
+    def __init__(self, n_head: int = 4, d_model: int = 32, k_from_q: bool = False) -> None:
+        super().__init__()
+        self.n_head, self.d, self.k_from_q = n_head, d_model // n_head, k_from_q
+        self.v_layer = nn.Linear(d_model, self.d)
+        self.q_layers = nn.ModuleList([nn.Linear(d_model, self.d) for _ in range(n_head)])
+        self.k_layers = nn.ModuleList([nn.Linear(d_model, self.d) for _ in range(n_head)])
+        self.w_h = nn.Linear(self.d, d_model, bias=False)
+
+    def forward(self, q, k, v, mask=None):
+        vs, heads = self.v_layer(v), []
+        for i in range(self.n_head):
+            qs = self.q_layers[i](q)
+            ks = (self.q_layers if self.k_from_q else self.k_layers)[i](k)
+            attn = torch.bmm(qs, ks.permute(0, 2, 1)) / math.sqrt(self.d)
+            if mask is not None:
+                attn = attn.masked_fill(mask, -1e4)
+            heads.append(torch.bmm(torch.softmax(attn, dim=2), vs))
+        return self.w_h(torch.stack(heads, dim=2).mean(dim=2)), None
+
+
+@pytest.mark.parametrize("k_from_q", [False, True])
+def test_a_per_head_projection_list_the_call_never_uses_is_no_grad(k_from_q):
+    """catches: keys taken from the per-head query layers of a TFT-style module were certified (a head's projection
+    in a ``ModuleList`` was grouped with its list only, and the output map from one head's width, wider out than in,
+    was read as a fused qkv projection)"""
+    torch.manual_seed(0)
+    report = check(InterpretableHeads(k_from_q=k_from_q))
+    assert {f.id for f in report.findings if f.severity == "error"} == ({"no-grad"} if k_from_q else set()), \
+        report.findings

@@ -338,17 +338,32 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
     groups: dict[str, list[tuple[str, bool, nn.Linear]]] = {}
     for path, mod in module.named_modules():
         if isinstance(mod, nn.Linear) and mod.weight.requires_grad:
-            groups.setdefault(path.rpartition(".")[0], []).append((path, id(mod.weight) in used, mod))
+            parent = path.rpartition(".")[0]
+            if path.rpartition(".")[2].isdigit():  # one head's projection in a per-head list (``k_layers[i]``)
+                parent = parent.rpartition(".")[0]
+            groups.setdefault(parent, []).append((path, id(mod.weight) in used, mod))
     idle = []
     for group in groups.values():
-        played = [name_role(p) for p, u, _ in group if u]
-        # a used projection of no named role may be a fused q/k/v one (wider out than in); an output projection
-        # (E -> E) or a gate is not
-        fused = any(name_role(p) is None and m.out_features >= 2 * m.in_features for p, u, m in group if u)
+        played = [_projection_role(p) for p, u, _ in group if u]
+        # a used projection of no named role may be a fused q/k/v one (wider out than in, from the widest input); an
+        # output projection (E -> E, or from one head's width when the heads are averaged) or a gate is not
+        widest = max(m.in_features for _, _, m in group)
+        fused = any(_projection_role(p) is None and m.out_features >= 2 * m.in_features == 2 * widest
+                    for p, u, m in group if u)
         if not played or fused or all(r is None for r in played):
             continue
-        idle += [p for p, u, _ in group if not u and name_role(p) is not None and name_role(p) not in played]
+        idle += [p for p, u, _ in group if not u and _projection_role(p) is not None and _projection_role(p) not in played]
     return sorted(idle + _idle_clones(module, used))
+
+
+def _projection_role(path: str) -> str | None:
+    """The role a Linear's name gives it; one of a per-head list takes the list's name, read in the singular
+    (``k_layers.2``: k)."""
+    head, _, last = path.rpartition(".")
+    if not last.isdigit():
+        return name_role(path)
+    listed = head.rpartition(".")[2]
+    return name_role(listed) or (name_role(listed[:-1]) if listed.endswith("s") else None)
 
 
 def _idle_clones(module: nn.Module, used: set[int]) -> list[str]:
