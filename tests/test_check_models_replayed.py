@@ -1224,3 +1224,179 @@ def test_a_causal_mask_built_off_by_one_is_read_in_a_sequence_first_model(leak, 
         assert report.passed, report.summary()
     else:
         assert all(expected in layer.ids for layer in report.layers.values()), report.summary()
+
+
+# -- offset attention: softmax over the keys, then renormalised over the queries (Point Cloud Transformer) ----------
+class OffsetAttention(nn.Module):
+    """PCT's ``SA_Layer`` on channels-first points (B, C, N): the weights renormalised over the other axis
+    (``attention / (1e-9 + attention.sum(dim=1, keepdim=True))``) before the product, and the offset x - x_r."""
+
+    def __init__(self, channels: int = 32) -> None:
+        super().__init__()
+        self.q_conv = nn.Conv1d(channels, channels // 4, 1, bias=False)
+        self.k_conv = nn.Conv1d(channels, channels // 4, 1, bias=False)
+        self.k_conv.weight = self.q_conv.weight
+        self.v_conv = nn.Conv1d(channels, channels, 1)
+        self.trans_conv = nn.Conv1d(channels, channels, 1)
+
+    def forward(self, x):
+        energy = torch.bmm(self.q_conv(x).permute(0, 2, 1), self.k_conv(x))
+        attention = torch.softmax(energy, dim=-1)
+        attention = attention / (1e-9 + attention.sum(dim=1, keepdim=True))
+        return x + torch.relu(self.trans_conv(x - torch.bmm(self.v_conv(x), attention)))
+
+
+class PointCloudEncoder(nn.Module):
+    def __init__(self, channels: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Conv1d(3, channels, 1)
+        self.sa1, self.sa2 = OffsetAttention(channels), OffsetAttention(channels)
+
+    def forward(self, points):
+        return self.sa2(self.sa1(self.embed(points))).max(dim=-1).values
+
+
+def test_weights_renormalised_over_the_other_axis_still_make_an_attention_layer():
+    """catches: check_model exited 2 ("no attention layer found") on a point-cloud model whose layers renormalise
+    the softmax weights by their sum over the queries before the product: a division did not pass the weights on"""
+    torch.manual_seed(0)
+    report = check_model(PointCloudEncoder().eval(), (torch.randn(2, 3, 16),), allow_nonstandard=True)
+    assert list(report.layers) == ["sa1", "sa2"], report.summary()
+
+
+# -- a causal bias with the padding added in, made finite again, passed to SDPA (OLMo's ``attention_bias``) --------
+class FusedBiasAttention(nn.Module):
+    """OLMo's attention: one ``att_proj`` for q, k and v, SDPA with the model's float bias as ``attn_mask``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.att_proj, self.attn_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, attention_bias=None):
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.att_proj(x).split(e, dim=-1))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_bias)
+        return self.attn_out(out.transpose(1, 2).reshape(b, n, e))
+
+
+class CausalBiasModel(nn.Module):
+    """The causal bias is ``triu(1)`` at finfo.min; the padding, (1 - mask) * finfo.min, is added to it and the
+    -inf where both meet is put back to finfo.min (OLMo's ``ensure_finite_``): a query padded on the left sees no
+    key, a row with no value to agree on in any dtype."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(50, dim)
+        self.blocks = nn.ModuleList([FusedBiasAttention(dim, heads) for _ in range(2)])
+
+    def forward(self, input_ids, attention_mask):
+        n, low = input_ids.shape[1], torch.finfo(torch.float).min
+        bias = torch.triu(torch.full((n, n), low), diagonal=1)[None, None]
+        bias = bias + (1.0 - attention_mask.float())[:, None, None, :] * low
+        bias = bias.masked_fill(bias == float("-inf"), low)
+        h = self.wte(input_ids)
+        for block in self.blocks:
+            h = h + block(h, attention_bias=bias)
+        return h
+
+
+def test_half_precision_leaves_out_the_rows_a_model_pads_through_its_bias():
+    """catches: a model that adds its left padding into the causal bias leaves each padded query every key at the
+    fill; float16 and float32 weigh those keys differently (which of them rounds to the fill), so correct layers were
+    named half-precision-mismatch. Those rows are the model's padding and are not compared."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3], ids[1, :3] = 0, 0
+    report = check_model(CausalBiasModel().eval(), {"input_ids": ids, "attention_mask": mask})
+    assert report.verdict == "passed", report.to_json()
+
+
+# -- padding made a (B, 1, L, L) bool mask from the outer product of the key and query masks (Megatron's BERT) -----
+class MaskedFillAttention(nn.Module):
+    """Fused q, k, v; the scores filled at -10000 where the model's bool mask is True (Megatron's
+    ``attention_mask_func``)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query_key_value, self.dense = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, attention_mask):
+        b, n, e = hidden_states.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.query_key_value(hidden_states).chunk(3, -1))
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).masked_fill(attention_mask, -10000.0)
+        return self.dense((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class OuterProductMaskEncoder(nn.Module):
+    """``bss = b1s * bs1``, then ``< 0.5``: True where the query or the key is padding. ``bug``: "queries" builds it
+    from the query mask alone (``bs1.expand``); "flipped" keeps ``> 0.5``."""
+
+    def __init__(self, bug: str | None = None, dim: int = 32) -> None:
+        super().__init__()
+        self.bug = bug
+        self.embed = nn.Embedding(50, dim)
+        self.layers = nn.ModuleList([MaskedFillAttention(dim) for _ in range(2)])
+
+    def forward(self, input_ids, attention_mask):
+        b1s, bs1 = attention_mask.unsqueeze(1), attention_mask.unsqueeze(2)
+        bss = bs1.expand(-1, -1, attention_mask.shape[1]) if self.bug == "queries" else b1s * bs1
+        mask = (bss.unsqueeze(1) > 0.5) if self.bug == "flipped" else (bss.unsqueeze(1) < 0.5)
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h, mask)
+        return h
+
+
+@pytest.mark.parametrize(("bug", "expected"), [(None, None), ("queries", "mask-broadcast"),
+                                               ("flipped", "mask-inverted")])
+def test_padding_laid_on_the_query_axis_of_the_mask_the_layer_takes_is_mask_broadcast(bug, expected):
+    """catches: a (B, 1, L, L) mask that hides the padded queries' rows and no key, passed as the layer's own mask,
+    was named mask-inverted, whose fix (the other polarity) does not fix it"""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, 6:], ids[1, 6:] = 0, 0
+    report = check_model(OuterProductMaskEncoder(bug).eval(), {"input_ids": ids, "attention_mask": mask})
+    if expected is None:
+        assert report.verdict == "passed", report.to_json()
+    else:
+        assert {f.id for r in report.layers.values() for f in r.findings if f.severity == "error"} == {expected}, \
+            report.to_json()
+
+
+class LeftToRightModel(nn.Module):
+    """Megatron's GPT: ``get_ltor_masks`` makes the (1, 1, L, L) bool mask, True = masked, as ``tril < 0.5``.
+    ``flipped``: ``tril > 0.5``, which hides the past and each query's own key and shows the future."""
+
+    def __init__(self, flipped: bool = False, dim: int = 32) -> None:
+        super().__init__()
+        self.flipped = flipped
+        self.embed = nn.Embedding(50, dim)
+        self.layers = nn.ModuleList([MaskedFillAttention(dim) for _ in range(2)])
+
+    def forward(self, input_ids):
+        n = input_ids.shape[1]
+        tril = torch.tril(torch.ones(1, n, n)).view(1, 1, n, n)
+        mask = tril > 0.5 if self.flipped else tril < 0.5
+        h = self.embed(input_ids)
+        for layer in self.layers:
+            h = h + layer(h, mask)
+        return h
+
+
+@pytest.mark.parametrize("flipped", [False, True])
+def test_a_causal_mask_built_the_other_way_round_is_a_causal_leak(flipped):
+    """catches: a decoder whose bool causal mask is the causal pattern's complement (each query sees only later
+    keys, the last one none) was certified without --causal: no layer of its stack is causal to compare with, and the
+    pattern is neither a band nor the causal one transposed (a query that sees one key alone does not depend on its
+    own token)"""
+    torch.manual_seed(0)
+    report = check_model(LeftToRightModel(flipped).eval(), (torch.randint(1, 50, (2, 9)),))
+    if flipped:
+        assert {f.id for r in report.layers.values() for f in r.findings if f.severity == "error"} == \
+            {"causal-leak"}, report.to_json()
+    else:
+        assert report.verdict == "passed", report.to_json()

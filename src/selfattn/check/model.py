@@ -60,12 +60,14 @@ _KERNELS = frozenset({"scaled_dot_product_attention", "flex_attention", "_scaled
                       "multi_head_attention_forward"})  # a mode sees the call, not the operations inside
 _PRODUCTS = frozenset({"matmul", "__matmul__", "__rmatmul__", "bmm", "einsum", "baddbmm"})
 # what weights pass through on their way to the product (dropout, a cast, a mask put on or a bias added after the
-# softmax, a 1 x 1 convolution or a linear map mixing the heads: talking heads)
+# softmax, a 1 x 1 convolution or a linear map mixing the heads: talking heads, a renormalisation over the other
+# axis: PCT's offset attention)
 _PASSING = frozenset({"dropout", "to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous",
                       "conv1d", "conv2d", "linear",
                       "masked_fill", "masked_fill_", "mul", "__mul__", "where", "nan_to_num", "clone", "view",
                       "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand", "detach",
-                      "__getitem__", "pad", "narrow", "as_strided", "roll", "add", "__add__", "__radd__"})
+                      "__getitem__", "pad", "narrow", "as_strided", "roll", "add", "__add__", "__radd__",
+                      "div", "__truediv__", "div_", "__itruediv__"})
 
 
 @dataclass
@@ -914,6 +916,17 @@ def _models_causal_mask(layer: Layer, read: tuple[Tensor, Tensor, Tensor, int] |
         return Finding.of(CAUSAL_LEAK, "called as the model calls it, with the model's own mask, queries see later "
                           "keys and miss earlier ones: the model's causal mask is transposed",
                           {"mask the model passes": what})
+    # the causal mask's complement (``> 0.5`` for ``< 0.5``): each query sees only the keys after it (its own token
+    # reaches it through its query, unless one key is all it sees), and the last one, with no key left, weighs every
+    # key alike under a finite fill (NaN under -inf)
+    after = future(length).to(dep.device)
+    before = after.T
+    last_empty = bool(dep[-1].all()) or (base.shape == hidden.shape and not bool(torch.isfinite(base[item, -1]).all()))
+    if length > 3 and bool(dep[:-1][after[:-1]].all()) and not bool(dep[:-1][before[:-1]].any()) and last_empty:
+        return Finding.of(CAUSAL_LEAK, "called as the model calls it, with the model's own mask, each query sees only "
+                          "the keys after it, and the last query none: the model's causal mask is read the other way "
+                          "round (it hides the past and the query's own key, and shows the future)",
+                          {"mask the model passes": what, "last query": "weighs every key alike"})
     return None
 
 
@@ -1115,11 +1128,11 @@ def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Find
     change, scale = moved
     if not change > 1e-4 * (1 + scale):
         return None
-    if given.dim() >= 3 and given.shape[-1] == 1 and given.shape[-2] == pad.shape[1] > 1:
+    if given.dim() >= 3 and given.shape[-1] == 1 and given.shape[-2] == pad.shape[1] > 1 or _pads_queries(given, pad):
         return Finding.of(MASK_BROADCAST, "called as the model calls it, the layer lets the padded tokens change the "
-                          "real tokens' outputs: the model's mask is laid out on the query axis ((B, 1, L, 1)), so it "
-                          "hides padded queries' rows and no key", {"mask the model passes": what,
-                                                                   "largest change of a real token's output": change})
+                          "real tokens' outputs: the model's mask is laid out on the query axis ((B, 1, L, 1), or "
+                          "(B, 1, L, L) with the padded queries' rows hidden), so it hides padded queries' rows and "
+                          "no key", {"mask the model passes": what, "largest change of a real token's output": change})
     reads = report.inferred.get("mask")
     if MASK_IGNORED.id in report.ids or not (isinstance(reads, dict) and "convention" in reads) or \
             _real_keys_seen(layer, pad):
