@@ -7,6 +7,7 @@ Each module is written in the style of the code base it names; the tests say whi
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -801,3 +802,70 @@ def test_a_per_head_projection_list_the_call_never_uses_is_no_grad(k_from_q):
     report = check(InterpretableHeads(k_from_q=k_from_q))
     assert {f.id for f in report.findings if f.severity == "error"} == ({"no-grad"} if k_from_q else set()), \
         report.findings
+
+
+# -- cross-attention whose forward takes the queries' and the keys' sequences by other names (BLIP-2, Flamingo) ----
+class QFormerCrossAttention(nn.Module):
+    """BLIP-2's Q-Former cross-attention: learned query tokens attend to image features,
+    ``forward(hidden_states, encoder_hidden_states, encoder_attention_mask=None)`` with a (B, L) keep-mask made
+    additive. ``bug``: "mask ignored" (the extended mask built and never added), "unscaled"."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, bug: str | None = None) -> None:
+        super().__init__()
+        self.heads, self.bug = heads, bug
+        self.query, self.key, self.value = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, encoder_hidden_states, encoder_attention_mask=None):
+        b, n, e = hidden_states.shape
+        d = e // self.heads
+
+        def split(t):
+            return t.view(b, t.shape[1], self.heads, d).transpose(1, 2)
+
+        q = split(self.query(hidden_states))
+        k, v = split(self.key(encoder_hidden_states)), split(self.value(encoder_hidden_states))
+        scores = q @ k.transpose(-1, -2) / (1.0 if self.bug == "unscaled" else math.sqrt(d))
+        if encoder_attention_mask is not None:
+            extended = (1.0 - encoder_attention_mask[:, None, None, :].to(scores.dtype)) * -10000.0
+            if self.bug != "mask ignored":
+                scores = scores + extended
+        return (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e)
+
+
+class PerceiverAttention(nn.Module):
+    """Flamingo's perceiver resampler: ``forward(latents, x)``, the latents attending to the media tokens joined
+    with the latents themselves (``kv_input = cat((x, latents), dim=-2)``)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, bug: str | None = None) -> None:
+        super().__init__()
+        self.heads, self.bug = heads, bug
+        self.to_q, self.to_kv, self.to_out = nn.Linear(dim, dim, bias=False), nn.Linear(dim, 2 * dim, bias=False), \
+            nn.Linear(dim, dim, bias=False)
+
+    def forward(self, latents, x):
+        b, n, e = latents.shape
+        d = e // self.heads
+        q = self.to_q(latents).view(b, n, self.heads, d).transpose(1, 2)
+        if self.bug != "unscaled":
+            q = q * d ** -0.5
+        k, v = (t.view(b, -1, self.heads, d).transpose(1, 2)
+                for t in self.to_kv(torch.cat((x, latents), dim=-2)).chunk(2, dim=-1))
+        sim = q @ k.transpose(-1, -2)
+        sim = sim - sim.amax(dim=-1, keepdim=True).detach()
+        return self.to_out((sim.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize(("module", "expected"), [
+    (QFormerCrossAttention, None), (partial(QFormerCrossAttention, bug="mask ignored"), "mask-ignored"),
+    (partial(QFormerCrossAttention, bug="unscaled"), "missing-scale"),
+    (PerceiverAttention, None), (partial(PerceiverAttention, bug="unscaled"), "missing-scale")])
+def test_cross_attention_over_two_required_sequences_is_called_with_both(module, expected):
+    """catches: forward(queries, keys) with both required and the second not named like keys or a context
+    (``encoder_hidden_states``, Flamingo's ``x``) could not be called (exit 2), and a cross-attention's key mask named
+    ``encoder_attention_mask`` was read as no mask, so one the module never adds was certified"""
+    torch.manual_seed(0)
+    report = check(module())
+    if expected is None:
+        assert report.passed, report.findings
+    else:
+        assert expected in report.ids, report.findings

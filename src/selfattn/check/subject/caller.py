@@ -66,7 +66,9 @@ MASK_KINDS: dict[str, str] = {
 # valid_lens, ESPnet's ilens): they can say only "the last keys of each item are padding"
 ADDITIVE_FILL = -10000.0  # what the doctor puts in an additive mask for "masked"
 MASK_NAMES = ("mask", "attn_mask", "attention_mask", "key_padding_mask", "padding_mask", "src_mask", "masks",
-              "input_mask", "pad_mask", "src_key_padding_mask", "key_mask", "attn_masks", "seq_mask")
+              "input_mask", "pad_mask", "src_key_padding_mask", "key_mask", "attn_masks", "seq_mask",
+              # the keys' padding of a cross-attention (BLIP-2's, Flamingo's, Perceiver's), checked with kv = x
+              "encoder_attention_mask", "encoder_mask", "context_mask", "kv_mask", "media_mask", "image_mask")
 LENGTH_NAMES = ("lengths", "lens", "seq_lens", "seq_lengths", "seqlens", "input_lengths", "src_lengths",
                 "key_lengths", "ilens", "x_lens", "valid_lengths", "valid_lens", "text_lengths", "audio_lengths")
 """Names of a forward argument that gives padding as each item's length (speech and text toolkits)."""
@@ -407,8 +409,18 @@ def _takes_two_sequences(module: nn.Module) -> bool:
             (len(params) > 2 and params[2].default is params[2].empty):
         return False
     second = params[1].name.lower()
-    return second.startswith(("kv", "key", "k_", "context", "memory", "source")) or second.endswith("kv") or \
-        second in ("k", "y", "x2")
+    if second.startswith(("kv", "key", "k_", "context", "memory", "source")) or second.endswith("kv") or \
+            second in ("k", "y", "x2"):
+        return True
+    # any other second sequence both required (BLIP-2's ``forward(hidden_states, encoder_hidden_states)``,
+    # Flamingo's ``forward(latents, x)`` and ``forward(x, media, media_locations=None)``), unless its name says it is
+    # something else the module needs: a mask, lengths, positions, a rotary table, a cache, a time step
+    return params[1].default is params[1].empty and second not in MASK_NAMES and second not in LENGTH_NAMES and \
+        second not in ("t", "h", "w") and not any(w in second for w in _NOT_A_SEQUENCE)
+
+
+_NOT_A_SEQUENCE = ("mask", "len", "pos", "freq", "rope", "rotary", "cos", "sin", "cache", "time", "step", "bias",
+                   "index", "idx", "ids", "shape", "size", "hw", "grid", "rel", "pad", "valid")
 
 
 def find_call_style(module: nn.Module, x: Tensor, layout: str = "batch-first") -> tuple[str, str | None]:
