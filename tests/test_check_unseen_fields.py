@@ -869,3 +869,53 @@ def test_cross_attention_over_two_required_sequences_is_called_with_both(module,
         assert report.passed, report.findings
     else:
         assert expected in report.ids, report.findings
+
+
+# -- positions added to q and k after their projections (Conditional DETR's decoder self-attention) ----------------
+def _sine_positions(x: torch.Tensor) -> torch.Tensor:
+    """DETR's sine embedding of each token's index, the width of x."""
+    n, e = x.shape[1], x.shape[2]
+    angle = torch.arange(n, dtype=x.dtype)[:, None] / 10000 ** (torch.arange(0, e, 2, dtype=x.dtype) / e)
+    return torch.stack((angle.sin(), angle.cos()), -1).flatten(1)[None].expand(x.shape[0], -1, -1)
+
+
+class ConditionalSelfAttention(nn.Module):
+    """``q = q_content_proj(x) + q_pos_proj(pos)``, ``k = k_content_proj(x) + k_pos_proj(pos)``, ``v = v_proj(x)``.
+    ``bug``: "k rotated" turns k by its position (a rotation on one side, no added term)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, bug: str | None = None) -> None:
+        super().__init__()
+        self.heads, self.bug = heads, bug
+        self.q_content_proj, self.q_pos_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.k_content_proj, self.k_pos_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.v_proj, self.out_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, hidden_states, position_embeddings):
+        b, n, e = hidden_states.shape
+        d = e // self.heads
+        q = self.q_content_proj(hidden_states) + self.q_pos_proj(position_embeddings)
+        if self.bug == "k rotated":
+            k = self.k_content_proj(hidden_states)
+            angle = torch.arange(n, dtype=k.dtype)[:, None] / 100 ** (torch.arange(0, e // 2, dtype=k.dtype) / e)
+            k = torch.cat((k[..., ::2] * angle.cos() - k[..., 1::2] * angle.sin(),
+                           k[..., ::2] * angle.sin() + k[..., 1::2] * angle.cos()), -1)
+        else:
+            k = self.k_content_proj(hidden_states) + self.k_pos_proj(position_embeddings)
+        q, k, v = (t.view(b, n, self.heads, d).transpose(1, 2) for t in (q, k, self.v_proj(hidden_states)))
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize(("bug", "expected"), [(None, None), ("k rotated", "rotary-one-side")])
+def test_positions_added_after_the_projections_are_no_rotation(bug, expected):
+    """catches: q and k each plus a projection of the position (Conditional DETR) read as rotated unalike
+    (rotary-mismatch) on correct code: with one token at every position the scores change with the position, as
+    they do for absolute positions. An added term is the same vector at every position between runs on two tokens;
+    a rotation turns it."""
+    torch.manual_seed(0)
+    report = check(ConditionalSelfAttention(bug=bug), call=lambda m, x: m(x, _sine_positions(x)))
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    if expected is None:
+        assert not errors, report.findings
+    else:
+        assert errors and errors <= {"rotary-one-side", "rotary-mismatch"}, report.findings

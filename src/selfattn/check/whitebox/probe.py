@@ -48,7 +48,9 @@ from .products import (
     examine_cores,
     folded_scale,
     memory_tokens,
+    positions_added,
     relative_positions,
+    score_operands,
     unshifted_relative,
 )
 from .projections import AFTER, Capture, NoFormula, capture, identify, qkv_heads
@@ -385,7 +387,19 @@ def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor, eps: float = 0.
         trace, _ = record(module, partial(caller, same))
     except Exception:  # a module that rejects repeated tokens has been read on the probe input
         return None
-    return relative_positions(trace, x.shape[1], max(1e-4, 8 * eps), memory)
+    mismatch = relative_positions(trace, x.shape[1], max(1e-4, 8 * eps), memory)
+    if mismatch is None or memory[0]:
+        return mismatch
+    # a position term added to q and k after their projections (Conditional DETR's) is absolute by design, no rotation:
+    # the same difference at every position between runs on two tokens
+    try:
+        other, _ = record(module, partial(caller, x[:, 1:2].expand_as(x).clone()))
+    except Exception:  # a module that rejects that input has been read on the first
+        return mismatch
+    one, two = score_operands(trace), score_operands(other)
+    if one is not None and two is not None and positions_added(one, two, x.shape[1], max(1e-6, 8 * eps)):
+        return None
+    return mismatch
 
 
 def _distance_table(module: nn.Module, n: int, image: bool) -> tuple[nn.Parameter, tuple[int, int] | None] | None:

@@ -1980,6 +1980,38 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4, memory: tu
     return None
 
 
+def score_operands(trace: Trace) -> tuple[Tensor, Tensor] | None:
+    """The two operands of the first attention core's score product (q and k as they reach it, in float64), or
+    None when none could be read."""
+    for op in trace.ops:
+        try:
+            if op.name == "scaled_dot_product_attention" and len(op.inputs) >= 2:
+                return op.inputs[0].double(), op.inputs[1].double()
+            if op.name in SOFTMAX:
+                pairs = _operands(_score_chain(trace, op.in_ids[0])[0])
+                if len(pairs) >= 2:
+                    return pairs[0][1].double(), pairs[1][1].double()
+        except (Unseen, Unrecognised, RuntimeError):
+            continue
+    return None
+
+
+def positions_added(one: tuple[Tensor, Tensor], other: tuple[Tensor, Tensor], length: int, rtol: float) -> bool:
+    """For the score operands (q, k) of two runs, each on one token repeated at every position (two tokens): is
+    every position's term added to q and to k (Conditional DETR's ``q_content_proj(x) + q_pos_proj(pos)``), the
+    same whatever the token? Then q(t1) - q(t2) is one vector at every position, as it is for k; a rotation by
+    position (right or wrong) turns that difference with the position."""
+    for a, b in zip(one, other, strict=True):
+        axes = [i for i, size in enumerate(a.shape) if size == length]
+        if a.shape != b.shape or len(axes) != 1:
+            return False
+        diff = (a - b).movedim(axes[0], 0)
+        if not bool(diff[0].abs().max() > rtol * (1 + float(a.abs().max()))) or \
+                float((diff - diff[:1]).abs().max()) > rtol * (1 + float(a.abs().max())):
+            return False
+    return True
+
+
 def _scaled_per_query(r: Tensor, length: int, atol: float) -> bool:
     """For scores of one token repeated at every position: is each query row one factor of its position (the same in
     every head and item, Qwen's log-n attention scaling of q past the training length) times scores that are
