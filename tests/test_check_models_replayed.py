@@ -1325,7 +1325,8 @@ class MaskedFillAttention(nn.Module):
 
     def forward(self, hidden_states, attention_mask):
         b, n, e = hidden_states.shape
-        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.query_key_value(hidden_states).chunk(3, -1))
+        fused = self.query_key_value(hidden_states)
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in fused.chunk(3, -1))
         scores = (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).masked_fill(attention_mask, -10000.0)
         return self.dense((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
 

@@ -1128,7 +1128,8 @@ def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Find
     change, scale = moved
     if not change > 1e-4 * (1 + scale):
         return None
-    if given.dim() >= 3 and given.shape[-1] == 1 and given.shape[-2] == pad.shape[1] > 1 or _pads_queries(given, pad):
+    column = given.dim() >= 3 and given.shape[-1] == 1 and given.shape[-2] == pad.shape[1] > 1
+    if column or _pads_queries(given, pad):
         return Finding.of(MASK_BROADCAST, "called as the model calls it, the layer lets the padded tokens change the "
                           "real tokens' outputs: the model's mask is laid out on the query axis ((B, 1, L, 1), or "
                           "(B, 1, L, L) with the padded queries' rows hidden), so it hides padded queries' rows and "

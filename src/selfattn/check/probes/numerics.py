@@ -147,8 +147,9 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
                 # pattern (a window) is added, a row with no value to agree on
                 real = keeps[suffix].to(out.device).any(-2)  # (B, L): a key some query may see is a real token
                 out, ref = out[real], ref[real]
-            elif not suffix and (padded := padded_rows(ctx.call, out)) is not None:  # rows the model pads through
-                out, ref = out[~padded], ref[~padded.to(ref.device)]  # its bias (every key at its fill) are not compared
+            elif not suffix and (padded := padded_rows(ctx.call, out)) is not None:
+                # rows the model pads through its bias (every key at its fill) are not compared
+                out, ref = out[~padded], ref[~padded.to(ref.device)]
             err_rel = rel(out, ref)
             allowed = tol if base_err is None else max(tol, 4 * base_err)
             notes[label] = f"max difference to float32 {err_rel:.2g} (tolerance {allowed:.2g})"
@@ -354,7 +355,7 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
                     for p, u, m in group if u)
         if not played or fused or all(r is None for r in played):
             continue
-        idle += [p for p, u, _ in group if not u and _projection_role(p) is not None and _projection_role(p) not in played]
+        idle += [p for p, u, _ in group if not u and (role := _projection_role(p)) is not None and role not in played]
     return sorted(idle + _idle_clones(module, used))
 
 
