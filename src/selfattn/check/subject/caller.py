@@ -429,8 +429,10 @@ def find_call_style(module: nn.Module, x: Tensor, layout: str = "batch-first") -
     for style in ("x", "qk", "qkv") if _takes_two_sequences(module) else ("x", "qkv"):
         try:
             with torch.no_grad():
-                Caller(module, style, layout=layout)(x)
-            return style, None
+                out = Caller(module, style, layout=layout)(x)
+            if style == "qk" and isinstance(out, Tensor) and out.shape != x.shape:  # the second argument is no
+                raise ValueError(f"forward(q, kv) gave {tuple(out.shape)} for {tuple(x.shape)}")  # sequence (a DiT
+            return style, None  # block's conditioning, broadcast over the tokens)
         except Exception as e:
             errors.append(f"forward({', '.join(('x',) if style == 'x' else style)}): {type(e).__name__}: {e}")
     return "", "; ".join(errors)
