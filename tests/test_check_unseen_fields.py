@@ -919,3 +919,30 @@ def test_positions_added_after_the_projections_are_no_rotation(bug, expected):
         assert not errors, report.findings
     else:
         assert errors and errors <= {"rotary-one-side", "rotary-mismatch"}, report.findings
+
+
+def _memory_cross(name: str, dropped: bool) -> nn.Module:
+    """A decoder's cross-attention over a memory, ``forward(tgt, memory, <name>=None)`` with a (B, S) bool mask,
+    True = padding, named as code bases name it; ``dropped``: the mask accepted and never used."""
+    source = (f"class MemoryCrossAttention(nn.Module):\n"
+              f"    def __init__(self):\n"
+              f"        super().__init__()\n"
+              f"        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)\n"
+              f"    def forward(self, tgt, memory, {name}=None):\n"
+              f"        mask = None if {dropped} else {name}\n"
+              f"        return self.attn(tgt, memory, memory, key_padding_mask=mask, need_weights=False)[0]\n")
+    namespace: dict = {"nn": nn}
+    exec(source, namespace)
+    return namespace["MemoryCrossAttention"]()
+
+
+@pytest.mark.parametrize("name", ["memory_mask", "enc_mask", "cross_attn_mask", "encoder_padding_mask", "text_mask"])
+@pytest.mark.parametrize("dropped", [False, True])
+def test_a_mask_is_any_argument_named_with_the_word_mask(name, dropped):
+    """catches: an argument was read as a mask only when its name was on a list, so a cross-attention's
+    ``memory_mask`` (nn.Transformer's), ``enc_mask``, ``cross_attn_mask`` (mllama's) or fairseq's
+    ``encoder_padding_mask`` that the module accepts and never uses was certified ("not named like a mask")"""
+    torch.manual_seed(0)
+    report = check(_memory_cross(name, dropped))
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert errors == ({"mask-ignored"} if dropped else set()), report.findings

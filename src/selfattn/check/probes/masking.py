@@ -40,7 +40,6 @@ from ..findings import (
 from ..subject.building import num_heads_of
 from ..subject.caller import (
     LENGTH_NAMES,
-    MASK_NAMES,
     MASK_SHAPES,
     Caller,
     MaskSpec,
@@ -48,6 +47,7 @@ from ..subject.caller import (
     dependency,
     mask_parameters,
     module_state,
+    named_like_mask,
     restore,
     switch_parameter,
 )
@@ -782,7 +782,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                                    {"mask": _describe(inverted), "tried": tried})],
                        {"mask": _describe(inverted)}, None,
                        {"mask": "verified", "padding": "not verified: the mask acts the other way round"})
-    if leaky is not None and leaky.mask_arg not in MASK_NAMES and not leaky.at_end and ctx.spec is None and \
+    if leaky is not None and not named_like_mask(leaky.mask_arg) and not leaky.at_end and ctx.spec is None and \
             ctx.call.make_mask is None \
             and ctx.call.style != "adapter":  # an argument not named like a mask, read as no mask is: another input
         why = (f"forward's argument '{leaky.mask_arg or 'positional'}' is not named like a mask, changes the output "
@@ -812,7 +812,7 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
     if ctx.call.style == "adapter" and accepted and accepted <= untouched and ctx.spec is None and \
             ctx.call.make_mask is None:
         return _no_mask("your call(module, x, mask) does not pass the mask to anything")
-    named = {c.mask_arg for c in candidates if c.mask_arg in MASK_NAMES} or ctx.call.style == "adapter" or \
+    named = {c.mask_arg for c in candidates if named_like_mask(c.mask_arg)} or ctx.call.style == "adapter" or \
         ctx.spec is not None or ctx.call.make_mask is not None or ctx.call.required
     if accepted and not named:
         if switch is not None:

@@ -40,6 +40,7 @@ __all__ = [
     "find_call_style",
     "mask_parameters",
     "module_state",
+    "named_like_mask",
     "parse_mask",
     "restore",
     "switch_parameter",
@@ -69,6 +70,20 @@ MASK_NAMES = ("mask", "attn_mask", "attention_mask", "key_padding_mask", "paddin
               "input_mask", "pad_mask", "src_key_padding_mask", "key_mask", "attn_masks", "seq_mask",
               # the keys' padding of a cross-attention (BLIP-2's, Flamingo's, Perceiver's), checked with kv = x
               "encoder_attention_mask", "encoder_mask", "context_mask", "kv_mask", "media_mask", "image_mask")
+_NOT_A_KEY_MASK = frozenset({"head", "heads", "ratio", "token", "value", "fill", "prob", "rate", "id", "ids", "index",
+                             "indices", "pos", "type", "scale"})
+
+
+def named_like_mask(name: str | None) -> bool:
+    """Is ``name`` a mask's: one of :data:`MASK_NAMES`, or a name with the word ``mask`` among its words and none
+    that says it is something else (``memory_mask``, ``enc_mask``, ``cross_attn_mask``, ``encoder_padding_mask``;
+    not ``head_mask``, ``mask_ratio``, ``mask_token``)?"""
+    if name is None:
+        return False
+    words = name.lower().split("_")
+    return name in MASK_NAMES or (("mask" in words or "masks" in words) and not _NOT_A_KEY_MASK & set(words))
+
+
 LENGTH_NAMES = ("lengths", "lens", "seq_lens", "seq_lengths", "seqlens", "input_lengths", "src_lengths",
                 "key_lengths", "ilens", "x_lens", "valid_lengths", "valid_lens", "text_lengths", "audio_lengths")
 """Names of a forward argument that gives padding as each item's length (speech and text toolkits)."""
@@ -355,7 +370,7 @@ def mask_parameters(module: nn.Module, style: str) -> list[str | None]:
         params = list(inspect.signature(module.forward).parameters.values())
     except (TypeError, ValueError):
         return [None]
-    named: list[str | None] = [p.name for p in params if p.name in MASK_NAMES and p.kind != p.POSITIONAL_ONLY]
+    named: list[str | None] = [p.name for p in params if named_like_mask(p.name) and p.kind != p.POSITIONAL_ONLY]
     if named:
         return named
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
@@ -390,7 +405,7 @@ def required_mask_parameter(module: nn.Module, style: str, any_name: bool = Fals
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][skip:]
     required = [p for p in positional + [p for p in params if p.kind == p.KEYWORD_ONLY]
                 if p.default is p.empty]
-    if len(required) == 1 and (any_name or required[0].name in MASK_NAMES or required[0].name in LENGTH_NAMES or
+    if len(required) == 1 and (any_name or named_like_mask(required[0].name) or required[0].name in LENGTH_NAMES or
                                "mask" in required[0].name.lower()):
         return required[0].name
     return None
@@ -415,7 +430,7 @@ def _takes_two_sequences(module: nn.Module) -> bool:
     # any other second sequence both required (BLIP-2's ``forward(hidden_states, encoder_hidden_states)``,
     # Flamingo's ``forward(latents, x)`` and ``forward(x, media, media_locations=None)``), unless its name says it is
     # something else the module needs: a mask, lengths, positions, a rotary table, a cache, a time step
-    return params[1].default is params[1].empty and second not in MASK_NAMES and second not in LENGTH_NAMES and \
+    return params[1].default is params[1].empty and not named_like_mask(second) and second not in LENGTH_NAMES and \
         second not in ("t", "h", "w") and not any(w in second for w in _NOT_A_SEQUENCE)
 
 

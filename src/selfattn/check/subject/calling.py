@@ -26,7 +26,6 @@ from ..findings import BATCH_MIXING, SHAPE_DEPENDENT, STATE_DEPENDENT, WRONG_OUT
 from .building import CannotRun, Sizes, num_heads_of
 from .caller import (
     LENGTH_NAMES,
-    MASK_NAMES,
     UNSET,
     Caller,
     MaskSpec,
@@ -34,6 +33,7 @@ from .caller import (
     find_call_style,
     mask_parameters,
     module_state,
+    named_like_mask,
     required_mask_parameter,
     restore,
 )
@@ -115,7 +115,7 @@ def _positions_adapter(module: nn.Module) -> tuple[Callable, str] | None:
     rest = [p for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty]
     if not rest or any(p.name not in _OFFSET_NAMES + _POSITION_NAMES for p in rest):
         return None
-    masks = [a for a in mask_parameters(module, "x") if a in MASK_NAMES]
+    masks = [a for a in mask_parameters(module, "x") if named_like_mask(a)]
 
     def positions(x: Tensor) -> dict[str, object]:
         b, n = x.shape[0], x.shape[1]
@@ -141,7 +141,7 @@ def _caller_for(module: nn.Module, x: Tensor, stated: MaskSpec | None = None) ->
         return Caller(module, style), ""
     given = []
     for style in ("x", "qkv"):  # a mask the signature requires, or one the module cannot do without in practice
-        named = [a for a in mask_parameters(module, style) if a in MASK_NAMES]
+        named = [a for a in mask_parameters(module, style) if named_like_mask(a)]
         arg = required_mask_parameter(module, style) or (named[0] if named else None)
         if arg is None and stated is not None:  # the user states a mask: the one argument forward requires beside
             arg = required_mask_parameter(module, style, any_name=True)  # x takes it (a graph's adjacency)
