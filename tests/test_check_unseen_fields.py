@@ -946,3 +946,28 @@ def test_a_mask_is_any_argument_named_with_the_word_mask(name, dropped):
     report = check(_memory_cross(name, dropped))
     errors = {f.id for f in report.findings if f.severity == "error"}
     assert errors == ({"mask-ignored"} if dropped else set()), report.findings
+
+
+@pytest.mark.parametrize("bug", [None, "k", "v"])
+def test_a_per_head_list_with_one_member_used_for_every_head_is_no_grad(bug):
+    """catches: every head taking the first member of its per-head projection list (``self.k_layers[0]``) was
+    certified: the list's other members got no gradient while one of them did"""
+
+    class PerHeadLists(InterpretableHeads):
+        def __init__(self) -> None:
+            super().__init__()
+            self.v_layers = nn.ModuleList([nn.Linear(32, self.d) for _ in range(self.n_head)])
+
+        def forward(self, q, k, v):
+            heads = []
+            for i in range(self.n_head):
+                qs = self.q_layers[i](q)
+                ks = self.k_layers[0 if bug == "k" else i](k)
+                vs = self.v_layers[0 if bug == "v" else i](v)
+                heads.append(torch.softmax(qs @ ks.transpose(1, 2) / math.sqrt(self.d), -1) @ vs)
+            return self.w_h(torch.stack(heads, dim=2).mean(dim=2))
+
+    torch.manual_seed(0)
+    report = check(PerHeadLists())
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert errors == (set() if bug is None else {"no-grad"}), report.findings

@@ -356,7 +356,21 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
         if not played or fused or all(r is None for r in played):
             continue
         idle += [p for p, u, _ in group if not u and (role := _projection_role(p)) is not None and role not in played]
-    return sorted(idle + _idle_clones(module, used))
+    return sorted(idle + _idle_clones(module, used) + _idle_heads(module, used))
+
+
+def _idle_heads(module: nn.Module, used: set[int]) -> list[str]:
+    """The members of a per-head projection list named for a role (``k_layers``, ``v_heads``) that the call never used
+    while it used another member of the list: every head taking one head's projection (``self.k_layers[0]``)."""
+    idle = []
+    for path, mod in module.named_modules():
+        if not isinstance(mod, nn.ModuleList) or len(mod) < 2 or _projection_role(f"{path}.0") is None or \
+                not all(isinstance(c, nn.Linear) and c.weight.requires_grad for c in mod):
+            continue
+        touched = [id(c.weight) in used for c in mod]
+        if any(touched):
+            idle += [f"{path}.{i}" for i, t in enumerate(touched) if not t]
+    return idle
 
 
 def _projection_role(path: str) -> str | None:
