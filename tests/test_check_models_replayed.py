@@ -1401,3 +1401,31 @@ def test_a_causal_mask_built_the_other_way_round_is_a_causal_leak(flipped):
             {"causal-leak"}, report.to_json()
     else:
         assert report.verdict == "passed", report.to_json()
+
+
+class WindowedBiasModel(CausalBiasModel):
+    """A causal window of 3 at finfo.min with the padding added and clamped (a sliding-window decoder's bias): the
+    last query's window no longer reaches the padded keys on the left."""
+
+    def forward(self, input_ids, attention_mask):
+        n, low = input_ids.shape[1], torch.finfo(torch.float).min
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None]
+        bias = torch.zeros(n, n).masked_fill(~((j <= i) & (j > i - 3)), low)[None, None]
+        bias = (bias + (1.0 - attention_mask.float())[:, None, None, :] * low).clamp(min=low)
+        h = self.wte(input_ids)
+        for block in self.blocks:
+            h = h + block(h, attention_bias=bias)
+        return h
+
+
+def test_padding_added_into_a_windowed_causal_bias_is_the_models():
+    """catches: with a causal window, the last query does not reach the padded keys on the left, so the padding
+    added into the bias was not seen as the model's; its padded rows (every key at the fill) gave causal-leak and
+    wrong-gradient on a correct model. A bias that hides the padded keys from every query and shows each real key
+    to some query carries the padding."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3], ids[1, :3] = 0, 0
+    report = check_model(WindowedBiasModel().eval(), {"input_ids": ids, "attention_mask": mask})
+    assert report.verdict == "passed", report.to_json()

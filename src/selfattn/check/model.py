@@ -770,6 +770,20 @@ def _carries_padding(t: object, pad: Tensor) -> bool:
         # or a bias with the padding added into it (T5's position_bias): hidden keys far below every visible one
         added = at_pad.is_floating_point() and bool((at_pad <= -1e4).all()) and bool((at_real > -1e4).all())
         if not (two_valued or added):
+            return _columns_pad(t, pad)
+    return True
+
+
+def _columns_pad(t: Tensor, pad: Tensor) -> bool:
+    """Is ``t`` a float bias (B or 1, ..., L, L) that hides each padded item's padded keys from every query and shows
+    each of its real keys to some query: padding added into a windowed causal bias, whose last query no longer reaches
+    the padded keys on the left?"""
+    b, length = pad.shape
+    if not t.is_floating_point() or t.dim() < 3 or t.shape[-2] != length or t.shape[0] not in (1, b):
+        return False
+    hidden = (t.detach().reshape(t.shape[0], -1, length, length)[:, 0] <= -1e4).expand(b, -1, -1).cpu()
+    for item, padded in zip(hidden, pad.cpu(), strict=True):
+        if bool(padded.any()) and not (bool(item[:, padded].all()) and bool((~item[:, ~padded]).any(0).all())):
             return False
     return True
 
