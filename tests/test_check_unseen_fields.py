@@ -971,3 +971,23 @@ def test_a_per_head_list_with_one_member_used_for_every_head_is_no_grad(bug):
     report = check(PerHeadLists())
     errors = {f.id for f in report.findings if f.severity == "error"}
     assert errors == (set() if bug is None else {"no-grad"}), report.findings
+
+
+@pytest.mark.parametrize(("name", "reads"), [("memory_key_padding_mask", "keep"), ("tgt_key_padding_mask", "keep"),
+                                             ("encoder_attention_mask", "ignore")])
+def test_a_cross_attention_mask_read_against_its_names_convention_is_warned(name, reads):
+    """catches: nn.Transformer's memory_key_padding_mask (True = padding) read as True = attend, or Hugging Face's
+    encoder_attention_mask (1 = attend) read as True = masked, got no mask-convention warning, while the same slip
+    on key_padding_mask or attention_mask did"""
+    source = ("class Cross(nn.Module):\n"
+              "    def __init__(self):\n"
+              "        super().__init__()\n"
+              "        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)\n"
+              f"    def forward(self, tgt, memory, {name}=None):\n"
+              f"        mask = None if {name} is None else {'~' if reads == 'keep' else ''}{name}.bool()\n"
+              "        return self.attn(tgt, memory, memory, key_padding_mask=mask, need_weights=False)[0]\n")
+    namespace: dict = {"nn": nn}
+    exec(source, namespace)
+    torch.manual_seed(0)
+    report = check(namespace["Cross"]())
+    assert "mask-convention" in report.ids, report.findings

@@ -990,12 +990,13 @@ def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], pl
             MASK_INVERTED, f"you declared the '{ctx.declared}' convention, but the module treats the "
             f"mask the other way ('{kind}')",
             {"row 3 sees keys (declared mask keeps 1, 2, 3)": d[3].nonzero().flatten().tolist()}))
-    elif not ctx.declared and kind == "ignore" and caller.mask_arg == "attention_mask":
+    elif not ctx.declared and kind == "ignore" and caller.mask_arg in ("attention_mask", "encoder_attention_mask"):
         found.findings.append(Finding.of(
-            MASK_CONVENTION, "the argument is called attention_mask, which in Hugging Face code means 1 = attend, "
+            MASK_CONVENTION, f"the argument is called {caller.mask_arg}, which in Hugging Face code means 1 = attend, "
             "but this module hides the positions where it is True (True = masked)",
             {"argument": caller.mask_arg, "module reads": "True = masked", "the name suggests": "1 = attend"}))
-    elif not ctx.declared and kind == "keep" and caller.mask_arg in _PADDING_NAMES:
+    elif not ctx.declared and kind == "keep" and (caller.mask_arg in _PADDING_NAMES or
+                                                  str(caller.mask_arg).endswith("_key_padding_mask")):
         found.findings.append(Finding.of(
             MASK_CONVENTION, f"the argument is called {caller.mask_arg}, which in torch's code means True = padding "
             "(hidden), but this module hides the positions where it is False (True = may attend): a padding mask "
