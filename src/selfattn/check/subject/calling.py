@@ -115,7 +115,7 @@ def _positions_adapter(module: nn.Module) -> tuple[Callable, str] | None:
     rest = [p for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty]
     if not rest or any(p.name not in _OFFSET_NAMES + _POSITION_NAMES for p in rest):
         return None
-    masks = [a for a in mask_parameters(module, "x") if named_like_mask(a)]
+    masks = [a for a in mask_parameters(module, "x") if a is not None and named_like_mask(a)]
 
     def positions(x: Tensor) -> dict[str, object]:
         b, n = x.shape[0], x.shape[1]
