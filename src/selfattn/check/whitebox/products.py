@@ -1941,19 +1941,18 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4, memory: tu
     joins to the tokens (:func:`memory_tokens`), which are no copy of the token and are left out."""
     for op in trace.ops:
         r: Tensor | None = None
-        try:
-            if op.name == "scaled_dot_product_attention" and len(op.inputs) >= 2:
-                q, k = op.inputs[0].double(), op.inputs[1].double()
-                if q.dim() == k.dim() >= 3 and q.shape[-3] != k.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
-                    k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)  # grouped keys
-                r = q @ k.transpose(-1, -2)
-            elif op.name in SOFTMAX:
-                product, _ = _score_chain(trace, op.in_ids[0])
-                pairs = _operands(product)
-                if len(pairs) >= 2:
-                    r = _contract(product, pairs[0][1], pairs[1][1])
-        except (Unseen, Unrecognised, RuntimeError):
-            continue
+        read = _core_operands(trace, op)
+        if read is not None:
+            product, q, k = read
+            try:
+                if product is None:  # scaled_dot_product_attention
+                    if q.dim() == k.dim() >= 3 and q.shape[-3] != k.shape[-3] and q.shape[-3] % k.shape[-3] == 0:
+                        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)  # grouped keys
+                    r = q @ k.transpose(-1, -2)
+                else:
+                    r = _contract(product, q, k)
+            except RuntimeError:
+                continue
         if memory[0] and r is not None and r.dim() >= 2 and r.shape[-2] == r.shape[-1] == length + memory[0]:
             r = r[..., memory[1]:memory[1] + length, memory[1]:memory[1] + length]
         extra = 0 if r is None or r.dim() < 2 else r.shape[-1] - length  # keys beyond the tokens: memory, a cache
@@ -1963,9 +1962,9 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4, memory: tu
         diag = r.diagonal(dim1=-2, dim2=-1)
         spread = (diag - diag[..., :1]).abs()
         size = 1 + float(r.abs().max())
-        if float(spread.max()) > rtol * size and extra > 0 and op.name in SOFTMAX:
+        if float(spread.max()) > rtol * size and extra > 0 and product is not None:
             # learned keys put first (a null key and value, memory tokens): the tokens' keys are the last L
-            full = _contract(product, pairs[0][1], pairs[1][1])
+            full = _contract(product, q, k)
             if full.dim() >= 2 and full.shape[-2] == length:
                 late = full[..., extra:].diagonal(dim1=-2, dim2=-1)
                 if float((late - late[..., :1]).abs().max()) <= rtol * size:
@@ -1980,19 +1979,30 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4, memory: tu
     return None
 
 
+def _core_operands(trace: Trace, op: Op) -> tuple[Op | None, Tensor, Tensor] | None:
+    """For an attention core (``scaled_dot_product_attention``, or a softmax walked back to its score product): (the
+    score product, None for the kernel; q; k) as they reach it, in float64; None for another operation or a product
+    that cannot be read."""
+    try:
+        if op.name == "scaled_dot_product_attention" and len(op.inputs) >= 2:
+            return None, op.inputs[0].double(), op.inputs[1].double()
+        if op.name in SOFTMAX:
+            product, _ = _score_chain(trace, op.in_ids[0])
+            pairs = _operands(product)
+            if len(pairs) >= 2:
+                return product, pairs[0][1].double(), pairs[1][1].double()
+    except (Unseen, Unrecognised, RuntimeError):
+        pass
+    return None
+
+
 def score_operands(trace: Trace) -> tuple[Tensor, Tensor] | None:
     """The two operands of the first attention core's score product (q and k as they reach it, in float64), or
     None when none could be read."""
     for op in trace.ops:
-        try:
-            if op.name == "scaled_dot_product_attention" and len(op.inputs) >= 2:
-                return op.inputs[0].double(), op.inputs[1].double()
-            if op.name in SOFTMAX:
-                pairs = _operands(_score_chain(trace, op.in_ids[0])[0])
-                if len(pairs) >= 2:
-                    return pairs[0][1].double(), pairs[1][1].double()
-        except (Unseen, Unrecognised, RuntimeError):
-            continue
+        read = _core_operands(trace, op)
+        if read is not None:
+            return read[1], read[2]
     return None
 
 
