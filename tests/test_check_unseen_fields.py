@@ -991,3 +991,38 @@ def test_a_cross_attention_mask_read_against_its_names_convention_is_warned(name
     torch.manual_seed(0)
     report = check(namespace["Cross"]())
     assert "mask-convention" in report.ids, report.findings
+
+
+class ContextAttention(nn.Module):
+    """A perceiver-style cross-attention, ``forward(x, context, context_mask)`` with the keys' mask required
+    (True = keep), as lucidrains' modules write it; ``ignored``: the mask taken and never used."""
+
+    def __init__(self, ignored: bool = False, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.ignored = heads, ignored
+        self.to_q = nn.Linear(dim, dim, bias=False)
+        self.to_kv = nn.Linear(dim, 2 * dim, bias=False)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, x, context, context_mask):
+        b, n, e = x.shape
+        q = self.to_q(x)
+        k, v = self.to_kv(context).chunk(2, dim=-1)
+        q, k, v = (t.reshape(b, -1, self.heads, e // self.heads).transpose(1, 2) for t in (q, k, v))
+        sim = torch.einsum("bhid,bhjd->bhij", q, k) * (e // self.heads) ** -0.5
+        if not self.ignored:
+            sim = sim.masked_fill(~context_mask[:, None, None, :], -torch.finfo(sim.dtype).max)
+        out = torch.einsum("bhij,bhjd->bhid", sim.softmax(dim=-1), v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize("ignored", [False, True])
+def test_a_required_mask_after_two_sequences_is_given(ignored):
+    """catches: ``forward(x, context, context_mask)`` with the mask required exited 2 (two sequences were tried
+    only when nothing else was required); with the mask unused, forward(x, x, x) ran with x taken as the mask"""
+    torch.manual_seed(0)
+    report = check(ContextAttention(ignored))
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert report.inferred["call"].startswith("forward(q, kv)"), report.inferred["call"]
+    assert errors == ({"mask-ignored"} if ignored else set()), report.findings
+    assert report.coverage["mask"].startswith("verified"), report.coverage

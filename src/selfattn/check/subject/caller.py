@@ -44,6 +44,7 @@ __all__ = [
     "parse_mask",
     "restore",
     "switch_parameter",
+    "takes_two_sequences",
 ]
 
 ARITY = {"x": 1, "qk": 2, "qkv": 3}  # how many times a call style passes the input: forward(x), (x, x), (x, x, x)
@@ -411,7 +412,7 @@ def required_mask_parameter(module: nn.Module, style: str, any_name: bool = Fals
     return None
 
 
-def _takes_two_sequences(module: nn.Module) -> bool:
+def takes_two_sequences(module: nn.Module) -> bool:
     """Does forward take the queries' and the keys' sequences as its first two arguments, and no values
     (OpenFold's ``forward(q_x, kv_x, biases=None)``; torchtune's ``forward(x, y=None, *, mask=None)``, whose
     self-attention without a cache needs y too)?"""
@@ -420,8 +421,10 @@ def _takes_two_sequences(module: nn.Module) -> bool:
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         return False
+    # a third required argument only when it is the keys' mask (``forward(x, context, context_mask)``)
     if len(params) < 2 or params[0].default is not params[0].empty or \
-            (len(params) > 2 and params[2].default is params[2].empty):
+            (len(params) > 2 and params[2].default is params[2].empty and not named_like_mask(params[2].name)) or \
+            any(p.default is p.empty for p in params[3:]):
         return False
     second = params[1].name.lower()
     if second.startswith(("kv", "key", "k_", "context", "memory", "source")) or second.endswith("kv") or \
@@ -434,6 +437,16 @@ def _takes_two_sequences(module: nn.Module) -> bool:
         second not in ("t", "h", "w") and not any(w in second for w in _NOT_A_SEQUENCE)
 
 
+def _third_is_a_mask(module: nn.Module) -> bool:
+    """Is forward's third positional parameter named like a mask?"""
+    try:
+        params = [p for p in inspect.signature(module.forward).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        return False
+    return len(params) > 2 and named_like_mask(params[2].name)
+
+
 _NOT_A_SEQUENCE = ("mask", "len", "pos", "freq", "rope", "rotary", "cos", "sin", "cache", "time", "step", "bias",
                    "index", "idx", "ids", "shape", "size", "hw", "grid", "rel", "pad", "valid")
 
@@ -441,7 +454,10 @@ _NOT_A_SEQUENCE = ("mask", "len", "pos", "freq", "rope", "rotary", "cos", "sin",
 def find_call_style(module: nn.Module, x: Tensor, layout: str = "batch-first") -> tuple[str, str | None]:
     """('x', 'qk' or 'qkv', None) if the module runs on x (sent in ``layout``); ("", the errors) otherwise."""
     errors = []
-    for style in ("x", "qk", "qkv") if _takes_two_sequences(module) else ("x", "qkv"):
+    styles = ("x", "qk", "qkv") if takes_two_sequences(module) else ("x", "qkv")
+    if _third_is_a_mask(module):  # forward(x, context, context_mask): a value sent there would be read as a mask
+        styles = tuple(s for s in styles if s != "qkv")
+    for style in styles:
         try:
             with torch.no_grad():
                 out = Caller(module, style, layout=layout)(x)

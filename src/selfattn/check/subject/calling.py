@@ -36,6 +36,7 @@ from .caller import (
     named_like_mask,
     required_mask_parameter,
     restore,
+    takes_two_sequences,
 )
 from .context import Outcome, close, probe_keep, tolerance
 
@@ -140,7 +141,8 @@ def _caller_for(module: nn.Module, x: Tensor, stated: MaskSpec | None = None) ->
     if style:
         return Caller(module, style), ""
     given = []
-    for style in ("x", "qkv"):  # a mask the signature requires, or one the module cannot do without in practice
+    # a mask the signature requires, or one the module cannot do without in practice
+    for style in ("x", "qk", "qkv") if takes_two_sequences(module) else ("x", "qkv"):
         named = [a for a in mask_parameters(module, style) if named_like_mask(a)]
         arg = required_mask_parameter(module, style) or (named[0] if named else None)
         if arg is None and stated is not None:  # the user states a mask: the one argument forward requires beside
@@ -150,7 +152,8 @@ def _caller_for(module: nn.Module, x: Tensor, stated: MaskSpec | None = None) ->
             found = _required_mask_caller(module, style, arg, x, stated=stated, errors=errors)
             if found is not None:
                 return found, ""
-            given += [f"{'forward(x, ' if style == 'x' else 'forward(q, k, v, '}{arg}=...): {e}" for e in errors]
+            head = {"x": "forward(x, ", "qk": "forward(q, kv, "}.get(style, "forward(q, k, v, ")
+            given += [f"{head}{arg}=...): {e}" for e in errors]
     return None, "; ".join([*given, why] if why else given)  # what the module raised first: it is what matters
 
 
