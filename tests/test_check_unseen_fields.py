@@ -1026,3 +1026,43 @@ def test_a_required_mask_after_two_sequences_is_given(ignored):
     assert report.inferred["call"].startswith("forward(q, kv)"), report.inferred["call"]
     assert errors == ({"mask-ignored"} if ignored else set()), report.findings
     assert report.coverage["mask"].startswith("verified"), report.coverage
+
+
+class GraphBiasAttention(nn.Module):
+    """Graphormer-style: a virtual node first, the scores biased per head by the nodes' shortest-path distance
+    through an embedding whose row 0 ("no path", padding_idx) autograd leaves at 0; a path graph over the nodes.
+    ``detached``: the bias table cut from autograd by a hand-written ``.data`` read."""
+
+    def __init__(self, detached: bool = False, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.detached = heads, detached
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(dim, dim) for _ in range(4))
+        self.spatial = nn.Embedding(8, heads, padding_idx=0)
+        with torch.no_grad():
+            self.spatial.weight.normal_(std=0.5)
+            self.spatial.weight[0] = 0
+
+    def forward(self, x, key_padding_mask=None):
+        b, t, e = x.shape
+        d = e // self.heads
+        q = self.q_proj(x) * d ** -0.5
+        q, k, v = (y.view(b, t, self.heads, d).transpose(1, 2) for y in (q, self.k_proj(x), self.v_proj(x)))
+        node = torch.arange(t - 1, device=x.device)
+        hops = torch.zeros(t, t, dtype=torch.long, device=x.device)  # 0 on the virtual node's row and column
+        hops[1:, 1:] = (node[:, None] - node[None, :]).abs().clamp(max=6) + 1
+        bias = F.embedding(hops, self.spatial.weight.data) if self.detached else self.spatial(hops)
+        attn = q @ k.transpose(-1, -2) + bias.permute(2, 0, 1).to(q.dtype)
+        if key_padding_mask is not None:
+            attn = attn.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+        out = attn.softmax(-1) @ v
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, e))
+
+
+@pytest.mark.parametrize("detached", [False, True])
+def test_an_embeddings_padding_row_is_no_wrong_gradient(detached):
+    """catches: a bias read through an embedding with a padding_idx (Graphormer's spatial and edge encodings) was
+    wrong-gradient on correct code: autograd leaves the padding row at 0 by design, the finite difference moved it"""
+    torch.manual_seed(0)
+    report = check(GraphBiasAttention(detached))
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert errors == ({"no-grad"} if detached else set()), report.findings

@@ -620,6 +620,13 @@ def _size(p: Tensor) -> float:
     return max(float(p.detach().double().pow(2).mean().sqrt()), 1e-2)
 
 
+def _frozen_rows(module: nn.Module) -> dict[int, int]:
+    """The rows torch gives no gradient by design, by the weight's id: an embedding's ``padding_idx`` (Graphormer's
+    "no edge" and "no path" rows), whose finite difference moves the output while autograd's gradient is 0."""
+    return {id(m.weight): m.padding_idx for m in module.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.padding_idx is not None}
+
+
 def _directional(call: Caller, x: Tensor, weights: Tensor, dx: Tensor | None, params: list[tuple[nn.Parameter, Tensor]],
                  step: float, gen: torch.Generator) -> tuple[float, float, float]:
     """(autograd's derivative, the finite difference's, the finite difference's own uncertainty) of
@@ -640,6 +647,10 @@ def _directional(call: Caller, x: Tensor, weights: Tensor, dx: Tensor | None, pa
             # both change by a fraction ``step``, and a normalisation of small projections (q/k norm) stays in
             # its linear range
             dirs = [torch.randn(p.shape, generator=gen, dtype=torch.float64).mul_(_size(p)).to(p) for p, _ in params]
+            frozen = _frozen_rows(call.module)
+            for (p, _), u in zip(params, dirs, strict=True):
+                if id(p) in frozen:  # a row autograd leaves at 0 by design (an embedding's padding_idx)
+                    u[frozen[id(p)]] = 0
             auto = sum(float((g.double() * u.double()).sum()) for (_, g), u in zip(params, dirs, strict=True))
             saved = [p.detach().clone() for p, _ in params]
             h = step
