@@ -1066,3 +1066,45 @@ def test_an_embeddings_padding_row_is_no_wrong_gradient(detached):
     report = check(GraphBiasAttention(detached))
     errors = {f.id for f in report.findings if f.severity == "error"}
     assert errors == ({"no-grad"} if detached else set()), report.findings
+
+
+class VolumeWindowAttention(nn.Module):
+    """Video Swin-style attention within one (D, H, W) window of a clip or a volume: a learned table of
+    (2D - 1)(2H - 1)(2W - 1) biases per head, read through an index of the 3-D offsets between the tokens.
+    ``unpermuted``: the offsets (3, N, N) reshaped to (N, N, 3) without the permute, so that the index mixes the
+    coordinates of other pairs (no function of the offset any more)."""
+
+    def __init__(self, unpermuted: bool = False, dim: int = 32, heads: int = 4, window=(2, 2, 3)) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        d, h, w = window
+        self.table = nn.Parameter(0.5 * torch.randn((2 * d - 1) * (2 * h - 1) * (2 * w - 1), heads))
+        coords = torch.stack(torch.meshgrid(torch.arange(d), torch.arange(h), torch.arange(w), indexing="ij"))
+        flat = coords.flatten(1)
+        offsets = flat[:, :, None] - flat[:, None, :]
+        offsets = offsets.reshape(d * h * w, d * h * w, 3) if unpermuted else offsets.permute(1, 2, 0)
+        offsets = offsets.contiguous() + torch.tensor([d - 1, h - 1, w - 1])
+        index = offsets[..., 0] * (2 * h - 1) * (2 * w - 1) + offsets[..., 1] * (2 * w - 1) + offsets[..., 2]
+        self.register_buffer("index", index.clamp(0, self.table.shape[0] - 1))
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        attn = attn + self.table[self.index[:n, :n].reshape(-1)].reshape(n, n, -1).permute(2, 0, 1)
+        if mask is not None:
+            attn = attn + mask[:, None]
+        out = (attn.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, n, c)
+        return self.proj(out)
+
+
+@pytest.mark.parametrize("unpermuted", [False, True])
+def test_a_3d_window_bias_is_read_on_its_volume(unpermuted):
+    """catches: a (2D - 1)(2H - 1)(2W - 1) table of a 3-D window (Video Swin's, Swin UNETR's) was read as distances
+    on a line, so that the correct module at its window's length was definition-mismatch"""
+    torch.manual_seed(0)
+    report = check(VolumeWindowAttention(unpermuted), call=lambda m, x: m(x, None), length=12)
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert errors == ({"definition-mismatch"} if unpermuted else set()), report.findings

@@ -402,24 +402,32 @@ def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor, eps: float = 0.
     return mismatch
 
 
-def _distance_table(module: nn.Module, n: int, image: bool) -> tuple[nn.Parameter, tuple[int, int] | None] | None:
+def _distance_table(module: nn.Module, n: int, image: bool) -> tuple[nn.Parameter, list[tuple[int, ...] | None]] | None:
     """A parameter of ``module`` sized as a table of relative distances for ``n`` tokens, with no other axis of that
-    size (a table over pairs of absolute positions has two), and the grid it is read on: one axis of
+    size (a table over pairs of absolute positions has two), and the grids it may be read on: one axis of
     (2h - 1)(2w - 1) entries for the (h, w) grid of the n tokens (an image, or a window of one: Swin's table) gives
-    that grid; one of 2M - 1 entries, M >= n, on a sequence gives None (a line); None when there is none."""
+    that grid; one of (2d - 1)(2h - 1)(2w - 1) entries gives the (d, h, w) grids of n tokens it fits (a 3-D window of
+    a volume or a video: Video Swin's, Swin UNETR's), each order of the sides, since the table's size does not tell
+    it; one of 2M - 1 entries, M >= n, on a sequence gives None (a line); None when there is none."""
     h, w = grid(n)
     for t in module.parameters():
         if t.is_floating_point() and t.dim() >= 1 and n > 2:
             for s in (s for s in t.shape if list(t.shape).count(s) == 1):
                 if h > 1 and w > 1 and s == (2 * h - 1) * (2 * w - 1):
-                    return t, (h, w)
-                if not image and s % 2 == 1 and s >= 2 * n - 1:
-                    return t, None
+                    return t, [(h, w)]
+                cubes: list[tuple[int, ...] | None] = [
+                    (a, b, n // (a * b)) for a in range(2, n) for b in range(2, n) if n % (a * b) == 0 and
+                    n // (a * b) > 1 and (2 * a - 1) * (2 * b - 1) * (2 * n // (a * b) - 1) == s]
+                line = not image and s % 2 == 1 and s >= 2 * n - 1
+                if cubes:
+                    return t, cubes + ([None] if line else [])
+                if line:
+                    return t, [None]
     return None
 
 
 def _relative_alike(module: nn.Module, caller: Caller, x: Tensor,
-                    table: tuple[nn.Parameter, tuple[int, int] | None] | None = None) -> str | None:
+                    table: tuple[nn.Parameter, list[tuple[int, ...] | None]] | None = None) -> str | None:
     """Run the module on each item's first token repeated at every position: with relative positions, two pairs of
     tokens the same distance apart get the same score (on an image, the same 2-D distance); where they do not
     (:mod:`.products`), or None. ``table``: what :func:`_distance_table` found. Then what the table adds is judged
@@ -441,8 +449,9 @@ def _relative_alike(module: nn.Module, caller: Caller, x: Tensor,
     except Exception:  # a module that rejects repeated tokens has been read on the probe input
         return None
     n = x.shape[1]
-    if table is not None:
-        return unshifted_relative(trace, n, table[1], True, without)
+    if table is not None:  # relative on one of the grids the table fits
+        found = [unshifted_relative(trace, n, sides, True, without) for sides in table[1]]
+        return None if None in found else found[0]
     return unshifted_relative(trace, n, grid(n) if caller.layout in ("channels-first", "channels-last") else None)
 
 

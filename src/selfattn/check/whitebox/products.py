@@ -2038,12 +2038,13 @@ def _scaled_per_query(r: Tensor, length: int, atol: float) -> bool:
                for band in (rows.diagonal(offset=d, dim1=-2, dim2=-1) for d in range(1 - length, length)))
 
 
-def unshifted_relative(trace: Trace, length: int, grid: tuple[int, int] | None = None,
+def unshifted_relative(trace: Trace, length: int, grid: tuple[int, ...] | None = None,
                        by_distance: bool = False, without: Trace | None = None) -> str | None:
     """For a run on one token repeated at every position: where a core's scores are not the same for two pairs of
     tokens the same distance apart (a relative-position term indexed by the key's own position: a ``rel_shift``
     missing or wrong, a 2-D table's axes swapped); None when they are, or no scores could be read. ``grid``: the
-    tokens are an (H, W) image, whose distances are 2-D. Hidden scores (below -1e4) are not compared.
+    tokens are an (H, W) image, or a (D, H, W) volume, row-major, whose distances are 2-D or 3-D. Hidden scores
+    (below -1e4) are not compared.
 
     Only a module that holds positions by distance (a table or product over 2L - 1 of them, or 2H - 1 and 2W - 1 on
     an image) is judged: one whose position term is over the L positions themselves (WeNet's and ESPnet's legacy
@@ -2074,16 +2075,17 @@ def unshifted_relative(trace: Trace, length: int, grid: tuple[int, int] | None =
             seen = seen & torch.isfinite(base) & (base > -1e4)
             s = torch.where(seen, s - base, torch.zeros((), dtype=s.dtype))
         size = 1 + float(s[seen].abs().max()) if bool(seen.any()) else 1.0
-        steps = [(1, 1)] if grid is None else [(1, grid[1]), (grid[1], grid[1])]  # along a row, down a column
-        for step, width in steps:
-            i = torch.arange(length - step)
-            if grid is not None and step == 1:
-                i = i[(i % width) < width - 1]  # the next token along the row is on the same row
+        sides = grid or (length,)
+        for axis in reversed(range(len(sides))):  # along a row, then down a column (then to the next frame)
+            step = math.prod(sides[axis + 1:])
+            i = torch.arange(length)
+            i = i[(i // step) % sides[axis] < sides[axis] - 1]  # the next token along this axis is in the grid
             a, b = s[:, i][:, :, i], s[:, i + step][:, :, i + step]
             both = seen[:, i][:, :, i] & seen[:, i + step][:, :, i + step]
             differ = (a - b).abs().masked_fill(~both, 0)
             if float(differ.max()) > 1e-6 * size:
-                where = "one token further along each" if grid is None or step == 1 else "one row further down each"
+                where = "one token further along each" if step == 1 else \
+                    "one row further down each" if axis == len(sides) - 2 else "one frame further on each"
                 return (f"with the same token at every position, the score of a query and a key changes by "
                         f"{float(differ.max()):.3g} (scores up to {size - 1:.3g}) when both move {where}: the "
                         "position term depends on where the key is, not on its distance to the query (a rel_shift "
