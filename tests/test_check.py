@@ -225,7 +225,19 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def test_cli_json_exit_codes_and_files_untouched(tmp_path):
+def _cli_here(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str]:
+    """``selfattn check`` run in this process: its exit status and what it printed."""
+    from selfattn.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(["check", *args])
+    except SystemExit as stop:  # argparse's --help
+        code = stop.code if isinstance(stop.code, int) else 0
+    return code, capsys.readouterr().out
+
+
+def test_cli_json_exit_codes_and_files_untouched(tmp_path, capsys):
     """catches: wrong exit statuses, a JSON shape other than documented, or the user's folder modified."""
     src = Path(fx.__file__).read_text()
     user = tmp_path / "user_attention.py"
@@ -237,20 +249,22 @@ def test_cli_json_exit_codes_and_files_untouched(tmp_path):
     assert data["passed"] is True and data["findings"] == [] and "inferred" in data
     assert set(data["coverage"]) >= {"mask", "padding", "causal", "batch_independence", "equivariance",
                                      "half_precision", "gradients", "white_box"}
-    bad = _cli(f"{user}:MaskInverted", "--mask-convention", "keep", "--json")
-    assert bad.returncode == 1
-    (finding,) = json.loads(bad.stdout)["findings"]
+    # the rest in this process: the exit statuses and JSON are the same, without a start of Python each
+    code, out = _cli_here(capsys, f"{user}:MaskInverted", "--mask-convention", "keep", "--json")
+    assert code == 1
+    (finding,) = json.loads(out)["findings"]
     assert set(finding) == {"id", "severity", "message", "evidence", "fix"} and finding["id"] == "mask-inverted"
     assert finding["severity"] == "error"
-    missing = _cli(f"{user}:NoSuchClass")
-    assert missing.returncode == 2 and "NoSuchClass" in missing.stdout
-    missing = json.loads(_cli(f"{user}:NoSuchClass", "--json").stdout)
+    code, out = _cli_here(capsys, f"{user}:NoSuchClass")
+    assert code == 2 and "NoSuchClass" in out
+    code, out = _cli_here(capsys, f"{user}:NoSuchClass", "--json")
+    missing = json.loads(out)
     assert missing["verdict"] == "could not run" and missing["passed"] is False and "NoSuchClass" in missing["error"]
-    init = _cli(f"{user}:MHAViewMerge", "--init", '{"embed_dim": 32, "num_heads": 8}', "--json")
-    assert init.returncode == 1 and json.loads(init.stdout)["findings"][0]["id"] == "head-merge"
+    code, out = _cli_here(capsys, f"{user}:MHAViewMerge", "--init", '{"embed_dim": 32, "num_heads": 8}', "--json")
+    assert code == 1 and json.loads(out)["findings"][0]["id"] == "head-merge"
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert user.read_text() == src
-    assert "imports and runs" in _cli("--help").stdout.replace("\n", " ")
+    assert "imports and runs" in _cli_here(capsys, "--help")[1].replace("\n", " ")
 
 
 class _ValuesFromKeys(_SelfAttention):
@@ -342,7 +356,7 @@ class RefusesGrad(nn.Module):
 '''
 
 
-def test_cli_exit_status_3_when_inconclusive(tmp_path):
+def test_cli_exit_status_3_when_inconclusive(tmp_path, capsys):
     """catches: an inconclusive verdict (a probe could not run) exiting 0 as a certificate, or 1 as a bug."""
     user = tmp_path / "refuses.py"
     user.write_text(_INCONCLUSIVE_FILE)
@@ -350,8 +364,8 @@ def test_cli_exit_status_3_when_inconclusive(tmp_path):
     assert out.returncode == 3, out.stdout + out.stderr
     data = json.loads(out.stdout)
     assert data["verdict"] == "inconclusive" and data["passed"] is False and "gradients" in data["not_verified"]
-    text = _cli(f"{user}:RefusesGrad")
-    assert text.returncode == 3 and "INCONCLUSIVE" in text.stdout
+    code, text = _cli_here(capsys, f"{user}:RefusesGrad")
+    assert code == 3 and "INCONCLUSIVE" in text
 
 
 class _KeyFromTheQueryProjection(nn.Module):

@@ -124,11 +124,11 @@ def test_a_right_ring_passes(layout):
 
 @pytest.mark.parametrize("fn, case, expected, world", [
     (ring_ignores_window, "window", "window-ignored", 2),
-    (ring_inverts_window, "window", "window-inverted", 2),
+    pytest.param(ring_inverts_window, "window", "window-inverted", 2, marks=pytest.mark.slow),
     (ring_local_positions, "causal", "local-positions", 2),
-    (ring_low_precision_merge, "none", "merge-precision", 2),
-    (ring_reversed, "causal", "ring-order", 3),
-    (ring_detached_keys, "none", "wrong-gradient", 2),
+    pytest.param(ring_low_precision_merge, "none", "merge-precision", 2, marks=pytest.mark.slow),
+    pytest.param(ring_reversed, "causal", "ring-order", 3, marks=pytest.mark.slow),
+    pytest.param(ring_detached_keys, "none", "wrong-gradient", 2, marks=pytest.mark.slow),
     (ring_raises, "causal", "crashed", 2),
 ], ids=lambda x: x if isinstance(x, str) else getattr(x, "__name__", str(x)))
 def test_each_buggy_ring_is_named(fn, case, expected, world):

@@ -242,7 +242,7 @@ def test_bad_input_is_a_clear_error():
     assert selfattn.check_model is check_model
 
 
-def test_cli_checks_a_model_from_a_factory(tmp_path):
+def test_cli_checks_a_model_from_a_factory(tmp_path, capsys):
     """catches: `selfattn check --model` not wired, or its exit status not the verdict's."""
     src = tmp_path / "net.py"
     src.write_text(textwrap.dedent(f"""
@@ -267,10 +267,13 @@ def test_cli_checks_a_model_from_a_factory(tmp_path):
     good = subprocess.run([*run, f"{src}:good"], capture_output=True, text=True, timeout=300)
     assert good.returncode == 0, good.stdout + good.stderr
     assert json.loads(good.stdout)["summary"][0]["layer"] == "1"
-    bad = subprocess.run([*run, f"{src}:bad"], capture_output=True, text=True, timeout=300)
-    assert bad.returncode == 1 and "missing-scale" in json.loads(bad.stdout)["summary"][0]["findings"]
-    wrong = subprocess.run([*run, f"{src}:nothing"], capture_output=True, text=True, timeout=300)
-    assert wrong.returncode == 2 and "no function named" in wrong.stdout
+    from selfattn.cli import main  # the other exit statuses in this process
+
+    capsys.readouterr()
+    assert main(["check", "--model", "--json", f"{src}:bad"]) == 1
+    assert "missing-scale" in json.loads(capsys.readouterr().out)["summary"][0]["findings"]
+    assert main(["check", "--model", "--json", f"{src}:nothing"]) == 2
+    assert "no function named" in capsys.readouterr().out
 
 
 def test_torch_decoder_with_its_causal_flag_and_cross_attention_in_training_mode():

@@ -548,7 +548,11 @@ def _judge(results: list[dict], world: int) -> None:
                 assert not bad, f"W={world} rank {rank} {key}: {bad}"
 
 
-@pytest.fixture(scope="module", params=[1, 2, 3, 4], ids=lambda w: f"W{w}")
+_SLOW = pytest.mark.slow  # a spawn per world size: 1 and 3 in the default run
+
+
+@pytest.fixture(scope="module", params=[1, pytest.param(2, marks=_SLOW), 3, pytest.param(4, marks=_SLOW)],
+                ids=lambda w: f"W{w}")
 def exact_run(request, tmp_path_factory):
     """One spawn per world size runs every exactness case and the causal balance count."""
     world = request.param
@@ -594,6 +598,7 @@ def test_varlen_rows_across_ranks_equal_one_process(tmp_path):
             assert not bad, f"rank {rank} {key}: {bad}"
 
 
+@pytest.mark.slow  # a spawn per thread count
 def test_ring_gives_the_same_bits_at_every_thread_count(tmp_path):
     """catches: context parallelism at a fixed world size whose result depends on the run or the thread
     count (blocks merged in arrival order, gradients summed as they come back), and a second derivative
@@ -1034,6 +1039,7 @@ def _judge_compiled(res: list[dict]) -> None:
         assert not bad, bad
 
 
+@pytest.mark.slow  # two ranks compiling: the single-process compile tests stay in the default run
 def test_attention_compiles_fullgraph(tmp_path):
     """catches: a graph break (or an error) in context-parallel attention under torch.compile(fullgraph=True), the
     ring's transfers traced into the graph, a compiled call whose output or gradients differ from one process's, a

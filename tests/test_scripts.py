@@ -31,6 +31,7 @@ def test_gpu_check_says_when_there_is_no_gpu():
     assert res.returncode == 2 and "no CUDA device" in res.stdout
 
 
+@pytest.mark.slow  # times the layouts at 2,048 tokens
 def test_cp_balance_runs_and_balances():
     """catches: the balance script drifting from the API, or its balanced column above the 1.05 target."""
     script = Path(__file__).parent.parent / "scripts" / "cp_balance.py"

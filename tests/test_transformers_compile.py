@@ -113,6 +113,7 @@ print(json.dumps({{"keys": sorted(grads[0]) == sorted(grads[1]), "worst": worst}
 """
 
 
+@pytest.mark.slow  # a fresh process compiling a model
 def test_packed_training_forward_compiles_fullgraph_in_a_fresh_process():
     """catches: dynamo failing on transformers' packed-sequence predicates (position_ids[b, q] with a symbolic
     index: InternalTorchDynamoError NameError '___tuple_iterator_getitem'), which showed only in a process's first
