@@ -1108,3 +1108,35 @@ def test_a_3d_window_bias_is_read_on_its_volume(unpermuted):
     report = check(VolumeWindowAttention(unpermuted), call=lambda m, x: m(x, None), length=12)
     errors = {f.id for f in report.findings if f.severity == "error"}
     assert errors == ({"definition-mismatch"} if unpermuted else set()), report.findings
+
+
+class ProcessorStyleAttention(nn.Module):
+    """diffusers-style: to_q, to_k, to_v and ``to_out = ModuleList([Linear, Dropout])``, heads folded into the batch
+    for SDPA; ``applied``: whether forward ends with to_out (a processor that forgets it returns the heads' merge)."""
+
+    def __init__(self, applied: bool = True, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.applied = heads, applied
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Dropout(0.0)])
+
+    def forward(self, hidden_states, attention_mask=None):
+        b, n, e = hidden_states.shape
+        q, k, v = (p(hidden_states).view(b, n, self.heads, -1).transpose(1, 2)
+                   for p in (self.to_q, self.to_k, self.to_v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        out = out.transpose(1, 2).reshape(b, n, e)
+        if self.applied:
+            out = self.to_out[1](self.to_out[0](out))
+        return out
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_an_output_projection_never_applied_is_no_grad(applied):
+    """catches: an attention that holds an output projection (diffusers' to_out[0], a plain out_proj) and returns
+    without it was certified: only q, k and v projections were held to being used beside their siblings"""
+    torch.manual_seed(0)
+    report = check(ProcessorStyleAttention(applied))
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert errors == (set() if applied else {"no-grad"}), report.findings
+

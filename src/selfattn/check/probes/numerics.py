@@ -356,7 +356,40 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
         if not played or fused or all(r is None for r in played):
             continue
         idle += [p for p, u, _ in group if not u and (role := _projection_role(p)) is not None and role not in played]
-    return sorted(idle + _idle_clones(module, used) + _idle_heads(module, used))
+    return sorted(idle + _idle_clones(module, used) + _idle_heads(module, used) + _idle_outputs(module, used))
+
+
+_OUTPUT_NAMES = frozenset({"to_out", "out_proj", "o_proj", "o", "proj", "c_proj", "wo", "w_o", "dense", "fc_o"})
+_FUSED_NAMES = frozenset({"qkv", "to_qkv", "c_attn", "in_proj", "query_key_value", "wqkv", "qkv_proj"})
+
+
+def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
+    """The output projections (an nn.Linear named for that, ``to_out``, ``out_proj``, ``c_proj``, ``wo``, or the first
+    Linear of an ``nn.Sequential`` or ``nn.ModuleList`` so named, diffusers' ``to_out[0]``) of a module whose q and k
+    (or fused qkv) projections the call used, when it used none of them: the attention returned without the
+    projection it holds. A module that used one of its output projections (a joint attention's ``to_out`` beside
+    the context stream's ``to_add_out``) has none idle."""
+    idle = []
+    for path, mod in module.named_modules():
+        roles, outputs = set(), []
+        for name, child in mod.named_children():
+            words = [w for w in re.split(r"[_\d]+", name.lower()) if w]
+            named_out = name.lower() in _OUTPUT_NAMES or "out" in words or "output" in words
+            if isinstance(child, (nn.Sequential, nn.ModuleList)) and named_out:
+                first = next((i for i, c in enumerate(child) if isinstance(c, nn.Linear)), None)
+                if first is not None:
+                    outputs.append((f"{name}.{first}", id(child[first].weight) in used))
+                continue
+            if not isinstance(child, nn.Linear) or not child.weight.requires_grad:
+                continue
+            touched = id(child.weight) in used
+            if named_out:
+                outputs.append((name, touched))
+            elif touched:
+                roles.add("qk" if name.lower() in _FUSED_NAMES else name_role(name))
+        if outputs and ("qk" in roles or {"q", "k"} <= roles) and not any(touched for _, touched in outputs):
+            idle += [f"{path}.{name}" if path else name for name, _ in outputs]
+    return idle
 
 
 def _idle_heads(module: nn.Module, used: set[int]) -> list[str]:
@@ -549,8 +582,8 @@ def _gradients(ctx: Context) -> Outcome[None]:
     if idle or twins:
         m.zero_grad(set_to_none=True)
         said = ("a projection is never used: its weights get no gradient while the projections beside it do (a key "
-                "or value computed by another projection, e.g. k = self.query(x), or keys normalised by the queries' "
-                "norm)", {"projections never used": idle}) if idle else \
+                "or value computed by another projection, e.g. k = self.query(x), keys normalised by the queries' "
+                "norm, or the output projection never applied)", {"projections never used": idle}) if idle else \
             ("a learned tensor is never used while its twin beside it (the same shape) is: one of a pair used in the "
              "place of both (a Conformer's pos_bias_u added to q for the position term too, its pos_bias_v never "
              "read)", {"never used": twins})
