@@ -12,6 +12,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from einops import rearrange, repeat
 from torch import nn
 
 from selfattn.check import check
@@ -1140,3 +1141,32 @@ def test_an_output_projection_never_applied_is_no_grad(applied):
     errors = {f.id for f in report.findings if f.severity == "error"}
     assert errors == (set() if applied else {"no-grad"}), report.findings
 
+
+class FoldedHeadsAttention(nn.Module):
+    """Stable Diffusion's memory-efficient attention: q, k, v as (B * H, N, D) for an xformers-style kernel (SDPA
+    on 3-D tensors here), the (B, N) keep-mask repeated item-major over the heads, the heads merged back as (d h);
+    ``mask_fold="(h b)"``: the mask repeated heads-first, so that item b's rows get another item's mask."""
+
+    def __init__(self, mask_fold: str = "(b h)", dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.mask_fold = heads, mask_fold
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.to_out = nn.Sequential(nn.Linear(dim, dim), nn.Dropout(0.0))
+
+    def forward(self, x, mask=None):
+        q, k, v = (rearrange(f(x), "b n (h d) -> (b h) n d", h=self.heads) for f in (self.to_q, self.to_k, self.to_v))
+        if mask is not None:
+            mask = repeat(mask, f"b j -> {self.mask_fold} () j", h=self.heads)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.to_out(rearrange(out, "(b h) n d -> b n (d h)", h=self.heads))
+
+
+@pytest.mark.parametrize("mask_fold", ["(b h)", "(h b)"])
+def test_a_mask_folded_with_the_heads_into_the_batch_is_read_by_items(mask_fold):
+    """catches: an SDPA call on (B * H, N, D) with its (B * H, 1, N) mask was compared item by item against every
+    item's rows at once, so a correct module whose (d h) merge keeps the projections from being read was
+    mask-ignored"""
+    torch.manual_seed(0)
+    report = check(FoldedHeadsAttention(mask_fold))
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert errors == (set() if mask_fold == "(b h)" else {"mask-ignored"}), report.findings

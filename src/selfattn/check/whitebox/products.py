@@ -1774,7 +1774,9 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         return Verdict(fid, {"matches": said, **evidence})
     if keep is not None and not cached:
         hidden = _sdpa_hidden(op, length)
-        hidden = hidden.expand(*torch.broadcast_shapes(hidden.shape, (keep.shape[0], q.shape[-3], length, length)))
+        # (B, H, L, L); or heads folded into the batch (B * H, L, L), the layout xformers' kernels take, read by items
+        lead = (q.shape[0],) if q.dim() == 3 and q.shape[0] != keep.shape[0] else (keep.shape[0], q.shape[-3])
+        hidden = hidden.expand(*torch.broadcast_shapes(hidden.shape, (*lead, length, length)))
         masked = _mask_verdict(hidden, keep, evidence)
         if masked is not None:
             merge_fid, merged = _merge(trace, op, op.outputs[0], final)  # a wrong merge distorts the pattern
