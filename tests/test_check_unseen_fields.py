@@ -1170,3 +1170,40 @@ def test_a_mask_folded_with_the_heads_into_the_batch_is_read_by_items(mask_fold)
     report = check(FoldedHeadsAttention(mask_fold))
     errors = {f.id for f in report.findings if f.severity == "error"}
     assert errors == (set() if mask_fold == "(b h)" else {"mask-ignored"}), report.findings
+
+
+class CausalRefusesMasks(nn.Module):
+    """monai's SABlock with ``causal=True``: a causal buffer of its own, and any mask refused in so many words (a
+    ValueError, or a bare ``assert``); ``leak``: the buffer read transposed (each query sees the future)."""
+
+    def __init__(self, how: str = "raise", leak: bool = False, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.how, self.leak = heads, how, leak
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.register_buffer("causal_mask", torch.tril(torch.ones(64, 64)).view(1, 1, 64, 64))
+
+    def forward(self, x, attn_mask=None):
+        if self.how == "raise" and attn_mask is not None:
+            raise ValueError("Causal attention does not support attention masks.")
+        if self.how == "assert":
+            assert attn_mask is None
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        att = q @ k.transpose(-2, -1) * (e // self.heads) ** -0.5
+        allowed = self.causal_mask[:, :, :n, :n]
+        att = att.masked_fill((allowed.transpose(-1, -2) if self.leak else allowed) == 0, float("-inf"))
+        return self.out_proj((att.softmax(dim=-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize("how", ["raise", "assert"])
+@pytest.mark.parametrize("leak", [False, True])
+def test_a_module_that_refuses_every_mask_in_its_own_words_takes_none(how, leak):
+    """catches: a causal block that refuses any mask by design (monai's SABlock(causal=True): "Causal attention does
+    not support attention masks.") was inconclusive until --no-mask, although nothing else could be sent"""
+    torch.manual_seed(0)
+    report = check(CausalRefusesMasks(how, leak))
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert report.verdict == ("failed" if leak else "passed"), (report.verdict, report.findings, report.coverage)
+    assert errors == ({"causal-leak"} if leak else set()), report.findings
+    assert report.coverage["mask"].startswith("not applicable: the module refuses every mask"), report.coverage

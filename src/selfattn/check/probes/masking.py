@@ -13,10 +13,12 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
+import linecache
 import math
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -626,6 +628,27 @@ def _describe(caller: Caller) -> dict:
     return note
 
 
+REFUSED = "refused by the module: "
+_LIBRARIES = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[2]))  # torch, selfattn
+
+
+def _refusal(err: Exception) -> str | None:
+    """What the module said when its own code refused a mask (monai's ``ValueError("Causal attention does not
+    support attention masks.")``, an ``assert mask is None``): a ValueError, NotImplementedError or AssertionError
+    raised in the module's file, not torch's, whose message (or, for a bare assert, whose line) speaks of a mask;
+    None for any other failure (a shape that does not fit is the doctor's form, not a refusal)."""
+    if not isinstance(err, (ValueError, NotImplementedError, AssertionError)) or err.__traceback__ is None:
+        return None
+    tb = err.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    where = tb.tb_frame.f_code.co_filename
+    if where.startswith(_LIBRARIES) or "site-packages/einops" in where:
+        return None
+    return next((said for said in (str(err), linecache.getline(where, tb.tb_lineno).strip()) if "mask" in said.lower()),
+                None)
+
+
 def _no_mask(why: str) -> Outcome[Caller]:
     return Outcome(notes={"mask": f"none: {why}"}, coverage={"mask": f"not applicable: {why}",
                                                              "padding": f"not applicable: {why}"})
@@ -729,7 +752,8 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                     raise ValueError("a mask that hides nothing (or everything) does not give the unmasked output: "
                                      "it broadcasts into other dimensions")
         except Exception as err:  # not this argument, shape or kind: try the next one
-            tried[label] = f"{type(err).__name__}: {err}"[:120]
+            refusal = _refusal(err)
+            tried[label] = f"{REFUSED}{refusal}"[:160] if refusal else f"{type(err).__name__}: {err}"[:120]
             continue
         if caller.spec is not None and caller.spec.kind == "keep":
             takes_bool.add((caller.mask_arg, caller.spec.shape))
@@ -809,6 +833,11 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
     """No candidate mask changed the output: no mask (an argument not named like one, a mask the adapter never
     passes on), a causal switch, mask-ignored (a mask argument that changes nothing), or not understood."""
     accepted = {label for label, why in tried.items() if "changed nothing" in why}
+    said = {why for why in tried.values()}
+    if len(said) == 1 and next(iter(said)).startswith(REFUSED) and ctx.spec is None and ctx.call.make_mask is None \
+            and ctx.call.style != "adapter" and not ctx.call.required and switch is None:
+        # every form refused by the module's own check, in the same words: it takes no mask in this configuration
+        return _no_mask(f"the module refuses every mask ({next(iter(said))[len(REFUSED):]}); it runs without one")
     if ctx.call.style == "adapter" and accepted and accepted <= untouched and ctx.spec is None and \
             ctx.call.make_mask is None:
         return _no_mask("your call(module, x, mask) does not pass the mask to anything")
