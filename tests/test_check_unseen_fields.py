@@ -1207,3 +1207,35 @@ def test_a_module_that_refuses_every_mask_in_its_own_words_takes_none(how, leak)
     assert report.verdict == ("failed" if leak else "passed"), (report.verdict, report.findings, report.coverage)
     assert errors == ({"causal-leak"} if leak else set()), report.findings
     assert report.coverage["mask"].startswith("not applicable: the module refuses every mask"), report.coverage
+
+
+class StreamingAttention(nn.Module):
+    """AudioCraft's streaming attention: causality set in the constructor, forward in nn.MultiheadAttention's
+    signature with every mask and ``is_causal`` asserted away; ``causal=False`` while the stack around it is causal
+    is no error of the layer's own."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.in_proj = nn.Linear(dim, 3 * dim, bias=False)
+        self.out_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, query, key, value, key_padding_mask=None, need_weights=False, attn_mask=None,
+                is_causal=False):
+        assert not is_causal, "not supported: use the causal argument of the constructor"
+        assert attn_mask is None
+        assert key_padding_mask is None
+        b, n, e = query.shape
+        q, k, v = self.in_proj(query).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, e)), None
+
+
+def test_a_causal_switch_refused_with_the_masks_leaves_no_mask():
+    """catches: a forward that asserts its masks and its is_causal away (AudioCraft's) was inconclusive until
+    --no-mask: the switch the doctor then tried raised"""
+    torch.manual_seed(0)
+    report = check(StreamingAttention())
+    assert report.verdict == "passed", (report.verdict, report.findings, report.coverage)
+    assert report.coverage["mask"].startswith("not applicable: the module refuses every mask"), report.coverage
+    assert report.coverage["causal"] == "verified" and report.inferred["causal"], report.inferred

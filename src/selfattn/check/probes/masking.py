@@ -632,7 +632,7 @@ REFUSED = "refused by the module: "
 _LIBRARIES = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[2]))  # torch, selfattn
 
 
-def _refusal(err: Exception) -> str | None:
+def _refusal(err: Exception, words: tuple[str, ...] = ("mask",)) -> str | None:
     """What the module said when its own code refused a mask (monai's ``ValueError("Causal attention does not
     support attention masks.")``, an ``assert mask is None``): a ValueError, NotImplementedError or AssertionError
     raised in the module's file, not torch's, whose message (or, for a bare assert, whose line) speaks of a mask;
@@ -645,8 +645,8 @@ def _refusal(err: Exception) -> str | None:
     where = tb.tb_frame.f_code.co_filename
     if where.startswith(_LIBRARIES) or "site-packages/einops" in where:
         return None
-    return next((said for said in (str(err), linecache.getline(where, tb.tb_lineno).strip()) if "mask" in said.lower()),
-                None)
+    return next((said for said in (str(err), linecache.getline(where, tb.tb_lineno).strip())
+                 if any(w in said.lower() for w in words)), None)
 
 
 def _no_mask(why: str) -> Outcome[Caller]:
@@ -833,11 +833,20 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
     """No candidate mask changed the output: no mask (an argument not named like one, a mask the adapter never
     passes on), a causal switch, mask-ignored (a mask argument that changes nothing), or not understood."""
     accepted = {label for label, why in tried.items() if "changed nothing" in why}
-    said = {why for why in tried.values()}
-    if len(said) == 1 and next(iter(said)).startswith(REFUSED) and ctx.spec is None and ctx.call.make_mask is None \
-            and ctx.call.style != "adapter" and not ctx.call.required and switch is None:
-        # every form refused by the module's own check, in the same words: it takes no mask in this configuration
-        return _no_mask(f"the module refuses every mask ({next(iter(said))[len(REFUSED):]}); it runs without one")
+    said = sorted({why[len(REFUSED):] for why in tried.values() if why.startswith(REFUSED)})
+    if tried and all(why.startswith(REFUSED) for why in tried.values()) and ctx.spec is None and \
+            ctx.call.make_mask is None and ctx.call.style != "adapter" and not ctx.call.required:
+        # every form refused by the module's own checks (an assert per mask argument): it takes no mask as configured;
+        # nor, when its causal switch is refused too (AudioCraft's assert not is_causal), a switch
+        if switch is not None:
+            try:
+                return _switch(ctx, switch, dep)
+            except Exception as err:
+                refused = _refusal(err, (switch.lower(), "causal", "mask"))
+                if refused is None:
+                    raise
+                said.append(refused)
+        return _no_mask(f"the module refuses every mask ({'; '.join(said)}); it runs without one")
     if ctx.call.style == "adapter" and accepted and accepted <= untouched and ctx.spec is None and \
             ctx.call.make_mask is None:
         return _no_mask("your call(module, x, mask) does not pass the mask to anything")
