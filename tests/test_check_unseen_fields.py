@@ -1239,3 +1239,53 @@ def test_a_causal_switch_refused_with_the_masks_leaves_no_mask():
     assert report.verdict == "passed", (report.verdict, report.findings, report.coverage)
     assert report.coverage["mask"].startswith("not applicable: the module refuses every mask"), report.coverage
     assert report.coverage["causal"] == "verified" and report.inferred["causal"], report.inferred
+
+
+def _rotate_half(t: torch.Tensor) -> torch.Tensor:
+    one, two = t.chunk(2, dim=-1)
+    return torch.cat((-two, one), dim=-1)
+
+
+class YarnAttention(nn.Module):
+    """YaRN-scaled rotary written from the paper: frequencies interpolated by a ramp between the original and the
+    stretched ones (factor 4 over 16 original positions), and the attention factor 0.1 ln(4) + 1 multiplied into q
+    and k after their rotation. ``bug``: "k plain" rotates k with the unscaled frequencies; "q only" multiplies the
+    factor into q alone."""
+
+    def __init__(self, bug: str | None = None, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.d, self.bug = heads, dim // heads, bug
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim) for _ in range(4))
+        half = torch.arange(0, self.d, 2, dtype=torch.float64) / self.d
+        plain = 10000.0 ** -half
+        wavelengths = 2 * math.pi / plain
+        ramp = ((16 / wavelengths - 1) / (32 - 1)).clamp(0, 1)  # 1: keep (high frequencies), 0: interpolate
+        self.register_buffer("plain", plain.float(), persistent=False)
+        self.register_buffer("inv_freq", (plain / 4 * (1 - ramp) + plain * ramp).float(), persistent=False)
+        self.mscale = 0.1 * math.log(4) + 1
+
+    def _rotate(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        angles = torch.arange(t.shape[-2], device=t.device, dtype=t.dtype)[:, None] * freqs.to(t.dtype)
+        emb = torch.cat((angles, angles), dim=-1)
+        return t * emb.cos() + _rotate_half(t) * emb.sin()
+
+    def forward(self, x, attention_mask=None):
+        b, n, e = x.shape
+        q, k, v = (p(x).view(b, n, self.heads, self.d).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q = self._rotate(q, self.inv_freq) * self.mscale
+        k = self._rotate(k, self.plain if self.bug == "k plain" else self.inv_freq)
+        if self.bug != "q only":
+            k = k * self.mscale
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize(("bug", "expected"), [(None, set()), ("k plain", {"rotary-mismatch"}),
+                                               ("q only", {"wrong-scale"})])
+def test_yarns_attention_factor_after_the_rotation_is_no_scale(bug, expected):
+    """catches: YaRN's attention factor multiplied into q and k after their rotation (not folded into cos and sin)
+    was wrong-scale on correct code, and k rotated with other frequencies than q was named wrong-scale too"""
+    torch.manual_seed(0)
+    report = check(YarnAttention(bug))
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert errors == expected, report.findings

@@ -241,11 +241,13 @@ def scale_origin(trace: Trace, tid: int) -> Origin:
     """:meth:`Trace.origin` that also walks back through rotary positions: the factor of ``q / sqrt(d)`` applied
     before the rotation counts, as one applied after it does. The rotation's own common factor (YaRN's attention
     factor on cos and sin) belongs to the positions, not to the scale, and is left out."""
-    factor = 1.0
+    factor, after = 1.0, 1.0
     for _ in range(4):
         origin = trace.origin(tid)
         factor *= origin.factor
         rotated = rotated_from(trace, origin.id) if origin.op is not None else None
+        if rotated is not None:
+            after *= origin.factor
         if rotated is None and origin.op is not None and origin.op.name == "cat" and len(origin.op.in_ids) > 1:
             # keys joined with a learned or zero key (fairseq's bias_k, add_zero_attn): the tokens' part, the
             # largest, carries the scale the tokens' keys got
@@ -267,9 +269,9 @@ def scale_origin(trace: Trace, tid: int) -> Origin:
             tid = source  # a factor applied before it counts as one applied after
             continue
         if rotated is None:
-            return Origin(origin.id, factor, origin.op, origin.part, origin.parts)
+            return Origin(origin.id, factor, origin.op, origin.part, origin.parts, after)
         tid = rotated[0]
-    return Origin(origin.id, factor, origin.op, origin.part, origin.parts)
+    return Origin(origin.id, factor, origin.op, origin.part, origin.parts, after)
 
 
 _NORMS = frozenset({"rms_norm", "layer_norm", "normalize", "rsqrt", "group_norm", "l2norm"})

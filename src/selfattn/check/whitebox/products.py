@@ -924,6 +924,22 @@ def _scale_verdict(c: float, d: int, width: int, expected: float | None, unit_no
         ("the stated scale" if expected is not None else f"1/sqrt({d}), D = {d} the head dim")
 
 
+def _past_the_rotation(fid: str | None, said: str, scale: float, a: Origin, b: Origin, d: int, width: int,
+                       expected: float | None, unit: bool, facts: dict) -> tuple[str | None, str]:
+    """The scale verdict without YaRN's attention factor, when the scores' scale is wrong only by it: the same number
+    above 1 (0.1 ln(s) + 1 for a context s times longer) multiplied into q and into k right after their rotation.
+    It is a temperature of the positions, as when it is folded into cos and sin; recorded in ``facts``."""
+    f, g = a.after_rotation, b.after_rotation
+    if fid != WRONG_SCALE or f <= 1 + 1e-6 or abs(f / g - 1) > 1e-9:
+        return fid, said
+    again, plain = _scale_verdict(scale / (f * g), d, width, expected, unit)
+    if again is not None:
+        return fid, said
+    facts["attention factor"] = (f"q and k multiplied by {f:.6g} after their rotation: the rotary positions' "
+                                 "attention factor (YaRN's mscale), a temperature of the positions")
+    return None, f"{plain}, times {f:.6g}^2 (the rotation's attention factor, YaRN's)"
+
+
 def _head_bias_lookup(trace: Trace, heads: set[int]) -> tuple[str, Tensor] | None:
     """(the table's shape as text, the (Lq, Lk) index of the first item) of a per-head position bias looked up in
     a learned ``nn.Embedding(entries, heads)`` by an index map over (query, key), as T5 looks its bias up; None
@@ -1609,6 +1625,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     unit = _unit_norm(a, b, origin_a.factor, origin_b.factor) or \
         (unit_before_gains(trace, aid, d) and unit_before_gains(trace, bid, d))
     fid, said = _scale_verdict(scale, d, width, expected(d), unit)
+    fid, said = _past_the_rotation(fid, said, scale, origin_a, origin_b, d, width, expected(d), unit, facts)
     if fid == MISSING_SCALE and folded_scale(a, b, d):
         fid, said = None, f"{said}, but q is 1/sqrt({d}) of k in size: the scale is folded into q's projection"
         facts["scale"] = f"folded into the query projection's weights (q is 1/sqrt({d}) of k in size, as T5 " \
@@ -1769,6 +1786,7 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     unit = _unit_norm(q, k, origin_q.factor, origin_k.factor) or \
         (unit_before_gains(trace, op.in_ids[0], d) and unit_before_gains(trace, op.in_ids[1], d))
     fid, said = _scale_verdict(scale, d, width, expected(d), unit)
+    fid, said = _past_the_rotation(fid, said, scale, origin_q, origin_k, d, width, expected(d), unit, facts)
     evidence = {"scale": said, "head dim": d, "product": "scaled_dot_product_attention"}
     if fid is not None:
         return Verdict(fid, {"matches": said, **evidence})

@@ -178,6 +178,7 @@ class Origin:
     op: Op | None
     part: int | None = None  # the index of this tensor among the outputs of a split / chunk / unbind / [i]
     parts: int | None = None  # how many parts that operation made
+    after_rotation: float = 1.0  # of ``factor``, the numbers multiplied in right after a rotation (YaRN's mscale)
 
 
 class Trace(TorchFunctionMode):
