@@ -1289,3 +1289,40 @@ def test_yarns_attention_factor_after_the_rotation_is_no_scale(bug, expected):
     report = check(YarnAttention(bug))
     errors = {f.id for f in report.findings if f.severity == "error"}
     assert errors == expected, report.findings
+
+
+class GroupedEinsumAttention(nn.Module):
+    """gpt-oss's reference attention: q as (B, T, G, r, D), each kv head broadcast to its r query heads on an axis of
+    its own, scores and product as 5-D einsums, learned sinks beside the scores. ``tiled``: the values tiled with
+    ``repeat`` and viewed back, so that query head (g, m) takes its values from kv head (g * r + m) % G."""
+
+    def __init__(self, tiled: bool = False, dim: int = 32, heads: int = 4, kv_heads: int = 2) -> None:
+        super().__init__()
+        self.g, self.r, self.d, self.tiled = kv_heads, heads // kv_heads, dim // heads, tiled
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.d)
+        self.sinks = nn.Parameter(torch.randn(heads))
+        self.out = nn.Linear(heads * self.d, dim)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x).split([self.g * self.r * self.d, self.g * self.d, self.g * self.d], dim=-1)
+        q = q.view(b, t, self.g, self.r, self.d)
+        k = k.view(b, t, self.g, self.d)[:, :, :, None, :].expand(-1, -1, -1, self.r, -1)
+        v = v.view(b, t, self.g, self.d)
+        v = v.repeat(1, 1, self.r, 1).view(b, t, self.g, self.r, self.d) if self.tiled else \
+            v[:, :, :, None, :].expand(-1, -1, -1, self.r, -1)
+        causal = torch.triu(x.new_full((t, t), float("-inf")), diagonal=1)
+        scores = torch.einsum("bqhmd,bkhmd->bhmqk", q, k) * self.d ** -0.5 + causal
+        sinks = self.sinks.reshape(self.g, self.r, 1, 1).expand(b, -1, -1, t, -1)
+        weights = torch.softmax(torch.cat([scores, sinks], dim=-1), dim=-1)[..., :-1]
+        return self.out(torch.einsum("bhmqk,bkhmd->bqhmd", weights, v).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("tiled", [False, True])
+def test_kv_heads_on_an_axis_of_their_own_are_grouped_alike(tiled):
+    """catches: with the query heads on two axes (kv head, member of its group) in 5-D einsums, as gpt-oss writes
+    them, values tiled with repeat while the keys are broadcast (another kv head's values) were certified"""
+    torch.manual_seed(0)
+    report = check(GroupedEinsumAttention(tiled))
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert errors == ({"group-mismatch"} if tiled else set()), report.findings

@@ -812,7 +812,11 @@ def _kv_heads(trace: Trace, tid: int) -> list[int] | None:
     multiple of G, the other axes alike); None when there is none or a head matches no kv head exactly."""
     chain = [(cur, trace.value(cur)) for cur in (tid, *trace.ancestors(tid, limit=24))]  # k^T, k, k before repeat
     tensors = [t for _, t in chain if t is not None and t.dim() >= 3 and not t.is_complex()]
-    for i, value in enumerate(tensors):
+    # an operand with the heads on two axes, kv head and member of its group (gpt-oss's (B, L, G, r, D) einsums),
+    # is read with those axes flattened into one, as the query heads are numbered
+    readings = [(i, r, flat) for i, t in enumerate(tensors) for r, flat in
+                [(t, False), *((t.flatten(a, a + 1), True) for a in reversed(range(t.dim() - 2)) if t.dim() >= 5)]]
+    for i, value, flat in readings:
         # a kv head broadcast to its group before a flatten (Falcon-40B's (B, L, G, 1, D) expanded to r, flattened
         # to G * r heads) is read with its axis of one dropped
         earlier = [t.squeeze(a) if t.dim() == value.dim() + 1 and t.shape[a] == 1 else t
@@ -831,9 +835,12 @@ def _kv_heads(trace: Trace, tid: int) -> list[int] | None:
             for h in range(heads):
                 match = [g for g in range(groups) if torch.equal(value.select(axis, h), before.select(axis, g))]
                 if len(match) != 1:
-                    return None
+                    break
                 found.append(match[0])
-            return found
+            if len(found) == heads:
+                return found
+            if not flat:  # a reading of the operand as it is decides; another pair of its axes may still be the heads
+                return None
     return None
 
 
