@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 
-.PHONY: demo test lint bench readme-tables check-install clean fuzz
+.PHONY: demo test test-slow lint bench readme-tables check-install clean fuzz
 
 # requirements-corpus.txt: real attention libraries the doctor's tests check, test-only; --no-deps so that
 # none of them can replace torch (their own dependencies are pinned in the file), and pip check proves it.
@@ -31,6 +31,10 @@ demo: $(BIN)/selfattn
 TEST_JOBS ?= 2
 test: $(BIN)/selfattn
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n $(TEST_JOBS)
+
+# The heavy grids the default run leaves out (marked slow: more world sizes, compiles, timing scripts).
+test-slow: $(BIN)/selfattn
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/python -m pytest -q -n $(TEST_JOBS) -m slow
 
 lint: $(BIN)/selfattn
 	$(BIN)/ruff check src tests examples scripts
