@@ -402,6 +402,11 @@ def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor, eps: float = 0.
     return mismatch
 
 
+def _divisors(n: int) -> list[int]:
+    """The divisors of ``n`` above 1 and below it."""
+    return [a for a in range(2, n) if n % a == 0]
+
+
 def _distance_table(module: nn.Module, n: int, image: bool) -> tuple[nn.Parameter, list[tuple[int, ...] | None]] | None:
     """A parameter of ``module`` sized as a table of relative distances for ``n`` tokens, with no other axis of that
     size (a table over pairs of absolute positions has two), and the grids it may be read on: one axis of
@@ -416,8 +421,8 @@ def _distance_table(module: nn.Module, n: int, image: bool) -> tuple[nn.Paramete
                 if h > 1 and w > 1 and s == (2 * h - 1) * (2 * w - 1):
                     return t, [(h, w)]
                 cubes: list[tuple[int, ...] | None] = [
-                    (a, b, n // (a * b)) for a in range(2, n) for b in range(2, n) if n % (a * b) == 0 and
-                    n // (a * b) > 1 and (2 * a - 1) * (2 * b - 1) * (2 * n // (a * b) - 1) == s]
+                    (a, b, n // (a * b)) for a in _divisors(n) for b in _divisors(n // a) if n // (a * b) > 1 and
+                    (2 * a - 1) * (2 * b - 1) * (2 * n // (a * b) - 1) == s]
                 line = not image and s % 2 == 1 and s >= 2 * n - 1
                 if cubes:
                     return t, cubes + ([None] if line else [])

@@ -933,18 +933,16 @@ def _scale_verdict(c: float, d: int, width: int, expected: float | None, unit_no
 
 def _past_the_rotation(fid: str | None, said: str, scale: float, a: Origin, b: Origin, d: int, width: int,
                        expected: float | None, unit: bool, facts: dict) -> tuple[str | None, str]:
-    """The scale verdict without YaRN's attention factor, when the scores' scale is wrong only by it: the same number
-    above 1 (0.1 ln(s) + 1 for a context s times longer) multiplied into q and into k right after their rotation.
-    It is a temperature of the positions, as when it is folded into cos and sin; recorded in ``facts``."""
+    """The scale verdict without YaRN's attention factor: the same number above 1 (0.1 ln(s) + 1 for a context s times
+    longer) multiplied into q and into k right after their rotation is a temperature of the positions, as when it is
+    folded into cos and sin (recorded in ``facts``); the rest of the scale is judged."""
     f, g = a.after_rotation, b.after_rotation
-    if fid != WRONG_SCALE or f <= 1 + 1e-6 or abs(f / g - 1) > 1e-9:
-        return fid, said
-    again, plain = _scale_verdict(scale / (f * g), d, width, expected, unit)
-    if again is not None:
+    if fid is None or f <= 1 + 1e-6 or abs(f / g - 1) > 1e-9:
         return fid, said
     facts["attention factor"] = (f"q and k multiplied by {f:.6g} after their rotation: the rotary positions' "
                                  "attention factor (YaRN's mscale), a temperature of the positions")
-    return None, f"{plain}, times {f:.6g}^2 (the rotation's attention factor, YaRN's)"
+    again, plain = _scale_verdict(scale / (f * g), d, width, expected, unit)
+    return again, f"{plain}, times {f:.6g}^2 (the rotation's attention factor, YaRN's)"
 
 
 def _head_bias_lookup(trace: Trace, heads: set[int]) -> tuple[str, Tensor] | None:
