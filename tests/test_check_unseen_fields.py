@@ -1250,7 +1250,7 @@ class YarnAttention(nn.Module):
     """YaRN-scaled rotary written from the paper: frequencies interpolated by a ramp between the original and the
     stretched ones (factor 4 over 16 original positions), and the attention factor 0.1 ln(4) + 1 multiplied into q
     and k after their rotation. ``bug``: "k plain" rotates k with the unscaled frequencies; "q only" multiplies the
-    factor into q alone."""
+    factor into q alone; "twice" folds it into cos and sin too."""
 
     def __init__(self, bug: str | None = None, dim: int = 32, heads: int = 4) -> None:
         super().__init__()
@@ -1267,7 +1267,8 @@ class YarnAttention(nn.Module):
     def _rotate(self, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         angles = torch.arange(t.shape[-2], device=t.device, dtype=t.dtype)[:, None] * freqs.to(t.dtype)
         emb = torch.cat((angles, angles), dim=-1)
-        return t * emb.cos() + _rotate_half(t) * emb.sin()
+        folded = self.mscale if self.bug == "twice" else 1.0  # the factor folded into cos and sin as well
+        return t * emb.cos() * folded + _rotate_half(t) * emb.sin() * folded
 
     def forward(self, x, attention_mask=None):
         b, n, e = x.shape
@@ -1281,7 +1282,7 @@ class YarnAttention(nn.Module):
 
 
 @pytest.mark.parametrize(("bug", "expected"), [(None, set()), ("k plain", {"rotary-mismatch"}),
-                                               ("q only", {"wrong-scale"})])
+                                               ("q only", {"wrong-scale"}), ("twice", {"wrong-scale"})])
 def test_yarns_attention_factor_after_the_rotation_is_no_scale(bug, expected):
     """catches: YaRN's attention factor multiplied into q and k after their rotation (not folded into cos and sin)
     was wrong-scale on correct code, and k rotated with other frequencies than q was named wrong-scale too"""

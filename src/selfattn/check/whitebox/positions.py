@@ -246,8 +246,8 @@ def scale_origin(trace: Trace, tid: int) -> Origin:
         origin = trace.origin(tid)
         factor *= origin.factor
         rotated = rotated_from(trace, origin.id) if origin.op is not None else None
-        if rotated is not None:
-            after *= origin.factor
+        if rotated is not None and abs(rotated[1] - 1) < 1e-6:  # a factor right after a rotation of its own
+            after *= origin.factor  # factor 1 (one already folded into cos and sin, then applied again, is a scale)
         if rotated is None and origin.op is not None and origin.op.name == "cat" and len(origin.op.in_ids) > 1:
             # keys joined with a learned or zero key (fairseq's bias_k, add_zero_attn): the tokens' part, the
             # largest, carries the scale the tokens' keys got
