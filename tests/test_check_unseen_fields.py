@@ -1327,3 +1327,29 @@ def test_kv_heads_on_an_axis_of_their_own_are_grouped_alike(tiled):
     report = check(GroupedEinsumAttention(tiled))
     errors = {f.id for f in report.findings if f.severity == "error"}
     assert errors == ({"group-mismatch"} if tiled else set()), report.findings
+
+
+class BlockAroundACore(nn.Module):
+    """A block holding an attention core (q, k, v projections only) and its own output projection, as Llama-style
+    ports split them; ``applied``: whether forward ends with ``o_proj``."""
+
+    def __init__(self, applied: bool = True, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.applied = applied
+        self.core = ProcessorStyleAttention(applied=False, dim=dim, heads=heads)
+        del self.core.to_out  # the core holds no output projection of its own
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, hidden_states, attention_mask=None):
+        out = self.core(hidden_states, attention_mask)
+        return self.o_proj(out) if self.applied else out
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_blocks_output_projection_never_applied_is_no_grad(applied):
+    """catches: a block's own o_proj left out while the q, k and v projections of its core were used was certified:
+    only a module's own Linears were held to its output projection"""
+    torch.manual_seed(0)
+    report = check(BlockAroundACore(applied))
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert errors == (set() if applied else {"no-grad"}), report.findings

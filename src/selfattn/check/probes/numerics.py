@@ -366,9 +366,9 @@ _FUSED_NAMES = frozenset({"qkv", "to_qkv", "c_attn", "in_proj", "query_key_value
 def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
     """The output projections (an nn.Linear named for that, ``to_out``, ``out_proj``, ``c_proj``, ``wo``, or the first
     Linear of an ``nn.Sequential`` or ``nn.ModuleList`` so named, diffusers' ``to_out[0]``) of a module whose q and k
-    (or fused qkv) projections the call used, when it used none of them: the attention returned without the
-    projection it holds. A module that used one of its output projections (a joint attention's ``to_out`` beside
-    the context stream's ``to_add_out``) has none idle."""
+    (or fused qkv) projections the call used, its own or those of a core among its children, when it used none of
+    them: the attention returned without the projection it holds. A module that used one of its output projections
+    (a joint attention's ``to_out`` beside the context stream's ``to_add_out``) has none idle."""
     idle = []
     for path, mod in module.named_modules():
         roles, outputs = set(), []
@@ -380,7 +380,11 @@ def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
                 if first is not None:
                     outputs.append((f"{name}.{first}", id(child[first].weight) in used))
                 continue
-            if not isinstance(child, nn.Linear) or not child.weight.requires_grad:
+            if not isinstance(child, nn.Linear):  # an attention core of the block's: its projections count too
+                roles |= {"qk" if n.lower() in _FUSED_NAMES else name_role(n) for n, c in child.named_children()
+                          if isinstance(c, nn.Linear) and id(c.weight) in used}
+                continue
+            if not child.weight.requires_grad:
                 continue
             touched = id(child.weight) in used
             if named_out:
