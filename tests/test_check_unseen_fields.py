@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from einops import rearrange, repeat
 from torch import nn
 
-from selfattn.check import check
+from selfattn.check import CannotRun, check
 
 
 # -- memory / register tokens joined to the tokens inside the module (x-transformers, ViT registers) ----------------
@@ -1353,3 +1353,49 @@ def test_a_blocks_output_projection_never_applied_is_no_grad(applied):
     report = check(BlockAroundACore(applied))
     errors = {f.id for f in report.findings if f.severity == "error"}
     assert errors == (set() if applied else {"no-grad"}), report.findings
+
+
+class ClassAttentionBlock(nn.Module):
+    """CaiT's and XCiT's class-attention block: the class token (token 0) queries every token through SDPA; the
+    other tokens pass through the norm untouched; ``scale``: the scale given to SDPA (None: its own)."""
+
+    def __init__(self, scale: float | None = None, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.scale = heads, scale
+        self.norm = nn.LayerNorm(dim)
+        self.q, self.k, self.v, self.proj = (nn.Linear(dim, dim) for _ in range(4))
+
+    def attend(self, x):
+        b, n, c = x.shape
+        q = self.q(x[:, :1]).reshape(b, 1, self.heads, -1).transpose(1, 2)
+        k, v = (p(x).reshape(b, n, self.heads, -1).transpose(1, 2) for p in (self.k, self.v))
+        cls = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
+        return self.proj(cls.transpose(1, 2).reshape(b, 1, c))
+
+    def forward(self, x):
+        y = self.norm(x)
+        return x + torch.cat([self.attend(y), y[:, 1:]], dim=1)
+
+
+class AttentionPool(ClassAttentionBlock):
+    """The class attention alone: one row out, for the class token (timm's ClassAttn, AttentionPoolLatent)."""
+
+    def forward(self, x):
+        return self.attend(x)
+
+
+@pytest.mark.parametrize("scale", [None, 1 / 32])
+def test_a_class_attention_block_is_read_with_its_one_query(scale):
+    """catches: the class token alone querying every token through SDPA (XCiT's, CaiT's class-attention blocks) was
+    definition-mismatch, as a head split, on correct code, and a wrong scale given to SDPA went unnamed"""
+    torch.manual_seed(0)
+    report = check(ClassAttentionBlock(scale))
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert errors == (set() if scale is None else {"wrong-scale"}), report.findings
+
+
+def test_attention_pooling_says_why_it_cannot_be_checked():
+    """catches: a module returning one row for the class token or a learned query could not run (exit 2) with no
+    word of why: "never returned a (B, L, E) output", or a width searched among its MLP's sizes"""
+    with pytest.raises(CannotRun, match="attention pooling or class attention"):
+        check(AttentionPool())

@@ -12,6 +12,7 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
+import ast
 import inspect
 import math
 import re
@@ -155,6 +156,25 @@ def _caller_for(module: nn.Module, x: Tensor, stated: MaskSpec | None = None) ->
             head = {"x": "forward(x, ", "qk": "forward(q, kv, "}.get(style, "forward(q, k, v, ")
             given += [f"{head}{arg}=...): {e}" for e in errors]
     return None, "; ".join([*given, why] if why else given)  # what the module raised first: it is what matters
+
+
+def _pooled(wrong: list[tuple[tuple[int, int, int], str]]) -> str:
+    """When every output was (B, Q, E) for inputs (B, L, E), Q the same at every length and below it: what that says
+    (a few learned or class-token queries over the tokens); else ""."""
+    outs = []
+    for (b, n, e), out in wrong:
+        try:
+            shape = ast.literal_eval(out)
+        except (ValueError, SyntaxError):
+            return ""
+        if not isinstance(shape, tuple) or len(shape) != 3 or shape[0] != b or shape[2] != e or shape[1] >= n:
+            return ""
+        outs.append(shape[1])
+    if not outs or len(set(outs)) != 1 or len(wrong) < 2:
+        return ""
+    return (f": it returns {outs[0]} row(s) at every length (attention pooling or class attention: learned or "
+            "class-token queries over the tokens), which is no self-attention; the doctor checks attention that "
+            "gives a row per token")
 
 
 def _runs(call: Caller, shape: tuple[int, int, int], gen: torch.Generator, dtype: torch.dtype,
@@ -430,7 +450,7 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         stepped = _limits(found, call, ran, wrong, failed, gen, dtype, device)
     good = ran
     if not good:
-        raise CannotRun("the module never returned a (B, L, E) output; see wrong-output-shape")
+        raise CannotRun("the module never returned a (B, L, E) output; see wrong-output-shape" + _pooled(wrong))
     if call.layout in ("channels-first", "channels-last", "channels-first-1d"):  # 16 tokens or more: a strided
         # reduction keeps 2 x 2 keys
         b, n, _ = min(good, key=lambda s: (s[0] < 2, s[1] < 16, s[1], s[0]))

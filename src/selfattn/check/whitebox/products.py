@@ -945,6 +945,21 @@ def _past_the_rotation(fid: str | None, said: str, scale: float, a: Origin, b: O
     return again, f"{plain}, times {f:.6g}^2 (the rotation's attention factor, YaRN's)"
 
 
+def _other_axes(weights: Tensor, length: int) -> str:
+    """What attention weights (..., Lq, Lk) over other axes than the L tokens' may be: a few queries over every token
+    (attention pooling, class attention: no self-attention, whose output the doctor would need a row per token of),
+    a square over the features (XCiT's cross-covariance attention: a design of its own), or a head split that mixes
+    tokens and heads."""
+    rows, keys = (weights.shape[-2], weights.shape[-1]) if weights.dim() >= 2 else (1, weights.numel())
+    if keys == length and rows < length:
+        return (f"{rows} query row(s) over the {length} tokens: attention pooling or class attention, a learned or "
+                "class-token query, which is no self-attention; or a head split that mixes tokens and heads")
+    if rows == keys:
+        return (f"a square of {rows} over another axis: attention over the channels (XCiT's cross-covariance "
+                "attention, a design of its own: --allow-nonstandard) or a head split that mixes tokens and heads")
+    return "a head split that mixes tokens and heads"
+
+
 def _head_bias_lookup(trace: Trace, heads: set[int]) -> tuple[str, Tensor] | None:
     """(the table's shape as text, the (Lq, Lk) index of the first item) of a per-head position bias looked up in
     a learned ``nn.Embedding(entries, heads)`` by an index map over (query, key), as T5 looks its bias up; None
@@ -1488,8 +1503,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         keep = None  # the run's (L, L) pattern is the other attention's
     elif p.dim() < 2 or p.shape[-1] != length or p.shape[-2] != length:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights are {tuple(p.shape[-2:])} over axes that are "
-                                               f"not the {length} tokens (a head split that mixes tokens and heads)",
-                                               **evidence})
+                                               f"not the {length} tokens ({_other_axes(p, length)})", **evidence})
     if dim != p.dim() - 1:
         return Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
                                        "the keys (the last dim)", **evidence})
@@ -1770,10 +1784,16 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         facts["queries apart"] = (f"{q.shape[-2]} of the {length} tokens attend among themselves; the other "
                                   f"{length - q.shape[-2]} in an attention of their own over every token")
         length, keep = q.shape[-2], None
-    if q.dim() < 2 or q.shape[-2] != length:
+    few = local and q.dim() >= 2 and k.dim() >= 2 and 2 * q.shape[-2] <= length == k.shape[-2]
+    if few:  # a few queries over every token, the other rows untouched by attention (XCiT's and CaiT's class
+        facts["queries apart"] = (f"{q.shape[-2]} query row(s) attend over all {length} tokens in an attention of "
+                                  "their own (class attention, global tokens)")  # attention blocks)
+        keep = None  # the run's (L, L) pattern is the rest of the module's
+    elif q.dim() < 2 or q.shape[-2] != length:
+        shape = (q.shape[-2] if q.dim() >= 2 else 1, k.shape[-2] if k.dim() >= 2 else 1)
         return Verdict(DEFINITION_MISMATCH, {"matches": f"scaled_dot_product_attention runs over an axis of size "
-                                               f"{q.shape[-2] if q.dim() >= 2 else 1}, not the {length} tokens (a head "
-                                               "split that mixes tokens and heads)"})
+                                               f"{shape[0]}, not the {length} tokens "
+                                               f"({_other_axes(torch.empty(shape), length)})"})
     cached = k.shape[-2] > length  # keys and values from a cache of more positions (gpt-fast's, allocated ahead)
     if k.shape[-2] < length:  # keys and values from fewer positions than the queries: a sequence reduction
         facts["reduced keys"] = _reduced(k.shape[-2], length)
