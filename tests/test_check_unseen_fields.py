@@ -1399,3 +1399,32 @@ def test_attention_pooling_says_why_it_cannot_be_checked():
     word of why: "never returned a (B, L, E) output", or a width searched among its MLP's sizes"""
     with pytest.raises(CannotRun, match="attention pooling or class attention"):
         check(AttentionPool())
+
+
+class FoldedMaskOnly(nn.Module):
+    """fairseq-style: an ``attn_mask`` taken only as (B * H, L, L), any other form refused by a shape check."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out_proj = nn.Linear(dim, dim)
+
+    def forward(self, x, attn_mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = (q @ k.transpose(-1, -2) * (e // self.heads) ** -0.5).reshape(b * self.heads, n, n)
+        if attn_mask is not None:
+            if attn_mask.dim() != 3 or attn_mask.shape[0] != b * self.heads:
+                raise ValueError(f"attn_mask must be of shape (bsz * num_heads, L, L), got {tuple(attn_mask.shape)}")
+            scores = scores + attn_mask
+        out = scores.softmax(-1).reshape(b, self.heads, n, n) @ v
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_mask_taken_in_a_form_the_doctor_does_not_send_is_no_refusal():
+    """catches: a mask every form of which fails a shape check of the module's (a ValueError that names the mask)
+    read as a mask the module refuses, so that a mask never looked at was certified as not applicable"""
+    torch.manual_seed(0)
+    report = check(FoldedMaskOnly())
+    assert report.verdict == "inconclusive" and report.coverage["mask"].startswith("not verified"), report.coverage

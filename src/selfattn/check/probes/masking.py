@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import linecache
 import math
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
@@ -632,11 +633,17 @@ REFUSED = "refused by the module: "
 _LIBRARIES = (str(Path(torch.__file__).parent), str(Path(__file__).resolve().parents[2]))  # torch, selfattn
 
 
+# words of a refusal, not of a form checked and found wrong ("attn_mask must be (B * H, L, L)" is a mask taken in a
+# form the doctor does not send: the mask stays not verified)
+_REFUSING = re.compile(r"(not|n't|un)\s*support|not (be )?(allowed|implemented|available|used)|must be none|"
+                       r"\bis none\b|cannot be (used|given|passed)|^assert not\b")
+
+
 def _refusal(err: Exception, words: tuple[str, ...] = ("mask",)) -> str | None:
     """What the module said when its own code refused a mask (monai's ``ValueError("Causal attention does not
     support attention masks.")``, an ``assert mask is None``): a ValueError, NotImplementedError or AssertionError
-    raised in the module's file, not torch's, whose message (or, for a bare assert, whose line) speaks of a mask;
-    None for any other failure (a shape that does not fit is the doctor's form, not a refusal)."""
+    raised in the module's file, not torch's, whose message (or, for a bare assert, whose line) refuses a mask in
+    so many words; None for any other failure (a shape that does not fit is the doctor's form, not a refusal)."""
     if not isinstance(err, (ValueError, NotImplementedError, AssertionError)) or err.__traceback__ is None:
         return None
     tb = err.__traceback__
@@ -646,7 +653,7 @@ def _refusal(err: Exception, words: tuple[str, ...] = ("mask",)) -> str | None:
     if where.startswith(_LIBRARIES):  # torch's own checks of a form it cannot take
         return None
     return next((said for said in (str(err), linecache.getline(where, tb.tb_lineno).strip())
-                 if any(w in said.lower() for w in words)), None)
+                 if any(w in said.lower() for w in words) and _REFUSING.search(said.lower())), None)
 
 
 def _no_mask(why: str) -> Outcome[Caller]:
