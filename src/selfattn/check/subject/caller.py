@@ -454,7 +454,7 @@ _NOT_A_SEQUENCE = ("mask", "len", "pos", "freq", "rope", "rotary", "cos", "sin",
 def find_call_style(module: nn.Module, x: Tensor, layout: str = "batch-first") -> tuple[str, str | None]:
     """('x', 'qk' or 'qkv', None) if the module runs on x (sent in ``layout``); ("", the errors) otherwise."""
     errors = []
-    styles = ("x", "qk", "qkv") if takes_two_sequences(module) else ("x", "qkv")
+    styles: tuple[str, ...] = ("x", "qk", "qkv") if takes_two_sequences(module) else ("x", "qkv")
     if _third_is_a_mask(module):  # forward(x, context, context_mask): a value sent there would be read as a mask
         styles = tuple(s for s in styles if s != "qkv")
     for style in styles:

@@ -2120,17 +2120,17 @@ def unshifted_relative(trace: Trace, length: int, grid: tuple[int, ...] | None =
             seen = seen & torch.isfinite(base) & (base > -1e4)
             s = torch.where(seen, s - base, torch.zeros((), dtype=s.dtype))
         size = 1 + float(s[seen].abs().max()) if bool(seen.any()) else 1.0
-        sides = grid or (length,)
-        for axis in reversed(range(len(sides))):  # along a row, then down a column (then to the next frame)
-            step = math.prod(sides[axis + 1:])
+        extent: tuple[int, ...] = grid or (length,)
+        for axis in reversed(range(len(extent))):  # along a row, then down a column (then to the next frame)
+            step = math.prod(extent[axis + 1:])
             i = torch.arange(length)
-            i = i[(i // step) % sides[axis] < sides[axis] - 1]  # the next token along this axis is in the grid
+            i = i[(i // step) % extent[axis] < extent[axis] - 1]  # the next token along this axis is in the grid
             a, b = s[:, i][:, :, i], s[:, i + step][:, :, i + step]
             both = seen[:, i][:, :, i] & seen[:, i + step][:, :, i + step]
             differ = (a - b).abs().masked_fill(~both, 0)
             if float(differ.max()) > 1e-6 * size:
                 where = "one token further along each" if step == 1 else \
-                    "one row further down each" if axis == len(sides) - 2 else "one frame further on each"
+                    "one row further down each" if axis == len(extent) - 2 else "one frame further on each"
                 return (f"with the same token at every position, the score of a query and a key changes by "
                         f"{float(differ.max()):.3g} (scores up to {size - 1:.3g}) when both move {where}: the "
                         "position term depends on where the key is, not on its distance to the query (a rel_shift "
