@@ -1428,3 +1428,61 @@ def test_a_mask_taken_in_a_form_the_doctor_does_not_send_is_no_refusal():
     torch.manual_seed(0)
     report = check(FoldedMaskOnly())
     assert report.verdict == "inconclusive" and report.coverage["mask"].startswith("not verified"), report.coverage
+
+
+_SCRIPTED_HELPERS = '''
+import torch
+from torch import nn
+
+
+@torch.jit.script
+def scores_of(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.bmm(q * scale, k.transpose(1, 2))
+
+
+@torch.jit.script
+def attend(weights: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.bmm(weights, v)
+
+
+class ScriptedSelfAttention(nn.Module):
+    """Sockeye-style: keys and values interleaved per head in one projection, heads folded into the batch, the two
+    products in TorchScript helpers."""
+
+    SCALE_BY_WIDTH = False
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.ff_in = nn.Linear(dim, 3 * dim, bias=False)
+        self.ff_out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        d = e // self.heads
+        q, kv = self.ff_in(x).split([e, 2 * e], dim=-1)  # keys and values interleaved per head, as Sockeye's
+        kv = kv.reshape(b, n, self.heads, 2, d)
+        q, k, v = (t.reshape(b, n, self.heads, d).transpose(1, 2).reshape(b * self.heads, n, d)
+                   for t in (q, kv[..., 0, :], kv[..., 1, :]))
+        scale = (e if self.SCALE_BY_WIDTH else d) ** -0.5
+        out = attend(scores_of(q, k, scale).softmax(dim=-1), v)
+        return self.ff_out(out.reshape(b, self.heads, n, d).transpose(1, 2).reshape(b, n, e))
+
+
+class ScaledByWidth(ScriptedSelfAttention):
+    SCALE_BY_WIDTH = True
+'''
+
+
+@pytest.mark.parametrize(("name", "expected"), [("ScriptedSelfAttention", set()), ("ScaledByWidth", {"wrong-scale"})])
+def test_torchscript_helpers_in_a_checked_file_are_read_as_python(tmp_path, name, expected):
+    """catches: products inside @torch.jit.script helpers (Sockeye's interleaved matmuls) ran as calls the trace
+    could not look into, so that a correct module loaded from its file was definition-mismatch"""
+    from selfattn.check.subject.building import load_class
+
+    path = tmp_path / "scripted.py"
+    path.write_text(_SCRIPTED_HELPERS)
+    torch.manual_seed(0)
+    report = check(load_class(f"{path}:{name}")())
+    errors = {f.id for f in report.findings if f.severity == "error"}
+    assert errors == expected, report.findings

@@ -100,8 +100,25 @@ def _no_bytecode() -> Iterator[None]:
         sys.dont_write_bytecode = old
 
 
+@contextlib.contextmanager
+def _python_not_script() -> Iterator[None]:
+    """``torch.jit.script`` giving back the function or module as written while a user's file (and what it imports
+    for the first time) loads: a scripted helper runs as one call the trace cannot look into (Sockeye's interleaved
+    matmuls), so that the attention inside it would go unread. The same code runs, as Python."""
+    from torch.jit import _state
+
+    was = bool(_state._enabled)
+    _state.disable()
+    try:
+        yield
+    finally:
+        if was:
+            _state.enable()
+
+
 def load_file(path_s: str) -> ModuleType:
-    """Import ``path_s`` under a fresh name (no bytecode written, the file is not modified).
+    """Import ``path_s`` under a fresh name (no bytecode written, the file is not modified, TorchScript's
+    ``torch.jit.script`` left as plain Python so that the trace reads inside it).
 
     The module is registered in ``sys.modules`` under that name, as an import would, so that code
     which looks its own module up (dataclasses, config classes found next to a class, pickling) works.
@@ -118,7 +135,7 @@ def load_file(path_s: str) -> ModuleType:
     sys.path.insert(0, folder)
     sys.modules[name] = module
     try:
-        with _no_bytecode():
+        with _no_bytecode(), _python_not_script():
             module_spec.loader.exec_module(module)
     except BaseException as e:
         sys.modules.pop(name, None)
