@@ -493,6 +493,7 @@ def find_attention(model: nn.Module, example_inputs: object, missed: list[str] |
             if name in calls:
                 layer = _layer(name, model.get_submodule(name), *calls[name], batch=batch)
                 if layer is not None:
+                    name, layer = _self_attention_above(model, name, layer, calls, parents, found, batch)
                     if alone is not None and name in alone and batch is not None:
                         layer.shared = _shared(calls[name][:2], alone[name][:2], batch)
                     layers.setdefault(name, layer)
@@ -501,6 +502,23 @@ def find_attention(model: nn.Module, example_inputs: object, missed: list[str] |
         if name is None and missed is not None and inner:  # no module on the way up maps (B, L, E) to itself
             missed.append(inner)
     return sorted(layers.values(), key=lambda layer: order.index(layer.name))
+
+
+def _self_attention_above(model: nn.Module, name: str, layer: Layer,
+                          calls: dict[str, tuple[tuple, dict, object]], parents: dict[str, str | None],
+                          found: list[str], batch: int | None) -> tuple[str, Layer]:
+    """(name, layer) of the parent instead of ``layer`` when the layer is no self-attention on its own, as Sockeye's
+    ``DotAttentionCell`` (given the queries, and the keys and values packed apart), while its parent, holding no other
+    attention, maps the hidden states to themselves and is one; else ``layer`` itself."""
+    parent = parents.get(name)
+    if not parent or parent not in calls or _not_self_attention(layer) is None or \
+            any(f != name and f.startswith(f"{parent}.") for f in found):
+        return name, layer
+    args, kwargs, out = calls[parent]
+    up = _layer(parent, model.get_submodule(parent), args, kwargs, out, batch=batch)
+    if up is None or _not_self_attention(up) is not None:
+        return name, layer
+    return parent, up
 
 
 def _shared(call: tuple, alone: tuple, batch: int) -> frozenset[int]:
