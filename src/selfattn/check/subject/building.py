@@ -105,15 +105,17 @@ def _python_not_script() -> Iterator[None]:
     """``torch.jit.script`` giving back the function or module as written while a user's file (and what it imports
     for the first time) loads: a scripted helper runs as one call the trace cannot look into (Sockeye's interleaved
     matmuls), so that the attention inside it would go unread. The same code runs, as Python."""
-    from torch.jit import _state
-
-    was = bool(_state._enabled)
-    _state.disable()
+    state = getattr(torch.jit, "_state", None)
+    if state is None or not hasattr(state, "disable"):  # a torch without the switch: scripted as it is
+        yield
+        return
+    was = bool(state._enabled)
+    state.disable()
     try:
         yield
     finally:
         if was:
-            _state.enable()
+            state.enable()
 
 
 def load_file(path_s: str) -> ModuleType:

@@ -1784,10 +1784,11 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         facts["queries apart"] = (f"{q.shape[-2]} of the {length} tokens attend among themselves; the other "
                                   f"{length - q.shape[-2]} in an attention of their own over every token")
         length, keep = q.shape[-2], None
+    # a few queries over every token, the other rows untouched by attention (XCiT's and CaiT's class-attention blocks)
     few = local and q.dim() >= 2 and k.dim() >= 2 and 2 * q.shape[-2] <= length == k.shape[-2]
-    if few:  # a few queries over every token, the other rows untouched by attention (XCiT's and CaiT's class
+    if few:
         facts["queries apart"] = (f"{q.shape[-2]} query row(s) attend over all {length} tokens in an attention of "
-                                  "their own (class attention, global tokens)")  # attention blocks)
+                                  "their own (class attention, global tokens)")
         keep = None  # the run's (L, L) pattern is the rest of the module's
     elif q.dim() < 2 or q.shape[-2] != length:
         shape = (q.shape[-2] if q.dim() >= 2 else 1, k.shape[-2] if k.dim() >= 2 else 1)
