@@ -92,6 +92,8 @@ class Layer:
     # the recorded tensors whose dim 0 stayed when the model ran one item alone: tables (a (2, L, D) stack of rotary
     # cos and sin), not per item, whatever their first size
     shared: frozenset[int] = frozenset()
+    # why it is no self-attention, once judged (the model finder asks, and check_model again): None, or (why or None,)
+    not_self: tuple[str | None] | None = field(default=None, repr=False)
 
     @property
     def extras(self) -> list[Tensor]:
@@ -511,8 +513,8 @@ def _self_attention_above(model: nn.Module, name: str, layer: Layer,
     ``DotAttentionCell`` (given the queries, and the keys and values packed apart), while its parent, holding no other
     attention, maps the hidden states to themselves and is one; else ``layer`` itself."""
     parent = parents.get(name)
-    if not parent or parent not in calls or _not_self_attention(layer) is None or \
-            any(f != name and f.startswith(f"{parent}.") for f in found):
+    if not parent or parent not in calls or any(f != name and f.startswith(f"{parent}.") for f in found) or \
+            _not_self_attention(layer) is None:
         return name, layer
     args, kwargs, out = calls[parent]
     up = _layer(parent, model.get_submodule(parent), args, kwargs, out, batch=batch)
@@ -595,8 +597,15 @@ def _record_calls(model: nn.Module, args: tuple,
 
 def _not_self_attention(layer: Layer) -> str | None:
     """Why the layer is not self-attention (its output rows do not depend on the other tokens of its input: a
-    cross-attention over a sequence the model passes in), or None. A layer whose all-zero parameters (a norm's
-    weight initialised at 0, as LeViT's) silence its output is judged on a copy with them drawn at random."""
+    cross-attention over a sequence the model passes in), or None; judged once per layer."""
+    if layer.not_self is None:
+        layer.not_self = (_judge_self_attention(layer),)
+    return layer.not_self[0]
+
+
+def _judge_self_attention(layer: Layer) -> str | None:
+    """:func:`_not_self_attention`, run. A layer whose all-zero parameters (a norm's weight initialised at 0, as
+    LeViT's) silence its output is judged on a copy with them drawn at random."""
     hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
     if hidden.dim() >= 2 and hidden.shape[0 if layer.sequence_first else 1] == 1:
         return ("called with one token: an attention pooling's query over tokens the model passes in (a "
