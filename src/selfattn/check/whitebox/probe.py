@@ -415,14 +415,17 @@ def _distance_table(module: nn.Module, n: int, image: bool) -> tuple[nn.Paramete
     a volume or a video: Video Swin's, Swin UNETR's), each order of the sides, since the table's size does not tell
     it; one of 2M - 1 entries, M >= n, on a sequence gives None (a line); None when there is none."""
     h, w = grid(n)
+    volumes: dict[int, list[tuple[int, ...] | None]] = {}  # table size -> the (d, h, w) grids of n tokens it fits
+    for a in _divisors(n):
+        for b in _divisors(n // a):
+            if n // (a * b) > 1:
+                volumes.setdefault((2 * a - 1) * (2 * b - 1) * (2 * n // (a * b) - 1), []).append((a, b, n // (a * b)))
     for t in module.parameters():
         if t.is_floating_point() and t.dim() >= 1 and n > 2:
             for s in (s for s in t.shape if list(t.shape).count(s) == 1):
                 if h > 1 and w > 1 and s == (2 * h - 1) * (2 * w - 1):
                     return t, [(h, w)]
-                cubes: list[tuple[int, ...] | None] = [
-                    (a, b, n // (a * b)) for a in _divisors(n) for b in _divisors(n // a) if n // (a * b) > 1 and
-                    (2 * a - 1) * (2 * b - 1) * (2 * n // (a * b) - 1) == s]
+                cubes = volumes.get(s, [])
                 line = not image and s % 2 == 1 and s >= 2 * n - 1
                 if cubes:
                     return t, cubes + ([None] if line else [])
