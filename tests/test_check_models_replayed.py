@@ -1433,49 +1433,52 @@ def test_padding_added_into_a_windowed_causal_bias_is_the_models():
 
 class PackedKeysCell(nn.Module):
     """Sockeye's ``DotAttentionCell``: no weights, given the queries (B, L, E) and the keys and values packed apart
-    (B, L, 2E), heads split inside; ``scale``: its factor on the queries."""
+    (B, L, 2E), heads split inside; ``scale``: its factor on the queries; ``softmax_dim``: the axis its softmax runs
+    over."""
 
-    def __init__(self, heads: int, scale: float) -> None:
+    def __init__(self, heads: int, scale: float, softmax_dim: int = -1) -> None:
         super().__init__()
-        self.heads, self.scale = heads, scale
+        self.heads, self.scale, self.softmax_dim = heads, scale, softmax_dim
 
     def forward(self, queries, key_values):
         b, n, e = queries.shape
         d = e // self.heads
         k, v = key_values.reshape(b, n, 2, self.heads, d).permute(2, 0, 3, 1, 4)
         q = queries.reshape(b, n, self.heads, d).transpose(1, 2) * self.scale
-        out = torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v
+        out = torch.softmax(q @ k.transpose(-1, -2), dim=self.softmax_dim) @ v
         return out.transpose(1, 2).reshape(b, n, e)
 
 
 class PackedSelfAttention(nn.Module):
-    def __init__(self, dim: int, heads: int, scale: float) -> None:
+    def __init__(self, dim: int, heads: int, scale: float, softmax_dim: int = -1) -> None:
         super().__init__()
         self.q_in, self.kv_in, self.out = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
-        self.cell = PackedKeysCell(heads, scale)
+        self.cell = PackedKeysCell(heads, scale, softmax_dim)
 
     def forward(self, x):
         return self.out(self.cell(self.q_in(x), self.kv_in(x)))
 
 
 class PackedEncoder(nn.Module):
-    def __init__(self, wrong_scale: bool = False, dim: int = 16, heads: int = 4) -> None:
+    def __init__(self, bug: str | None = None, dim: int = 16, heads: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(50, dim)
         self.norm = nn.LayerNorm(dim)
-        self.self_attention = PackedSelfAttention(dim, heads, (dim if wrong_scale else dim // heads) ** -0.5)
+        self.self_attention = PackedSelfAttention(dim, heads, (dim if bug == "wrong-scale" else dim // heads) ** -0.5,
+                                                  -2 if bug == "softmax-dim" else -1)
 
     def forward(self, tokens):
         h = self.embed(tokens)
         return h + self.self_attention(self.norm(h))
 
 
-@pytest.mark.parametrize("wrong_scale", [False, True])
-def test_a_cell_given_its_keys_apart_is_checked_through_its_parent(wrong_scale):
+@pytest.mark.parametrize("bug", [None, "wrong-scale", "softmax-dim"])
+def test_a_cell_given_its_keys_apart_is_checked_through_its_parent(bug):
     """catches: a model whose attention cell takes the queries and the keys and values packed apart (Sockeye's
-    DotAttentionCell) had that cell taken as its layer, judged no self-attention, and nothing checked (inconclusive)"""
+    DotAttentionCell) had that cell taken as its layer, judged no self-attention, and nothing checked (inconclusive);
+    with its softmax over the queries the cell looked like self-attention, stayed the layer and could not be called"""
     torch.manual_seed(0)
-    report = check_model(PackedEncoder(wrong_scale), (torch.randint(1, 50, (2, 7)),))
+    report = check_model(PackedEncoder(bug), (torch.randint(1, 50, (2, 7)),))
     assert list(report.layers) == ["self_attention"], (report.layers, report.not_self_attention)
     errors = {f.id for r in report.layers.values() for f in r.findings if f.severity == "error"}
-    assert errors == ({"wrong-scale"} if wrong_scale else set()), report.summary()
+    assert errors == ({bug} if bug else set()), report.summary()

@@ -509,18 +509,30 @@ def find_attention(model: nn.Module, example_inputs: object, missed: list[str] |
 def _self_attention_above(model: nn.Module, name: str, layer: Layer,
                           calls: dict[str, tuple[tuple, dict, object]], parents: dict[str, str | None],
                           found: list[str], batch: int | None) -> tuple[str, Layer]:
-    """(name, layer) of the parent instead of ``layer`` when the layer is no self-attention on its own, as Sockeye's
-    ``DotAttentionCell`` (given the queries, and the keys and values packed apart), while its parent, holding no other
-    attention, maps the hidden states to themselves and is one; else ``layer`` itself."""
+    """(name, layer) of the parent instead of ``layer`` when the layer is no self-attention on its own, or a cell given
+    its keys and values apart (Sockeye's ``DotAttentionCell``), while its parent, holding no other attention, maps the
+    hidden states to themselves and is one; else ``layer`` itself."""
     parent = parents.get(name)
     if not parent or parent not in calls or any(f != name and f.startswith(f"{parent}.") for f in found) or \
-            _not_self_attention(layer) is None:
+            (not _given_keys_apart(layer) and _not_self_attention(layer) is None):
         return name, layer
     args, kwargs, out = calls[parent]
     up = _layer(parent, model.get_submodule(parent), args, kwargs, out, batch=batch)
     if up is None or _not_self_attention(up) is not None:
         return name, layer
     return parent, up
+
+
+def _given_keys_apart(layer: Layer) -> bool:
+    """Is the layer a cell with no weights of its own given, beside the hidden states, the keys and values as a
+    sequence of their own (Sockeye's ``DotAttentionCell``: (B, L, 2E) packed)? Its parent made them from the same
+    states; whatever its rows depend on (a softmax over the queries makes them depend on each other), the cell
+    cannot be called on (B, L, E) alone."""
+    if any(True for _ in layer.module.parameters()):
+        return False
+    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    return any(t.dim() == hidden.dim() and t.shape[:-1] == hidden.shape[:-1] and t.shape[-1] % hidden.shape[-1] == 0
+               for t in layer.extras)
 
 
 def _shared(call: tuple, alone: tuple, batch: int) -> frozenset[int]:
