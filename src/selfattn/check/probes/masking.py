@@ -53,6 +53,7 @@ from ..subject.caller import (
     named_like_mask,
     restore,
     switch_parameter,
+    token_grids,
 )
 from ..subject.calling import KIND_ORDER, SHAPE_ORDER
 from ..subject.context import (
@@ -258,37 +259,54 @@ def _cyclic_interval(values: Tensor, size: int) -> bool:
     return bool(present.all()) or int(starts.sum()) == 1
 
 
-def _wrapped_windows(dep: Tensor) -> str | None:
+def _wrapped_windows(dep: Tensor) -> tuple[bool, str] | None:
     """Windows that join tokens of opposite borders: a pattern of blocks (each pair of tokens sees each other or
-    neither), each a rectangle of the line or of the square grid only once the grid wraps around, with some block
-    not a rectangle of the plain one. Shifted windows (Swin's cyclic shift) without the mask that keeps the tokens
-    the roll brought together apart compute exactly this. The description, or None."""
+    neither), each a box of the line or of a grid only once the grid wraps around, with no grid on which every
+    block is a box of the plain one. Shifted windows (Swin's cyclic shift) without the mask that keeps the tokens
+    the roll brought together apart compute exactly this, wrapping around along every axis they were shifted on:
+    (True, description). Windows that wrap around along some axes of a grid and are cut by a mask along the others
+    are a periodic axis (Pangu-Weather's longitude, the Earth being round): (False, description). None otherwise."""
     length = dep.shape[0]
     dep = dep.cpu()
     blocks = {tuple(row.nonzero().flatten().tolist()) for row in dep}
     if len(blocks) < 2 or any(not torch.equal(dep[list(b)], dep[list(b)[:1]].expand(len(b), -1)) for b in blocks):
         return None  # not blocks
-    side = math.isqrt(length)
-    grids = [(1, length)] + ([(side, side)] if side * side == length and side >= 3 else [])
-    wrapped = None
-    for rows, cols in grids:
-        plain = around = True
+    readings = []
+    for grid in token_grids(length):
+        boxes, wraps, whole = True, [False] * len(grid), [True] * len(grid)
         for block in blocks:
-            keys = torch.tensor(block)
-            r, c = keys // cols, keys % cols
-            tall, wide = int(r.unique().numel()), int(c.unique().numel())
-            if tall * wide != keys.numel():
-                plain = around = False
+            coords = torch.tensor(block)
+            axes = []
+            for size in reversed(grid):
+                axes.append(coords % size)
+                coords = coords // size
+            axes.reverse()
+            if math.prod(int(c.unique().numel()) for c in axes) != len(block):
+                boxes = False
                 break
-            plain = plain and int(r.max() - r.min()) + 1 == tall and int(c.max() - c.min()) + 1 == wide
-            around = around and _cyclic_interval(r, rows) and _cyclic_interval(c, cols)
-        if plain:
-            return None  # windows of the plain grid (or line)
-        if around and wrapped is None:
-            wrapped = "the line" if rows == 1 else f"the {rows} x {cols} grid"
-    if wrapped is None:
+            for a, (c, size) in enumerate(zip(axes, grid, strict=True)):
+                whole[a] = whole[a] and int(c.unique().numel()) == size
+                if int(c.max() - c.min()) + 1 != int(c.unique().numel()):  # not an interval of the plain axis
+                    if not _cyclic_interval(c, size):
+                        boxes = False
+                        break
+                    wraps[a] = True
+            if not boxes:
+                break
+        if boxes and not any(wraps):
+            return None  # windows of the plain line or grid
+        if boxes:
+            readings.append((grid, [w or h for w, h in zip(wraps, whole, strict=True)], wraps))
+    if not readings:
         return None
-    return f"windows on {wrapped} join tokens of opposite borders (a cyclic shift without its mask)"
+    for grid, around, _ in readings:  # an axis each window spans whole cannot show a wrap
+        if all(around):
+            where = "the line" if len(grid) == 1 else f"the {' x '.join(map(str, grid))} grid"
+            return True, f"windows on {where} join tokens of opposite borders (a cyclic shift without its mask)"
+    grid, _, wraps = readings[0]
+    sides = " and ".join(f"the side of {grid[a]}" for a in range(len(grid)) if wraps[a])
+    return False, (f"shifted windows on the {' x '.join(map(str, grid))} grid that wrap around along {sides} only, "
+                   "cut by a mask along the others: a periodic axis (as Pangu-Weather's longitude)")
 
 
 def _local_design(dep: Tensor) -> str | None:
@@ -456,10 +474,12 @@ def causality(ctx: Context) -> Outcome[Tensor]:
     elif not causal and seen_future.sum() < future(length).sum():
         design = _local_design(dep)
         wrapped = None if design is None or moved else _wrapped_windows(dep)
-        if wrapped is not None:
-            found.findings.append(Finding.of(DEFINITION_MISMATCH, f"{wrapped}: each window of the shifted grid "
+        if wrapped is not None and wrapped[0]:
+            found.findings.append(Finding.of(DEFINITION_MISMATCH, f"{wrapped[1]}: each window of the shifted grid "
                                              "mixes tokens the roll brought together from the far side, which are "
-                                             "not neighbours", {"windows that wrap around": wrapped}))
+                                             "not neighbours", {"windows that wrap around": wrapped[1]}))
+        elif wrapped is not None:
+            found.notes["window"] = wrapped[1]
         elif design is not None:
             found.notes["window"] = design
         elif not dep.diagonal().all():  # no mask hides a token from itself in a pattern that also shows the future
@@ -642,9 +662,12 @@ _REFUSING = re.compile(r"(not|n't|un)\s*support|not (be )?(allowed|implemented|a
 def _refusal(err: Exception, words: tuple[str, ...] = ("mask",)) -> str | None:
     """What the module said when its own code refused a mask (monai's ``ValueError("Causal attention does not
     support attention masks.")``, an ``assert mask is None``): a ValueError, NotImplementedError or AssertionError
-    raised in the module's file, not torch's, whose message (or, for a bare assert, whose line) refuses a mask in
-    so many words; None for any other failure (a shape that does not fit is the doctor's form, not a refusal)."""
-    if not isinstance(err, (ValueError, NotImplementedError, AssertionError)) or err.__traceback__ is None:
+    raised in the module's file, not torch's, or a RuntimeError the module's own code raises there (the Galerkin
+    transformer's "linear attention does not support casual mask."), whose message (or, for a bare assert, whose
+    line) refuses a mask in so many words; None for any other failure (a shape that does not fit is the doctor's
+    form, not a refusal; an operation's RuntimeError comes from torch's kernels, not from a raise)."""
+    if not isinstance(err, (ValueError, NotImplementedError, AssertionError, RuntimeError)) or \
+            err.__traceback__ is None:
         return None
     tb = err.__traceback__
     while tb.tb_next is not None:
@@ -652,6 +675,8 @@ def _refusal(err: Exception, words: tuple[str, ...] = ("mask",)) -> str | None:
     where = tb.tb_frame.f_code.co_filename
     if where.startswith(_LIBRARIES):  # torch's own checks of a form it cannot take
         return None
+    if type(err) is RuntimeError and not linecache.getline(where, tb.tb_lineno).lstrip().startswith("raise"):
+        return None  # raised by an operation the line runs, not by the module's own code
     return next((said for said in (str(err), linecache.getline(where, tb.tb_lineno).strip())
                  if any(w in said.lower() for w in words) and _REFUSING.search(said.lower())), None)
 

@@ -45,6 +45,7 @@ __all__ = [
     "restore",
     "switch_parameter",
     "takes_two_sequences",
+    "token_grids",
 ]
 
 ARITY = {"x": 1, "qk": 2, "qkv": 3}  # how many times a call style passes the input: forward(x), (x, x), (x, x, x)
@@ -180,6 +181,18 @@ def grid(length: int) -> tuple[int, int]:
     """(H, W) of an image of ``length`` tokens: H the largest divisor of ``length`` up to its square root."""
     h = max(d for d in range(1, int(length ** 0.5) + 1) if length % d == 0)
     return h, length // h
+
+
+def token_grids(length: int) -> list[tuple[int, ...]]:
+    """The shapes ``length`` tokens may be laid out on, row-major: the line, then every grid of two sides (the square
+    first) and of three (a volume: pressure levels x latitude x longitude, frames x height x width), each side >= 2."""
+    side = int(length ** 0.5)
+    grids: list[tuple[int, ...]] = [(length,)] + ([(side, side)] if side * side == length and side >= 2 else [])
+    grids += [(a, length // a) for a in range(2, length // 2 + 1) if length % a == 0 and a * a != length]
+    for a in range(2, length // 4 + 1):
+        grids += [(a, b, length // (a * b)) for b in range(2, length // (2 * a) + 1)
+                  if length % (a * b) == 0 and length // (a * b) >= 2]
+    return grids
 
 
 def to_layout(x: Tensor, layout: str) -> Tensor:
