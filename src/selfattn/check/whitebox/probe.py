@@ -51,6 +51,7 @@ from .products import (
     positions_added,
     relative_positions,
     score_operands,
+    table_not_relative,
     unshifted_relative,
 )
 from .projections import AFTER, Capture, NoFormula, capture, identify, qkv_heads
@@ -307,6 +308,11 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     table = _distance_table(module, x.shape[1], caller.layout in ("channels-first", "channels-last")) \
         if terms or biased else None  # only read where positions were found
     relative = terms or (biased and table is not None)
+    if plain is not None and not any(f.severity == "error" for f in findings) and \
+            (absolute := table_not_relative(plain, frozenset({id(x)}))) is not None:
+        findings.append(Finding.of(DEFINITION_MISMATCH, f"the relative positions are not relative: {absolute}",
+                                   {"positions": facts.get("positions", positions)}))
+        results["position table"] = absolute
     if relative and not any(f.severity == "error" for f in findings):
         shifted = _relative_alike(module, caller, x, table)
         if shifted is not None:

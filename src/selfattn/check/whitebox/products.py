@@ -48,6 +48,7 @@ from ..findings import (
     WRONG_SCALE,
 )
 from ..subject.building import ROLE_PATTERNS, name_role, norm_role
+from ..subject.caller import token_grids
 from .positions import (
     normalised,
     normalised_over_tokens,
@@ -62,7 +63,7 @@ from .positions import (
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Origin, Trace
 
 __all__ = ["ROLE_PATTERNS", "Verdict", "bucket_not_relative", "core_operands", "examine_cores", "memory_tokens",
-           "name_role", "relative_positions"]
+           "name_role", "relative_positions", "table_not_relative"]
 
 _SCALES = frozenset({"mul", "rmul", "mul_", "imul", "div", "truediv", "div_", "itruediv"})
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
@@ -379,6 +380,32 @@ def _relative_terms(trace: Trace, chain: _Chain, inputs: frozenset[int], shape: 
     return found
 
 
+def _computed_terms(trace: Trace, chain: _Chain, inputs: frozenset[int], shape: torch.Size,
+                    axes: tuple[int, int] | None, product: Op) -> list[tuple[Tensor, float]]:
+    """The terms added to the scores that the module computes from the tokens with weights of their own, not
+    through the score product's operands (Leela Chess Zero's smolgen: a bias per head, query and key generated
+    from the whole board by a small network): each with the factor the scores get after it is added; [] unless
+    every added term is one. A term made from q or k (the scores counted twice), a mask (hidden entries) or a
+    tensor the call passes (judged as a bias on two runs) is none."""
+    if not inputs or not chain.added:
+        return []
+    near = {trace.identity(i) for i in (*product.in_ids, *product.out_ids)}
+    found = []
+    for tid, after in chain.added:
+        value = trace.value(tid)
+        if value is None or trace.identity(tid) in inputs or not _depends_on(trace, tid, inputs) or \
+                not bool(torch.isfinite(value).all()) or float(value.min()) <= _MASKED or \
+                any(trace.identity(t) in near for t in (tid, *trace.ancestors(tid))):
+            return []
+        value = value.double()
+        if axes is not None and value.dim() == len(shape):
+            value = value.movedim(axes, (-2, -1))
+        if value.shape != shape:
+            return []
+        found.append((value, after))
+    return found
+
+
 def _temperature(op: Op) -> Tensor | None:
     """For a multiplication (division) of the scores by a tensor constant over queries and keys (a learned
     temperature per head, as cosine attention has): the factor it applies, else None."""
@@ -497,6 +524,13 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
             steps.append(("masked_fill", None))  # scores at some indices set to a number: a mask written in place
             chain.fills.append((float(op.args[2]), len(steps) - 1))
             nxt = op.in_ids[0]
+        elif op.name == "setitem" and len(op.in_ids) == 2 and len(op.inputs) == 2 and op.outputs and \
+                op.inputs[1].numel() * 2 > op.outputs[0].numel():
+            # scores rewritten in place by what is made of them (timm's MViT v2 adds its decomposed position
+            # terms with attn[:, :, sp:, sp:] = (attn[:, :, sp:, sp:] + rel_h + rel_w)); the part left as it was
+            # (the class token's row and column) is scores as well: the rewritten part is followed
+            steps.append(("setitem", None))
+            nxt = op.in_ids[1]
         elif op.name in _TERMS or op.name == "cat":  # a term added; or sink logits set beside the scores
             steps.append((op.name, None))
             if op.name in ("masked_fill", "masked_fill_") and len(op.args) >= 3 and \
@@ -1018,6 +1052,61 @@ def bucket_not_relative(trace: Trace, heads: set[int], plain_only: bool = False)
             f"of the distance j - i{how}; T5's bias is relative")
 
 
+def _index_follows_offsets(square: Tensor) -> bool:
+    """Is the (n, n) index of a position table read by the offsets between query and key on some grid of the n
+    tokens: the same entry for every pair at one offset (Swin's and BEiT's tables, T5's buckets, LeViT's |dy|, |dx|),
+    or pairs that share an entry at one offset up to sign along each axis (Pangu-Weather's table of absolute levels
+    and latitudes with longitude offsets; a full table of (query, key) pairs)?"""
+    n = square.shape[0]
+    flat = square.reshape(-1).long()
+    flat = flat - flat.min()
+    for sides in token_grids(n):
+        coords, rest = [], torch.arange(n)
+        for size in reversed(sides):
+            coords.append(rest % size)
+            rest = rest // size
+        coords.reverse()
+        signed, unsigned = torch.zeros(n, n, dtype=torch.long), torch.zeros(n, n, dtype=torch.long)
+        for c, size in zip(coords, sides, strict=True):
+            off = c[:, None] - c[None, :]
+            signed = signed * (2 * size - 1) + off + size - 1
+            unsigned = unsigned * size + off.abs()
+        for key, value in ((signed.reshape(-1), flat), (flat, unsigned.reshape(-1))):
+            groups = int(key.max()) + 1
+            low = torch.full((groups,), torch.iinfo(torch.long).max).scatter_reduce(0, key, value, "amin")
+            high = torch.full((groups,), torch.iinfo(torch.long).min).scatter_reduce(0, key, value, "amax")
+            if torch.equal(low[key], high[key]):
+                return True
+    return False
+
+
+def table_not_relative(trace: Trace, inputs: frozenset[int]) -> str | None:
+    """Why a learned position table read by an index buffer over (query, key) pairs is read by no offsets: on the
+    line and on every grid of the tokens (a few leading tokens, class tokens with entries of their own, set apart)
+    the index ties pairs of tokens at different offsets (a table read at i + j, a grid index with a wrong stride);
+    None when it follows them or there is no such table."""
+    for op in trace.ops:
+        if op.name not in ("getitem", "index_select") or len(op.inputs) < 2 or not op.in_ids:
+            continue
+        table = op.inputs[0]
+        if not table.is_floating_point() or table.dim() < 2 or not trace.learned(op.in_ids[0], depth=0):
+            continue
+        found = next(((i, t) for i, t in zip(op.in_ids[1:], op.inputs[1:], strict=False)
+                      if not t.is_floating_point() and t.dtype != torch.bool and t.numel() >= 9), None)
+        if found is None or _depends_on(trace, found[0], inputs):
+            continue
+        n = math.isqrt(found[1].numel())
+        if n * n != found[1].numel() or n > 400:
+            continue
+        square = found[1].reshape(n, n).cpu()
+        if any(_index_follows_offsets(square[c:, c:]) for c in range(min(4, n - 2))):
+            continue
+        return (f"a learned table {tuple(table.shape)} is read by an index over the {n} x {n} (query, key) pairs "
+                "that ties pairs at different offsets on the line and on every grid of the tokens (read at i + j, or "
+                "a grid index with a wrong stride?): a relative-position bias gives pairs one offset apart one entry")
+    return None
+
+
 def folded_scale(q: Tensor, k: Tensor, d: int) -> bool:
     """Is 1/sqrt(d) folded into q's projection (T5's initialisation: q's weights 1/sqrt(d) of k's), so that scores
     with no scale are the definition? Read from the sizes of q and k on the probe input: their ratio within 30%
@@ -1148,7 +1237,11 @@ def _tokens_kept(o: Tensor, m: Tensor) -> bool | None:
         h, b = f // d, lead // (f // d)
         rows_m = m.double().movedim(a, -1).reshape(-1, f).sort(-1).values
         rows_m = rows_m[torch.isfinite(rows_m).all(1)]  # a row with no visible key (NaN) is in no order
-        for o4 in (o.double().reshape(b, h, length, d), o.double().reshape(h, b, length, d).transpose(0, 1)):
+        layouts = [o.double().reshape(b, h, length, d), o.double().reshape(h, b, length, d).transpose(0, 1)]
+        # heads on a leading axis of their own beside others (windows: Pangu's (B, H, windows, N, D))
+        layouts += [o.double().movedim(i, 0).reshape(h, b, length, d).transpose(0, 1)
+                    for i in range(1, o.dim() - 2) if o.dim() > 4 and o.shape[i] == h]
+        for o4 in layouts:
             rows_o = o4.permute(0, 2, 1, 3).reshape(-1, f).sort(-1).values
             rows_o = rows_o[torch.isfinite(rows_o).all(1)]
             if not len(rows_o) or not len(rows_m):
@@ -1603,6 +1696,13 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         facts["positions"] = "relative positions: " + "; ".join(name for name, _, _ in relative)
         total = math.prod(x for _, x in steps if x is not None)
         for _, term, later in relative:  # a term added after a factor the content branch has below the sum
+            r = r + term / (total / later if later else 1.0)
+    computed = [] if relative else _computed_terms(trace, chain, inputs, r.shape, axes, product)
+    if computed:  # a term of each item's own, from the tokens: known exactly from the record, so taken off
+        facts["score term"] = ("a term computed from the tokens by weights of its own (not from q and k) added to "
+                               "the scores (as Leela Chess Zero's smolgen)")
+        total = math.prod(x for _, x in steps if x is not None)
+        for term, later in computed:
             r = r + term / (total / later if later else 1.0)
     if chain.mixed:  # talking heads: the scores are a learned mix of the heads' products; the numbers on the way
         c = math.prod(x for _, x in steps if x is not None)  # are the scale (the mix, learned, is not one)

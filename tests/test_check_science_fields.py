@@ -1,0 +1,260 @@
+"""The doctor on attention from weather, game-playing and PDE code, and on timm's position tables as they ship.
+
+Each module is written in the style of the code base it names; the tests say which wrong verdict they catch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from selfattn.check import check
+
+
+# -- Pangu-Weather: 3-D Earth-specific windows, heads on an axis beside the window types, a periodic longitude ------
+def _earth_index(wp: int, wl: int, wn: int) -> torch.Tensor:
+    """Pangu's Earth-specific index: absolute pressure levels and latitudes of query and key, longitude offsets."""
+    zi, hi, li = torch.meshgrid(torch.arange(wp), torch.arange(wl), torch.arange(wn), indexing="ij")
+    zi, hi, li = zi.flatten(), hi.flatten(), li.flatten()
+    z = zi[:, None] + zi[None, :] * wp
+    h = hi[:, None] + hi[None, :] * wl
+    lon = li[:, None] - li[None, :] + wn - 1
+    return (z * wl * wl + h) * (2 * wn - 1) + lon
+
+
+class EarthWindowAttention(nn.Module):
+    """Pangu-Weather's block on (B, Pl * Lat * Lon, C) tokens: windows laid out (B * lon windows, window types, N, C),
+    q, k and v (B_, H, types, N, D), a bias table per window type (pressure level x latitude band); with ``shift``,
+    a cyclic shift whose mask cuts the pressure levels and latitudes only (the longitude is periodic). ``bug``:
+    "merge" (heads merged with a reshape, no permute) or "no mask" (the shift mask dropped)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, grid: tuple[int, int, int] = (2, 4, 8),
+                 window: tuple[int, int, int] = (2, 2, 4), shift: bool = False, bug: str | None = None) -> None:
+        super().__init__()
+        self.h, self.grid, self.win, self.shift, self.bug = heads, grid, window, shift, bug
+        self.types = (grid[0] // window[0]) * (grid[1] // window[1])
+        n = math.prod(window)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.table = nn.Parameter(torch.randn(window[0] ** 2 * window[1] ** 2 * (2 * window[2] - 1), self.types,
+                                              heads) * 0.5)
+        self.register_buffer("index", _earth_index(*window).reshape(-1), persistent=False)
+        self.register_buffer("shift_mask", self._mask() if shift else torch.zeros(1, self.types, n, n),
+                             persistent=False)
+
+    def _partition(self, x: torch.Tensor) -> torch.Tensor:
+        b, (p, la, lo), (wp, wl, wn) = x.shape[0], self.grid, self.win
+        x = x.view(b, p // wp, wp, la // wl, wl, lo // wn, wn, -1).permute(0, 5, 1, 3, 2, 4, 6, 7)
+        return x.reshape(b * (lo // wn), self.types, wp * wl * wn, -1)
+
+    def _reverse(self, w: torch.Tensor, b: int) -> torch.Tensor:
+        (p, la, lo), (wp, wl, wn) = self.grid, self.win
+        w = w.view(b, lo // wn, p // wp, la // wl, wp, wl, wn, -1).permute(0, 2, 4, 3, 5, 1, 6, 7)
+        return w.reshape(b, p, la, lo, -1)
+
+    def _mask(self) -> torch.Tensor:
+        (p, la, lo), (wp, wl, _) = self.grid, self.win
+        region = torch.zeros(1, p, la, lo, 1)
+        cut = 0
+        for ps in (slice(0, -wp), slice(-wp, -(wp // 2)), slice(-(wp // 2), None)):
+            for ls in (slice(0, -wl), slice(-wl, -(wl // 2)), slice(-(wl // 2), None)):
+                region[:, ps, ls] = cut
+                cut += 1
+        windows = self._partition(region).squeeze(-1)  # (lon windows, types, N)
+        apart = windows[:, :, None, :] != windows[:, :, :, None]
+        return torch.zeros(apart.shape).masked_fill(apart, -100.0)
+
+    def forward(self, x):
+        b, n_tok, c = x.shape
+        x = x.view(b, *self.grid, c)
+        steps = tuple(w // 2 for w in self.win)
+        if self.shift:
+            x = torch.roll(x, shifts=tuple(-s for s in steps), dims=(1, 2, 3))
+        w = self._partition(x)
+        bw, types, n, _ = w.shape
+        q, k, v = self.qkv(w).reshape(bw, types, n, 3, self.h, c // self.h).permute(3, 0, 4, 1, 2, 5)
+        scores = (q * (c // self.h) ** -0.5) @ k.transpose(-2, -1)  # (B_, H, types, N, N)
+        bias = self.table[self.index].view(n, n, self.types, self.h).permute(3, 2, 0, 1)
+        scores = scores + bias.unsqueeze(0)
+        if self.shift and self.bug != "no mask":
+            lon = self.shift_mask.shape[0]
+            scores = (scores.view(bw // lon, lon, self.h, types, n, n) + self.shift_mask[None, :, None])
+            scores = scores.view(bw, self.h, types, n, n)
+        out = scores.softmax(-1) @ v
+        out = out.reshape(bw, types, n, c) if self.bug == "merge" else out.permute(0, 2, 3, 1, 4).reshape(bw, types,
+                                                                                                           n, c)
+        out = self._reverse(self.proj(out), b)
+        if self.shift:
+            out = torch.roll(out, shifts=steps, dims=(1, 2, 3))
+        return out.reshape(b, n_tok, c)
+
+
+@pytest.mark.parametrize(("shift", "bug", "expected"), [
+    (False, None, set()), (False, "merge", {"head-merge"}),
+    (True, None, set()), (True, "no mask", {"definition-mismatch"}),
+])
+def test_earth_specific_windows_with_heads_beside_the_window_types(shift, bug, expected):
+    """catches: the heads of (B_, H, types, N, D) merged back with permute(0, 2, 3, 1, 4) were read as a merge that
+    mixes tokens (`head-merge` on correct code); shifted windows that wrap around the periodic longitude alone were a
+    cyclic shift without its mask (`definition-mismatch`), while the mask dropped (every axis wrapping, seen only on
+    the 2 x 4 x 8 grid) passed."""
+    torch.manual_seed(0)
+    report = check(EarthWindowAttention(shift=shift, bug=bug), embed_dim=32, length=64)
+    assert {f.id for f in report.findings if f.severity == "error"} == expected, report.findings
+    if shift and bug is None:
+        assert "periodic axis" in str(report.inferred.get("window", "")), report.inferred
+
+
+# -- Leela Chess Zero: smolgen, a score bias per head generated from the whole board -------------------------------
+class SmolgenAttention(nn.Module):
+    """Lc0's attention body: scores / sqrt(depth) plus smolgen's (B, H, 64, 64) bias, which a small network makes
+    from the whole board (compressed squares, a dense layer, one shared projection to 64 x 64 per head). ``bug``:
+    "width" (scaled by the model width, not the head's)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, squares: int = 64, bug: str | None = None) -> None:
+        super().__init__()
+        self.h, self.n, self.bug = heads, squares, bug
+        self.wq, self.wk, self.wv = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+        self.compress = nn.Linear(dim, 4, bias=False)
+        self.dense = nn.Linear(4 * squares, 16)
+        self.per_head = nn.Linear(16, 16 * heads)
+        self.to_board = nn.Linear(16, squares * squares, bias=False)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        d = e // self.h
+        q, k, v = (f(x).view(b, n, self.h, d).transpose(1, 2) for f in (self.wq, self.wk, self.wv))
+        board = torch.relu(self.dense(self.compress(x).reshape(b, -1)))
+        smol = self.to_board(self.per_head(board).view(b, self.h, 16)).view(b, self.h, n, n)
+        logits = q @ k.transpose(-2, -1) / math.sqrt(e if self.bug == "width" else d) + smol
+        out = torch.softmax(logits, -1) @ v
+        return self.out(out.transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize(("bug", "expected"), [(None, set()), ("width", {"wrong-scale"})])
+def test_a_score_bias_generated_from_the_tokens_is_a_term_of_its_own(bug, expected):
+    """catches: a term on the scores that a network computes from the whole board (smolgen) differs from item to item
+    and from run to run on other tokens, so the scores were "not one multiple of the product plus a term" and correct
+    code was `definition-mismatch`, and a wrong scale was named so too. The term is in the record: it is taken off."""
+    torch.manual_seed(0)
+    report = check(SmolgenAttention(bug=bug), embed_dim=32, length=64)
+    assert {f.id for f in report.findings if f.severity == "error"} == expected, report.findings
+    assert "score term" in report.inferred.get("design", {}), report.inferred
+
+
+class ScoresCountedTwice(SmolgenAttention):
+    """The same scores added to themselves by a second product of q and k: no term of its own, a scale of 2."""
+
+    def forward(self, x):
+        b, n, e = x.shape
+        d = e // self.h
+        q, k, v = (f(x).view(b, n, self.h, d).transpose(1, 2) for f in (self.wq, self.wk, self.wv))
+        logits = q @ k.transpose(-2, -1) / math.sqrt(d)
+        logits = logits + torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(d)
+        out = torch.softmax(logits, -1) @ v
+        return self.out(out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_term_made_from_q_and_k_is_not_taken_off():
+    torch.manual_seed(0)
+    report = check(ScoresCountedTwice(), embed_dim=32, length=16)
+    assert report.verdict == "failed", report.findings
+
+
+# -- the Galerkin transformer: masks refused by a RuntimeError the module raises -----------------------------------
+class GalerkinAttention(nn.Module):
+    """"Choose a Transformer": softmax-free attention Q (LN(K)^T LN(V)) / n, raising on any mask."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.norm_k, self.norm_v = nn.LayerNorm(dim // heads), nn.LayerNorm(dim // heads)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        if mask is not None:
+            raise RuntimeError("linear attention does not support casual mask.")
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        k, v = self.norm_k(k), self.norm_v(v)
+        out = q @ (k.transpose(-2, -1) @ v) / n
+        return self.out(out.transpose(1, 2).reshape(b, n, e))
+
+
+class KernelRefusal(GalerkinAttention):
+    """A mask the module takes in a form of its own ((B, L, L) scores added): the doctor's forms fail in a kernel."""
+
+    def forward(self, x, mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-2, -1) / math.sqrt(e // self.h)
+        if mask is not None:
+            s = s + mask.view(b, 1, n, n).float().log()
+        out = s.softmax(-1) @ v
+        return self.out(out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_mask_refused_by_a_runtime_error_of_the_module_is_not_applicable():
+    """catches: the Galerkin transformer raises RuntimeError("... does not support casual mask.") on any mask; only
+    ValueError, NotImplementedError and assert counted as a refusal, so the check was inconclusive. A RuntimeError
+    from an operation (a shape a kernel cannot take) is still no refusal."""
+    torch.manual_seed(0)
+    report = check(GalerkinAttention(), embed_dim=32, allow_nonstandard=True)
+    assert report.verdict == "passed", report.findings
+    assert report.coverage["mask"].startswith("not applicable"), report.coverage
+    other = check(KernelRefusal(), embed_dim=32)
+    assert not other.coverage["mask"].startswith("not applicable"), other.coverage
+
+
+# -- timm's position tables as they ship, and read at absolute positions -------------------------------------------
+def _beit(absolute: bool) -> nn.Module:
+    from timm.models.beit import Attention
+
+    torch.manual_seed(0)
+    module = Attention(32, num_heads=2, qkv_bias=True, window_size=(4, 4))
+    with torch.no_grad():
+        module.relative_position_bias_table.normal_(0, 0.5)
+        if absolute:  # the table read at (i + j), not at the offset between query and key
+            n = module.relative_position_index.shape[0]
+            i = torch.arange(n)
+            module.relative_position_index.copy_((i[:, None] + i[None, :]) % module.relative_position_bias_table
+                                                 .shape[0])
+    return module
+
+
+@pytest.mark.parametrize(("absolute", "expected"), [(False, set()), (True, {"definition-mismatch"})])
+def test_a_position_table_read_by_no_offset_is_not_relative(absolute, expected):
+    """catches: BEiT's table (a (2W - 1)^2 grid plus three class-token entries) read at i + j was certified as a
+    relative-position bias: only tables sized for distances were run on one token everywhere. The index buffer
+    itself tells: it ties pairs of tokens at different offsets on every grid."""
+    pytest.importorskip("timm")
+    report = check(_beit(absolute), embed_dim=32, length=17)
+    assert {f.id for f in report.findings if f.severity == "error"} == expected, report.findings
+
+
+def _mvit(scaled: bool) -> nn.Module:
+    from timm.models.mvitv2 import MultiScaleAttention
+
+    torch.manual_seed(0)
+    module = MultiScaleAttention(32, 32, feat_size=(4, 4), num_heads=2, kernel_q=(1, 1), kernel_kv=(3, 3),
+                                 stride_kv=(2, 2), has_cls_token=False, rel_pos_type="spatial", residual_pooling=True)
+    with torch.no_grad():
+        module.rel_pos_h.normal_(0, 0.5)
+        module.rel_pos_w.normal_(0, 0.5)
+    if not scaled:
+        module.scale = 1.0
+    return module
+
+
+@pytest.mark.parametrize(("scaled", "expected"), [(True, set()), (False, {"missing-scale"})])
+def test_position_terms_written_into_the_scores_by_a_slice(scaled, expected):
+    """catches: timm's MViT v2 adds its decomposed position terms with attn[:, :, sp:, sp:] = (...): the white box
+    stopped at the setitem, so correct code was `definition-mismatch` and a missing scale was named so too."""
+    pytest.importorskip("timm")
+    report = check(_mvit(scaled), embed_dim=32, length=16, call=lambda m, x: m(x, [4, 4])[0])
+    assert {f.id for f in report.findings if f.severity == "error"} == expected, report.findings
