@@ -258,3 +258,34 @@ def test_position_terms_written_into_the_scores_by_a_slice(scaled, expected):
     pytest.importorskip("timm")
     report = check(_mvit(scaled), embed_dim=32, length=16, call=lambda m, x: m(x, [4, 4])[0])
     assert {f.id for f in report.findings if f.severity == "error"} == expected, report.findings
+
+
+def _levit(viewed: bool) -> nn.Module:
+    from timm.models.levit import Attention
+
+    class KeysViewed(Attention):
+        """timm's LeViT attention with its keys laid out by reshape(B, H, D, L), not permute(0, 2, 3, 1)."""
+
+        def forward(self, x):
+            b, n, _ = x.shape
+            q, k, v = self.qkv(x).view(b, n, self.num_heads, -1).split([self.key_dim, self.key_dim, self.val_dim],
+                                                                         dim=3)
+            k = k.reshape(b, self.num_heads, self.key_dim, n)
+            attn = (q.permute(0, 2, 1, 3) @ k * self.scale + self.get_attention_biases(x.device)).softmax(-1)
+            return self.proj((attn @ v.permute(0, 2, 1, 3)).transpose(1, 2).reshape(b, n, self.val_attn_dim))
+
+    torch.manual_seed(0)
+    module = (KeysViewed if viewed else Attention)(32, key_dim=8, num_heads=2, attn_ratio=2, resolution=4)
+    with torch.no_grad():
+        module.attention_biases.normal_(0, 0.5)
+    return module
+
+
+@pytest.mark.parametrize(("viewed", "expected"), [(False, set()), (True, {"head-split"})])
+def test_keys_viewed_pre_transposed_when_heads_times_head_dim_is_the_length(viewed, expected):
+    """catches: LeViT's keys reshaped to (B, H, D, L) from (B, L, H, D) with H * D = L (2 x 8 = 16 tokens) were read
+    on the (H, D) axes as the tokens, where they land by chance, and certified. The operand is read on the axis the
+    product takes its keys from."""
+    pytest.importorskip("timm")
+    report = check(_levit(viewed), embed_dim=32, length=16)
+    assert {f.id for f in report.findings if f.severity == "error"} == expected, report.findings

@@ -28,23 +28,23 @@ from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 __all__ = ["mixed_after", "mixed_rows", "normed_over_tokens"]
 
 
-def _state(changed: Tensor, length: int, last: bool = False) -> bool | None:
-    """True: the changes lie on the two swapped tokens (at most two indices of an axis of size L, or of each of two
-    axes whose sizes multiply to L); False: on more along every such axis; None: nothing changed, or no such
-    axis."""
+def _state(changed: Tensor, length: int, last: bool = False, pairs: bool = True) -> bool | None:
+    """True: the changes lie on the two swapped tokens (at most two indices of an axis of size L, or, with ``pairs``,
+    of each of two axes whose sizes multiply to L); False: on more along every such axis; None: nothing changed, or
+    no such axis."""
     if not bool(changed.any()):
         return None
     dims = range(changed.dim())
     hit = [int(changed.movedim(a, 0).reshape(changed.shape[a], -1).any(1).sum()) for a in dims]
     # the last axis holds features (a head dim of L), unless ``last``: a norm's input, its tokens moved last
     axes = [a for a in (dims if last else dims[:-1]) if changed.shape[a] == length]
-    pairs = [(a, b) for a in dims for b in dims if a < b and changed.shape[a] > 1 and changed.shape[b] > 1 and
-             changed.shape[a] * changed.shape[b] == length]
-    runs = _runs(changed.shape, length)
-    if not axes and not pairs and not runs:
+    two = [(a, b) for a in dims for b in dims if a < b and changed.shape[a] > 1 and changed.shape[b] > 1 and
+           changed.shape[a] * changed.shape[b] == length] if pairs else []
+    runs = _runs(changed.shape, length) if pairs else []
+    if not axes and not two and not runs:
         return None
     # by token when any reading says so: an axis of size L may be channels ((B, C, H, W) with C = L)
-    return any(hit[a] <= 2 for a in axes) or any(hit[a] <= 2 and hit[b] <= 2 for a, b in pairs) or \
+    return any(hit[a] <= 2 for a in axes) or any(hit[a] <= 2 and hit[b] <= 2 for a, b in two) or \
         any(_on_run(changed, a, b) <= 2 for a, b in runs)
 
 
@@ -202,7 +202,11 @@ def _first_spread(first: Trace, second: Trace, length: int, judged: Callable[[Op
                 # the features it was given (a window partition of a (B, H, W, E) map with E = L)
                 tail = last and not (op.name in ("view", "reshape") and out is not None and into is not None and
                                      out.shape[-1] == into.shape[-1])
-                if out is not None and into is not None and _state(out, length, tail) is False:
+                # the operand itself is read on its axes of L first: two axes whose sizes multiply to L may hold
+                # the two tokens by chance (LeViT's keys viewed (B, H, D, L) from (B, L, H, D) with H * D = L)
+                state = None if out is None or cur != tid else _state(out, length, tail, pairs=False)
+                state = _state(out, length, tail) if state is None and out is not None else state
+                if out is not None and into is not None and state is False:
                     if _state(into, length, tail) is True:
                         return said(role, op, out, "their own rows")
                     before, after = _counts(into, length), _counts(out, length)
