@@ -1482,3 +1482,42 @@ def test_a_cell_given_its_keys_apart_is_checked_through_its_parent(bug):
     assert list(report.layers) == ["self_attention"], (report.layers, report.not_self_attention)
     errors = {f.id for r in report.layers.values() for f in r.findings if f.severity == "error"}
     assert errors == ({bug} if bug else set()), report.summary()
+
+
+# -- Particle Transformer: a pair bias made per jet and folded with the heads into the batch ----------------------
+class PairBiasJets(nn.Module):
+    """weaver's ParT: an interaction bias U (B, H, P, P) embedded from pairwise features of each jet's particles and
+    given to nn.MultiheadAttention as a (B * H, P, P) float attn_mask, item-major. ``swapped``: U laid out (H, B, P, P)
+    and reshaped to (B * H, P, P) without its permute, so that each jet gets other jets' heads."""
+
+    def __init__(self, swapped: bool = False, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.swapped, self.h = swapped, heads
+        self.embed = nn.Linear(3, dim)
+        self.pair = nn.Sequential(nn.Linear(2, 8), nn.GELU(), nn.Linear(8, heads))
+        self.blocks = nn.ModuleList(nn.MultiheadAttention(dim, heads, batch_first=True) for _ in range(2))
+
+    def forward(self, particles):
+        b, p, _ = particles.shape
+        eta, phi = particles[..., 1], particles[..., 2]
+        delta = torch.stack(((eta[:, :, None] - eta[:, None, :]).abs(), (phi[:, :, None] - phi[:, None, :]).abs()), -1)
+        u = self.pair(delta)  # (B, P, P, H)
+        u = u.permute(3, 0, 1, 2) if self.swapped else u.permute(0, 3, 1, 2)
+        u = u.reshape(b * self.h, p, p)
+        x = self.embed(particles)
+        for block in self.blocks:
+            x = x + block(x, x, x, attn_mask=u, need_weights=False)[0]
+        return x
+
+
+@pytest.mark.parametrize("swapped", [False, True], ids=["item-major", "heads-first-reshaped"])
+def test_a_bias_the_model_lays_out_across_jets_wrongly_is_batch_mixing(swapped):
+    """catches: each layer is replayed with the bias the model passed it, cut to one item, so a bias that carries
+    other jets' values for this one (a (H, B, P, P) tensor reshaped to (B * H, P, P)) left every layer correct as
+    called and the model passed. The model's first jet alone is handed another bias than in the batch."""
+    torch.manual_seed(0)
+    report = check_model(PairBiasJets(swapped).eval(), torch.randn(3, 6, 3))
+    first = report.layers["blocks.0"]
+    assert ("batch-mixing" in {f.id for f in first.findings}) == swapped, report.summary()
+    if not swapped:
+        assert report.passed, report.summary()

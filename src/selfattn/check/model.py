@@ -94,6 +94,8 @@ class Layer:
     shared: frozenset[int] = frozenset()
     # why it is no self-attention, once judged (the model finder asks, and check_model again): None, or (why or None,)
     not_self: tuple[str | None] | None = field(default=None, repr=False)
+    # the same layer's call when the model ran its first item alone, (args, kwargs); None when it did not
+    alone: tuple[tuple, dict] | None = field(default=None, repr=False)
 
     @property
     def extras(self) -> list[Tensor]:
@@ -498,6 +500,7 @@ def find_attention(model: nn.Module, example_inputs: object, missed: list[str] |
                     name, layer = _self_attention_above(model, name, layer, calls, parents, found, batch)
                     if alone is not None and name in alone and batch is not None:
                         layer.shared = _shared(calls[name][:2], alone[name][:2], batch)
+                        layer.alone = alone[name][:2]
                     layers.setdefault(name, layer)
                     break
             name = parents.get(name)
@@ -546,6 +549,61 @@ def _shared(call: tuple, alone: tuple, batch: int) -> frozenset[int]:
         return frozenset()
     return frozenset(id(a) for a, b in zip(ours, theirs, strict=True)
                      if a.dim() > 0 and b.dim() > 0 and a.shape[0] == batch and b.shape[0] == batch)
+
+
+def _first_item(t: Tensor, batch: int, heads: int, alone: Tensor) -> tuple[Tensor, Tensor] | None:
+    """``t`` of the batch's call cut to its first item, beside ``alone`` (the call with that item alone), when their
+    shapes say how: a first size of the batch (1 alone), or of the batch times the heads, item-major (H alone)."""
+    if t.dim() == 0 or alone.dim() != t.dim() or t.shape[1:] != alone.shape[1:]:
+        return None
+    if t.shape[0] == batch and alone.shape[0] == 1:
+        return t[:1], alone
+    if heads > 1 and t.shape[0] == batch * heads and alone.shape[0] == heads:
+        return t[:heads], alone
+    return None
+
+
+def _differs(a: Tensor, b: Tensor) -> bool:
+    if a.dtype == torch.bool or not a.is_floating_point():
+        return not torch.equal(a, b.to(a.dtype))
+    a, b = a.double(), b.double()
+    seen = torch.isfinite(a) & torch.isfinite(b)
+    if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+        return True
+    size = 1 + float(a[seen].abs().max()) if bool(seen.any()) else 1.0
+    return bool(seen.any()) and float((a[seen] - b[seen]).abs().max()) > 1e-4 * size
+
+
+def items_mixed_on_the_way(layer: Layer) -> Finding | None:
+    """batch-mixing when the model hands this layer, for its first item, the same hidden states in the batch and
+    alone, but another tensor (a mask, a bias, position terms) that differs: the model lays it out across items
+    wrongly on its way to the layer (a pair bias (H, B, L, L) reshaped to (B * H, L, L) without its permute, ALiBi
+    built head-major for an item-major fold), which the layer's own probes, replaying one call, cannot see."""
+    if layer.alone is None or layer.batch < 2:
+        return None
+    heads = num_heads_of(layer.module) or 1
+    ours: list[tuple[str, Tensor]] = []
+    theirs: list[tuple[str, Tensor]] = []
+    for (args, kwargs), into in (((layer.args, layer.kwargs), ours), (layer.alone, theirs)):
+        for key, value in [*enumerate(args), *kwargs.items()]:
+            tree_map(lambda t, key=key, into=into: into.append((str(key), t)) if isinstance(t, Tensor) else None,
+                     value)
+    if len(ours) != len(theirs):
+        return None
+    hidden = {str(k) for k in layer.x}
+    pairs = [(key, _first_item(t, layer.batch, heads, other)) for (key, t), (_, other) in zip(ours, theirs,
+                                                                                              strict=True)]
+    if any(key in hidden and (cut is None or _differs(*cut)) for key, cut in pairs):
+        return None  # the hidden states already differ (an earlier layer mixed items): not this layer's call
+    mixed = [key for (key, cut), (_, t) in zip(pairs, ours, strict=True)
+             if key not in hidden and cut is not None and id(t) not in layer.shared and _differs(*cut)]
+    if not mixed:
+        return None
+    return Finding.of(BATCH_MIXING, f"the model passes this layer {', '.join(repr(k) for k in mixed)} with other "
+                      "values for its first item in the batch than when that item runs alone, the hidden states "
+                      "being the same: another item's values reach it (a bias or mask laid out across items wrongly "
+                      "on its way to the layer: a (H, B, ...) tensor reshaped to (B * H, ...) without its permute?)",
+                      {"layer": layer.name, "arguments": mixed})
 
 
 def _record_calls(model: nn.Module, args: tuple,
@@ -1405,7 +1463,8 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                     NO_GRAD, "the model never uses this layer's output: changing it leaves every output of the model "
                     "as it was (a block that drops the attention's result, or adds its input in its place)",
                     {"layer": layer.name})
-                for extra in (misread, _models_causal_mask(layer, read, causal), unused):
+                for extra in (misread, _models_causal_mask(layer, read, causal), unused,
+                              items_mixed_on_the_way(layer)):
                     done = _amended(done, add=extra)
                 report.layers[layer.name] = done
                 break

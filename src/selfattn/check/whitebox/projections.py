@@ -48,6 +48,9 @@ class Capture:
     outs: list[Linear]
     how: str
     softmax_in: list[Tensor] = field(default_factory=list)
+    # a term the module adds to the scores as given to it, (B or 1, H or 1, L, L): a float attn_mask that is a bias
+    # (a pair bias per item, relative positions) handed to nn.MultiheadAttention's functional core
+    added: Tensor | None = None
 
     @property
     def q(self) -> Tensor:
@@ -94,12 +97,13 @@ def capture(trace: Trace, module: nn.Module, x: Tensor) -> Capture | str:
         if op.name == "multi_head_attention_forward":
             found = _mha(op, x)
             if found is not None:
-                q, k, v, out = found
+                q, k, v, out, added = found
                 made = op.outputs[0] if op.outputs else None  # (L, B, E): the attention's own output, before what
                 if made is not None and made.dim() == 3:    # a block adds after it (a residual, an MLP)
                     made = made.transpose(0, 1) if made.transpose(0, 1).shape[:2] == q.shape[:2] else made
                 return Capture([(q, k, v)], [Linear("out_proj", q, 0, made, out)],
-                               "nn.MultiheadAttention's packed in-projection", softmax_in)
+                               "nn.MultiheadAttention's packed in-projection", softmax_in,
+                               None if added is None or added.shape[0] not in (1, q.shape[0]) else added)
     maps = linears(trace, module)
     if not maps:
         return "no linear map was applied (projections done another way)"
@@ -148,16 +152,24 @@ def _readings(group: list[Linear]) -> tuple[list[tuple[Tensor, Tensor, Tensor]],
     return [], ""
 
 
-def _mha(op: Op, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Project] | None:
-    """q, k, v and the output map of nn.MultiheadAttention's functional core, when its query is ``x``."""
+def _mha(op: Op, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Project, Tensor | None] | None:
+    """q, k, v, the output map of nn.MultiheadAttention's functional core, when its query is ``x``, and the term
+    its float attn_mask adds to the scores when that mask is a bias, (B or 1, H or 1, L, L)."""
     import inspect
 
     a = inspect.signature(nn.functional.multi_head_attention_forward).bind(*op.args, **op.kwargs).arguments
     if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
         return None  # keys the projections do not make
     bias = a.get("attn_mask")
+    added = None
     if isinstance(bias, Tensor) and bias.is_floating_point() and bool(((bias != 0) & (bias > -1e4)).any()):
-        return None  # a float attn_mask that is a bias (WavLM's gated relative positions), not a mask
+        # a float attn_mask that is a bias: (L, L), or (B * H, L, L) item-major, one per item and head (a pair
+        # bias: ParT's); read as a term of the scores where every entry is finite
+        heads = int(a.get("num_heads") or 0)
+        if not bool(torch.isfinite(bias).all()) or heads < 1 or bias.dim() not in (2, 3):
+            return None  # a bias and a mask in one tensor (WavLM's gated relative positions beside padding)
+        added = bias.detach().double()[None, None] if bias.dim() == 2 else \
+            bias.detach().double().reshape(-1, heads, *bias.shape[-2:])
     separate = bool(a.get("use_separate_proj_weight"))
     missing = [a.get(f"{r}_proj_weight") for r in "qkv"] if separate else [a["in_proj_weight"]]
     if any(w is None for w in missing):
@@ -177,7 +189,7 @@ def _mha(op: Op, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Project] | None:
     tr = (lambda t: t.transpose(0, 1)) if xin is batch_first else (lambda t: t)
     q, k, v = (nn.functional.linear(tr(t), wi, bi)
                for t, wi, bi in zip((a["query"], a["key"], a["value"]), ws, bs, strict=True))
-    return q, k, v, _linear(a["out_proj_weight"], a["out_proj_bias"])
+    return q, k, v, _linear(a["out_proj_weight"], a["out_proj_bias"]), added
 
 
 def _heads(t: Tensor, h: int) -> Tensor:
@@ -191,12 +203,14 @@ def _masked(s: Tensor, keep: Tensor | None) -> Tensor:
 
 
 def _variants(qh: Tensor, kh: Tensor, vh: Tensor, keep: Tensor | None, raw: Tensor | None,
-              stated: float | None = None) -> dict[str, list[tuple[str, Callable[[], Tensor]]]]:
+              stated: float | None = None,
+              added: Tensor | None = None) -> dict[str, list[tuple[str, Callable[[], Tensor]]]]:
     """Candidate outputs (B, L, E) before the output projection, by finding id; "correct" is the definition.
 
     qh (B, H, L, D); kh, vh (B, H, L, D) (kv heads already repeated); keep (B, 1, L, L) bool or None;
     raw: the mask the module was given, as float (B, 1, L, L), for masks applied after the softmax;
-    stated: the score scale the user or the module's config states, instead of 1/sqrt(D).
+    stated: the score scale the user or the module's config states, instead of 1/sqrt(D); added: a term the module
+    adds to the scaled scores as it was given one (a bias through nn.MultiheadAttention's attn_mask).
     """
     b, h, length, d = qh.shape
     e = h * d
@@ -210,7 +224,8 @@ def _variants(qh: Tensor, kh: Tensor, vh: Tensor, keep: Tensor | None, raw: Tens
 
     def soft(scale: float, dim: int = -1) -> Tensor:
         if (scale, dim) not in seen:
-            seen[scale, dim] = torch.softmax(_masked(scores * scale, keep), dim=dim).nan_to_num(0)
+            terms = scores * scale if added is None else scores * scale + added
+            seen[scale, dim] = torch.softmax(_masked(terms, keep), dim=dim).nan_to_num(0)
         return seen[scale, dim]
 
     def differs(scale: float) -> bool:
@@ -356,7 +371,8 @@ def identify(cap: Capture, module_out: Tensor, heads: list[int], keep: Tensor | 
             if positions_needed:  # only the rotary form whose scores best fit the softmax input
                 forms = sorted(forms[1:], key=lambda f: -_score_fit(cap, f[1], f[2]))[:1 if cap.softmax_in else None]
             for positions, qp, kp in forms[:1] if not positions_needed else forms:
-                for fid, candidates in _variants(qp, kp, vh, keep, raw, stated(qp.shape[-1])).items():
+                added = cap.added if cap.added is not None and cap.added.shape[1] in (1, h) else None
+                for fid, candidates in _variants(qp, kp, vh, keep, raw, stated(qp.shape[-1]), added).items():
                     for desc, fn in candidates:
                         try:
                             err, where = _error(fn(), targets)
