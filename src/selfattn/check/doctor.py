@@ -72,6 +72,7 @@ from .subject.building import (
     Sizes,
     build,
     copy_module,
+    dequantized,
     draw_zeros,
     embed_dims_of,
     load_file,
@@ -522,9 +523,16 @@ def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dic
     was_training = target.training
     grads = {n: p.grad for n, p in target.named_parameters()}  # the probes' backward must not eat these
     inferred = {"module": type(target).__name__, **({"built as": built} if built else {})}
+    examined, quantized = dequantized(target)
+    if quantized:
+        inferred["quantized"] = (f"{', '.join(quantized)}: Linear layers of torch's dynamic quantization, checked "
+                                 "with their int8 weights dequantized into float layers (their activations, quantized "
+                                 "per tensor on the fly, tie each item to the batch's range and make the output a "
+                                 "step function of the input: no probe could read the attention through them)")
     try:
         target.eval()  # not chained: some modules' train() returns None (timm's LeViT)
-        return examine(target, inferred, declared=mask_convention, causal=causal, seed=seed, spec=spec,
+        examined.eval()
+        return examine(examined, inferred, declared=mask_convention, causal=causal, seed=seed, spec=spec,
                        adapter=adapter, make_mask=make_mask, allow_nonstandard=allow_nonstandard,
                        sizes=Sizes(embed_dim or 0, 4, batch, lengths), no_mask=no_mask, scale=scale,
                        bidirectional=bidirectional)

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CannotRun", "Sizes", "build", "copy_module", "draw_zeros", "embed_dim_of", "load_class", "load_file",
-           "num_heads_of", "param_device", "param_dtype", "user_callable"]
+__all__ = ["CannotRun", "Sizes", "build", "copy_module", "dequantized", "draw_zeros", "embed_dim_of", "load_class",
+           "load_file", "num_heads_of", "param_device", "param_dtype", "user_callable"]
 
 # constructor and config parameters the doctor fills with the embed dim / the head count
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
@@ -438,6 +438,37 @@ def draw_zeros(module: nn.Module, gen: torch.Generator) -> list[str]:
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p))
                 drawn.append(name)
     return drawn
+
+
+def _dynamic_linear(module: nn.Module) -> bool:
+    """Is ``module`` a Linear layer of torch's dynamic quantization (``torch.ao.quantization.quantize_dynamic``)?"""
+    try:
+        from torch.ao.nn.quantized.dynamic import Linear as DynamicLinear
+    except ImportError:  # a torch built without quantization
+        return False
+    return isinstance(module, DynamicLinear)
+
+
+def dequantized(module: nn.Module) -> tuple[nn.Module, list[str]]:
+    """A copy of ``module`` whose dynamically quantized Linear layers (``quantize_dynamic``: int8 weights, and
+    activations quantized per tensor on the fly, so that each item's output depends on the batch's range and the
+    output is a step function of the input) are float ``nn.Linear`` layers with the weights they hold, dequantized;
+    and their names. The attention around them is what the probes judge. The module itself when it has none."""
+    names = [name for name, sub in module.named_modules() if name and _dynamic_linear(sub)]
+    if not names:
+        return module, []
+    plain = copy_module(module)
+    for name in names:
+        quantized: Any = plain.get_submodule(name)  # its weight() and bias() are methods
+        weight, bias = quantized.weight().dequantize(), quantized.bias()
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if bias is not None:
+                linear.bias.copy_(bias)
+        parent, _, child = name.rpartition(".")
+        setattr(plain.get_submodule(parent) if parent else plain, child, linear)
+    return plain, names
 
 
 def copy_module(module: nn.Module) -> nn.Module:
