@@ -810,6 +810,16 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
     if op.name in _TERMS_ON_V and len(op.in_ids) == 2:
         main = op.main_input()
         other = next((i for i in op.in_ids if i != main), None)
+        if op.name in ("add", "radd", "add_", "iadd") and main is not None and other is not None and \
+                (root := _linear_root(trace, main)) is not None and root == _linear_root(trace, other):
+            facts["values"] = ("V's projection is a sum of linear maps of one input (a low-rank adapter beside it, "
+                               "as LoRA adds B A x to W x): one linear projection")
+            return None
+        made = trace.maker(other) if other is not None else None
+        if op.name in ("add", "radd", "add_", "iadd") and made is not None and made[0].name == "detach":
+            facts["values"] = ("V plus a detached term (x + (q(x) - x).detach(): a straight-through estimator, as "
+                               "quantization-aware training writes it): its forward is q(x), its gradient x's")
+            return None
         if other is not None and main is not None and inputs and _depends_on(trace, other, inputs) and \
                 _depends_on(trace, main, inputs):
             return Verdict(VALUES_CHANGED, {"matches": f"the values are changed by a term computed from the input "
@@ -818,6 +828,28 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
         facts["values"] = (f"V is changed after its projection by a term that does not come from the input "
                            f"({op.name}: a learned vector, a value embedding or residual)")
     return None
+
+
+def _linear_root(trace: Trace, tid: int) -> int | None:
+    """The tensor a chain of linear maps starts from, for a tensor made by one or more ``linear`` ops with numbers
+    multiplied in and dropout or layout on the way (LoRA's ``lora_B(lora_A(dropout(x))) * scaling``); None when
+    something else made it or no linear map is on the way."""
+    seen_linear = False
+    for _ in range(12):
+        found = trace.maker(tid)
+        if found is None:
+            break
+        op = found[0]
+        if op.name not in ("linear", "dropout", "mul", "rmul", "div", "truediv") and op.name not in LAYOUT:
+            break
+        if op.name in ("mul", "rmul", "div", "truediv") and op.number() is None:
+            return None
+        seen_linear = seen_linear or op.name == "linear"
+        nxt = op.main_input() if op.name != "linear" else op.in_ids[0] if op.in_ids else None
+        if nxt is None:
+            return None
+        tid = nxt
+    return trace.identity(tid) if seen_linear else None
 
 
 def _softmax_over_keys(trace: Trace, sm: Op, dim: int) -> bool:
