@@ -289,3 +289,80 @@ def test_keys_viewed_pre_transposed_when_heads_times_head_dim_is_the_length(view
     pytest.importorskip("timm")
     report = check(_levit(viewed), embed_dim=32, length=16)
     assert {f.id for f in report.findings if f.severity == "error"} == expected, report.findings
+
+
+# -- modules as people run them: quantized, with LoRA adapters -----------------------------------------------------
+class CausalSelfAttention(nn.Module):
+    """nanoGPT's attention with a fused c_attn and a tril mask; ``leak``: tril(diagonal=1), one future token seen."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, leak: bool = False) -> None:
+        super().__init__()
+        self.h, self.leak = heads, leak
+        self.c_attn, self.c_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, self.h, e // self.h).transpose(1, 2) for t in self.c_attn(x).split(e, dim=2))
+        att = q @ k.transpose(-2, -1) / math.sqrt(e // self.h)
+        seen = torch.ones(n, n, dtype=torch.bool).tril(diagonal=1 if self.leak else 0)
+        att = att.masked_fill(~seen, float("-inf")).softmax(-1)
+        return self.c_proj((att @ v).transpose(1, 2).reshape(b, n, e))
+
+
+@pytest.mark.parametrize(("leak", "expected"), [(False, set()), (True, {"causal-leak"})])
+def test_a_dynamically_quantized_module_is_checked_through_its_dequantized_weights(leak, expected):
+    """catches: after torch.ao.quantization.quantize_dynamic, activations are quantized per tensor on the fly, so
+    each item's output moved with the others' (batch-mixing), the output was a step function of the input (a causal
+    mask off by one went unseen, the gradients "verified" within a finite difference too uncertain to tell), and the
+    int8 kernels have no half precision. The Linear layers are read with their weights dequantized."""
+    from torch.ao.quantization import quantize_dynamic
+
+    torch.manual_seed(0)
+    module = quantize_dynamic(CausalSelfAttention(leak=leak).eval(), {nn.Linear}, dtype=torch.qint8)
+    report = check(module, embed_dim=32)
+    assert {f.id for f in report.findings if f.severity == "error"} == expected, report.findings
+    assert "quantized" in report.inferred, report.inferred
+
+
+@pytest.mark.parametrize("merged", [False, True])
+def test_lora_on_the_value_projection_is_one_projection(merged):
+    """catches: peft's LoRA adds lora_B(lora_A(dropout(x))) * scaling to the frozen projection's output; on v it was
+    read as the values changed after their projection (`values-changed`) unless merged. A sum of linear maps of one
+    input is one linear map."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1,
+                             init_lora_weights=False)
+    wrapped = peft.get_peft_model(CausalSelfAttention(), config)
+    module = wrapped.merge_and_unload() if merged else wrapped.base_model.model
+    report = check(module, embed_dim=32, causal=True)
+    assert report.verdict == "passed", report.findings
+
+
+class FakeQuantAttention(nn.Module):
+    """Quantization-aware training written by hand: q, k and v rounded to a grid of 1/8 in the forward, with a
+    straight-through estimator (t + (round(t) - t).detach()) for the backward."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.h = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        t = self.qkv(x)
+        t = t + (torch.round(t * 8) / 8 - t).detach()
+        q, k, v = t.view(b, n, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        a = (q @ k.transpose(-2, -1) / math.sqrt(e // self.h)).softmax(-1)
+        return self.out((a @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_gradients_a_finite_difference_cannot_resolve_are_not_verified():
+    """catches: on a step function of its input (fake quantization with a straight-through estimator) the finite
+    difference is as uncertain as it is large, and autograd's derivative agreed with it "within that uncertainty":
+    the gradients were verified though nothing was compared. The detached term on V is the estimator, not a change
+    of the values."""
+    torch.manual_seed(0)
+    report = check(FakeQuantAttention, embed_dim=32)
+    assert report.coverage["gradients"].startswith("not verified"), report.coverage
+    assert report.verdict == "inconclusive" and not report.findings, report.findings
