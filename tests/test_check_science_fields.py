@@ -324,16 +324,22 @@ def test_a_dynamically_quantized_module_is_checked_through_its_dequantized_weigh
     assert "quantized" in report.inferred, report.inferred
 
 
-@pytest.mark.parametrize("merged", [False, True])
-def test_lora_on_the_value_projection_is_one_projection(merged):
-    """catches: peft's LoRA adds lora_B(lora_A(dropout(x))) * scaling to the frozen projection's output; on v it was
-    read as the values changed after their projection (`values-changed`) unless merged. A sum of linear maps of one
-    input is one linear map."""
+@pytest.mark.parametrize(("merged", "conv1d", "dora"), [(False, False, False), (True, False, False),
+                                                          (False, True, False), (False, False, True)])
+def test_lora_on_the_value_projection_is_one_projection(merged, conv1d, dora):
+    """catches: peft's LoRA adds lora_B(lora_A(dropout(x))) * scaling to the frozen projection's output (GPT-2's
+    Conv1D too; DoRA scales both by a magnitude per feature); on v it was read as the values changed after their
+    projection (`values-changed`) unless merged. A sum of linear maps of one input is one linear map."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1,
-                             init_lora_weights=False)
-    wrapped = peft.get_peft_model(CausalSelfAttention(), config)
+    module = CausalSelfAttention()
+    if conv1d:
+        from transformers.pytorch_utils import Conv1D
+
+        module.c_attn = Conv1D(96, 32)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn"], lora_dropout=0.1, use_dora=dora,
+                             init_lora_weights=False, fan_in_fan_out=conv1d)
+    wrapped = peft.get_peft_model(module, config)
     module = wrapped.merge_and_unload() if merged else wrapped.base_model.model
     report = check(module, embed_dim=32, causal=True)
     assert report.verdict == "passed", report.findings

@@ -184,6 +184,8 @@ class _UsedParameters(TorchFunctionMode):
         self.ids: set[int] = set()
         self.mapped: set[int] = set()  # 2-D parameters used as the weight of F.linear (a fused in_proj_weight)
         self.lowest = torch.float64
+        self.inputs: tuple[Tensor, ...] = ()  # the run's input: a detached tensor made without it is noted
+        self.detached_weights = False  # a tensor made from the parameters alone was detached (DoRA's weight norm)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -197,6 +199,12 @@ class _UsedParameters(TorchFunctionMode):
                 self.ids.add(id(a))
             elif isinstance(a, (list, tuple)):
                 stack.extend(a)
+        name = getattr(func, "__name__", "")
+        if name in ("detach", "detach_") and self.inputs and not self.detached_weights and args and \
+                isinstance(args[0], Tensor) and args[0].requires_grad and args[0].grad_fn is not None:
+            with torch._C.DisableTorchFunction():
+                reached = torch.autograd.grad(args[0].sum(), self.inputs, retain_graph=True, allow_unused=True)
+            self.detached_weights = all(g is None for g in reached)
         out = func(*args, **kwargs)
         if isinstance(out, Tensor) and out.is_floating_point() and \
                 torch.finfo(out.dtype).eps > torch.finfo(self.lowest).eps:
@@ -555,6 +563,7 @@ def _gradients(ctx: Context) -> Outcome[None]:
     m.zero_grad(set_to_none=True)
     xg = x0.clone().requires_grad_()
     watch = _UsedParameters()
+    watch.inputs = (xg,)
     try:
         with watch:
             out = call(xg)
@@ -644,6 +653,10 @@ def _gradients(ctx: Context) -> Outcome[None]:
                 notes[k] += (f"; with the parameters moved by a little noise: autograd {again[0]:.6g}, finite "
                              f"difference {again[1]:.6g} (kinks, as ReLUs of exact zeros, at the point itself)")
                 del wrong[k]
+    if set(wrong) == {"parameters"} and watch.detached_weights:  # a term of the weights alone, detached on purpose
+        notes["parameters"] += ("; the module detaches a tensor it makes from its parameters alone (DoRA's weight "
+                                "norm, a target network's copy): autograd leaves that path out by design")
+        del wrong["parameters"]
     found = Outcome[None](notes={"gradients": {**notes, "dtype": str(x0.dtype)[6:]}})
     vague = [k for k, (a, f, u) in checks.items() if k not in wrong and 10 * u > 0.1 * (abs(a) + abs(f)) + 1e-6]
     if vague and len(vague) == len(checks):  # they agree only because neither could tell: nothing was checked

@@ -811,7 +811,8 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
         main = op.main_input()
         other = next((i for i in op.in_ids if i != main), None)
         if op.name in ("add", "radd", "add_", "iadd") and main is not None and other is not None and \
-                (root := _linear_root(trace, main)) is not None and root == _linear_root(trace, other):
+                (root := _linear_root(trace, origin.id, inputs)) is not None and \
+                root[1]:
             facts["values"] = ("V's projection is a sum of linear maps of one input (a low-rank adapter beside it, "
                                "as LoRA adds B A x to W x): one linear projection")
             return None
@@ -830,26 +831,40 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
     return None
 
 
-def _linear_root(trace: Trace, tid: int) -> int | None:
-    """The tensor a chain of linear maps starts from, for a tensor made by one or more ``linear`` ops with numbers
-    multiplied in and dropout or layout on the way (LoRA's ``lora_B(lora_A(dropout(x))) * scaling``); None when
-    something else made it or no linear map is on the way."""
-    seen_linear = False
-    for _ in range(12):
-        found = trace.maker(tid)
-        if found is None:
-            break
-        op = found[0]
-        if op.name not in ("linear", "dropout", "mul", "rmul", "div", "truediv") and op.name not in LAYOUT:
-            break
-        if op.name in ("mul", "rmul", "div", "truediv") and op.number() is None:
-            return None
-        seen_linear = seen_linear or op.name == "linear"
-        nxt = op.main_input() if op.name != "linear" else op.in_ids[0] if op.in_ids else None
-        if nxt is None:
-            return None
-        tid = nxt
-    return trace.identity(tid) if seen_linear else None
+def _linear_root(trace: Trace, tid: int, inputs: frozenset[int], depth: int = 16) -> tuple[int, bool] | None:
+    """(the tensor a linear map of it made ``tid`` from, whether a projection is on the way) for a tensor made by
+    ``linear`` or ``addmm`` ops, or leaves with a 2-D weight (transformers' Conv1D), sums of such maps of one
+    tensor, factors that do not depend on the run's inputs multiplied in (LoRA's scaling, DoRA's magnitude per
+    feature), and dropout or layout on the way (LoRA's ``lora_B(lora_A(dropout(x))) * scaling``); None when
+    something else made it."""
+    found = trace.maker(tid)
+    if found is None or depth == 0:
+        return trace.identity(tid), False
+    op = found[0]
+    if op.name in ("linear", "addmm", "module"):  # "module": a leaf with a 2-D weight (transformers' Conv1D)
+        at = 1 if op.name == "addmm" else 0
+        got = _linear_root(trace, op.in_ids[at], inputs, depth - 1) if len(op.in_ids) > at else None
+        return None if got is None else (got[0], True)
+    if op.name in ("add", "radd", "add_", "iadd", "sub", "rsub", "sub_", "isub") and len(op.in_ids) == 2:
+        fixed = [i for i in op.in_ids if not _depends_on(trace, i, inputs)]
+        if len(fixed) == 1:  # a bias added or taken off (DoRA's base_result - bias)
+            return _linear_root(trace, next(i for i in op.in_ids if i != fixed[0]), inputs, depth - 1)
+        sides = [_linear_root(trace, i, inputs, depth - 1) for i in op.in_ids]
+        if sides[0] is None or sides[1] is None or sides[0][0] != sides[1][0] or not (sides[0][1] and sides[1][1]):
+            return None  # x itself added to a map of it is a residual on v, no projection
+        return sides[0][0], True
+    if op.name in ("mul", "rmul", "div", "truediv"):
+        varying = [i for i in op.in_ids if _depends_on(trace, i, inputs)]
+        if len(varying) != 1 or (op.name in ("div", "truediv") and op.in_ids[0] != varying[0]):
+            return None  # a product of two things the input makes, or the input in a denominator
+        factors = [t for i, t in zip(op.in_ids, op.inputs, strict=False) if i != varying[0]]
+        if any(t.dim() > 1 and any(size != 1 for size in t.shape[:-1]) for t in factors):
+            return None  # a factor that varies along the tokens (rotary tables): no map of the features alone
+        return _linear_root(trace, varying[0], inputs, depth - 1)
+    if op.name == "dropout" or op.name in LAYOUT:
+        main = op.main_input()
+        return None if main is None else _linear_root(trace, main, inputs, depth - 1)
+    return trace.identity(tid), False
 
 
 def _softmax_over_keys(trace: Trace, sm: Op, dim: int) -> bool:

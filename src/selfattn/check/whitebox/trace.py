@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -416,8 +417,12 @@ class Linear:
     apply: Callable[[Tensor], Tensor] = field(repr=False)
 
 
+_ADAPTER = re.compile(r"(^|\.)lora_(A|B)(\.|$)")  # peft's low-rank adapter factors: part of a projection, not one
+
+
 def linears(trace: Trace, module: nn.Module) -> list[Linear]:
-    """Every linear map in the record (``F.linear`` and hooked weight-carrying leaves), in order."""
+    """Every linear map in the record (``F.linear`` and hooked weight-carrying leaves), in order; the factors of a
+    low-rank adapter beside a projection (peft's ``lora_A``, ``lora_B``) are left out."""
     found = []
     for op in trace.ops:
         if op.name == "linear" and len(op.args) >= 2:
@@ -425,6 +430,8 @@ def linears(trace: Trace, module: nn.Module) -> list[Linear]:
             b = op.args[2] if len(op.args) > 2 else op.kwargs.get("bias")
             bias = None if b is None else b.detach().double()
             name = trace.names.get(op.out_ids[0], "F.linear")
+            if _ADAPTER.search(name):
+                continue
 
             def apply(t: Tensor, w: Tensor = w, b: Tensor | None = bias) -> Tensor:
                 return nn.functional.linear(t, w, b)
