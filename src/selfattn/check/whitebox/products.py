@@ -390,6 +390,11 @@ def _computed_terms(trace: Trace, chain: _Chain, inputs: frozenset[int], shape: 
     if not inputs or not chain.added:
         return []
     near = {trace.identity(i) for i in (*product.in_ids, *product.out_ids)}
+    for i in product.in_ids:  # the q and k projections' outputs: a term made from them is a position or content
+        for t in (i, *trace.ancestors(i)):  # term of the attention's own operands (Funnel's, Transformer-XL's)
+            made = trace.maker(t)
+            if made is not None and made[0].name in ("linear", "addmm", "module"):
+                near.add(trace.identity(t))
     found = []
     for tid, after in chain.added:
         value = trace.value(tid)
