@@ -372,3 +372,53 @@ def test_gradients_a_finite_difference_cannot_resolve_are_not_verified():
     report = check(FakeQuantAttention, embed_dim=32)
     assert report.coverage["gradients"].startswith("not verified"), report.coverage
     assert report.verdict == "inconclusive" and not report.findings, report.findings
+
+
+class ShiftedWindows1D(nn.Module):
+    """Swin's shifted windows on a sequence: windows of 4 tokens after a roll by 2, the tokens the roll brought
+    together kept apart by -100 added to their scores. ``sign``: the mask's fill (+100 is the bug)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, window: int = 4, sign: float = -100.0) -> None:
+        super().__init__()
+        self.h, self.w, self.sign = heads, window, sign
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        w, s = self.w, self.w // 2
+        region = torch.zeros(n)
+        region[n - w:n - s], region[n - s:] = 1, 2
+        apart = region.view(-1, w)
+        mask = x.new_zeros(n // w, w, w).masked_fill(apart[:, :, None] != apart[:, None, :], self.sign)
+        t = torch.roll(x, -s, 1).reshape(b * n // w, w, e)
+        q, k, v = self.qkv(t).view(-1, w, 3, self.h, e // self.h).permute(2, 0, 3, 1, 4)
+        a = q @ k.transpose(-2, -1) / math.sqrt(e // self.h)
+        a = (a.view(b, n // w, self.h, w, w) + mask[None, :, None]).view(-1, self.h, w, w)
+        o = (a.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e)
+        return self.proj(torch.roll(o, s, 1))
+
+
+@pytest.mark.parametrize(("sign", "expected"), [(-100.0, set()), (100.0, {"mask-inverted"})])
+def test_a_shift_mask_added_with_the_wrong_sign_is_inverted(sign, expected):
+    """catches: +100 where -100 keeps the rolled tokens apart makes each query in a cut window weigh only the tokens
+    of the other side: a symmetric pattern (read as windows) and a term of (head, query, key) (read as a bias), so
+    the module was certified. No bias lifts other keys e^50 above a query's own."""
+    torch.manual_seed(0)
+    report = check(ShiftedWindows1D(sign=sign), embed_dim=32, length=16)
+    assert {f.id for f in report.findings if f.severity == "error"} == expected, report.findings
+
+
+def test_a_module_whose_projections_are_conv1d_is_probed_at_their_width():
+    """catches: a GPT-2-style module built by a factory at width 32, whose only projections are transformers'
+    Conv1D, was probed at width 64 (exit 2: "mat1 and mat2 shapes cannot be multiplied"): the width was read from
+    nn.Linear layers only."""
+    from transformers.pytorch_utils import Conv1D
+
+    class Conv1DAttention(CausalSelfAttention):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c_attn, self.c_proj = Conv1D(96, 32), Conv1D(32, 32)
+
+    torch.manual_seed(0)
+    report = check(Conv1DAttention, causal=True)
+    assert report.verdict == "passed", report.findings

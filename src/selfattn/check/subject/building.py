@@ -408,8 +408,11 @@ def embed_dims_of(module: nn.Module) -> list[int]:
     layers (Linear, convolution, norm), each once."""
     dims = [embed_dim_of(module, 64)]
     for m in module.modules():
+        weight = getattr(m, "weight", None)
         size = m.in_features if isinstance(m, nn.Linear) else m.in_channels if isinstance(m, (nn.Conv1d, nn.Conv2d)) \
-            else m.normalized_shape[-1] if isinstance(m, nn.LayerNorm) and m.normalized_shape else None
+            else m.normalized_shape[-1] if isinstance(m, nn.LayerNorm) and m.normalized_shape else \
+            weight.shape[0] if type(m).__name__ == "Conv1D" and isinstance(weight, Tensor) and weight.dim() == 2 \
+            else None  # transformers' Conv1D keeps its weight (in, out)
         if isinstance(size, int) and size > 0 and size not in dims:
             dims.append(size)
     return dims

@@ -1151,7 +1151,10 @@ def table_not_relative(trace: Trace, inputs: frozenset[int]) -> str | None:
         if n * n != found[1].numel() or n > 400:
             continue
         square = found[1].reshape(n, n).cpu()
-        if any(_index_follows_offsets(square[c:, c:]) for c in range(min(4, n - 2))):
+        # a few leading tokens set apart only when they read entries of their own (BEiT's class-token entries)
+        apart = [c for c in range(min(4, n - 3)) if c == 0 or not bool(torch.isin(
+            torch.cat((square[:c].flatten(), square[:, :c].flatten())), square[c:, c:].reshape(-1)).any())]
+        if any(_index_follows_offsets(square[c:, c:]) for c in apart):
             continue
         return (f"a learned table {tuple(table.shape)} is read by an index over the {n} x {n} (query, key) pairs "
                 "that ties pairs at different offsets on the line and on every grid of the tokens (read at i + j, or "
@@ -1528,6 +1531,19 @@ def _fit_on_two_runs(s: Tensor, r: Tensor, s2: Tensor, r2: Tensor, batch: int) -
     return c, t, seen & seen2
 
 
+def _own_key_sunk(t: Tensor, seen: Tensor) -> float:
+    """How far, at most, a term on square (..., N, N) scores lifts some key of a row above that row's own key (the
+    diagonal): a mask hides other keys, never a query's own, so a gap of e^50 is a mask added with the wrong sign
+    (Reformer's self mask, which hides the own key on purpose, is told apart before)."""
+    if t.dim() < 2 or t.shape[-1] != t.shape[-2] or t.shape[-1] < 2 or seen.shape != t.shape:
+        return 0.0
+    own = t.diagonal(dim1=-2, dim2=-1)
+    seen_own = seen.diagonal(dim1=-2, dim2=-1)
+    top = t.masked_fill(~seen, float("-inf")).amax(-1)
+    gap = (top - own).masked_fill(~seen_own | ~torch.isfinite(top), 0)
+    return float(gap.max()) if gap.numel() else 0.0
+
+
 def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                   expected: Callable[[int], float | None], keep: Tensor | None = None,
                   batch: int = 1, inputs: frozenset[int] = frozenset(), local: bool = False,
@@ -1782,6 +1798,12 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                    "batch items")
             else:
                 raise Unrecognised("one item alone: a term on the scores and their scale cannot be told apart")
+        lifted = _own_key_sunk(t, seen) if "self mask" not in facts else 0.0
+        if lifted >= 50:  # a term that lifts other keys e^50 over a query's own: a mask with + where - hides
+            return Verdict(MASK_INVERTED, {"matches": f"a term lifts other keys {lifted:.3g} above each query's own "
+                                                      "key in some rows, so that the query no longer weighs itself: "
+                                                      "a mask written with the wrong sign (+100 where -100 hides, "
+                                                      "as a shifted-window mask)", **evidence}, facts)
         if float(t.abs().max()) > 1e-3 * size:
             facts.setdefault("position term", "an additive term of (head, query, key) (a relative-position bias)")
     tokens = p.shape[-1] if window else length  # within windows, q and k hold a window's tokens
