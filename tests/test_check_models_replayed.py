@@ -1521,3 +1521,22 @@ def test_a_bias_the_model_lays_out_across_jets_wrongly_is_batch_mixing(swapped):
     assert ("batch-mixing" in {f.id for f in first.findings}) == swapped, report.summary()
     if not swapped:
         assert report.passed, report.summary()
+
+
+def test_a_dynamically_quantized_model_is_read_with_its_weights_dequantized():
+    """catches: the model-level reads (the padding changed as the model calls each layer) ran on the quantized
+    model, whose activations are quantized per tensor: padded tokens moved the real tokens' outputs through the
+    scale, and a correct BERT was `mask-ignored` in every layer."""
+    from torch.ao.quantization import quantize_dynamic
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=37, max_position_embeddings=32)
+    model = quantize_dynamic(BertModel(config).eval(), {nn.Linear}, dtype=torch.qint8)
+    ids = torch.randint(0, 50, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 5:] = 0
+    report = check_model(model, {"input_ids": ids, "attention_mask": mask})
+    assert report.passed, report.summary()
+    assert all("quantized" in layer.inferred for layer in report.layers.values())

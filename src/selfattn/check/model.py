@@ -46,7 +46,7 @@ from .findings import (
 )
 from .probes.masking import band
 from .report import Report, render
-from .subject.building import CannotRun, copy_module, draw_zeros, num_heads_of
+from .subject.building import CannotRun, copy_module, dequantized, draw_zeros, num_heads_of
 from .subject.caller import LENGTH_NAMES, MASK_NAMES, SWITCH_NAMES, dependency
 from .subject.context import future
 
@@ -1356,6 +1356,7 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
         raise ValueError(f"check_model does not take {', '.join(unknown)}; its options are "
                          f"{', '.join(sorted(allowed))}")
     missed: list[str] = []
+    model, quantized = dequantized(model)  # the model's own runs too (its padding read as it calls each layer)
     found = find_attention(model, example_inputs, missed)
     if not found:
         raise CannotRun("no attention layer found: no submodule multiplied softmax weights into a tensor or ran an "
@@ -1466,6 +1467,11 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                 for extra in (misread, _models_causal_mask(layer, read, causal), unused,
                               items_mixed_on_the_way(layer)):
                     done = _amended(done, add=extra)
+                if quantized:
+                    done = _amended(done, {"quantized": (
+                        f"the model's {len(quantized)} Linear layer(s) of torch's dynamic quantization are checked "
+                        "with their int8 weights dequantized into float layers (activations quantized per tensor "
+                        "on the fly tie each item to the batch's range and make the output a step function)")})
                 report.layers[layer.name] = done
                 break
             except CannotRun as err:
