@@ -201,10 +201,14 @@ class _UsedParameters(TorchFunctionMode):
                 stack.extend(a)
         name = getattr(func, "__name__", "")
         if name in ("detach", "detach_") and self.inputs and not self.detached_weights and args and \
-                isinstance(args[0], Tensor) and args[0].requires_grad and args[0].grad_fn is not None:
-            with torch._C.DisableTorchFunction():
-                reached = torch.autograd.grad(args[0].sum(), self.inputs, retain_graph=True, allow_unused=True)
-            self.detached_weights = all(g is None for g in reached)
+                isinstance(args[0], Tensor) and args[0].is_floating_point() and args[0].requires_grad and \
+                args[0].grad_fn is not None:
+            try:
+                with torch._C.DisableTorchFunction():
+                    reached = torch.autograd.grad(args[0].sum(), self.inputs, retain_graph=True, allow_unused=True)
+                self.detached_weights = all(g is None for g in reached)
+            except RuntimeError:  # a graph autograd cannot walk back from here: nothing is said of it
+                pass
         out = func(*args, **kwargs)
         if isinstance(out, Tensor) and out.is_floating_point() and \
                 torch.finfo(out.dtype).eps > torch.finfo(self.lowest).eps:
