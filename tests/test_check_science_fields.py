@@ -237,12 +237,12 @@ def test_a_position_table_read_by_no_offset_is_not_relative(absolute, expected):
     assert {f.id for f in report.findings if f.severity == "error"} == expected, report.findings
 
 
-def _mvit(scaled: bool) -> nn.Module:
+def _mvit(scaled: bool, cls: bool) -> nn.Module:
     from timm.models.mvitv2 import MultiScaleAttention
 
     torch.manual_seed(0)
     module = MultiScaleAttention(32, 32, feat_size=(4, 4), num_heads=2, kernel_q=(1, 1), kernel_kv=(3, 3),
-                                 stride_kv=(2, 2), has_cls_token=False, rel_pos_type="spatial", residual_pooling=True)
+                                 stride_kv=(2, 2), has_cls_token=cls, rel_pos_type="spatial", residual_pooling=True)
     with torch.no_grad():
         module.rel_pos_h.normal_(0, 0.5)
         module.rel_pos_w.normal_(0, 0.5)
@@ -251,12 +251,14 @@ def _mvit(scaled: bool) -> nn.Module:
     return module
 
 
+@pytest.mark.parametrize("cls", [False, True])
 @pytest.mark.parametrize(("scaled", "expected"), [(True, set()), (False, {"missing-scale"})])
-def test_position_terms_written_into_the_scores_by_a_slice(scaled, expected):
+def test_position_terms_written_into_the_scores_by_a_slice(scaled, expected, cls):
     """catches: timm's MViT v2 adds its decomposed position terms with attn[:, :, sp:, sp:] = (...): the white box
-    stopped at the setitem, so correct code was `definition-mismatch` and a missing scale was named so too."""
+    stopped at the setitem, so correct code was `definition-mismatch` and a missing scale was named so too. With a
+    class token the terms cover all but its row and column."""
     pytest.importorskip("timm")
-    report = check(_mvit(scaled), embed_dim=32, length=16, call=lambda m, x: m(x, [4, 4])[0])
+    report = check(_mvit(scaled, cls), embed_dim=32, length=17 if cls else 16, call=lambda m, x: m(x, [4, 4])[0])
     assert {f.id for f in report.findings if f.severity == "error"} == expected, report.findings
 
 

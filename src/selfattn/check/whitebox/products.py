@@ -374,9 +374,14 @@ def _relative_terms(trace: Trace, chain: _Chain, inputs: frozenset[int], shape: 
     for tid, after, spread in chain.spread:  # a broadcast term: only a position product counts (not a mask, ALiBi)
         value = trace.value(tid)
         name = _position_product(trace, tid, inputs) if value is not None else None
-        if name is None or value is None or math.prod(spread) != math.prod(shape) or axes is not None:
+        if name is None or value is None or axes is not None:
             continue
-        found.append((name, value.double().expand(spread).reshape(shape), after))
+        if math.prod(spread) == math.prod(shape):
+            found.append((name, value.double().expand(spread).reshape(shape), after))
+        elif chain.region is not None and math.prod(spread) == math.prod(chain.region[1]):
+            whole = torch.zeros(shape, dtype=torch.float64, device=value.device)  # the term on its part alone
+            whole[chain.region[0]] = value.double().expand(spread).reshape(chain.region[1])  # type: ignore[index]
+            found.append((name, whole, after))
     return found
 
 
@@ -435,6 +440,9 @@ class _Chain:
     added: list[tuple[int, float]] = field(default_factory=list)
     mixed: list[str] = field(default_factory=list)  # the operations that mix the heads' scores (talking heads)
     spread: list[tuple[int, float, torch.Size]] = field(default_factory=list)  # added terms broadcast to a shape
+    # the part of the scores a setitem rewrote with what it made of them (the index, that part's shape): terms added
+    # on the way there cover only it (timm's MViT v2 leaves the class token's row and column as they were)
+    region: tuple[object, torch.Size] | None = None
     fills: list[tuple[float, int]] = field(default_factory=list)  # a number written over scores, its step's index
 
 
@@ -535,6 +543,8 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
             # terms with attn[:, :, sp:, sp:] = (attn[:, :, sp:, sp:] + rel_h + rel_w)); the part left as it was
             # (the class token's row and column) is scores as well: the rewritten part is followed
             steps.append(("setitem", None))
+            if op.inputs[1].numel() < op.outputs[0].numel() and len(op.args) > 1:
+                chain.region = (op.args[1], op.outputs[0][op.args[1]].shape)
             nxt = op.in_ids[1]
         elif op.name in _TERMS or op.name == "cat":  # a term added; or sink logits set beside the scores
             steps.append((op.name, None))
