@@ -363,14 +363,10 @@ def _relative_terms(trace: Trace, chain: _Chain, inputs: frozenset[int], shape: 
     for tid, after in chain.added:
         value = trace.value(tid)
         name = _position_product(trace, tid, inputs) if value is not None else None
-        if name is None or value is None:
+        laid = None if name is None or value is None else _as_scores(value, axes, shape)
+        if name is None or laid is None:
             return []
-        value = value.double()
-        if axes is not None and value.dim() == len(shape):
-            value = value.movedim(axes, (-2, -1))
-        if value.shape != shape:
-            return []
-        found.append((name, value, after))
+        found.append((name, laid, after))
     for tid, after, spread in chain.spread:  # a broadcast term: only a position product counts (not a mask, ALiBi)
         value = trace.value(tid)
         name = _position_product(trace, tid, inputs) if value is not None else None
@@ -407,13 +403,20 @@ def _computed_terms(trace: Trace, chain: _Chain, inputs: frozenset[int], shape: 
                 not bool(torch.isfinite(value).all()) or float(value.min()) <= _MASKED or \
                 any(trace.identity(t) in near for t in (tid, *trace.ancestors(tid))):
             return []
-        value = value.double()
-        if axes is not None and value.dim() == len(shape):
-            value = value.movedim(axes, (-2, -1))
-        if value.shape != shape:
+        laid = _as_scores(value, axes, shape)
+        if laid is None:
             return []
-        found.append((value, after))
+        found.append((laid, after))
     return found
+
+
+def _as_scores(value: Tensor, axes: tuple[int, int] | None, shape: torch.Size) -> Tensor | None:
+    """A term added to the scores, in float64 and in the layout of the content product ``shape`` (its query and
+    key axes moved last, as the weights' were, when ``axes``); None when it has another shape."""
+    value = value.double()
+    if axes is not None and value.dim() == len(shape):
+        value = value.movedim(axes, (-2, -1))
+    return value if value.shape == shape else None
 
 
 def _temperature(op: Op) -> Tensor | None:
