@@ -587,6 +587,24 @@ class ScaledOnASplitView(nn.Module):
         return _Fused.merge(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
 
 
+class WrittenIntoBuffers(nn.Module):
+    """Inference code ported from a C kernel: the scores and the output written into buffers it allocates
+    (``torch.baddbmm(..., out=s)``, ``torch.bmm(w, v, out=o)``), which autograd refuses to differentiate."""
+
+    def __init__(self, dim: int, scaled: bool = True) -> None:
+        super().__init__()
+        self.c_attn, self.scaled = nn.Linear(dim, 3 * dim), scaled
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = (t.view(b, n, 4, -1).transpose(1, 2).reshape(b * 4, n, -1) for t in self.c_attn(x).split(e, 2))
+        s = torch.empty(b * 4, n, n, dtype=x.dtype, device=x.device)
+        torch.baddbmm(s, q, k.transpose(1, 2), beta=0.0, alpha=q.shape[-1] ** -0.5 if self.scaled else 1.0, out=s)
+        o = torch.empty_like(q)
+        torch.bmm(s.softmax(-1), v, out=o)
+        return _Fused.merge(o.view(b, 4, n, -1))
+
+
 class SharedQueryKey(nn.Module):
     """Reformer style: one projection called twice for the queries and the keys."""
 
@@ -927,14 +945,19 @@ def test_rotary_written_in_place_or_in_complex_numbers_is_read_on_q_k_and_v():
 def test_a_module_error_under_the_doctors_modes_is_the_modules_not_a_doctor_error():
     """catches: torch refusing the module's own in-place change of a split view under autograd, blamed on the
     doctor (its function mode was the deepest frame) or left an unverified property (the module is inference
-    code: its gradients are not applicable, a fact), and a projection called twice making the white box raise
-    (recorded operations compared with == on their tensors)."""
+    code: its gradients are not applicable, a fact), the same for results written into the module's own buffers
+    (``out=``), and a projection called twice making the white box raise (recorded operations compared with == on
+    their tensors)."""
     report = check(ScaledOnASplitView(32))
     assert report.verdict == "passed" and report.doctor_errors == [], report.not_verified
     assert report.coverage["gradients"].startswith("not applicable: the module runs only without autograd")
     assert "modified inplace" in report.inferred["inference only"]
     report = check(SharedQueryKey(32))
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings] + [report.not_verified]
+    report = check(WrittenIntoBuffers(32))
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings] + [report.not_verified]
+    assert "out=" in report.inferred["inference only"]
+    assert check(WrittenIntoBuffers(32, scaled=False)).ids == {"missing-scale"}
 
 
 def test_a_values_product_that_writes_tokens_first_merges_correctly():

@@ -325,10 +325,12 @@ def _dead_rows(grads: Mapping[str, Tensor | None], linear: set[str]) -> dict[str
 
 
 # autograd's refusals of in-place operations (in the forward: on a view of a multi-output function such as split
-# or unbind, on a leaf; in the backward: on a tensor saved for it): the module runs, but only under no_grad or
-# inference_mode (inference code such as nanoGPT forks with q.mul_(scale) on a split view)
+# or unbind, on a leaf; in the backward: on a tensor saved for it) and of results written into buffers the module
+# allocates (`torch.bmm(w, v, out=buf)`): the module runs, but only under no_grad or inference_mode (inference code
+# such as nanoGPT forks with q.mul_(scale) on a split view, kernels ported from C with preallocated outputs)
 _IN_PLACE_REFUSALS = ("is being modified inplace", "is being used in an in-place operation",
-                      "has been modified by an inplace operation")
+                      "has been modified by an inplace operation",
+                      "arguments don't support automatic differentiation")
 
 
 # autograd's error when a backward reaches a graph an earlier backward freed: in a module's own state, an earlier
@@ -582,7 +584,7 @@ def _gradients(ctx: Context) -> Outcome[None]:
         if not _autograd_refuses_in_place(err):
             raise
         m.zero_grad(set_to_none=True)
-        why = f"autograd refuses an in-place operation of the module ({str(err)[:160]})"
+        why = f"autograd refuses an in-place or out= operation of the module ({str(err)[:160]})"
         return Outcome(notes={"inference only": why},
                        coverage={"gradients": f"not applicable: the module runs only without autograd: {why}"})
     used = [(n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) in watch.ids]
