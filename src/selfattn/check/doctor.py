@@ -369,7 +369,7 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         for i, e in enumerate(dims):
             try:
                 found = calling(module, Sizes(e, sizes.heads, sizes.batch, sizes.lengths), gen, adapter, dtype, device,
-                                stated=spec)
+                                stated=spec, declared=declared)
                 break
             except CannotRun:
                 if i == len(dims) - 1:

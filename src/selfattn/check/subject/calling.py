@@ -55,17 +55,20 @@ def _randn(gen: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype, dev
 
 def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Tensor,
                           adapter: Callable | None = None, stated: MaskSpec | None = None,
-                          errors: list[str] | None = None) -> Caller | None:
+                          errors: list[str] | None = None, declared: str | None = None) -> Caller | None:
     """A caller for a forward (or an adapter) that requires its mask: the first (shape, kind) whose band mask
     hides exactly the band's complement (bool masks read either way), batch first or else sequence first (a
     Megatron-style [s, b, h] forward with its [b, 1, s, s] mask), else the first that runs; None if none runs
-    (``errors`` then gets what the first form raised: the module's own failure, not a missing argument)."""
+    (``errors`` then gets what the first form raised: the module's own failure, not a missing argument).
+    ``declared``: the bool convention the user stated ("keep" or "ignore"), the only one a bool mask is sent in
+    (torchaudio's required ``key_padding_mask``, True = padding, must get all False to hide nothing)."""
     b, length, _ = x.shape
     off = ~torch.eye(length, dtype=torch.bool)
     first: Caller | None = None
     # a bool mask read either way is found by "keep", unless its "hide nothing" hides everything (True = masked,
     # an (L, L) triu mask that a from-scratch model builds for its blocks): then "ignore" is sent as such
-    forms = [(shape, kind) for shape in SHAPE_ORDER for kind in (*KIND_ORDER, "ignore")]
+    kinds = {"keep": KIND_ORDER, "ignore": ("ignore", "additive")}.get(declared or "", (*KIND_ORDER, "ignore"))
+    forms = [(shape, kind) for shape in SHAPE_ORDER for kind in kinds]
     if arg in LENGTH_NAMES:  # padding given as lengths (d2l's valid_lens)
         forms.insert(0, ("B", "lengths"))
     if stated is not None:  # the convention the user stated is the one the module is called with
@@ -94,7 +97,8 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
             continue              # tokens, each query seeing its own key only)
         if torch.equal((seen & off)[rows], (k0 & full & off)[rows]):
             return c
-        if kind == "keep" and stated is None and torch.equal((seen & off)[rows], (~k0 & full & off)[rows]):
+        if kind == "keep" and stated is None and declared is None and \
+                torch.equal((seen & off)[rows], (~k0 & full & off)[rows]):
             return c.with_mask(MaskSpec("ignore", shape), arg)
     return first
 
@@ -137,7 +141,8 @@ def _positions_adapter(module: nn.Module) -> tuple[Callable, str] | None:
     return call, f"{names} given the positions of the tokens, from 0; the mask to {masks[0]}"
 
 
-def _caller_for(module: nn.Module, x: Tensor, stated: MaskSpec | None = None) -> tuple[Caller | None, str]:
+def _caller_for(module: nn.Module, x: Tensor, stated: MaskSpec | None = None,
+                declared: str | None = None) -> tuple[Caller | None, str]:
     style, why = find_call_style(module, x)
     if style:
         return Caller(module, style), ""
@@ -150,7 +155,7 @@ def _caller_for(module: nn.Module, x: Tensor, stated: MaskSpec | None = None) ->
             arg = required_mask_parameter(module, style, any_name=True)  # x takes it (a graph's adjacency)
         if arg is not None:
             errors: list[str] = []
-            found = _required_mask_caller(module, style, arg, x, stated=stated, errors=errors)
+            found = _required_mask_caller(module, style, arg, x, stated=stated, errors=errors, declared=declared)
             if found is not None:
                 return found, ""
             head = {"x": "forward(x, ", "qk": "forward(q, kv, "}.get(style, "forward(q, k, v, ")
@@ -318,7 +323,7 @@ def _discover_batch(module: nn.Module, adapter: Callable | None, errors: list[st
 
 def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Callable | None = None,
             dtype: torch.dtype = torch.float32, device: torch.device | None = None,
-            stated: MaskSpec | None = None) -> Outcome[tuple[Caller, Tensor]]:
+            stated: MaskSpec | None = None, declared: str | None = None) -> Outcome[tuple[Caller, Tensor]]:
     """Find how the module is called and which shapes it runs for; pick the probe input.
 
     Args:
@@ -328,6 +333,8 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         adapter: the user's ``call(module, x[, mask])``, used instead of guessing.
         dtype, device: the module's parameter dtype and device; the probe input is made in them.
         stated: the mask convention the user stated: a mask the forward requires is made in it.
+        declared: the bool polarity the user stated ("keep" or "ignore"): a bool mask the forward requires is made
+            in it.
 
     Returns:
         Findings wrong-output-shape, batch-mixing (runs only when sizes coincide) or shape-dependent
@@ -356,7 +363,7 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     for b, n in shapes:
         shape = (b, n, e)
         if call is None:
-            call, why = _caller_for(module, _randn(gen, shape, dtype, device), stated)
+            call, why = _caller_for(module, _randn(gen, shape, dtype, device), stated, declared)
             if call is None:
                 failed.append((shape, why))
                 errors.append(why)
@@ -364,7 +371,7 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         why = _runs(call, shape, gen, dtype, device)
         if why is not None and adapter is not None and call.takes_mask and not call.required and not ran:
             needs = _required_mask_caller(module, "adapter", None, _randn(gen, shape, dtype, device), adapter,
-                                          stated)
+                                          stated, declared=declared)
             if needs is not None:  # the adapter's module cannot run without a mask: send the one hiding nothing
                 call = needs
                 why = _runs(call, shape, gen, dtype, device)
