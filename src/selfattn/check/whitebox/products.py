@@ -1608,6 +1608,15 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         return Verdict(DEFINITION_MISMATCH, {"matches": "the weights are mixed across heads between the softmax "
                                                "and the product with the values (talking heads)", **evidence})
     s = sm.args[0]
+    if p.dim() < w.dim() and p.numel() == w.numel() and p.shape[-1] == w.shape[-1] == length and \
+            tuple(w.shape[-2:]) == (length, length) and p.shape[-2] != length:
+        # the softmax ran on a view that flattens the leading axes, (B * Lq, Lk) (PyTorch-NLP's Luong attention):
+        # read on the weights' own axes; over a flattened axis, it normalises queries and batch items together
+        if dim != p.dim() - 1:
+            return Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the scores viewed as "
+                                           f"{tuple(p.shape)}: over queries (and batch items or heads) flattened "
+                                           "together, not over the keys", **evidence})
+        p, s, dim = p.reshape(w.shape), s.reshape(w.shape), w.dim() - 1
     sinks = p.shape[-1] - length if p.dim() >= 2 and p.shape[-2] == length and p.shape[-1] > length == w.shape[-1] \
         else 0
     if sinks and dim == p.dim() - 1:  # attention sinks: logits in the softmax with no value (gpt-oss)
