@@ -64,3 +64,132 @@ def test_a_softmax_on_a_flattened_view_of_the_scores_is_read_on_their_axes():
     report = check(LuongFlatSoftmax(), scale=1.0)
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
     assert "softmax-dim" in check(LuongFlatSoftmax(softmax_dim=0), scale=1.0).ids
+
+
+# -- GraphGPS on to_dense_batch: the node mask (True = node) and nn.MultiheadAttention's key_padding_mask -----------
+class DenseGraphAttention(nn.Module):
+    """GraphGPS's global attention on a dense batch: ``mask`` from ``to_dense_batch`` (True = a real node, all True
+    when not given), passed to ``key_padding_mask`` (True = padding) as ``~mask``; ``inverted`` drops the ``~`` (the
+    slip the model reports only by its NaN); ``weights`` asks for the attention weights (MHA's other path)."""
+
+    def __init__(self, dim: int = 64, inverted: bool = False, weights: bool = False) -> None:
+        super().__init__()
+        self.self_attn = nn.MultiheadAttention(dim, 4, batch_first=True)
+        self.inverted, self.weights = inverted, weights
+
+    def forward(self, h_dense, mask=None):
+        if mask is None:
+            mask = torch.ones(h_dense.shape[:2], dtype=torch.bool, device=h_dense.device)
+        padding = mask if self.inverted else ~mask
+        h = self.self_attn(h_dense, h_dense, h_dense, key_padding_mask=padding, need_weights=self.weights)[0]
+        return h * mask[..., None]
+
+
+def test_a_default_node_mask_handed_to_key_padding_mask_uninverted_is_named():
+    """catches: nn.MultiheadAttention handed the module's own all-True node mask as key_padding_mask, which hides
+    every key when the module is given no mask, named only by its symptoms (non-finite, causal-leak, no-grad)."""
+    assert check(DenseGraphAttention(), mask_convention="keep").verdict == "passed"
+    for weights in (False, True):
+        report = check(DenseGraphAttention(inverted=True, weights=weights))
+        assert "mask-inverted" in report.ids, (weights, [(f.id, f.message) for f in report.findings])
+
+
+# -- open_lm: xformers' rotary, built for (B, H, L, D), applied to (B, L, H, D) --------------------------------------
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class RotaryOnTheHeads(nn.Module):
+    """open_lm's first attention: q, k, v viewed (B, L, H, D), then xformers' ``RotaryEmbedding`` whose cos and sin
+    run along dim -2 (the heads there: every head turned by its index, the same at every position, so the rotation
+    cancels in q . k); ``fixed`` permutes q and k to (B, H, L, D) around it, as the reported fix does."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, fixed: bool = False) -> None:
+        super().__init__()
+        self.heads, self.d, self.fixed = heads, dim // heads, fixed
+        self.in_proj = nn.Linear(dim, 3 * dim, bias=False)
+        self.out_proj = nn.Linear(dim, dim, bias=False)
+        self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, self.d, 2).float() / self.d)))
+
+    def rotate(self, q, k):
+        t = torch.arange(k.shape[-2], dtype=self.inv_freq.dtype)
+        emb = torch.cat((torch.outer(t, self.inv_freq),) * 2, dim=-1).to(q.dtype)
+        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, self.heads, self.d) for t in self.in_proj(x).chunk(3, dim=-1))
+        if self.fixed:
+            q, k = (t.permute(0, 2, 1, 3) for t in self.rotate(q.permute(0, 2, 1, 3), k.permute(0, 2, 1, 3)))
+        else:
+            q, k = self.rotate(q, k)
+        out = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                         is_causal=True)
+        return self.out_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def test_rotary_tables_along_the_heads_are_named():
+    """catches: rotary cos/sin built along the token axis of (B, H, L, D) and applied to (B, L, H, D) q and k, which
+    turns each head by its index and leaves the scores with no position, certified as attention with none."""
+    report = check(RotaryOnTheHeads(fixed=True), causal=True)
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "rotary-mismatch" in check(RotaryOnTheHeads(), causal=True).ids
+
+
+# -- an FFT on the way: torch.fft has no float16 or bfloat16 kernel on the CPU --------------------------------------
+class SpectralGate(nn.Module):
+    """FEDformer / FNet style: a learned gate applied in the frequency domain of each token's features
+    (``rfft``/``irfft`` over the channels), then plain attention."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.ones(dim // 2 + 1))
+        self.attn = nn.MultiheadAttention(dim, 4, batch_first=True)
+
+    def forward(self, x):
+        x = torch.fft.irfft(torch.fft.rfft(x, dim=-1) * self.gate, n=x.shape[-1], dim=-1)
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+def test_an_operation_the_device_lacks_in_half_precision_is_not_held_against_the_module():
+    """catches: torch.fft's "Unsupported dtype Half" on the CPU reported as half-precision-overflow (the message
+    was matched case-sensitively)."""
+    report = check(SpectralGate())
+    assert "half-precision-overflow" not in report.ids, [(f.id, f.message) for f in report.findings]
+    assert any("lacks" in str(v) for v in report.inferred["half precision"].values()), report.inferred
+
+
+# -- the Temporal Fusion Transformer's interpretable attention: per-head q/k lists, one shared v, the heads' mean ----
+class InterpretableAttention(nn.Module):
+    """pytorch-forecasting's ``InterpretableMultiHeadAttention`` style: ``q_layers`` and ``k_layers`` one Linear per
+    head, one ``v_layer`` shared by every head, the heads averaged, then ``w_h``; ``project`` False never applies
+    ``w_h`` (the output is the heads' mean)."""
+
+    def __init__(self, d_model: int = 32, n_head: int = 4, project: bool = True) -> None:
+        super().__init__()
+        self.d_k = d_model // n_head
+        self.v_layer = nn.Linear(d_model, d_model)
+        self.q_layers = nn.ModuleList([nn.Linear(d_model, self.d_k) for _ in range(n_head)])
+        self.k_layers = nn.ModuleList([nn.Linear(d_model, self.d_k) for _ in range(n_head)])
+        self.w_h = nn.Linear(d_model, d_model, bias=False)
+        self.project = project
+
+    def forward(self, q, k, v, mask=None):
+        vs = self.v_layer(v)
+        heads = []
+        for q_layer, k_layer in zip(self.q_layers, self.k_layers, strict=True):
+            scores = torch.bmm(q_layer(q), k_layer(k).permute(0, 2, 1)) / self.d_k ** 0.5
+            if mask is not None:
+                scores = scores.masked_fill(mask, float("-inf"))
+            heads.append(torch.bmm(scores.softmax(dim=2), vs))
+        out = torch.stack(heads, dim=2).mean(dim=2)
+        return (self.w_h(out) if self.project else out), scores
+
+
+def test_an_output_projection_beside_per_head_projection_lists_is_checked():
+    """catches: the output Linear never applied certified when q and k are per-head ``ModuleList``s (their roles
+    were read from the list's members, named by their index only)."""
+    assert "no-grad" not in check(InterpretableAttention(), no_mask=True).ids
+    assert "no-grad" in check(InterpretableAttention(project=False), no_mask=True).ids

@@ -84,6 +84,7 @@ from .subject.caller import Caller, MaskSpec, parse_mask
 from .subject.calling import calling, calls_in_a_row
 from .subject.context import Context, Outcome, close, not_verified, tolerance
 from .whitebox.probe import white_box
+from .whitebox.products import every_key_hidden
 from .whitebox.trace import SOFTMAX, normalises, record
 
 __all__ = ["CALLING_EMITS", "DOCTOR_EMITS", "PROBES", "Probe", "check", "examine"]
@@ -313,8 +314,14 @@ def _with_zeros_drawn(call: Caller, x: Tensor, gen: torch.Generator) -> tuple[nn
     module = copy_module(call.module)
     drawn = draw_zeros(module, gen)
     if not drawn:
+        try:
+            hidden = every_key_hidden(record(call.module, lambda: call(x))[0])
+        except Exception:  # the reason is a hint: without it, the message stands
+            hidden = None
+        why = f"{hidden} (a mask the module builds for itself when given none, read the other way round: " \
+              "mask-inverted)" if hidden else "check what the forward returns"
         raise CannotRun("the module's output does not depend on its input (the same for two random inputs), and no "
-                        "parameter is all zeros to explain it: check what the forward returns")
+                        f"parameter is all zeros to explain it: {why}")
     new = call.for_module(module)
     with torch.no_grad():
         out = new(x)

@@ -97,10 +97,12 @@ ROTARY_ONE_SIDE = _error("rotary-one-side", "rotary positions on q but not on k 
                          "tokens only.", ("not-equivariant",))
 ROTARY_MISMATCH = _error("rotary-mismatch", "q and k not rotated alike (rotated and pass-through parts in other "
                          "orders, other positions or frequencies), or by a map that is no rotation (cos/sin laid out "
-                         "for another pairing): the scores depend on absolute positions",
+                         "for another pairing): the scores depend on absolute positions; or rotated along another axis "
+                         "than the tokens (the heads): the scores carry no position",
                          "Rotate q and k by the same cos/sin at their positions, on the same dims, with the rotated "
                          "and pass-through parts in the same order; lay cos/sin out for the pairing the rotation uses "
-                         "(repeat_interleave for interleaved pairs, cat((f, f)) for rotate-half).",
+                         "(repeat_interleave for interleaved pairs, cat((f, f)) for rotate-half) and along the token "
+                         "axis of the layout they are applied to ((B, H, L, D) tables on (B, H, L, D) q and k).",
                          ("not-equivariant",))
 HEAD_SPLIT = _error("head-split", "q, k or v split into heads (or a (B, C, H, W) map flattened into tokens) by a view "
                     "that puts one token's features on the rows of others",

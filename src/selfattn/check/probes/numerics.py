@@ -131,7 +131,8 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
                         out = ctx.call.for_module(m)(x32.to(dtype))
             except Exception as err:  # float32 runs: the half copy should too
                 text = f"{type(err).__name__}: {err}"
-                if any(s in str(err) for s in _PLATFORM) and ("Half" in str(err) or "BFloat16" in str(err)):
+                said = str(err).lower()  # "not implemented for 'Half'", torch.fft's "Unsupported dtype Half"
+                if any(s in said for s in _PLATFORM) and ("half" in said or "bfloat16" in said):
                     notes[label] = f"not run: {text[:160]} (an operation this device lacks in {str(dtype)[6:]})"
                     continue
                 overflow[label] = f"raises {text}"[:200]
@@ -373,13 +374,15 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
     return sorted(idle + _idle_clones(module, used) + _idle_heads(module, used) + _idle_outputs(module, used))
 
 
-_OUTPUT_NAMES = frozenset({"to_out", "out_proj", "o_proj", "o", "proj", "c_proj", "wo", "w_o", "dense", "fc_o"})
+_OUTPUT_NAMES = frozenset({"to_out", "out_proj", "o_proj", "o", "proj", "c_proj", "wo", "w_o", "dense", "fc_o",
+                           "w_h"})  # w_h: the Temporal Fusion Transformer's, over the heads' mean
 _FUSED_NAMES = frozenset({"qkv", "to_qkv", "c_attn", "in_proj", "query_key_value", "wqkv", "qkv_proj"})
 
 
 def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
-    """The output projections (an nn.Linear named for that, ``to_out``, ``out_proj``, ``c_proj``, ``wo``, or the first
-    Linear of an ``nn.Sequential`` or ``nn.ModuleList`` so named, diffusers' ``to_out[0]``) of a module whose q and k
+    """The output projections (an nn.Linear named for that, ``to_out``, ``out_proj``, ``c_proj``, ``wo``, TFT's ``w_h``,
+    or the first Linear of an ``nn.Sequential`` or ``nn.ModuleList`` so named, diffusers' ``to_out[0]``) of a module
+    whose q and k
     (or fused qkv) projections the call used, its own or those of a core among its children, when it used none of
     them: the attention returned without the projection it holds. A module that used one of its output projections
     (a joint attention's ``to_out`` beside the context stream's ``to_add_out``) has none idle."""
@@ -393,6 +396,10 @@ def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
                 first = next((i for i, c in enumerate(child) if isinstance(c, nn.Linear)), None)
                 if first is not None:
                     outputs.append((f"{name}.{first}", id(child[first].weight) in used))
+                continue
+            if isinstance(child, nn.ModuleList) and any(isinstance(c, nn.Linear) and id(c.weight) in used
+                                                        for c in child):
+                roles.add(_projection_role(f"{name}.0"))  # per-head projections (TFT's q_layers, k_layers)
                 continue
             if not isinstance(child, nn.Linear):  # an attention core of the block's: its projections count too
                 roles |= {"qk" if n.lower() in _FUSED_NAMES else name_role(n) for n, c in child.named_children()

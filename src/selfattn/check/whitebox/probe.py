@@ -45,11 +45,13 @@ from .products import (
     Unrecognised,
     Unseen,
     bucket_not_relative,
+    every_key_hidden,
     examine_cores,
     folded_scale,
     memory_tokens,
     positions_added,
     relative_positions,
+    rotation_off_the_tokens,
     score_operands,
     table_not_relative,
     unshifted_relative,
@@ -228,6 +230,10 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         raw = _raw(run_caller, mask, k4) if mask is not None and k4 is not None else None
         cap = capture(trace, module, x)
         verdict, why = _by_projections(cap, out, heads, k4, raw, bias, stated)
+        everything = every_key_hidden(trace) if sent is None else None
+        if everything is not None:  # given no mask, the module hides every key: its own default read inverted
+            verdict = (MASK_INVERTED, {"matches": f"{everything} when the module is given no mask: a mask it builds "
+                                                  "for itself (every token visible) is read the other way round"}, {})
         absolute = None
         if verdict is not None and verdict[0] is None and "positions" in verdict[1]:
             absolute = bucket_not_relative(trace, set(heads), plain_only=True)
@@ -298,8 +304,8 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     if rotated and not any(f.severity == "error" for f in findings):
         mismatch = _rotated_alike(module, caller, x, getattr(caller.adapter, "recorded_eps", 0.0), memory)
         if mismatch is not None:
-            findings.append(Finding.of(ROTARY_MISMATCH, f"q and k are not rotated alike (or not by a rotation): "
-                                       f"{mismatch}",
+            findings.append(Finding.of(ROTARY_MISMATCH, f"q and k are not rotated alike (or not by a rotation, or "
+                                       f"not by position): {mismatch}",
                                        {"positions": facts.get("positions", positions)}))
             results["one token everywhere"] = mismatch
     said = str(facts.get("positions", positions or ""))
@@ -394,6 +400,8 @@ def _rotated_alike(module: nn.Module, caller: Caller, x: Tensor, eps: float = 0.
     except Exception:  # a module that rejects repeated tokens has been read on the probe input
         return None
     mismatch = relative_positions(trace, x.shape[1], max(1e-4, 8 * eps), memory)
+    if mismatch is None and not memory[0]:
+        return rotation_off_the_tokens(trace, x.shape[1])
     if mismatch is None or memory[0]:
         return mismatch
     # a position term added to q and k after their projections (Conditional DETR's) is absolute by design, no rotation:

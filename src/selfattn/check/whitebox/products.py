@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ..findings import (
     CAUSAL_LEAK,
@@ -62,8 +62,8 @@ from .positions import (
 )
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Origin, Trace
 
-__all__ = ["ROLE_PATTERNS", "Verdict", "bucket_not_relative", "core_operands", "examine_cores", "memory_tokens",
-           "name_role", "relative_positions", "table_not_relative"]
+__all__ = ["ROLE_PATTERNS", "Verdict", "bucket_not_relative", "core_operands", "every_key_hidden", "examine_cores",
+           "memory_tokens", "name_role", "relative_positions", "rotation_off_the_tokens", "table_not_relative"]
 
 _SCALES = frozenset({"mul", "rmul", "mul_", "imul", "div", "truediv", "div_", "itruediv"})
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
@@ -1952,6 +1952,38 @@ def _sdpa_hidden(op: Op, length: int) -> Tensor:
     return hidden
 
 
+def _hidden_by(mask: object) -> Tensor | None:
+    """Where a mask given to torch's kernels hides (bool True = hidden, as key_padding_mask and MHA's attn_mask read
+    it; a float mask, where it is -inf or below a fill)."""
+    if not isinstance(mask, Tensor):
+        return None
+    return mask.cpu() if mask.dtype == torch.bool else mask.detach().cpu() <= _MASKED
+
+
+def every_key_hidden(trace: Trace) -> str | None:
+    """Does a kernel of the record (scaled_dot_product_attention, nn.MultiheadAttention's functional core) get masks
+    that hide every key from every query? Then a mask the module builds for itself when it is given none is read the
+    other way round (GraphGPS's to_dense_batch mask, True = node, handed to key_padding_mask, True = padding): what
+    it says, or None."""
+    for op in trace.ops:
+        if op.name == "scaled_dot_product_attention" and op.inputs:
+            hidden = _hidden_by(op.kwargs.get("attn_mask", op.args[3] if len(op.args) > 3 else None))
+            if hidden is not None and hidden.numel() and bool(hidden.all()):
+                return "scaled_dot_product_attention gets an attn_mask that hides every key from every query"
+        elif op.name == "multi_head_attention_forward":
+            import inspect
+
+            a = inspect.signature(nn.functional.multi_head_attention_forward).bind(*op.args, **op.kwargs).arguments
+            padding, pairs = _hidden_by(a.get("key_padding_mask")), _hidden_by(a.get("attn_mask"))
+            if a.get("bias_k") is not None or a.get("add_zero_attn"):
+                continue  # a key no mask covers
+            if (padding is not None and padding.numel() and bool(padding.all())) or \
+                    (pairs is not None and pairs.numel() and bool(pairs.all())):
+                which = "key_padding_mask" if padding is not None and bool(padding.all()) else "attn_mask"
+                return f"nn.MultiheadAttention gets a {which} that hides every key from every query"
+    return None
+
+
 def _tiles(length: int, size: int, lead: tuple[int, ...]) -> bool:
     """Do windows of ``size`` tile the L tokens: L a multiple of it, or an axis of ``lead`` counting the windows of
     the L tokens padded to a multiple (chunked attention pads its last chunk), or square windows of a square grid
@@ -2245,6 +2277,37 @@ def score_operands(trace: Trace) -> tuple[Tensor, Tensor] | None:
         read = _core_operands(trace, op)
         if read is not None:
             return read[1], read[2]
+    return None
+
+
+def rotation_off_the_tokens(trace: Trace, length: int) -> str | None:
+    """For a run on one token repeated at every position: is q or k, as it reaches the first attention core, rotated
+    like rotary positions (the rotation read along some axis) yet the same at every position? Then the cos and sin
+    tables run along another axis than the tokens (built for (B, H, L, D) and applied to (B, L, H, D): along the
+    heads), turn q and k alike everywhere, and the scores carry no position: what that is, or None."""
+    for op in trace.ops:
+        if op.name == "scaled_dot_product_attention" and len(op.inputs) >= 2:
+            pairs = list(zip(op.in_ids[:2], op.inputs[:2], strict=True))
+        elif op.name in SOFTMAX:
+            try:
+                pairs = _operands(_score_chain(trace, op.in_ids[0])[0])[:2]
+            except (Unseen, Unrecognised, RuntimeError):
+                continue
+        else:
+            continue
+        for role, (tid, value) in zip("qk", pairs, strict=False):
+            axes = [i for i, size in enumerate(value.shape) if size == length]
+            if not axes or value.shape[-1] == length:
+                continue
+            t = value.double()
+            size = 1e-9 * (1 + float(t.abs().max()))
+            if all(float((t - t.narrow(a, 0, 1)).abs().max()) <= size for a in axes):
+                turned = rotary(trace, tid, value)
+                if turned is not None:
+                    return (f"{role} is rotated ({turned}) but, for one token repeated at every position, the same at "
+                            "every position: the cos/sin tables run along another axis than the tokens (the heads?), "
+                            "so the scores carry no position")
+        return None
     return None
 
 
