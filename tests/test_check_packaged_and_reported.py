@@ -193,3 +193,37 @@ def test_an_output_projection_beside_per_head_projection_lists_is_checked():
     were read from the list's members, named by their index only)."""
     assert "no-grad" not in check(InterpretableAttention(), no_mask=True).ids
     assert "no-grad" in check(InterpretableAttention(project=False), no_mask=True).ids
+
+
+# -- locality self-attention (tsai's TSiTPlus with lsa=True, vit-pytorch's LSA): the own key hidden ----------------
+class LocalitySelfAttention(nn.Module):
+    """tsai's ``MultiheadAttention(lsa=True)`` as TSiTPlus calls it: a learned temperature for the scale, every
+    token's own key hidden (``attn_mask`` the identity) and padded keys hidden, both filled with -inf. ``causal``
+    hides the diagonal with a causal mask built ``triu(0)`` (the off-by-one that hides each token from itself)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, causal: bool = False) -> None:
+        super().__init__()
+        self.heads, self.causal = heads, causal
+        self.W_Q, self.W_K, self.W_V = (nn.Linear(dim, dim) for _ in range(3))
+        self.to_out = nn.Linear(dim, dim)
+        self.scale = nn.Parameter(torch.tensor((dim // heads) ** -0.5))
+
+    def forward(self, x, key_padding_mask=None):
+        b, n, e = x.shape
+        q, k, v = (w(x).view(b, n, self.heads, -1).transpose(1, 2) for w in (self.W_Q, self.W_K, self.W_V))
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scale
+        own = torch.ones(n, n, dtype=torch.bool).triu() if self.causal else torch.eye(n, dtype=torch.bool)
+        scores = scores.masked_fill(own, float("-inf"))
+        if key_padding_mask is not None:
+            scores = scores.masked_fill(key_padding_mask[:, None, None, :], float("-inf"))
+        out = torch.matmul(scores.softmax(-1), v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_the_own_key_hidden_beside_a_padding_mask_is_a_design():
+    """catches: locality self-attention's hidden diagonal, beside a padding mask, read as a causal mask that hides
+    more than the future (causal-leak) in the padding run (tsai's TSiTPlus with ``lsa=True``, layer and model)."""
+    report = check(LocalitySelfAttention(), mask_convention="ignore")
+    assert "causal-leak" not in report.ids, [(f.id, f.message) for f in report.findings]
+    assert "self mask" in report.inferred["design"], report.inferred["design"]
+    assert "causal-leak" in check(LocalitySelfAttention(causal=True), causal=True).ids

@@ -1342,6 +1342,21 @@ def _self_mask(s: Tensor, hidden: Tensor) -> str | None:
             "when no other key is visible (shared-QK attention's self mask, as in Reformer)")
 
 
+def _own_key_hidden(hidden: Tensor, keep: Tensor) -> bool:
+    """Is every token's own key hidden, and apart from the diagonal exactly what a key mask (the same for every query:
+    padding, no causal pattern) hides? Then the diagonal is a design of its own (locality self-attention, Lee et
+    al. 2021: tsai's and vit-pytorch's LSA mask the diagonal with the padding's fill); a causal mask that also hides
+    the diagonal is not read so. hidden (..., L, L); keep broadcastable to it."""
+    n = hidden.shape[-1]
+    if hidden.dim() < 2 or hidden.shape[-2] != n or n < 3 or keep.shape[-2:] != (n, n):
+        return False
+    if not bool(hidden.diagonal(dim1=-2, dim2=-1).all()) or not bool((keep == keep[..., :1, :]).all()):
+        return False
+    eye = torch.eye(n, dtype=torch.bool, device=hidden.device)
+    visible = ~hidden & ~eye
+    return bool(torch.equal(visible, (keep & ~eye).expand_as(visible)))
+
+
 def _convolved_before(trace: Trace, op: Op) -> bool:
     """Did a convolution run on the way to ``op`` (the input mixed with its neighbours before the attention)?"""
     for other in trace.ops:
@@ -1769,6 +1784,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         if keep is not None and keep.shape[-2:] == eye.shape:  # a query's own key counts as visible: the black box
             keep = keep | (eye & keep.any(-2, keepdim=True))  # saw a query with one other key not depend on its
             # own (the weight 1 on that key); a padded key, which no query sees, stays hidden from its own query
+    elif keep is not None and _own_key_hidden(hidden, keep):
+        facts["self mask"] = ("each token's own key is hidden, beside the mask (locality self-attention, LSA: a "
+                              "token attends to the others only)")
+        eye = torch.eye(length, dtype=torch.bool, device=hidden.device)
+        hidden, keep = hidden & ~eye, keep | eye  # the diagonal is the design's: not compared with the mask
     masked = _mask_verdict(hidden, keep, evidence, _other_queries(trace, sm, length))
     if "top-k" in evidence:
         facts["top-k"] = evidence.pop("top-k")
