@@ -227,3 +227,33 @@ def test_the_own_key_hidden_beside_a_padding_mask_is_a_design():
     assert "causal-leak" not in report.ids, [(f.id, f.message) for f in report.findings]
     assert "self mask" in report.inferred["design"], report.inferred["design"]
     assert "causal-leak" in check(LocalitySelfAttention(causal=True), causal=True).ids
+
+
+# -- labml's DDPM attention block: einsum weights 'bijh', the keys on dim 2 ----------------------------------------
+class EinsumImageBlock(nn.Module):
+    """labml's DDPM U-Net ``AttentionBlock``: a (B, C, H, W) map flattened to tokens, one head, weights
+    ``einsum('bihd,bjhd->bijh')`` normalised over dim 2 (the keys; the reported "fix", dim 1, is the bug), a
+    residual."""
+
+    def __init__(self, n_channels: int = 64, n_heads: int = 1, softmax_dim: int = 2) -> None:
+        super().__init__()
+        self.projection = nn.Linear(n_channels, n_heads * n_channels * 3)
+        self.output = nn.Linear(n_heads * n_channels, n_channels)
+        self.n_heads, self.d_k, self.softmax_dim = n_heads, n_channels, softmax_dim
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        x = x.view(b, c, -1).permute(0, 2, 1)
+        q, k, v = torch.chunk(self.projection(x).view(b, -1, self.n_heads, 3 * self.d_k), 3, dim=-1)
+        attn = (torch.einsum("bihd,bjhd->bijh", q, k) * self.d_k ** -0.5).softmax(dim=self.softmax_dim)
+        res = self.output(torch.einsum("bijh,bjhd->bihd", attn, v).reshape(b, -1, self.n_heads * self.d_k)) + x
+        return res.permute(0, 2, 1).view(b, c, h, w)
+
+
+def test_weights_with_the_heads_last_are_not_read_as_one_key():
+    """catches: softmax weights (B, Lq, Lk, H) with one head read as attention over one key (their last axis), so the
+    image was grown to 32 x 32 tokens looking for more keys and the check took a minute."""
+    report = check(EinsumImageBlock())
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert report.inferred["probe shape"][1] < 100, report.inferred["probe shape"]
+    assert "softmax-dim" in check(EinsumImageBlock(softmax_dim=1)).ids

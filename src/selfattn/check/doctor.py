@@ -197,8 +197,11 @@ def _keys(call: Caller, x: Tensor) -> int | None:
     for op in trace.ops:
         if op.name == "scaled_dot_product_attention" and len(op.inputs) > 1 and op.inputs[1].dim() >= 2:
             return int(op.inputs[1].shape[-2])
-        if op.name in SOFTMAX and op.outputs:
-            return int(op.outputs[0].shape[-1])
+        if op.name in SOFTMAX and op.outputs:  # the axis it normalises (an einsum's 'bijh' weights: dim 2)
+            dim = op.args[1] if len(op.args) > 1 and isinstance(op.args[1], int) else op.kwargs.get("dim", -1)
+            out = op.outputs[0]
+            return int(out.shape[dim]) if isinstance(dim, int) and -out.dim() <= dim < out.dim() else \
+                int(out.shape[-1])
     return None
 
 
