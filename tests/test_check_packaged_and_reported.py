@@ -85,10 +85,29 @@ class DenseGraphAttention(nn.Module):
         return h * mask[..., None]
 
 
+class SDPANodeMask(nn.Module):
+    """The same node mask (True = a real node, all True when not given) handed to SDPA, whose bool mask reads True as
+    may attend: right as it is."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        b, n, e = x.shape
+        if mask is None:
+            mask = torch.ones(b, n, dtype=torch.bool, device=x.device)
+        q, k, v = self.qkv(x).view(b, n, 3, 4, -1).permute(2, 0, 3, 1, 4)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+        return self.out(o.transpose(1, 2).reshape(b, n, e))
+
+
 def test_a_default_node_mask_handed_to_key_padding_mask_uninverted_is_named():
     """catches: nn.MultiheadAttention handed the module's own all-True node mask as key_padding_mask, which hides
-    every key when the module is given no mask, named only by its symptoms (non-finite, causal-leak, no-grad)."""
+    every key when the module is given no mask, named only by its symptoms (non-finite, causal-leak, no-grad); and
+    SDPA's all-True bool mask (every key visible) read as hiding every key."""
     assert check(DenseGraphAttention(), mask_convention="keep").verdict == "passed"
+    assert check(SDPANodeMask()).verdict == "passed"
     for weights in (False, True):
         report = check(DenseGraphAttention(inverted=True, weights=weights))
         assert "mask-inverted" in report.ids, (weights, [(f.id, f.message) for f in report.findings])
@@ -105,17 +124,23 @@ class RotaryOnTheHeads(nn.Module):
     run along dim -2 (the heads there: every head turned by its index, the same at every position, so the rotation
     cancels in q . k); ``fixed`` permutes q and k to (B, H, L, D) around it, as the reported fix does."""
 
-    def __init__(self, dim: int = 64, heads: int = 4, fixed: bool = False) -> None:
+    def __init__(self, dim: int = 64, heads: int = 4, fixed: bool = False, cached: bool = False) -> None:
         super().__init__()
-        self.heads, self.d, self.fixed = heads, dim // heads, fixed
+        self.heads, self.d, self.fixed, self.cached = heads, dim // heads, fixed, cached
         self.in_proj = nn.Linear(dim, 3 * dim, bias=False)
         self.out_proj = nn.Linear(dim, dim, bias=False)
         self.register_buffer("inv_freq", 1.0 / (10000 ** (torch.arange(0, self.d, 2).float() / self.d)))
+        emb = torch.cat((torch.outer(torch.arange(256).float(), self.inv_freq),) * 2, dim=-1)
+        self.register_buffer("cos_cached", emb.cos()[None, None])  # (the tables cached ahead: no cos or sin runs)
+        self.register_buffer("sin_cached", emb.sin()[None, None])
 
     def rotate(self, q, k):
-        t = torch.arange(k.shape[-2], dtype=self.inv_freq.dtype)
-        emb = torch.cat((torch.outer(t, self.inv_freq),) * 2, dim=-1).to(q.dtype)
-        cos, sin = emb.cos()[None, None], emb.sin()[None, None]
+        if self.cached:
+            cos, sin = self.cos_cached[:, :, :k.shape[-2]].to(q.dtype), self.sin_cached[:, :, :k.shape[-2]].to(q.dtype)
+        else:
+            t = torch.arange(k.shape[-2], dtype=self.inv_freq.dtype)
+            emb = torch.cat((torch.outer(t, self.inv_freq),) * 2, dim=-1).to(q.dtype)
+            cos, sin = emb.cos()[None, None], emb.sin()[None, None]
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
     def forward(self, x):
@@ -133,9 +158,10 @@ class RotaryOnTheHeads(nn.Module):
 def test_rotary_tables_along_the_heads_are_named():
     """catches: rotary cos/sin built along the token axis of (B, H, L, D) and applied to (B, L, H, D) q and k, which
     turns each head by its index and leaves the scores with no position, certified as attention with none."""
-    report = check(RotaryOnTheHeads(fixed=True), causal=True)
-    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
-    assert "rotary-mismatch" in check(RotaryOnTheHeads(), causal=True).ids
+    for cached in (False, True):  # the tables computed in forward, or cached ahead as buffers
+        report = check(RotaryOnTheHeads(fixed=True, cached=cached), causal=True)
+        assert report.verdict == "passed", (cached, [(f.id, f.message) for f in report.findings])
+        assert "rotary-mismatch" in check(RotaryOnTheHeads(cached=cached), causal=True).ids, cached
 
 
 # -- an FFT on the way: torch.fft has no float16 or bfloat16 kernel on the CPU --------------------------------------
@@ -257,3 +283,311 @@ def test_weights_with_the_heads_last_are_not_read_as_one_key():
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
     assert report.inferred["probe shape"][1] < 100, report.inferred["probe shape"]
     assert "softmax-dim" in check(EinsumImageBlock(softmax_dim=1)).ids
+
+
+# -- ALiBi as a score_mod (attention-gym): the sign of the distance ----------------------------------------------
+class AlibiScoreMod(nn.Module):
+    """attention-gym's ALiBi ``score_mod`` evaluated eagerly: ``score + slope[h] * (kv_idx - q_idx)`` under a causal
+    mask, slopes 2^(-8(h+1)/H); ``flipped`` is the reported ``(q_idx - kv_idx)``; ``causal`` False uses the symmetric
+    ``-slope * |q_idx - kv_idx|``."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, flipped: bool = False, causal: bool = True) -> None:
+        super().__init__()
+        self.heads, self.flipped, self.causal = heads, flipped, causal
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.register_buffer("slopes", torch.exp2(-((torch.arange(heads) + 1) * 8.0 / heads)), persistent=False)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        q_idx, kv_idx = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        distance = (q_idx - kv_idx) if self.flipped else (kv_idx - q_idx)
+        if not self.causal:
+            distance = -(q_idx - kv_idx).abs()
+        scores = q @ k.transpose(-2, -1) * (e // self.heads) ** -0.5 + self.slopes[:, None, None] * distance
+        if self.causal:
+            scores = torch.where(q_idx >= kv_idx, scores, -float("inf"))
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_alibi_with_its_sign_flipped_is_named():
+    """catches: ALiBi's distance term added with the wrong sign (distant keys rewarded) certified as a
+    relative-position bias."""
+    for causal in (True, False):
+        report = check(AlibiScoreMod(causal=causal), causal=causal)
+        assert report.verdict == "passed", (causal, [(f.id, f.message) for f in report.findings])
+    report = check(AlibiScoreMod(flipped=True), causal=True)
+    assert "definition-mismatch" in report.ids and "distant keys" in str([f.message for f in report.findings])
+
+
+# -- PyG's MultiheadAttentionBlock: a mask for the queries' input and one for the keys' -----------------------------
+class TwoMaskBlock(nn.Module):
+    """PyG's ``MultiheadAttentionBlock.forward(x, y, x_mask, y_mask)``: ``y_mask`` (True = a real element) hides the
+    keys through ``key_padding_mask=~y_mask``; ``x_mask`` zeroes the padded queries' attention output, then the
+    residual and a feed-forward; ``inverted`` passes ``y_mask`` without its ``~``."""
+
+    def __init__(self, channels: int = 64, heads: int = 4, inverted: bool = False) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(channels, heads, batch_first=True)
+        self.lin = nn.Linear(channels, channels)
+        self.inverted = inverted
+
+    def forward(self, x, y, x_mask=None, y_mask=None):
+        if y_mask is not None and not self.inverted:
+            y_mask = ~y_mask
+        out = self.attn(x, y, y, y_mask, need_weights=False)[0]
+        if x_mask is not None:
+            out[~x_mask] = 0.0
+        out = out + x
+        return out + self.lin(out).relu()
+
+
+def test_a_query_mask_beside_a_key_mask_is_not_a_broadcast_key_mask():
+    """catches: the queries' own mask (``x_mask``, beside the keys' ``y_mask``) read as a key mask broadcast over the
+    query axis, on a module whose key mask works."""
+    report = check(TwoMaskBlock())
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert report.inferred["mask"]["argument"] == "y_mask", report.inferred["mask"]
+    assert check(TwoMaskBlock(), mask_convention="keep").verdict == "passed"
+    assert "mask-inverted" in check(TwoMaskBlock(inverted=True), mask_convention="keep").ids
+
+
+# -- Graphormer's spatial encoding: a learned bias per head looked up by shortest-path distances ------------------
+def _tree_distances(n: int) -> torch.Tensor:
+    """Shortest-path distances (clipped at 5) on one fixed tree of n nodes, the same for every item."""
+    parent = [-1] + [(7 * i + 3) % i for i in range(1, n)]
+    dist = torch.zeros(n, n, dtype=torch.long)
+    for a in range(n):
+        for b in range(n):
+            up_a, up_b, seen = a, b, {}
+            depth = 0
+            while up_a != -1:
+                seen[up_a] = depth
+                up_a, depth = parent[up_a], depth + 1
+            depth = 0
+            while up_b not in seen:
+                up_b, depth = parent[up_b], depth + 1
+            dist[a, b] = min(depth + seen[up_b], 5)
+    return dist
+
+
+class SpatialBiasAttention(nn.Module):
+    """Graphormer on a dense batch: ``scores = q k^T * scale + spatial_pos_encoder(spatial_pos)`` with an
+    ``nn.Embedding(8, heads)`` looked up by the graph's shortest-path distances (a call input); ``scaled`` False
+    forgets the scale."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, scaled: bool = True) -> None:
+        super().__init__()
+        self.heads, self.scaled = heads, scaled
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(dim, dim) for _ in range(4))
+        self.spatial_pos_encoder = nn.Embedding(8, heads)
+
+    def forward(self, x, spatial_pos):
+        b, n, e = x.shape
+        q, k, v = (f(x).view(b, n, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        scores = torch.einsum("bhid,bhjd->bhij", q, k) * ((e // self.heads) ** -0.5 if self.scaled else 1.0)
+        scores = scores + self.spatial_pos_encoder(spatial_pos).permute(0, 3, 1, 2)
+        return self.to_out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_missing_scale_beside_a_bias_looked_up_by_graph_distances_is_named():
+    """catches: a missing scale beside Graphormer's spatial bias (an embedding looked up by shortest-path distances,
+    a symmetric index, 0 on the diagonal) named definition-mismatch ("T5's bias is relative")."""
+    def call(m, x):
+        return m(x, _tree_distances(x.shape[1]).expand(x.shape[0], -1, -1))
+
+    assert check(SpatialBiasAttention(), call=call).verdict == "passed"
+    report = check(SpatialBiasAttention(scaled=False), call=call)
+    assert "missing-scale" in report.ids and "definition-mismatch" not in report.ids, report.ids
+
+
+# -- Informer's ProbSparse attention: the top queries gathered in the order of a top-k, put back by their index ----
+class ProbSparse(nn.Module):
+    """neuralforecast's ``ProbAttention`` inside its ``AttentionLayer``: q, k, v (B, L, H, D); the queries ranked by
+    the sparsity measure max - mean of their scores, the top u gathered in ``topk(sorted=False)`` order, attended,
+    and written back by their index (the others get the mean of V; at this length every query is a top one).
+    ``merged_wrong`` returns (B, H, L, D) to the layer's ``view(B, L, -1)``, the shipped slip."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, merged_wrong: bool = False) -> None:
+        super().__init__()
+        self.heads, self.merged_wrong = heads, merged_wrong
+        self.query_projection, self.key_projection, self.value_projection, self.out_projection = (
+            nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (p(x).view(b, n, self.heads, -1).transpose(2, 1)
+                   for p in (self.query_projection, self.key_projection, self.value_projection))
+        scores = q @ k.transpose(-2, -1)
+        measure = scores.max(-1)[0] - scores.sum(-1) / n
+        top = measure.topk(n, sorted=False)[1]
+        rows = (torch.arange(b)[:, None, None], torch.arange(self.heads)[None, :, None], top)
+        attn = torch.softmax(q[rows] @ k.transpose(-2, -1) / q.shape[-1] ** 0.5, dim=-1)
+        context = v.mean(dim=-2, keepdim=True).expand_as(v).clone()
+        context[rows] = attn @ v
+        out = context if self.merged_wrong else context.transpose(2, 1)
+        return self.out_projection(out.contiguous().view(b, n, -1))
+
+
+def test_queries_gathered_in_the_order_of_a_top_k_are_not_a_head_split():
+    """catches: the ProbSparse queries, gathered in the order their top-k gives and written back by the same index,
+    read as a layout that spreads tokens over other rows (head-split on correct code; on the shipped merge slip,
+    head-split where it is head-merge)."""
+    report = check(ProbSparse(), length=7)
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "head-merge" in check(ProbSparse(merged_wrong=True), length=7).ids
+
+
+# -- an image block in channels-first layout: the input in the memory format users pass ----------------------------
+class NormedImageBlock(nn.Module):
+    """A diffusion-style image attention block on (B, C, H, W): GroupNorm, one head with its weights kept
+    'bijh' (heads last), a residual; ``softmax_over_heads`` normalises over the heads axis of one (the bug)."""
+
+    def __init__(self, channels: int = 64, softmax_over_heads: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(1, channels)
+        self.to_q, self.to_k, self.to_v, self.to_out = (nn.Linear(channels, channels) for _ in range(4))
+        self.dim = -1 if softmax_over_heads else 2
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        t = self.norm(x).flatten(2).transpose(1, 2)
+        q, k, v = (f(t).view(b, -1, 1, c) for f in (self.to_q, self.to_k, self.to_v))
+        attn = (torch.einsum("bihd,bjhd->bijh", q, k) * c ** -0.5).softmax(dim=self.dim)
+        out = self.to_out(torch.einsum("bijh,bjhd->bihd", attn, v).reshape(b, -1, c))
+        return x + out.transpose(1, 2).reshape(b, c, h, w)
+
+
+def test_an_image_block_gets_a_contiguous_input_and_a_softmax_over_one_head_is_named():
+    """catches: the doctor handing a channels-first module a channels-last-strided (B, C, H, W) input, on which
+    torch's CPU backward crashed the process (a segfault in the gradient probe); and a softmax over a heads axis of
+    one read as attention over one key (the image grown to 32 x 32 tokens)."""
+    assert check(NormedImageBlock()).verdict == "passed"
+    report = check(NormedImageBlock(softmax_over_heads=True))
+    assert "softmax-dim" in report.ids and report.inferred["probe shape"][1] < 100, report.ids
+
+
+# -- a rotary cache that grows, on a module with NaN rows: NaN in the same places is no state -------------------------
+class CachedRotaryNaNRow(nn.Module):
+    """ESM's rotary style: cos/sin tables cached in attributes, rebuilt when a longer sequence comes; and a causal
+    mask built ``triu(0)`` (the diagonal hidden: query 0 sees no key and gives NaN with -inf), a real bug."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self._cos = self._sin = None
+
+    def tables(self, n: int, d: int, dtype: torch.dtype):
+        if self._cos is None or self._cos.shape[0] < n:
+            ang = torch.arange(n, dtype=dtype)[:, None] / 10000 ** (torch.arange(0, d, 2, dtype=dtype) / d)
+            self._cos, self._sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+        return self._cos[:n].to(dtype), self._sin[:n].to(dtype)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        cos, sin = self.tables(n, q.shape[-1], q.dtype)
+        q, k = (t * cos + torch.cat((-t[..., t.shape[-1] // 2:], t[..., :t.shape[-1] // 2]), -1) * sin for t in (q, k))
+        s = (q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5).masked_fill(torch.ones(n, n).triu().bool(), float("-inf"))
+        return self.out((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_nan_in_the_same_places_on_two_calls_is_no_state():
+    """catches: a module that gives NaN on the same rows on every call, with a cache that grows, named
+    state-dependent (NaN compared with NaN: "largest difference nan") beside its real findings."""
+    report = check(CachedRotaryNaNRow(), causal=True)
+    assert "causal-leak" in report.ids and "state-dependent" not in report.ids, report.ids
+
+
+# -- TabPFN's attention between items: a second kernel call over no queries -----------------------------------------
+class TrainTestItems(nn.Module):
+    """TabPFN's ``AlongColumnAttention`` with no test rows: the training rows attend to each other, then the
+    (empty) test rows attend to the training rows in a second SDPA call over zero queries, joined back."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        train = nn.functional.scaled_dot_product_attention(q, k, v)
+        test = nn.functional.scaled_dot_product_attention(q[:, :, n:], k, v)
+        return self.out(torch.cat((train, test), dim=2).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_kernel_call_over_no_queries_is_no_doctor_error():
+    """catches: the white box raising on an empty tensor (max() of no numbers) when the module calls a kernel on
+    zero queries, which left correct code inconclusive with a doctor error."""
+    report = check(TrainTestItems())
+    assert report.verdict == "passed" and report.doctor_errors == [], (report.ids, report.not_verified)
+
+
+# -- Moirai's grouped-query attention: heads on two axes, (B, groups, heads per group, L, D), a 5-D mask -----------
+class GroupsOnTwoAxes(nn.Module):
+    """uni2ts's ``GroupedQueryAttention``: q (B, G, H/G, L, D), k and v (B, G, 1, L, D) broadcast over the heads of
+    a group, q and k normalised per head, and the padding mask as a 5-D (B, G, 1, L, L) bool for SDPA (one per
+    group, as its variate bias is)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, groups: int = 2) -> None:
+        super().__init__()
+        self.heads, self.groups, self.d = heads, groups, dim // heads
+        self.q_proj = nn.Linear(dim, dim)
+        self.k_proj, self.v_proj = nn.Linear(dim, groups * self.d), nn.Linear(dim, groups * self.d)
+        self.out_proj = nn.Linear(dim, dim)
+        self.q_norm, self.k_norm = nn.LayerNorm(self.d), nn.LayerNorm(self.d)
+
+    def forward(self, x, attn_mask=None):
+        b, n, e = x.shape
+        q = self.q_proj(x).view(b, n, self.groups, self.heads // self.groups, self.d).permute(0, 2, 3, 1, 4)
+        k, v = (p(x).view(b, n, self.groups, 1, self.d).permute(0, 2, 3, 1, 4) for p in (self.k_proj, self.v_proj))
+        q, k = self.q_norm(q), self.k_norm(k)
+        k, v = k.expand_as(q), v.expand_as(q)
+        mask = None if attn_mask is None else attn_mask[:, None, None, None, :].expand(b, self.groups, 1, n, n)
+        out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.out_proj(out.permute(0, 3, 1, 2, 4).reshape(b, n, e))
+
+
+def test_heads_on_two_axes_with_a_five_dimensional_mask_are_read():
+    """catches: the white box raising (a doctor error, correct code inconclusive) when SDPA gets q (B, G, H/G, L, D)
+    and a 5-D mask, which it laid out over (B, H, L, L)."""
+    report = check(GroupsOnTwoAxes(), mask_convention="keep")
+    assert report.verdict == "passed" and report.doctor_errors == [], (report.ids, report.not_verified)
+
+
+# -- TimesFM's attention: q/k RMS norms, then a per-dimension scale 1/sqrt(D) * softplus(p) ln-normalised ----------
+class PerDimScaled(nn.Module):
+    """TimesFM 2.5's ``MultiHeadAttention`` (no rotary): q and k RMS-normalised per head with gains, q multiplied by
+    ``1.442695041 / sqrt(D) * softplus(per_dim_scale)`` (1/sqrt(D) in every entry at its initial 0), then SDPA with
+    ``scale=1.0``. ``zero_gains``: the norms' gains at 0, as the package initialises them (q = k = 0)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, zero_gains: bool = False) -> None:
+        super().__init__()
+        self.heads, self.d = heads, dim // heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        gains = torch.zeros(self.d) if zero_gains else 1 + 0.3 * torch.randn(self.d)
+        self.query_ln, self.key_ln = nn.Parameter(gains.clone()), nn.Parameter(gains.clone() + 0.1 * (not zero_gains))
+        self.per_dim_scale = nn.Parameter(torch.zeros(self.d))
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, self.d).unbind(2)
+        q, k = (t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+                for t, g in ((q, self.query_ln), (k, self.key_ln)))
+        q = q * (1.442695041 / self.d ** 0.5 * nn.functional.softplus(self.per_dim_scale))
+        o = nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                       scale=1.0)
+        return self.out(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_per_dimension_scale_of_one_number_is_the_scale():
+    """catches: TimesFM's per-dimension scale (a vector with 1/sqrt(D) in every entry at its initial value) not read
+    as a scale on the way to SDPA's scale=1.0 (missing-scale on the module as it ships); and with q = k = 0 (the
+    norms' gains at 0), a scale asserted where none can be read."""
+    report = check(PerDimScaled())
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    report = check(PerDimScaled(zero_gains=True))
+    assert not report.ids & {"missing-scale", "wrong-scale", "rotary-mismatch"}, report.ids

@@ -200,8 +200,11 @@ def _keys(call: Caller, x: Tensor) -> int | None:
         if op.name in SOFTMAX and op.outputs:  # the axis it normalises (an einsum's 'bijh' weights: dim 2)
             dim = op.args[1] if len(op.args) > 1 and isinstance(op.args[1], int) else op.kwargs.get("dim", -1)
             out = op.outputs[0]
-            return int(out.shape[dim]) if isinstance(dim, int) and -out.dim() <= dim < out.dim() else \
+            keys = int(out.shape[dim]) if isinstance(dim, int) and -out.dim() <= dim < out.dim() else \
                 int(out.shape[-1])
+            if keys == 1 and sum(size == x.shape[1] for size in out.shape) >= 2:
+                return x.shape[1]  # (L, L) weights normalised over an axis of one (a heads axis): not one key
+            return keys
     return None
 
 

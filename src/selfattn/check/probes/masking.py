@@ -13,6 +13,7 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
+import inspect
 import linecache
 import math
 import re
@@ -736,8 +737,13 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
     blew_up = False  # the first reading that matched no convention gave NaN or inf
     untouched: set[str] = set()  # labels whose mask reached no operation
     takes_bool: set[tuple[str | None, str]] = set()  # (argument, shape) where a bool mask was accepted
+    # a key mask that hides query rows: named once no other argument takes the mask as a key mask (PyG's
+    # MultiheadAttentionBlock takes the queries' mask first, x_mask, and the keys' second, y_mask)
+    broadcast: tuple[Caller, Tensor] | None = None
     for native in candidates:
         caller = ctx.exact_of(native)
+        if broadcast is not None and caller.mask_arg == broadcast[0].mask_arg:
+            continue
         if leaky is not None and not (caller.spec and leaky.spec and caller.spec.kind == "additive" and
                                       (caller.mask_arg, caller.spec.shape) == (leaky.mask_arg, leaky.spec.shape)):
             continue  # once a mask acts, only its additive reading may still fit exactly: no more shapes
@@ -824,14 +830,23 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             if not _query_axis_judged(caller):
                 tried[label] = "read as (B, Lq, Lk): (B, 1, L) is not this module's key mask"
                 continue
-            return _broadcast_finding(native, k0[0])
+            if _names_the_queries(ctx.module, caller.mask_arg):
+                tried[label] = "hides query rows: the mask of the queries' input, beside the keys' own"
+                continue
+            broadcast = broadcast or (native, k0[0])
+            tried[label] = "hides query rows instead of keys"
+            continue
         if _query_axis_judged(caller) and caller.spec is not None and caller.spec.kind == "keep" and \
                 ctx.spec is None and not ctx.declared and \
                 _hides_queries(masked_out, plain, ~k0[0]):  # True = padding, on the queries
-            return _broadcast_finding(native.with_mask(MaskSpec("ignore", caller.spec.shape)), ~k0[0])
+            broadcast = broadcast or (native.with_mask(MaskSpec("ignore", caller.spec.shape)), ~k0[0])
+            tried[label] = "hides query rows instead of keys (True = padding)"
+            continue
         tried[label] = "accepted; its effect matches no convention"
         if leaky is None:
             leaky, blew_up = native, not bool(torch.isfinite(masked_out).all())
+    if broadcast is not None:
+        return _broadcast_finding(*broadcast)
     if inverted is not None:
         return Outcome([Finding.of(MASK_INVERTED, "the module hides the tokens its mask keeps (declared or "
                                    "additive convention, used the other way round: wrong sign or flipped polarity)",
@@ -1015,6 +1030,19 @@ def _other_shapes(ctx: Context, found: Caller, candidates: list[Caller], plain: 
     return _key_mask_broadcast(ctx, candidates, plain)
 
 
+def _names_the_queries(module: nn.Module, arg: str | None) -> bool:
+    """Is ``arg`` the mask of forward's first input, the queries', beside another mask argument (PyG's
+    ``MultiheadAttentionBlock.forward(x, y, x_mask, y_mask)``, a ``query_mask`` beside a ``key_mask``)? A query
+    mask hides query rows by design."""
+    try:
+        names = [p.name for p in inspect.signature(module.forward).parameters.values()]
+    except (TypeError, ValueError):
+        return False
+    if arg is None or not names or sum(named_like_mask(n) for n in names) < 2:
+        return False
+    return arg.startswith(f"{names[0]}_") or arg in ("query_mask", "q_mask", "queries_mask")
+
+
 def _key_mask_broadcast(ctx: Context, candidates: list[Caller], plain: Tensor) -> Outcome[Caller] | None:
     """A module that takes a full mask may also take a (B, L) key mask of another kind (a 1/0 HF attention
     mask beside an additive (B, 1, L, L) one); check that it hides keys, not queries."""
@@ -1022,7 +1050,7 @@ def _key_mask_broadcast(ctx: Context, candidates: list[Caller], plain: Tensor) -
     b, length, _ = x.shape
     keep = probe_keep(b, length, True)
     for native in candidates:
-        if not _query_axis_judged(native):
+        if not _query_axis_judged(native) or _names_the_queries(ctx.module, native.mask_arg):
             continue
         caller = ctx.exact_of(native)
         try:

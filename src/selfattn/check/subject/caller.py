@@ -204,7 +204,9 @@ def to_layout(x: Tensor, layout: str) -> Tensor:
     if layout in ("channels-first", "channels-last"):
         b, n, e = x.shape
         image = x.reshape(b, *grid(n), e)
-        return image.permute(0, 3, 1, 2) if layout == "channels-first" else image
+        # in the memory format users pass, contiguous (B, E, H, W): a channels-last-strided input makes some of
+        # torch's CPU backward kernels crash (a GroupNorm image block's backward segfaults in torch 2.13)
+        return image.permute(0, 3, 1, 2).contiguous() if layout == "channels-first" else image
     if layout == "grouped":
         return x.unsqueeze(1)
     return x

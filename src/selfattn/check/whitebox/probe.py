@@ -51,6 +51,7 @@ from .products import (
     memory_tokens,
     positions_added,
     relative_positions,
+    rotated_operands,
     rotation_off_the_tokens,
     score_operands,
     table_not_relative,
@@ -300,7 +301,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         # rejoined to v in a packed qkv, as Phi's remote code does): one token everywhere tells whether the scores
         # are relative
         made = {op.name for op in plain.ops}
-        rotated = {"cos", "sin"} <= made
+        rotated = {"cos", "sin"} <= made or rotated_operands(plain)  # tables cached ahead: the rotation itself
     if rotated and not any(f.severity == "error" for f in findings):
         mismatch = _rotated_alike(module, caller, x, getattr(caller.adapter, "recorded_eps", 0.0), memory)
         if mismatch is not None:
@@ -357,11 +358,23 @@ def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trac
     other = x.clone()
     other[:, [t, u]] = x[:, [u, t]]
     try:
-        trace, _ = record(module, partial(caller, other))
+        trace, moved = record(module, partial(caller, other))
     except Exception:  # a module that rejects this input has been read on the probe's own
         return None
     n, swapped = x.shape[1] + memory[0], (u + memory[1], t + memory[1])
-    return mixed_rows(plain, trace, n, swapped) or mixed_after(plain, trace, out, n, swapped)
+    mixed = mixed_rows(plain, trace, n, swapped) or mixed_after(plain, trace, out, n, swapped)
+    if mixed is not None and isinstance(moved, Tensor) and moved.shape == x.shape:
+        # the output's rows swapped as the tokens were, exactly: whatever order the tensors on the way took (rows
+        # gathered in the order of a top-k, Informer's ProbSparse queries, and put back by their index), no token
+        # was spread over another's row
+        with torch.no_grad():
+            before = caller(x)
+        back = moved.clone()
+        back[:, [t, u]] = moved[:, [u, t]]
+        if before.shape == back.shape and bool(torch.isfinite(before).all()) and \
+                float((back - before).abs().max()) <= 1e-9 * (1 + float(before.abs().max())):
+            return None
+    return mixed
 
 
 def _normed_over_tokens(module: nn.Module, caller: Caller, x: Tensor, plain: Trace) -> str | None:

@@ -62,8 +62,9 @@ from .positions import (
 )
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Origin, Trace
 
-__all__ = ["ROLE_PATTERNS", "Verdict", "bucket_not_relative", "core_operands", "every_key_hidden", "examine_cores",
-           "memory_tokens", "name_role", "relative_positions", "rotation_off_the_tokens", "table_not_relative"]
+__all__ = ["ROLE_PATTERNS", "Verdict", "bucket_not_relative", "core_operands", "distance_rewarded", "every_key_hidden",
+           "examine_cores", "memory_tokens", "name_role", "relative_positions", "rotated_operands",
+           "rotation_off_the_tokens", "table_not_relative"]
 
 _SCALES = frozenset({"mul", "rmul", "mul_", "imul", "div", "truediv", "div_", "itruediv"})
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
@@ -1099,12 +1100,15 @@ def _head_bias_table(trace: Trace, heads: set[int]) -> str | None:
 def bucket_not_relative(trace: Trace, heads: set[int], plain_only: bool = False) -> str | None:
     """Why a T5-style bias table (learned, one column per head) is looked up by an index that is not of j - i: the
     index changes along a diagonal (the query's position dropped from ``memory_position - context_position``, say);
-    None when it is of j - i or there is no such table. ``plain_only``: only an index of one position (the key's
+    None when it is of j - i, a symmetric distance of some other structure (the same on the diagonal), or there is
+    no such table. ``plain_only``: only an index of one position (the key's
     or the query's) or of i + j counts (a grid's offsets, flattened, are of neither: a 2-D relative index)."""
     found = _head_bias_lookup(trace, heads)
     if found is None or _toeplitz(found[1]):
         return None
     table, square = found
+    if torch.equal(square, square.T) and bool((square.diagonal() == square[0, 0]).all()):
+        return None  # a distance on another structure than the line (Graphormer's shortest paths, |dy|, |dx| on a grid)
     rows_alike, columns_alike = bool((square == square[:1]).all()), bool((square == square[:, :1]).all())
     summed = _toeplitz(square.flip(-1))  # constant along each anti-diagonal: an index of i + j
     if plain_only and not (rows_alike or columns_alike or summed):
@@ -1342,6 +1346,37 @@ def _self_mask(s: Tensor, hidden: Tensor) -> str | None:
             "when no other key is visible (shared-QK attention's self mask, as in Reformer)")
 
 
+def distance_rewarded(t: Tensor, seen: Tensor) -> str | None:
+    """For a term added to square scores (..., L, L), visible where ``seen``: is it, in every head, a number per query
+    row plus a slope times the distance |i - j|, with the slopes positive (and some above 0)? ALiBi subtracts
+    m |i - j| (or adds m (j - i) for j <= i): a term that grows with the distance rewards far keys, ALiBi's sign
+    flipped. What that is, or None (a learned table, any other term)."""
+    n = t.shape[-1]
+    if t.dim() < 2 or t.shape[-2] != n or n < 3 or seen.shape != t.shape:
+        return None
+    at = torch.arange(n, device=t.device)
+    dist = (at[:, None] - at[None, :]).abs().double()
+    rows, masks = t.double().reshape(-1, n, n), seen.reshape(-1, n, n)
+    top = 1 + float(rows.masked_fill(~masks, 0).abs().max())
+    slopes = []
+    for row, mask in zip(rows, masks, strict=True):  # each query row up to a number of its own (the softmax's)
+        count = mask.sum(-1, keepdim=True).clamp_min(1)
+        xc = torch.where(mask, dist - (dist * mask).sum(-1, keepdim=True) / count, 0.0)
+        yc = torch.where(mask, row - row.masked_fill(~mask, 0).sum(-1, keepdim=True) / count, 0.0)
+        spread = float((xc * xc).sum())
+        if spread == 0:
+            continue
+        slope = float((xc * yc).sum()) / spread
+        if float((yc - slope * xc).abs().max()) > 1e-6 * top:
+            return None  # not linear in the distance: another term (a learned table, buckets)
+        slopes.append(slope)
+    if not slopes or min(slopes) < -1e-9 * top or max(slopes) <= 1e-6 * top:
+        return None
+    return (f"a position term that grows with the distance |i - j| (slopes {min(slopes):.3g} to {max(slopes):.3g} per "
+            "position) raises the scores of distant keys: ALiBi's distance penalty with its sign flipped (ALiBi "
+            "adds -m |i - j|)")
+
+
 def _own_key_hidden(hidden: Tensor, keep: Tensor) -> bool:
     """Is every token's own key hidden, and apart from the diagonal exactly what a key mask (the same for every query:
     padding, no causal pattern) hides? Then the diagonal is a design of its own (locality self-attention, Lee et
@@ -1352,9 +1387,12 @@ def _own_key_hidden(hidden: Tensor, keep: Tensor) -> bool:
         return False
     if not bool(hidden.diagonal(dim1=-2, dim2=-1).all()) or not bool((keep == keep[..., :1, :]).all()):
         return False
-    eye = torch.eye(n, dtype=torch.bool, device=hidden.device)
-    visible = ~hidden & ~eye
-    return bool(torch.equal(visible, (keep & ~eye).expand_as(visible)))
+    rows, keys = hidden.reshape(-1, n, n), keep.reshape(-1, n, n)[:, 0, :]  # heads may be folded into the batch
+    if rows.shape[0] % keys.shape[0]:
+        return False
+    keys = keys.repeat_interleave(rows.shape[0] // keys.shape[0], 0).to(rows.device)
+    eye = torch.eye(n, dtype=torch.bool, device=rows.device)
+    return bool(torch.equal(~rows & ~eye, keys[:, None, :] & ~eye))
 
 
 def _convolved_before(trace: Trace, op: Op) -> bool:
@@ -1848,6 +1886,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                                       "as a shifted-window mask)", **evidence}, facts)
         if float(t.abs().max()) > 1e-3 * size:
             facts.setdefault("position term", "an additive term of (head, query, key) (a relative-position bias)")
+            farther = distance_rewarded(t, seen)
+            if farther is not None:
+                return Verdict(DEFINITION_MISMATCH, {"matches": farther, **evidence}, facts)
     tokens = p.shape[-1] if window else length  # within windows, q and k hold a window's tokens
     axis_a, axis_b = _contracted_axis(product, 0, a), _contracted_axis(product, 1, b)
     over_tokens = normalised_over_tokens(trace, aid, d, tokens, a, axis_a) or \
@@ -1987,8 +2028,9 @@ def every_key_hidden(trace: Trace) -> str | None:
     it says, or None."""
     for op in trace.ops:
         if op.name == "scaled_dot_product_attention" and op.inputs:
-            hidden = _hidden_by(op.kwargs.get("attn_mask", op.args[3] if len(op.args) > 3 else None))
-            if hidden is not None and hidden.numel() and bool(hidden.all()):
+            mask = op.kwargs.get("attn_mask", op.args[3] if len(op.args) > 3 else None)
+            hidden = _hidden_by(~mask if isinstance(mask, Tensor) and mask.dtype == torch.bool else mask)  # True =
+            if hidden is not None and hidden.numel() and bool(hidden.all()):  # attend, for SDPA
                 return "scaled_dot_product_attention gets an attn_mask that hides every key from every query"
         elif op.name == "multi_head_attention_forward":
             import inspect
@@ -2055,6 +2097,9 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     if over_tokens:
         return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, "head dim": d,
                                              "product": "scaled_dot_product_attention"}, facts)
+    if not bool(q.any()) or not bool(k.any()):
+        raise Unseen("q or k is all zeros (a gain initialised at 0): every scale gives the same weights, so the scale "
+                     "cannot be read")
     origin_q, origin_k = scale_origin(trace, op.in_ids[0]), scale_origin(trace, op.in_ids[1])
     scale = base * origin_q.factor * origin_k.factor
     unit = _unit_norm(q, k, origin_q.factor, origin_k.factor) or \
@@ -2067,8 +2112,17 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     if keep is not None and not cached:
         hidden = _sdpa_hidden(op, length)
         # (B, H, L, L); or heads folded into the batch (B * H, L, L), the layout xformers' kernels take, read by items
-        lead = (q.shape[0],) if q.dim() == 3 and q.shape[0] != keep.shape[0] else (keep.shape[0], q.shape[-3])
-        hidden = hidden.expand(*torch.broadcast_shapes(hidden.shape, (*lead, length, length)))
+        lead: tuple[int, ...] = (q.shape[0],) if q.dim() == 3 and q.shape[0] != keep.shape[0] else \
+            (keep.shape[0], q.shape[-3])
+        if q.dim() > 4:  # heads grouped on two axes, (B, groups, heads per group, L, D) (Moirai's): read as (B, H)
+            lead = tuple(q.shape[:-2])
+        try:
+            hidden = hidden.expand(*torch.broadcast_shapes(hidden.shape, (*lead, length, length)))
+        except RuntimeError as err:
+            raise Unrecognised(f"the kernel's mask {tuple(hidden.shape)} does not lay out over its queries "
+                               f"{tuple(q.shape)}") from err
+        if hidden.dim() > 4:
+            hidden = hidden.reshape(hidden.shape[0], -1, length, length)
         masked = _mask_verdict(hidden, keep, evidence)
         if masked is not None:
             merge_fid, merged = _merge(trace, op, op.outputs[0], final)  # a wrong merge distorts the pattern
@@ -2300,34 +2354,41 @@ def score_operands(trace: Trace) -> tuple[Tensor, Tensor] | None:
     return None
 
 
+def _core_pairs(trace: Trace) -> list[tuple[int, Tensor]]:
+    """(id, tensor) of q and k as they reach the record's first attention core; empty when none is read."""
+    for op in trace.ops:
+        if op.name == "scaled_dot_product_attention" and len(op.inputs) >= 2:
+            return list(zip(op.in_ids[:2], op.inputs[:2], strict=True))
+        if op.name in SOFTMAX:
+            try:
+                return _operands(_score_chain(trace, op.in_ids[0])[0])[:2]
+            except (Unseen, Unrecognised, RuntimeError):
+                continue
+    return []
+
+
+def rotated_operands(trace: Trace) -> bool:
+    """Is q or k, as it reaches the first attention core, rotated like rotary positions (along any axis)?"""
+    return any(rotary(trace, tid, value) is not None for tid, value in _core_pairs(trace))
+
+
 def rotation_off_the_tokens(trace: Trace, length: int) -> str | None:
     """For a run on one token repeated at every position: is q or k, as it reaches the first attention core, rotated
     like rotary positions (the rotation read along some axis) yet the same at every position? Then the cos and sin
     tables run along another axis than the tokens (built for (B, H, L, D) and applied to (B, L, H, D): along the
     heads), turn q and k alike everywhere, and the scores carry no position: what that is, or None."""
-    for op in trace.ops:
-        if op.name == "scaled_dot_product_attention" and len(op.inputs) >= 2:
-            pairs = list(zip(op.in_ids[:2], op.inputs[:2], strict=True))
-        elif op.name in SOFTMAX:
-            try:
-                pairs = _operands(_score_chain(trace, op.in_ids[0])[0])[:2]
-            except (Unseen, Unrecognised, RuntimeError):
-                continue
-        else:
+    for role, (tid, value) in zip("qk", _core_pairs(trace), strict=False):
+        axes = [i for i, size in enumerate(value.shape) if size == length]
+        if not axes or value.shape[-1] == length:
             continue
-        for role, (tid, value) in zip("qk", pairs, strict=False):
-            axes = [i for i, size in enumerate(value.shape) if size == length]
-            if not axes or value.shape[-1] == length:
-                continue
-            t = value.double()
-            size = 1e-9 * (1 + float(t.abs().max()))
-            if all(float((t - t.narrow(a, 0, 1)).abs().max()) <= size for a in axes):
-                turned = rotary(trace, tid, value)
-                if turned is not None:
-                    return (f"{role} is rotated ({turned}) but, for one token repeated at every position, the same at "
-                            "every position: the cos/sin tables run along another axis than the tokens (the heads?), "
-                            "so the scores carry no position")
-        return None
+        t = value.double()
+        size = 1e-9 * (1 + float(t.abs().max()))
+        if bool(t.any()) and all(float((t - t.narrow(a, 0, 1)).abs().max()) <= size for a in axes):
+            turned = rotary(trace, tid, value)
+            if turned is not None:
+                return (f"{role} is rotated ({turned}) but, for one token repeated at every position, the same at "
+                        "every position: the cos/sin tables run along another axis than the tokens (the heads?), "
+                        "so the scores carry no position")
     return None
 
 

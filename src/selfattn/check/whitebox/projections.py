@@ -20,9 +20,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..findings import HEAD_MERGE, MASK_AFTER_SOFTMAX, MATMUL_ORDER, MISSING_SCALE, SOFTMAX_DIM, WRONG_SCALE
+from ..findings import (
+    DEFINITION_MISMATCH,
+    HEAD_MERGE,
+    MASK_AFTER_SOFTMAX,
+    MATMUL_ORDER,
+    MISSING_SCALE,
+    SOFTMAX_DIM,
+    WRONG_SCALE,
+)
 from .positions import ROPE_BASES, rope
-from .products import name_role
+from .products import distance_rewarded, name_role
 from .trace import Linear, Op, Trace, linears
 
 
@@ -389,6 +397,9 @@ def identify(cap: Capture, module_out: Tensor, heads: list[int], keep: Tensor | 
                              "compared with": best[5], **({"positions": best[4]} if best[4] else {})}
     bias = _relative_bias(cap, targets, heads, keep, known_bias, rtol, stated)
     if bias is not None:
+        farther = distance_rewarded(bias["_bias"][None], bias.pop("_seen"))
+        if farther is not None:
+            return DEFINITION_MISMATCH, {"matches": farther, **bias}
         return None, bias
     raise NoFormula("no known formula reproduces the output" +
                       ("" if best is None or best[0] == math.inf else
@@ -423,6 +434,6 @@ def _relative_bias(cap: Capture, targets: list[Target], heads: list[int], keep: 
             err, where = _error(cand, targets)
             if err < rtol:
                 return {"formula": "softmax(QK^T / sqrt(D) + bias(head, query, key)) V", "heads": h,
-                        "relative error": err, "compared with": where, "_bias": diff[0],
+                        "relative error": err, "compared with": where, "_bias": diff[0], "_seen": seen[:1],
                         "positions": "a relative-position bias (depends only on query, key)"}
     return None

@@ -74,7 +74,30 @@ def mixed_rows(first: Trace, second: Trace, length: int, tokens: tuple[int, int]
 
     # the tokens may be on the last axis (keys laid out (B, H, D, L) for q @ k): a view that puts features there
     # instead of a permute spreads them (a feature axis of L, B x L x L inputs, is read as tokens too)
-    return _first_spread(first, second, length, lambda op: op.name in LAYOUT, said, last=True, counted=True)
+    return _first_spread(first, second, length, lambda op: op.name in LAYOUT and not _picked_by_values(first, op),
+                         said, last=True, counted=True)
+
+
+# operations whose result orders or picks positions by the values (a top-k of queries, a sort, a random sample)
+_BY_VALUES = frozenset({"topk", "sort", "argsort", "argmax", "argmin", "nonzero", "randint", "randperm",
+                        "multinomial"})
+
+
+def _picked_by_values(trace: Trace, op: Op) -> bool:
+    """Is ``op`` an indexing whose index was chosen by the values (Informer's ProbSparse queries gathered in the order
+    of a top-k)? The rows it gathers follow the data, not a layout: they are put back by the same index."""
+    if op.name not in ("getitem", "index_select", "gather"):
+        return False
+    main = op.main_input()
+    for tid in op.in_ids:
+        if tid == main:
+            continue
+        found = trace.maker(tid)
+        if found is not None and found[0].name in _BY_VALUES:
+            return True
+        if any((m := trace.maker(a)) is not None and m[0].name in _BY_VALUES for a in trace.ancestors(tid, 24)):
+            return True
+    return False
 
 
 def mixed_after(first: Trace, second: Trace, out: int, length: int, tokens: tuple[int, int]) -> str | None:
@@ -142,7 +165,7 @@ _CORE = PRODUCTS | SOFTMAX | {"scaled_dot_product_attention", "multi_head_attent
 def _changed(a: Tensor, b: Tensor) -> Tensor | None:
     """Where ``a`` and ``b`` differ (beyond rounding), for two real floating tensors of one shape; else None."""
     if not isinstance(a, Tensor) or not isinstance(b, Tensor) or a.shape != b.shape or a.is_complex() or \
-            not a.is_floating_point():
+            not a.is_floating_point() or a.numel() == 0:  # an empty tensor (an attention over no queries) holds none
         return None
     diff = (a.double() - b.double()).abs()
     return diff > 1e-6 * (1 + float(a.double().abs().max()))

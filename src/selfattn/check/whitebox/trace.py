@@ -123,11 +123,19 @@ class Op:
         """For a multiplication or division by a number: the factor it applies (1 / d for a division), else None."""
         if self.name not in _SCALARS or len(self.args) < 2:
             return None
-        other = self.args[1] if isinstance(self.args[0], Tensor) and self.args[0].numel() > 1 else self.args[0]
+        main = self.args[0] if isinstance(self.args[0], Tensor) and self.args[0].numel() > 1 else self.args[1]
+        other = self.args[1] if main is self.args[0] else self.args[0]
         if isinstance(other, Tensor):
-            if other.numel() != 1:
+            if other.numel() == 0 or other.is_complex() or not other.is_floating_point():
                 return None
-            other = float(other)
+            # a vector over the features broadcast onto the operand whose entries are all one number (TimesFM's
+            # per-dimension scale at its initial value, 1/sqrt(D) in every entry) scales it by that number; not a
+            # tensor over other axes (a count of visible keys per row), nor a vector of zeros (a gain at 0)
+            if other.numel() > 1 and (not isinstance(main, Tensor) or other.numel() >= main.numel() or
+                                      other.shape[-1] != main.shape[-1] or other.numel() != other.shape[-1] or
+                                      not bool((other == other.reshape(-1)[0]).all()) or not bool(other.any())):
+                return None
+            other = float(other.reshape(-1)[0])
         if not isinstance(other, (int, float)) or isinstance(other, bool):
             return None
         if self.name in ("div", "truediv", "div_", "itruediv"):
