@@ -591,3 +591,34 @@ def test_a_per_dimension_scale_of_one_number_is_the_scale():
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
     report = check(PerDimScaled(zero_gains=True))
     assert not report.ids & {"missing-scale", "wrong-scale", "rotary-mismatch"}, report.ids
+
+
+# -- Gemma 2's soft-capping, as litgpt and torchtune write it: the cap the config states ----------------------------
+class SoftCapped(nn.Module):
+    """Gemma 2 style: ``cap * tanh(scores * scale / cap)`` with the cap from ``config.attn_logit_softcapping``;
+    ``cap_first`` caps the unscaled scores and scales after (``tanh(qk / cap) * cap * scale``), the slip that reads
+    as a cap of cap * scale."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, cap_first: bool = False) -> None:
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(attn_logit_softcapping=5.0)
+        self.heads, self.cap_first = heads, cap_first
+        self.qkv, self.o_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        cap, scale = self.config.attn_logit_softcapping, q.shape[-1] ** -0.5
+        s = q @ k.transpose(-1, -2)
+        s = torch.tanh(s / cap) * cap * scale if self.cap_first else cap * torch.tanh(s * scale / cap)
+        return self.o_proj((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_soft_cap_other_than_the_stated_one_is_named():
+    """catches: soft-capping applied before the scale, read as a cap of cap * scale and certified though the config
+    states the cap (litgpt's and torchtune's Gemma 2 with the two steps swapped)."""
+    report = check(SoftCapped())
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "definition-mismatch" in check(SoftCapped(cap_first=True)).ids

@@ -64,6 +64,21 @@ from .trace import Trace, key, record
 __all__ = ["declared_scale", "white_box"]
 
 
+_SOFTCAPS = ("attn_logit_softcapping", "attention_logit_softcapping", "attn_logit_softcap", "attn_softcap",
+             "softcapping", "logit_softcapping")
+
+
+def declared_softcap(module: nn.Module) -> tuple[float, str] | None:
+    """The cap on the attention scores the module or its config states (Gemma 2's ``attn_logit_softcapping``,
+    litgpt's ``attention_logit_softcapping``, torchtune's ``softcapping``), and where it was read; None."""
+    for owner, where in ((module, "the module"), (getattr(module, "config", None), "the config")):
+        for name in _SOFTCAPS:
+            stated = getattr(owner, name, None) if owner is not None else None
+            if isinstance(stated, (int, float)) and not isinstance(stated, bool) and stated > 0:
+                return float(stated), f"{where} states {name} = {stated}"
+    return None
+
+
 def declared_scale(module: nn.Module) -> tuple[Callable[[int], float | None], str | None]:
     """The score scale the module's config states instead of 1/sqrt(head dim), as a function of the head dim,
     and where it was read (``query_pre_attn_scalar``, litgpt's ``attention_scores_scalar``, ``qk_scale_factor``,
@@ -204,6 +219,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     hint = num_heads_of(ctx.module)
     heads = [hint] if hint else [h for h in (1, 2, 4, 8, 16, 32) if e % h == 0]
     config_scale, stated_where = declared_scale(ctx.module)
+    stated_cap = declared_softcap(ctx.module)
 
     def stated(d: int) -> float | None:
         return ctx.scale if ctx.scale is not None else config_scale(d)
@@ -267,6 +283,13 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
             evidence = {**evidence, "matches": f"{evidence.get('matches')}, with a mask whose effect matches no "
                                                "convention: it hides other keys than it marks"}
         facts.update(found_facts)
+        capped = evidence.pop("_softcap", None)
+        if capped is not None and stated_cap is not None and fid is None and \
+                abs(capped / stated_cap[0] - 1) > 1e-3:  # tanh(s / cap) * cap * scale: the cap put before the scale
+            fid = DEFINITION_MISMATCH
+            evidence = {**evidence, "matches": f"the scores are capped at {capped:.6g} where {stated_cap[1]}: the "
+                                               "cap applied before the scale (tanh(s / cap) * cap * scale) or to other "
+                                               "scores than the scaled ones"}
         bias = evidence.pop("_bias", bias)
         positions = positions or evidence.get("positions")
         results[label] = f"matches the definition: {evidence['formula']}" if fid is None else \

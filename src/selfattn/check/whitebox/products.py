@@ -1800,6 +1800,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         raw = s.double()
         s = torch.where(raw > _MASKED, cap * torch.atanh((raw / cap).clamp(-1 + 1e-12, 1 - 1e-12)), raw)
         facts["soft-capping"] = f"scores capped at {cap:.6g} by cap * tanh(scores / cap)"
+        evidence["_softcap"] = cap  # compared with the cap the module states (read by the probe, not reported)
     if temperatures and "tanh" not in names:  # a learned temperature per head: the scale is learned
         temperature = math.prod(temperatures[1:], start=temperatures[0])
         raw = s.double()
