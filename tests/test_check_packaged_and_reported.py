@@ -622,3 +622,53 @@ def test_a_soft_cap_other_than_the_stated_one_is_named():
     report = check(SoftCapped())
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
     assert "definition-mismatch" in check(SoftCapped(cap_first=True)).ids
+
+
+# -- OLMo's q/k norm over the whole width: before the rotation, or (the slip) after it ------------------------------
+class WidthNormedRotary(nn.Module):
+    """olmo-core style: q and k RMS-normalised over the whole width with learned gains (drawn as after training),
+    rotary tables cached ahead as buffers; ``norm_after`` applies the norm after the rotation, which makes each
+    token's score with itself depend on its absolute position."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, norm_after: bool = False) -> None:
+        super().__init__()
+        self.heads, self.d, self.norm_after = heads, dim // heads, norm_after
+        self.w_q, self.w_k, self.w_v, self.w_out = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.q_gain, self.k_gain = nn.Parameter(1 + 0.5 * torch.randn(dim)), nn.Parameter(1 + 0.5 * torch.randn(dim))
+        inv = 1.0 / 10000 ** (torch.arange(0, self.d, 2).float() / self.d)
+        emb = torch.cat((torch.outer(torch.arange(128).float(), inv),) * 2, dim=-1)
+        self.register_buffer("cos_cached", emb.cos())
+        self.register_buffer("sin_cached", emb.sin())
+
+    @staticmethod
+    def rms(t, gain):
+        og = t.dtype  # computed in float32 and cast back, as olmo-core's RMSNorm does
+        t = t.float()
+        t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (gain.float() * t).type_as(gain).to(og)
+
+    def rotate(self, t):
+        n = t.shape[1]
+        cos, sin = self.cos_cached[:n, None].to(t.dtype), self.sin_cached[:n, None].to(t.dtype)
+        return t * cos + _rotate_half(t) * sin
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = self.w_q(x), self.w_k(x), self.w_v(x)
+        if not self.norm_after:
+            q, k = self.rms(q, self.q_gain), self.rms(k, self.k_gain)
+        q, k = (self.rotate(t.view(b, n, self.heads, self.d)).reshape(b, n, e) for t in (q, k))
+        if self.norm_after:
+            q, k = self.rms(q, self.q_gain), self.rms(k, self.k_gain)
+        q, k, v = (t.view(b, n, self.heads, self.d).transpose(1, 2).contiguous() for t in (q, k, v))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.w_out(out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_norm_after_the_rotation_is_named_with_tables_cached_ahead():
+    """catches: a q/k norm over the whole width applied after the rotation (OLMo's slip) certified when the rotary
+    tables are cached ahead: the rotation, several operations before the kernel, was not looked for."""
+    torch.manual_seed(0)
+    report = check(WidthNormedRotary(), causal=True)
+    assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
+    assert "rotary-mismatch" in check(WidthNormedRotary(norm_after=True), causal=True).ids

@@ -42,10 +42,10 @@ def rope(t: Tensor, base: float, interleaved: bool) -> Tensor:
     return t * cos + half * sin
 
 
-def rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
+def rotary(trace: Trace, tid: int, value: Tensor, reach: int = 8) -> str | None:
     """The rotary positions a score operand was given: a tensor it was made from (the operand, or a part of it
-    for partial rotary) equals one of its ancestors a few operations back rotated by the standard frequencies;
-    None if none does."""
+    for partial rotary; one of the ``reach`` nearest) equals one of its ancestors a few operations back rotated by
+    the standard frequencies; None if none does."""
     near: list[tuple[int, Tensor]] = []  # the operand and the tensors it was made from, nearest first
     todo, seen = [tid], {tid}
     while todo and len(near) < 48:
@@ -59,7 +59,7 @@ def rotary(trace: Trace, tid: int, value: Tensor) -> str | None:
                 if i not in seen:
                     seen.add(i)
                     todo.append(i)
-    for index, (_, t) in enumerate(near[:8]):
+    for index, (_, t) in enumerate(near[:reach]):
         if t.dim() < 2 or t.shape[-1] % 2 or t.is_complex():
             continue
         for _, source in near[index + 1:]:

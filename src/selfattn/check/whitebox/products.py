@@ -2369,8 +2369,9 @@ def _core_pairs(trace: Trace) -> list[tuple[int, Tensor]]:
 
 
 def rotated_operands(trace: Trace) -> bool:
-    """Is q or k, as it reaches the first attention core, rotated like rotary positions (along any axis)?"""
-    return any(rotary(trace, tid, value) is not None for tid, value in _core_pairs(trace))
+    """Is q or k, as it reaches the first attention core, rotated like rotary positions (along any axis), a few more
+    operations back than the white box's own reading looks (a q/k norm after the rotation: OLMo's)?"""
+    return any(rotary(trace, tid, value, reach=24) is not None for tid, value in _core_pairs(trace))
 
 
 def rotation_off_the_tokens(trace: Trace, length: int) -> str | None:
