@@ -830,7 +830,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             if not _query_axis_judged(caller):
                 tried[label] = "read as (B, Lq, Lk): (B, 1, L) is not this module's key mask"
                 continue
-            if _names_the_queries(ctx.module, caller.mask_arg):
+            if _names_the_queries(ctx.module, caller.mask_arg, ctx.call.style):
                 tried[label] = "hides query rows: the mask of the queries' input, beside the keys' own"
                 continue
             broadcast = broadcast or (native, k0[0])
@@ -1030,10 +1030,12 @@ def _other_shapes(ctx: Context, found: Caller, candidates: list[Caller], plain: 
     return _key_mask_broadcast(ctx, candidates, plain)
 
 
-def _names_the_queries(module: nn.Module, arg: str | None) -> bool:
-    """Is ``arg`` the mask of forward's first input, the queries', beside another mask argument (PyG's
-    ``MultiheadAttentionBlock.forward(x, y, x_mask, y_mask)``, a ``query_mask`` beside a ``key_mask``)? A query
-    mask hides query rows by design."""
+def _names_the_queries(module: nn.Module, arg: str | None, style: str) -> bool:
+    """For a forward that takes the queries and the keys apart (``style`` "qk" or "qkv"): is ``arg`` the mask of its
+    first input, the queries', beside another mask argument (PyG's ``MultiheadAttentionBlock.forward(x, y, x_mask,
+    y_mask)``, a ``query_mask`` beside a ``key_mask``)? A query mask hides query rows by design."""
+    if style not in ("qk", "qkv"):
+        return False
     try:
         names = [p.name for p in inspect.signature(module.forward).parameters.values()]
     except (TypeError, ValueError):
@@ -1050,7 +1052,7 @@ def _key_mask_broadcast(ctx: Context, candidates: list[Caller], plain: Tensor) -
     b, length, _ = x.shape
     keep = probe_keep(b, length, True)
     for native in candidates:
-        if not _query_axis_judged(native) or _names_the_queries(ctx.module, native.mask_arg):
+        if not _query_axis_judged(native) or _names_the_queries(ctx.module, native.mask_arg, ctx.call.style):
             continue
         caller = ctx.exact_of(native)
         try:
