@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..findings import (
     CAUSAL_LEAK,
@@ -2009,17 +2009,21 @@ def _sdpa_hidden(op: Op, length: int) -> Tensor:
     hidden = torch.zeros(length, length, dtype=torch.bool)
     if causal:
         hidden = hidden | torch.ones(length, length, dtype=torch.bool).triu(1)
-    if isinstance(mask, Tensor):
-        hidden = hidden | (~mask.cpu() if mask.dtype == torch.bool else mask.cpu() <= _MASKED)
-    return hidden
+    masked = _sdpa_mask_hidden(mask)
+    return hidden if masked is None else hidden | masked
 
 
 def _hidden_by(mask: object) -> Tensor | None:
-    """Where a mask given to torch's kernels hides (bool True = hidden, as key_padding_mask and MHA's attn_mask read
-    it; a float mask, where it is -inf or below a fill)."""
+    """Where a mask given to torch's MultiheadAttention hides (bool True = hidden, as key_padding_mask and its
+    attn_mask read it; a float mask, where it is -inf or below a fill)."""
     if not isinstance(mask, Tensor):
         return None
     return mask.cpu() if mask.dtype == torch.bool else mask.detach().cpu() <= _MASKED
+
+
+def _sdpa_mask_hidden(mask: object) -> Tensor | None:
+    """Where an attn_mask given to scaled_dot_product_attention hides (its bool mask reads True as may attend)."""
+    return _hidden_by(~mask if isinstance(mask, Tensor) and mask.dtype == torch.bool else mask)
 
 
 def every_key_hidden(trace: Trace) -> str | None:
@@ -2029,14 +2033,11 @@ def every_key_hidden(trace: Trace) -> str | None:
     it says, or None."""
     for op in trace.ops:
         if op.name == "scaled_dot_product_attention" and op.inputs:
-            mask = op.kwargs.get("attn_mask", op.args[3] if len(op.args) > 3 else None)
-            hidden = _hidden_by(~mask if isinstance(mask, Tensor) and mask.dtype == torch.bool else mask)  # True =
-            if hidden is not None and hidden.numel() and bool(hidden.all()):  # attend, for SDPA
+            hidden = _sdpa_mask_hidden(op.kwargs.get("attn_mask", op.args[3] if len(op.args) > 3 else None))
+            if hidden is not None and hidden.numel() and bool(hidden.all()):
                 return "scaled_dot_product_attention gets an attn_mask that hides every key from every query"
         elif op.name == "multi_head_attention_forward":
-            import inspect
-
-            a = inspect.signature(nn.functional.multi_head_attention_forward).bind(*op.args, **op.kwargs).arguments
+            a = op.mha_arguments()
             padding, pairs = _hidden_by(a.get("key_padding_mask")), _hidden_by(a.get("attn_mask"))
             if a.get("bias_k") is not None or a.get("add_zero_attn"):
                 continue  # a key no mask covers

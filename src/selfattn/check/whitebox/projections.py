@@ -163,9 +163,7 @@ def _readings(group: list[Linear]) -> tuple[list[tuple[Tensor, Tensor, Tensor]],
 def _mha(op: Op, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Project, Tensor | None] | None:
     """q, k, v, the output map of nn.MultiheadAttention's functional core, when its query is ``x``, and the term
     its float attn_mask adds to the scores when that mask is a bias, (B or 1, H or 1, L, L)."""
-    import inspect
-
-    a = inspect.signature(nn.functional.multi_head_attention_forward).bind(*op.args, **op.kwargs).arguments
+    a = op.mha_arguments()
     if a.get("bias_k") is not None or a.get("add_zero_attn") or a.get("static_k") is not None:
         return None  # keys the projections do not make
     bias = a.get("attn_mask")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -165,6 +166,11 @@ class Op:
         if self.name in _TEMPLATE_SECOND:
             return self.in_ids[:1]
         return list(self.in_ids)
+
+    def mha_arguments(self) -> dict[str, Any]:
+        """For a record of ``nn.functional.multi_head_attention_forward``: its arguments by name."""
+        signature = inspect.signature(nn.functional.multi_head_attention_forward)
+        return dict(signature.bind(*self.args, **self.kwargs).arguments)
 
     def main_input(self) -> int | None:
         """The identity of the tensor this operation transforms: the first tensor argument, or for a
