@@ -89,15 +89,8 @@ def _picked_by_values(trace: Trace, op: Op) -> bool:
     if op.name not in ("getitem", "index_select", "gather"):
         return False
     main = op.main_input()
-    for tid in op.in_ids:
-        if tid == main:
-            continue
-        found = trace.maker(tid)
-        if found is not None and found[0].name in _BY_VALUES:
-            return True
-        if any((m := trace.maker(a)) is not None and m[0].name in _BY_VALUES for a in trace.ancestors(tid, 24)):
-            return True
-    return False
+    return any((made := trace.maker(a)) is not None and made[0].name in _BY_VALUES
+               for tid in op.in_ids if tid != main for a in (tid, *trace.ancestors(tid, 24)))
 
 
 def mixed_after(first: Trace, second: Trace, out: int, length: int, tokens: tuple[int, int]) -> str | None:
