@@ -562,15 +562,16 @@ def test_heads_on_two_axes_with_a_five_dimensional_mask_are_read():
 class PerDimScaled(nn.Module):
     """TimesFM 2.5's ``MultiHeadAttention`` (no rotary): q and k RMS-normalised per head with gains, q multiplied by
     ``1.442695041 / sqrt(D) * softplus(per_dim_scale)`` (1/sqrt(D) in every entry at its initial 0), then SDPA with
-    ``scale=1.0``. ``zero_gains``: the norms' gains at 0, as the package initialises them (q = k = 0)."""
+    ``scale=1.0``. ``zero_gains``: the norms' gains at 0, as the package initialises them (q = k = 0); ``trained``:
+    ``per_dim_scale`` drawn, as a trained checkpoint has it (a learned scale per dimension)."""
 
-    def __init__(self, dim: int = 32, heads: int = 4, zero_gains: bool = False) -> None:
+    def __init__(self, dim: int = 32, heads: int = 4, zero_gains: bool = False, trained: bool = False) -> None:
         super().__init__()
         self.heads, self.d = heads, dim // heads
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         gains = torch.zeros(self.d) if zero_gains else 1 + 0.3 * torch.randn(self.d)
         self.query_ln, self.key_ln = nn.Parameter(gains.clone()), nn.Parameter(gains.clone() + 0.1 * (not zero_gains))
-        self.per_dim_scale = nn.Parameter(torch.zeros(self.d))
+        self.per_dim_scale = nn.Parameter(0.5 * torch.randn(self.d) if trained else torch.zeros(self.d))
 
     def forward(self, x):
         b, n, e = x.shape
@@ -586,11 +587,14 @@ class PerDimScaled(nn.Module):
 def test_a_per_dimension_scale_of_one_number_is_the_scale():
     """catches: TimesFM's per-dimension scale (a vector with 1/sqrt(D) in every entry at its initial value) not read
     as a scale on the way to SDPA's scale=1.0 (missing-scale on the module as it ships); and with q = k = 0 (the
-    norms' gains at 0), a scale asserted where none can be read."""
+    norms' gains at 0), a scale asserted where none can be read; and the trained vector (other numbers per dimension)
+    read as missing-scale through SDPA, where the einsum path reads it as a learned scale."""
     report = check(PerDimScaled())
     assert report.verdict == "passed", [(f.id, f.message) for f in report.findings]
     report = check(PerDimScaled(zero_gains=True))
     assert not report.ids & {"missing-scale", "wrong-scale", "rotary-mismatch"}, report.ids
+    report = check(PerDimScaled(trained=True))  # SDPA's kernel read as the einsum path reads it: a learned scale
+    assert report.verdict == "passed" and "learned" in report.inferred["design"]["scale"], report.ids
 
 
 # -- Gemma 2's soft-capping, as litgpt and torchtune write it: the cap the config states ----------------------------

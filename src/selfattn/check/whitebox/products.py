@@ -1197,6 +1197,19 @@ def _per_dim(op: Op | None, d: int) -> bool:
     return small.numel() == d and small.shape[-1] == d and small.dim() <= 4
 
 
+def _norm_gain(trace: Trace, op: Op | None) -> bool:
+    """Is ``op`` (a multiplication by a vector) a norm's own gain, applied to ``x * rsqrt(...)`` (a q/k RMSNorm's
+    weight, Qwen3's), rather than a scale of its own applied after the norm (TimesFM's per_dim_scale)?"""
+    if op is None:
+        return False
+    for i in op.in_ids:
+        made = trace.origin(i).op  # past casts and layout (``(x.float() * rsqrt(var)).to(x.dtype)``)
+        if made is not None and made.name in ("mul", "rmul") and \
+                any((m := trace.maker(j)) is not None and m[0].name == "rsqrt" for j in made.in_ids):
+            return True
+    return False
+
+
 def _unit_norm(a: Tensor, b: Tensor, fa: float, fb: float) -> bool:
     """Do both score operands (divided by the factors found on their way) have unit norm along an axis of the
     head dim's size (the contracted one: the last of q, the last or, for k transposed, the one before of k)?"""
@@ -2108,6 +2121,10 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         (unit_before_gains(trace, op.in_ids[0], d) and unit_before_gains(trace, op.in_ids[1], d))
     fid, said = _scale_verdict(scale, d, width, expected(d), unit)
     fid, said = _past_the_rotation(fid, said, scale, origin_q, origin_k, d, width, expected(d), unit, facts)
+    if fid is not None and any(_per_dim(o.op, d) and not _norm_gain(trace, o.op)  # as the einsum path reads it
+                               for o in (origin_q, origin_k)):
+        fid, said = None, f"{said}, times a learned scale per head dimension (TimesFM's per_dim_scale)"
+        facts["scale"] = "q (or k) is multiplied by a learned vector per head dimension: the scale is learned"
     evidence = {"scale": said, "head dim": d, "product": "scaled_dot_product_attention"}
     if fid is not None:
         return Verdict(fid, {"matches": said, **evidence})
