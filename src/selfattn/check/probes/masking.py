@@ -745,8 +745,11 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
         if broadcast is not None and caller.mask_arg == broadcast[0].mask_arg:
             continue
         if leaky is not None and not (caller.spec and leaky.spec and caller.spec.kind == "additive" and
-                                      (caller.mask_arg, caller.spec.shape) == (leaky.mask_arg, leaky.spec.shape)):
-            continue  # once a mask acts, only its additive reading may still fit exactly: no more shapes
+                                      (caller.mask_arg, caller.spec.shape) == (leaky.mask_arg, leaky.spec.shape)) \
+                and not (caller.key_only and not leaky.key_only and caller.mask_arg == leaky.mask_arg and
+                         inverted is None):
+            continue  # once a mask acts, only its additive reading may still fit exactly, or a key mask where a
+            # full one acted (a module reading row 0 of a (B, 1, 1, L) mask, mask[:, 0, 0]): no more shapes
         label = _label(caller)
         keep = probe_keep(b, length, caller.key_only, caller.at_end)
         try:
@@ -812,7 +815,11 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             flipped_rows = flipped_rows & (~k0.diagonal() | d.any(-1))  # read the other way round, its pads' rows
         if torch.equal((d & off)[rows], as_keep[rows]):
             return _found(ctx, native, d, candidates, plain, tried)
-        sane = bool(masked_out.abs().max() < 100 * (1 + plain.abs().max()))  # a mask added after softmax blows up
+        # a mask added after softmax blows up; a row the other reading leaves without keys (a causal query whose
+        # keys are all kept, read True = padding) may be NaN, as the module's own reading would give there
+        emptied = ~(~keep & dep).any(-1)
+        sane = bool(masked_out[~emptied].abs().max() < 100 * (1 + plain.abs().max())) if not bool(emptied.all()) \
+            else False
         if sane and torch.equal((d & off)[flipped_rows], as_ignore[flipped_rows]):
             if caller.spec is not None and caller.spec.kind == "keep" and ctx.spec is None and not ctx.declared:
                 return _found(ctx, native.with_mask(MaskSpec("ignore", caller.spec.shape)), d, candidates, plain,
