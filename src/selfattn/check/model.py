@@ -830,7 +830,20 @@ def _padding_in_mask(layer: Layer) -> Tensor | None:
     (a speech encoder given lengths, a model that pads inside): per item, the last query row of a mask (B, ..., L)
     with two values, the keep value being the one that fills a whole item, the other a run of keys at one end of
     some item; else None."""
-    given = layer.recorded_mask()
+    params = _parameters(layer.module)
+    # the mask argument first; then any other the model passes under a mask's name (SpeechBrain's wrapper of
+    # nn.MultiheadAttention: attn_mask is the mask argument, the padding goes to key_padding_mask)
+    named = [v for k, v in [*((params[i] if i < len(params) else None, a) for i, a in enumerate(layer.args)),
+                            *layer.kwargs.items()] if k in MASK_NAMES and k != layer.mask]
+    for given in (layer.recorded_mask(), *named):
+        pad = _padding_in(given, layer)
+        if pad is not None:
+            return pad
+    return None
+
+
+def _padding_in(given: object, layer: Layer) -> Tensor | None:
+    """:func:`_padding_in_mask` for one recorded tensor."""
     if not isinstance(given, Tensor) or given.dim() < 2 or given.shape[0] != layer.batch or layer.batch < 2 or \
             given.shape[-1] != layer.length or given.is_complex():
         return None
