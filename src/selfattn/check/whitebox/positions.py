@@ -20,6 +20,7 @@ __all__ = [
     "rotated_from",
     "rotation_on_the_way",
     "rotation_problem",
+    "rotation_tables",
     "scale_origin",
     "unit_before_gains",
     "unit_over_tokens",
@@ -75,6 +76,60 @@ def rotary(trace: Trace, tid: int, value: Tensor, reach: int = 8) -> str | None:
                     return f"rotary positions ({'interleaved pairs' if interleaved else 'rotate-half'}, " \
                            f"base {base:g}{part})"
     return None
+
+
+def rotation_tables(trace: Trace, tid: int, reach: int = 24) -> list[Tensor] | None:
+    """The tables a score operand was rotated by, found among the ``reach`` operations nearest it: for
+    ``t * c1 + f(t) * c2`` (rotate-half, or halves rotated apart: ``x1 * cos - x2 * sin``) the two tables, each
+    pair of entries divided by its length (so that a factor on both, xPos's, leaves the angle); for a complex
+    product (``view_as_complex(q) * freqs_cis``) the smaller factor over its modulus. None when no such operation
+    is found. A table is the smaller factor of its product, with positions and features (two axes or more)."""
+    todo, seen, steps = [tid], {tid}, 0
+    while todo and steps < reach:
+        cur = todo.pop(0)
+        steps += 1
+        found = trace.maker(cur)
+        if found is None:
+            continue
+        tables = _tables_of(trace, found[0])
+        if tables is not None:
+            return tables
+        for i in found[0].in_ids:
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return None
+
+
+def _table(op: Op) -> Tensor | None:
+    """The smaller factor of a product of two tensors, when it has two axes or more with its last over 1."""
+    if op.name != "mul" or len(op.inputs) != 2:
+        return None
+    a, b = op.inputs
+    small = a if a.numel() < b.numel() else b if b.numel() < a.numel() else None
+    return small if small is not None and small.dim() >= 2 and small.shape[-1] > 1 else None
+
+
+def _tables_of(trace: Trace, op: Op) -> list[Tensor] | None:
+    if op.name == "mul" and len(op.inputs) == 2 and all(t.is_complex() for t in op.inputs):
+        table = _table(op)  # a rotation: of modulus 1 (freqs_cis), or one common factor along the features
+        modulus = None if table is None else table.abs().double()
+        if table is None or modulus is None or not bool((modulus > 0).all()) or \
+                not torch.allclose(modulus, modulus[..., :1].expand_as(modulus), rtol=1e-5):
+            return None
+        return [table.to(torch.complex128) / modulus]
+    if op.name not in ("add", "sub") or len(op.in_ids) != 2:
+        return None
+    makers = [trace.maker(i) for i in op.in_ids]
+    tables = [_table(m[0]) if m is not None else None for m in makers]
+    if tables[0] is None or tables[1] is None or tables[0].is_complex() or tables[1].is_complex() or \
+            tables[0].shape != tables[1].shape:
+        return None
+    c1, c2 = tables[0].double(), tables[1].double()
+    length = (c1 ** 2 + c2 ** 2).sqrt()  # cos^2 + sin^2: 1, or one factor along the features (xPos's)
+    if not bool((length > 0).all()) or not torch.allclose(length, length[..., :1].expand_as(length), rtol=1e-5):
+        return None
+    return [c1 / length, c2 / length]
 
 
 def rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:

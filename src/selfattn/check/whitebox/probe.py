@@ -51,6 +51,7 @@ from .products import (
     memory_tokens,
     positions_added,
     relative_positions,
+    rotated_apart,
     rotated_operands,
     rotation_off_the_tokens,
     score_operands,
@@ -327,6 +328,8 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         rotated = {"cos", "sin"} <= made or rotated_operands(plain)  # tables cached ahead: the rotation itself
     if rotated and not any(f.severity == "error" for f in findings):
         mismatch = _rotated_alike(module, caller, x, getattr(caller.adapter, "recorded_eps", 0.0), memory)
+        if mismatch is None and plain is not None:
+            mismatch = rotated_apart(plain, x.shape[1])
         if mismatch is not None:
             findings.append(Finding.of(ROTARY_MISMATCH, f"q and k are not rotated alike (or not by a rotation, or "
                                        f"not by position): {mismatch}",

@@ -56,6 +56,7 @@ from .positions import (
     rotated_from,
     rotation_on_the_way,
     rotation_problem,
+    rotation_tables,
     scale_origin,
     unit_before_gains,
     unit_over_tokens,
@@ -63,8 +64,8 @@ from .positions import (
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Origin, Trace
 
 __all__ = ["ROLE_PATTERNS", "Verdict", "bucket_not_relative", "core_operands", "distance_rewarded", "every_key_hidden",
-           "examine_cores", "memory_tokens", "name_role", "relative_positions", "rotated_operands",
-           "rotation_off_the_tokens", "table_not_relative"]
+           "examine_cores", "memory_tokens", "name_role", "relative_positions", "rotated_apart",
+           "rotated_operands", "rotation_off_the_tokens", "table_not_relative"]
 
 _SCALES = frozenset({"mul", "rmul", "mul_", "imul", "div", "truediv", "div_", "itruediv"})
 _TERMS = frozenset({"add", "sub", "radd", "rsub", "add_", "sub_", "iadd", "isub", "masked_fill", "masked_fill_",
@@ -2388,8 +2389,52 @@ def _core_pairs(trace: Trace) -> list[tuple[int, Tensor]]:
 
 def rotated_operands(trace: Trace) -> bool:
     """Is q or k, as it reaches the first attention core, rotated like rotary positions (along any axis), a few more
-    operations back than the white box's own reading looks (a q/k norm after the rotation: OLMo's)?"""
-    return any(rotary(trace, tid, value, reach=24) is not None for tid, value in _core_pairs(trace))
+    operations back than the white box's own reading looks (a q/k norm after the rotation: OLMo's), or by a complex
+    table of modulus 1 (Llama 4's freqs_cis)?"""
+    pairs = _core_pairs(trace)
+    return any(rotary(trace, tid, value, reach=24) is not None for tid, value in pairs) or \
+        any(t is not None and t[0].is_complex() for t in (rotation_tables(trace, tid) for tid, _ in pairs))
+
+
+def rotated_apart(trace: Trace, length: int) -> str | None:
+    """Are q and k, as they reach the first attention core, rotated by tables of other positions (k rotated at
+    ``position_ids + 1``, a cache offset given to one side only)? Both tables must be read and of one shape (keys
+    from a cache, rotated at more positions than the queries, are not compared); None when they agree or cannot
+    be compared. One token everywhere cannot tell this: q_i . k_i is then q . R(offset) k at every position."""
+    pairs = _core_pairs(trace)
+    if len(pairs) < 2:
+        return None
+    found = [rotation_tables(trace, tid) for tid, _ in pairs[:2]]
+    if found[0] is None or found[1] is None or len(found[0]) != len(found[1]):
+        return None
+    try:  # one table for every item on one side (positions of shape (1, L)), one per item on the other
+        squeeze = [list(torch.broadcast_tensors(a, b)) for a, b in zip(*found, strict=True)]
+    except RuntimeError:
+        return None
+    if any(a.shape[i] != b.shape[i] and length in (a.shape[i], b.shape[i])
+           for a, b in zip(*found, strict=True) for i in range(-min(a.dim(), b.dim()), 0)):
+        return None  # positions broadcast: a table of one position against one of the tokens'
+    squeeze = [[pair[j].squeeze() for pair in squeeze] for j in (0, 1)]
+
+    def agree(a: list[Tensor], b: list[Tensor]) -> bool:
+        return all(torch.allclose(x, y, rtol=1e-5, atol=1e-6) for x, y in zip(a, b, strict=True))
+
+    q_t, k_t = squeeze
+    if agree(q_t, k_t) or agree(q_t, k_t[::-1]):
+        return None
+    axis = next((a for a in range(q_t[0].dim()) if q_t[0].shape[a] == length), None)
+    shift = None
+    if axis is not None:
+        for s in (1, -1, 2, -2, 3, -3):
+            a = [t.narrow(axis, max(s, 0), length - abs(s)) for t in q_t]
+            b = [t.narrow(axis, max(-s, 0), length - abs(s)) for t in k_t]
+            if agree(a, b) or agree(a, b[::-1]):
+                shift = s
+                break
+    where = f"k is rotated at the positions of q {'+' if shift > 0 else '-'} {abs(shift)}" if shift else \
+        "the angles that rotate k are not those that rotate q"
+    return (f"q and k are rotated by tables of other positions: {where} (an offset given to one side only: "
+            "position_ids shifted for the keys, a cache position off by one)")
 
 
 def rotation_off_the_tokens(trace: Trace, length: int) -> str | None:
