@@ -27,7 +27,7 @@ from ..findings import (
     WRONG_GRADIENT,
     Finding,
 )
-from ..subject.building import copy_module, name_role, norm_role
+from ..subject.building import cast_module, copy_module, name_role, norm_role
 from ..subject.caller import Caller
 from ..subject.context import Context, Outcome, empty_row_keep, padded_rows, padding_keep, raised_inside_doctor, rel
 
@@ -104,7 +104,7 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
         # as module.half() / .bfloat16() cast it: floating-point tensors only (.to(dtype) would also cast a complex
         # buffer, such as rotary's freqs_cis, to a real one and drop its imaginary part)
         m = ctx.module if ctx.x.dtype == dtype else \
-            _eval(copy_module(ctx.module)._apply(lambda t, dt=dtype: t.to(dt) if t.is_floating_point() else t))
+            _eval(cast_module(copy_module(ctx.module), dtype))
         tol = HALF_ULPS * torch.finfo(dtype).eps
         base_err = None
         for suffix, ref in refs.items():
@@ -353,21 +353,20 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
     role: a key or value taken from another projection (``k = self.query(x)``). Layers named otherwise (a
     cross-attention ``to_k_context``, a gate, an optional output projection) may be left out on purpose, and a
     part of the module the call does not run at all (an adapter that runs one submodule) has no used sibling."""
-    groups: dict[str, list[tuple[str, bool, nn.Linear]]] = {}
+    groups: dict[str, list[tuple[str, bool, tuple[Tensor, int, int]]]] = {}
     for path, mod in module.named_modules():
-        if isinstance(mod, nn.Linear) and mod.weight.requires_grad:
+        if (found := _projection(mod)) is not None:  # an nn.Linear, or a Keras Dense / EinsumDense
             parent = path.rpartition(".")[0]
             if path.rpartition(".")[2].isdigit():  # one head's projection in a per-head list (``k_layers[i]``)
                 parent = parent.rpartition(".")[0]
-            groups.setdefault(parent, []).append((path, id(mod.weight) in used, mod))
+            groups.setdefault(parent, []).append((path, id(found[0]) in used, found))
     idle = []
     for group in groups.values():
         played = [_projection_role(p) for p, u, _ in group if u]
         # a used projection of no named role may be a fused q/k/v one (wider out than in, from the widest input); an
         # output projection (E -> E, or from one head's width when the heads are averaged) or a gate is not
-        widest = max(m.in_features for _, _, m in group)
-        fused = any(_projection_role(p) is None and m.out_features >= 2 * m.in_features == 2 * widest
-                    for p, u, m in group if u)
+        widest = max(m[1] for _, _, m in group)
+        fused = any(_projection_role(p) is None and m[2] >= 2 * m[1] == 2 * widest for p, u, m in group if u)
         if not played or fused or all(r is None for r in played):
             continue
         idle += [p for p, u, _ in group if not u and (role := _projection_role(p)) is not None and role not in played]
@@ -474,12 +473,34 @@ def _idle_weights(module: nn.Module, used: set[int]) -> list[str]:
     return sorted(idle)
 
 
+# Keras 3 layers (on its torch backend) whose variables are a layer's weights, not a module's own learned tensors
+_KERAS_LAYERS = frozenset({"Dense", "EinsumDense", "LayerNormalization", "RMSNormalization", "Embedding", "Conv1D",
+                           "Conv2D", "GroupNormalization", "ReversibleEmbedding"})
+
+
+def _projection(mod: nn.Module) -> tuple[Tensor, int, int] | None:
+    """(weight, in features, out features) of an nn.Linear or a Keras ``Dense`` / ``EinsumDense`` (its kernel's torch
+    parameter), when it is trained; else None."""
+    if isinstance(mod, nn.Linear):
+        return (mod.weight, mod.in_features, mod.out_features) if mod.weight.requires_grad else None
+    kernel = getattr(getattr(mod, "kernel", None), "value", None)
+    if type(mod).__name__ in ("Dense", "EinsumDense") and isinstance(kernel, nn.Parameter) and kernel.dim() >= 2 \
+            and kernel.requires_grad:
+        return kernel, kernel.shape[0], kernel[0].numel()
+    return None
+
+
 def _standalone(module: nn.Module, name: str) -> bool:
     """Is the parameter ``name`` a module's own learned tensor (an attention sink, a temperature, a table), not the
     weight or bias of a layer (a key projection's bias gets a gradient of 0 in every module: q . b_k is the same for
     every key) and not named a bias?"""
     path, _, last = name.rpartition(".")
     owner = module.get_submodule(path) if path else module
+    if "/" in last and isinstance(owner, nn.ParameterDict):  # a Keras layer's variable ("key/bias") in its
+        path = path.rpartition(".")[0]  # _torch_params: read as the layer's own, by its last name
+        owner, last = module.get_submodule(path) if path else module, last.rpartition("/")[2]
+        if type(owner).__name__ in _KERAS_LAYERS:
+            return False
     layers = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
               nn.MultiheadAttention)
     words = [w for w in re.split(r"[_\d]+", last.lower()) if w and w not in ("b", "bias", "weight", "kernel", "w")]

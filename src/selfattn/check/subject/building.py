@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CannotRun", "Sizes", "build", "copy_module", "dequantized", "draw_zeros", "embed_dim_of", "load_class",
-           "load_file", "num_heads_of", "param_device", "param_dtype", "user_callable"]
+__all__ = ["CannotRun", "Sizes", "build", "cast_module", "copy_module", "dequantized", "draw_zeros", "embed_dim_of",
+           "load_class", "load_file", "num_heads_of", "param_device", "param_dtype", "user_callable"]
 
 # constructor and config parameters the doctor fills with the embed dim / the head count
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
@@ -45,8 +45,8 @@ ROLE_PATTERNS = {  # matched against the last part of a module's dotted name, wh
 
 # the words of a name that says "a projection" around a role word: OpenNMT's linear_keys, Megatron's query_layer,
 # proj_q, w_qs (jadore801120's Transformer), q_dense
-_ROLE_WORDS = {"q": ("q", "qs", "query", "queries"), "k": ("k", "ks", "key", "keys"),
-               "v": ("v", "vs", "value", "values")}
+_ROLE_WORDS = {"q": ("q", "qs", "query", "queries", "uq"), "k": ("k", "ks", "key", "keys", "uk"),
+               "v": ("v", "vs", "value", "values", "uv")}  # uq, uk, uv: MLA's up-projections (W_UQ, W_UK, W_UV)
 _PROJECTION_WORDS = frozenset({"linear", "lin", "proj", "projection", "to", "w", "layer", "dense", "fc", "map",
                                "net", "in", "input", "self", "attn", "attention", "head", "heads"})
 
@@ -482,6 +482,12 @@ def copy_module(module: nn.Module) -> nn.Module:
     try:
         return copy.deepcopy(module)
     except Exception:
+        keras = {type(m) for m in module.modules() if _from_keras(m)}
+        if keras:  # Keras copies a layer through its saving library, which needs its class registered: copied as
+            try:  # the plain objects they are instead
+                return _copied_plainly(module, keras)
+            except Exception:
+                pass
         memo: dict[int, object] = {}
         todo = [value for sub in module.modules() for value in vars(sub).values()]
         while todo:  # the module's attributes, and what their dicts, lists and tuples hold (LeViT's bias cache)
@@ -501,6 +507,45 @@ def copy_module(module: nn.Module) -> nn.Module:
                 except Exception:
                     memo[id(value)] = value
         return copy.deepcopy(module, memo)
+
+
+def _from_keras(module: nn.Module) -> bool:
+    """Is ``module`` a Keras 3 layer (its class, or a class it derives from, Keras's or keras-hub's)?"""
+    return any(c.__module__.split(".")[0] in ("keras", "keras_hub") for c in type(module).__mro__)
+
+
+def _copied_plainly(module: nn.Module, classes: set[type]) -> nn.Module:
+    """``copy.deepcopy(module)`` with ``classes`` copied as plain objects (their state, attribute by attribute), not by
+    the ``__reduce__`` they define."""
+
+    def plain(self: object, memo: dict) -> object:
+        made = type(self).__new__(type(self))
+        memo[id(self)] = made
+        made.__dict__.update(copy.deepcopy(vars(self), memo))
+        return made
+
+    patched = [cls for cls in classes if "__deepcopy__" not in vars(cls)]
+    for cls in patched:
+        cls.__deepcopy__ = plain  # type: ignore[attr-defined]
+    try:
+        return copy.deepcopy(module)
+    finally:
+        for cls in patched:
+            del cls.__deepcopy__  # type: ignore[attr-defined]
+
+
+def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``module`` with its floating-point tensors cast to ``dtype`` in place, as ``module.half()`` / ``.double()`` cast
+    them; a Keras layer (Keras 3 on its torch backend) also gets that dtype as its dtype policy, since it casts its
+    inputs to the policy's compute dtype, not to its weights'."""
+    module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
+    for sub in module.modules():
+        if _from_keras(sub) and hasattr(sub, "dtype_policy"):
+            try:
+                setattr(sub, "dtype_policy", str(dtype).rpartition(".")[2])  # noqa: B010 (a Keras property)
+            except Exception:  # a policy Keras will not set (a quantized layer's): the layer casts as it did
+                continue
+    return module
 
 
 def param_dtype(module: nn.Module) -> torch.dtype:

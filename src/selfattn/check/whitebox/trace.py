@@ -86,9 +86,18 @@ def _with_tensors(obj: Any, values: Iterator[Tensor]) -> Any:
     return obj
 
 
+# torch's other names for one operation (torch.multiply, torch.divide: Keras's ops on its torch backend call them),
+# read as the name the doctor knows it by
+_ALIASES = {"multiply": "mul", "divide": "div", "true_divide": "div", "subtract": "sub", "negative": "neg",
+            "multiply_": "mul_", "divide_": "div_", "true_divide_": "div_", "subtract_": "sub_", "negative_": "neg_",
+            "concat": "cat", "concatenate": "cat", "swapaxes": "transpose", "swapdims": "transpose",
+            "moveaxis": "movedim", "clip": "clamp", "absolute": "abs"}
+
+
 def _name(func: Callable) -> str:
     name = getattr(func, "__name__", str(func))
-    return name.strip("_") if name.startswith("__") else name
+    name = name.strip("_") if name.startswith("__") else name
+    return _ALIASES.get(name, name)
 
 
 def _tensors(obj: object) -> Iterator[Tensor]:
