@@ -45,3 +45,296 @@ def test_a_causal_layer_with_a_padding_mask_is_read_true_means_padding():
         report = check(CausalWithPadding(alibi=alibi))
         assert report.passed, [(f.id, f.message) for f in report.findings]
         assert report.inferred["mask"]["kind"] == "ignore"
+
+
+# -- a (B, 1, 1, L) mask read as its row 0 by an SDPA layer -------------------------------------------------------
+class RowOfTheMask(nn.Module):
+    """A layer documenting a (B, 1, 1, L) key mask (True = padding) that it reads as ``mask[:, 0, 0]`` before SDPA, as
+    code that builds the kernel's mask from a broadcastable one does."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        allowed = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        if mask is not None:
+            allowed = allowed & ~mask[:, 0, 0][:, None, None, :]
+        o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.proj(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_key_mask_is_tried_where_a_full_mask_matched_no_convention():
+    """catches: the doctor's (B, 1, L, L) mask, of which the layer reads row 0, matched no convention, and the key
+    masks (B, 1, 1, L) were never tried: the white box read the wrong mask (causal-leak)."""
+    report = check(RowOfTheMask())
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+    assert report.inferred["mask"]["shape"] == "(B, 1, 1, L)"
+
+
+# -- SpeechBrain: a wrapper of nn.MultiheadAttention whose first mask is attn_mask, the padding beside it ----------
+class WrappedMHA(nn.Module):
+    """SpeechBrain's ``MultiheadAttention`` style: (B, L, E) in, torch's layer (L, B, E) inside, ``attn_mask`` first
+    and ``key_padding_mask`` (True = padding) beside it."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.att = nn.MultiheadAttention(dim, heads)
+
+    def forward(self, query, key, value, attn_mask=None, key_padding_mask=None):
+        out, _ = self.att(query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=attn_mask,
+                          key_padding_mask=key_padding_mask)
+        return out.transpose(0, 1)
+
+
+class LengthsEncoder(nn.Module):
+    """An encoder given frames and each item's relative length (SpeechBrain's ``wav_len``), which builds the padding
+    mask and hands it to each layer as ``key_padding_mask``."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([WrappedMHA(dim) for _ in range(2)])
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x, wav_len):
+        lengths = torch.round(wav_len * x.shape[1])
+        padding = torch.arange(x.shape[1])[None, :] >= lengths[:, None]
+        for layer in self.layers:
+            x = self.norm(x + layer(x, x, x, key_padding_mask=padding))
+        return x
+
+
+def test_a_model_padding_handed_beside_the_mask_argument_is_read():
+    """catches: a model that pads through key_padding_mask while the layer's first mask argument is attn_mask: the
+    padded item's hidden keys were not part of the formulas (definition-mismatch), and the tokens permuted under the
+    fixed padding read as not-equivariant."""
+    from selfattn.check import check_model
+
+    torch.manual_seed(0)
+    report = check_model(LengthsEncoder().eval(), (torch.randn(2, 9, 32), torch.tensor([1.0, 6 / 9])))
+    assert report.layers, report
+    for name, layer in report.layers.items():
+        assert layer.passed, (name, [(f.id, f.message) for f in layer.findings])
+        assert "not-equivariant" not in layer.ids, name
+
+
+# -- rotary positions: keys rotated at other positions than the queries --------------------------------------------
+def _rotate_half(t):
+    a, b = t.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class RotaryOffset(nn.Module):
+    """Llama style (B, H, L, D) with rotate-half rotary; ``offset`` rotates the keys at ``position_ids + offset`` (a
+    cache offset given to one side only). ``complex_tables``: Llama 4's ``view_as_complex(q) * freqs_cis`` instead."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, offset: int = 0, complex_tables: bool = False) -> None:
+        super().__init__()
+        self.heads, self.offset, self.complex_tables = heads, offset, complex_tables
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def _angles(self, positions, d):
+        inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+        return positions[:, None].float() * inv  # (L, D / 2)
+
+    def _rotate(self, t, positions):
+        ang = self._angles(positions, t.shape[-1])
+        if self.complex_tables:
+            freqs = torch.polar(torch.ones_like(ang), ang)
+            pairs = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+            return torch.view_as_real(pairs * freqs).flatten(-2).type_as(t)
+        cos, sin = torch.cat((ang, ang), -1).cos().to(t.dtype), torch.cat((ang, ang), -1).sin().to(t.dtype)
+        return t * cos + _rotate_half(t) * sin
+
+    def forward(self, x):
+        b, n, e = x.shape
+        q, k, v = (p(x).view(b, n, self.heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        positions = torch.arange(n, device=x.device)
+        q, k = self._rotate(q, positions), self._rotate(k, positions + self.offset)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_keys_rotated_at_other_positions_than_the_queries_are_named():
+    """catches: k rotated at position_ids + 1 certified: with one token everywhere q_i . k_i is q . R(1) k at every
+    position, the same everywhere, so only the tables that rotate q and k tell it (rotate-half and complex ones)."""
+    for complex_tables in (False, True):
+        assert check(RotaryOffset(complex_tables=complex_tables)).passed, complex_tables
+        for offset in (1, -2):
+            report = check(RotaryOffset(offset=offset, complex_tables=complex_tables))
+            assert report.ids == {"rotary-mismatch"}, (complex_tables, offset, [(f.id, f.message)
+                                                                                 for f in report.findings])
+
+
+# -- torch's other names for an operation (torch.multiply, torch.divide) -----------------------------------------
+class AliasedOps(nn.Module):
+    """Keras's ``MultiHeadAttention`` written with torch's aliases (as Keras's ops call them on its torch backend):
+    q scaled by ``torch.multiply`` with a 0-d tensor, scores from ``einsum("aecd,abcd->acbe", key, query)`` with the
+    key first; ``on_scores``: the scale applied to the scores by ``torch.divide`` instead."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, on_scores: bool = False) -> None:
+        super().__init__()
+        self.heads, self.on_scores = heads, on_scores
+        # EinsumDense's kernels "abc,cde->abde": (E, H, D) for q, k, v and (H, D, E) for the output
+        self.query, self.key, self.value = (nn.Parameter(torch.randn(dim, heads, dim // heads) / dim ** 0.5)
+                                            for _ in range(3))
+        self.out = nn.Parameter(torch.randn(heads, dim // heads, dim) / dim ** 0.5)
+
+    def forward(self, x):
+        q, k, v = (torch.einsum("abc,cde->abde", x, w) for w in (self.query, self.key, self.value))
+        d = q.shape[-1]
+        if not self.on_scores:
+            q = torch.multiply(q, torch.tensor(1 / d ** 0.5, dtype=q.dtype))
+        scores = torch.einsum("aecd,abcd->acbe", k, q)
+        if self.on_scores:
+            scores = torch.divide(scores, torch.tensor(d ** 0.5, dtype=q.dtype))
+        weights = torch.softmax(scores, dim=-1)
+        return torch.einsum("abcd,cde->abe", torch.einsum("acbe,aecd->abcd", weights, v), self.out)
+
+
+def test_torch_aliases_of_an_operation_are_read_as_it():
+    """catches: a scale applied by torch.multiply or torch.divide (Keras's ops on torch) unread: missing-scale, or the
+    scores passing through an unknown multiply() (definition-mismatch)."""
+    for on_scores in (False, True):
+        report = check(AliasedOps(on_scores=on_scores))
+        assert report.passed, (on_scores, [(f.id, f.message) for f in report.findings])
+
+
+# -- MLA: the values' up-projection never used -------------------------------------------------------------------
+class LatentAttention(nn.Module):
+    """Multi-head latent attention in DeepSeek's notation: x -> latent (W_DKV), keys and values up-projected from it
+    (W_UK, W_UV), queries by W_UQ. ``values_from_keys``: values taken through W_UK, W_UV never used."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, latent: int = 16, values_from_keys: bool = False) -> None:
+        super().__init__()
+        self.heads, self.values_from_keys = heads, values_from_keys
+        self.W_DKV = nn.Linear(dim, latent, bias=False)
+        self.W_UQ = nn.Linear(dim, dim, bias=False)
+        self.W_UK = nn.Linear(latent, dim, bias=False)
+        self.W_UV = nn.Linear(latent, dim, bias=False)
+        self.W_O = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        c = self.W_DKV(x)
+        q = self.W_UQ(x).view(b, n, self.heads, -1).transpose(1, 2)
+        k = self.W_UK(c).view(b, n, self.heads, -1).transpose(1, 2)
+        v = (self.W_UK if self.values_from_keys else self.W_UV)(c).view(b, n, self.heads, -1).transpose(1, 2)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.W_O(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_an_unused_up_projection_of_latent_attention_is_named():
+    """catches: W_UV left unused (values through W_UK) certified: MLA's names for its up-projections said no role."""
+    assert check(LatentAttention()).passed
+    report = check(LatentAttention(values_from_keys=True))
+    assert "no-grad" in report.ids, [(f.id, f.message) for f in report.findings]
+
+
+# -- Keras 3 layers on the torch backend -------------------------------------------------------------------------
+def _keras():
+    import os
+
+    os.environ.setdefault("KERAS_BACKEND", "torch")
+    keras = __import__("pytest").importorskip("keras")
+    if keras.backend.backend() != "torch":
+        __import__("pytest").skip("Keras runs on another backend here")
+    return keras
+
+
+def test_keras_multi_head_attention_is_checked_in_its_own_precision():
+    """catches: every Keras layer failed half precision (half-precision-overflow): .half() cast its weights while
+    its dtype policy still cast the inputs to float32; and its float64 copy computed in float32."""
+    keras = _keras()
+    keras.utils.set_random_seed(0)
+    layer = keras.layers.MultiHeadAttention(num_heads=4, key_dim=16)
+    x = torch.zeros(2, 7, 64)
+    layer(x, x)
+    report = check(layer, call=lambda m, x, mask: m(x, x, attention_mask=mask))
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+    assert report.coverage["half_precision"] == "verified"
+    assert report.inferred["analysed in"] == "a float64 copy"
+
+
+def test_an_unused_keras_value_projection_is_named_and_its_key_bias_is_not():
+    """catches: a Keras layer whose value_dense is built but never used certified (Dense is no nn.Linear), and the
+    key projection's bias, which the softmax cancels, named no-grad under Keras's variable names ("key/bias")."""
+    keras = _keras()
+    layers, ops = keras.layers, keras.ops
+
+    class SelfAttention(layers.Layer):
+        def __init__(self, dim=64, heads=4, values_from_keys=False, **kwargs):
+            super().__init__(**kwargs)
+            self.heads, self.head_dim, self.values_from_keys = heads, dim // heads, values_from_keys
+            self.query_dense, self.key_dense, self.value_dense = (layers.Dense(dim, name=n)
+                                                                  for n in ("query", "key", "value"))
+            self.output_dense = layers.Dense(dim, name="attention_output")
+
+        def build(self, input_shape):
+            for d in (self.query_dense, self.key_dense, self.value_dense, self.output_dense):
+                d.build(input_shape)
+
+        def call(self, x):
+            b, n = ops.shape(x)[0], ops.shape(x)[1]
+
+            def heads(t):
+                return ops.transpose(ops.reshape(t, (b, n, self.heads, self.head_dim)), (0, 2, 1, 3))
+
+            q, k = heads(self.query_dense(x)), heads(self.key_dense(x))
+            v = heads((self.key_dense if self.values_from_keys else self.value_dense)(x))
+            w = ops.softmax(ops.matmul(q, ops.transpose(k, (0, 1, 3, 2))) / self.head_dim ** 0.5, axis=-1)
+            return self.output_dense(ops.reshape(ops.transpose(ops.matmul(w, v), (0, 2, 1, 3)), (b, n, -1)))
+
+    for values_from_keys in (False, True):
+        keras.utils.set_random_seed(0)
+        layer = SelfAttention(values_from_keys=values_from_keys)
+        layer(torch.zeros(2, 7, 64))
+        report = check(layer)
+        if values_from_keys:
+            assert "no-grad" in report.ids, [(f.id, f.message) for f in report.findings]
+        else:
+            assert report.passed, [(f.id, f.message) for f in report.findings]
+
+
+# -- a KV cache kept in the module (LLMs-from-scratch's chapter 4 style) -----------------------------------------
+class CachedCausal(nn.Module):
+    """Keys and values appended to a cache the module keeps, and the causal mask's rows read from a buffer at the
+    cache's position ``ptr``; ``advance=False`` never moves ``ptr`` (a later chunk reads rows 0.., hiding cached keys
+    it should see)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, context: int = 64, advance: bool = True) -> None:
+        super().__init__()
+        self.heads, self.advance = heads, advance
+        self.W_query, self.W_key, self.W_value, self.out_proj = (nn.Linear(dim, dim) for _ in range(4))
+        self.register_buffer("mask", torch.ones(context, context).triu(1), persistent=False)
+        self.cache_k = self.cache_v = None
+        self.ptr = 0
+
+    def forward(self, x, use_cache=False):
+        b, n, e = x.shape
+        q, k, v = (p(x).view(b, n, self.heads, -1).transpose(1, 2) for p in (self.W_query, self.W_key, self.W_value))
+        start = 0
+        if use_cache:
+            if self.cache_k is not None:
+                k, v = torch.cat([self.cache_k, k], dim=2), torch.cat([self.cache_v, v], dim=2)
+            self.cache_k, self.cache_v = k, v
+            start = self.ptr
+            if self.advance:
+                self.ptr += n
+        s = (q @ k.transpose(-1, -2)).masked_fill(self.mask.bool()[start:start + n, :k.shape[2]], float("-inf"))
+        o = torch.softmax(s / k.shape[-1] ** 0.5, dim=-1) @ v
+        return self.out_proj(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_cache_that_continues_another_sequence_is_named():
+    """catches: a cache whose position is never advanced certified: the calls in a row only noted that outputs change
+    from call to call (a cache's state); a causal module called on the first tokens and then on the rest must give
+    the rows of one call on all of them."""
+    use_cache = dict(call=lambda m, x: m(x, use_cache=True), causal=True)
+    assert check(CachedCausal(), **use_cache).passed
+    report = check(CachedCausal(advance=False), **use_cache)
+    assert report.ids == {"state-dependent"}, [(f.id, f.message) for f in report.findings]

@@ -71,6 +71,7 @@ from .subject.building import (
     CannotRun,
     Sizes,
     build,
+    cast_module,
     copy_module,
     dequantized,
     draw_zeros,
@@ -251,7 +252,7 @@ def _float64_twin(call: Caller, x: Tensor, out: Tensor) -> Caller | None:
     if x.dtype == torch.float64 or not x.dtype.is_floating_point:
         return None
     try:
-        copied = copy_module(call.module).double()
+        copied = cast_module(copy_module(call.module), torch.float64)
         copied.eval()  # not chained: some modules' train() returns None
         twin = call.for_module(copied)
         with torch.no_grad():
@@ -431,7 +432,7 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
         for probe in PROBES:
             got.run(probe, ctx)
         try:
-            got.take(calls_in_a_row(call, x, gen))
+            got.take(calls_in_a_row(call, x, gen, got.results.get("dep")))
         except Exception as err:  # the module failed on an input it ran before: nothing certified
             got.not_verified["calls in a row"] = not_verified(err)
     if got.results.get("masked") is None:

@@ -185,7 +185,7 @@ NOT_EQUIVARIANT = _warning("not-equivariant", "permuting tokens does not permute
                            "reshapes that mix positions (if the module adds positions, this is expected).")
 STATE_DEPENDENT = _error(
     "state-dependent", "a call replaces the module's own state and a later call then fails where the module as "
-    "given runs, or reuses it for other tokens of the same shape",
+    "given runs, reuses it for other tokens of the same shape, or (a causal cache) continues another sequence",
     "Don't store what one call needs in place of what the next needs: slice a fixed buffer into a local "
     "(mask = self.mask[:L, :L], not self.mask = self.mask[:L, :L]), keep caches apart from the buffers "
     "every call reads, and never reuse cached keys or values because the shape matches.")

@@ -617,13 +617,36 @@ def _agree(a: Tensor, b: Tensor, rtol: float) -> bool:
     return close(a.masked_fill(odd_a, 0), b.masked_fill(odd_b, 0), rtol)
 
 
-def calls_in_a_row(call: Caller, x: Tensor, gen: torch.Generator) -> Outcome[None]:
+def _continued(call: Caller, x: Tensor) -> str | None:
+    """For a causal module that carries state from call to call (a KV cache): called on the first half of the tokens
+    and then on the rest, the second call must give the rows of one call on all of them; the difference when it does
+    not (a cache position never advanced, keys stored in the wrong slots), None when it does or cannot be compared."""
+    half = x.shape[1] // 2
+    kept = replace(call, keep_state=True)
+    with torch.no_grad():
+        whole = call(x)
+        state = module_state(call.module)
+        try:
+            kept(x[:, :half].clone())
+            rest = kept(x[:, half:].clone())
+        except Exception:  # a module that takes no shorter call: the calls in a row say what fails
+            return None
+        finally:
+            restore(state)
+    if rest.shape != whole[:, half:].shape or _agree(rest, whole[:, half:], tolerance(x.dtype)):
+        return None
+    return f"{float((rest - whole[:, half:]).abs().max()):.3g}"
+
+
+def calls_in_a_row(call: Caller, x: Tensor, gen: torch.Generator, dep: Tensor | None = None) -> Outcome[None]:
     """When a call replaced some of the module's own state (which every probe's call put back): the calls a user
     makes in a row (a shorter input, the probe's, a longer one, the probe's again), with the state each leaves.
 
     A call that then fails where the module as given runs is a state-dependent finding, unless what the calls
     replaced only grew (a cache that accumulates, by design); outputs that differ from the module as given are a
-    note (the module carries state from call to call)."""
+    note (the module carries state from call to call), unless the module is causal (``dep``, what each query sees
+    without a mask, hides exactly the later keys) and a call on the rest of the tokens after one on the first ones
+    differs from those rows of one call (:func:`_continued`): a state-dependent finding."""
     found = Outcome[None]()
     if not call.replaced:
         return found
@@ -663,6 +686,16 @@ def calls_in_a_row(call: Caller, x: Tensor, gen: torch.Generator) -> Outcome[Non
                                          f"row ({order}), the call at {tuple(shapes[i])} fails, where the module as "
                                          f"given runs: {why}", {"replaced": dict(call.replaced), "calls": order,
                                                                 "fails at": str(tuple(shapes[i])), "error": why}))
+        return found
+    causal = dep is not None and x.shape[1] >= 4 and torch.equal(dep.cpu(), torch.ones_like(dep.cpu()).tril())
+    continued = _continued(call, x) if failure is None and differs and causal else None
+    if continued is not None:
+        found.findings.append(Finding.of(STATE_DEPENDENT, f"a call replaces the module's own {names} (a cache); called "
+                                         f"on the first {x.shape[1] // 2} tokens and then on the rest, the second "
+                                         "call's outputs are not those rows of one call on all the tokens: the cache "
+                                         "continues another sequence (its position never advanced, keys or values "
+                                         "stored in other slots, rotary positions restarted)",
+                                         {"replaced": dict(call.replaced), "largest difference": continued}))
         return found
     if failure is not None or differs:
         where = f"the call at {tuple(shapes[failure[0]])} fails (what it replaced only grew)" \
