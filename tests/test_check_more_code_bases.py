@@ -338,3 +338,97 @@ def test_a_cache_that_continues_another_sequence_is_named():
     assert check(CachedCausal(), **use_cache).passed
     report = check(CachedCausal(advance=False), **use_cache)
     assert report.ids == {"state-dependent"}, [(f.id, f.message) for f in report.findings]
+
+
+# -- ESPnet / SpeechBrain relative attention: the position projection and the (B, 1, T) mask ----------------------
+class RelPositionAttention(nn.Module):
+    """Transformer-XL relative attention as the speech toolkits write it: content term (q + u) k^T, position term
+    (q + v) p^T over sinusoids of the relative distances projected by ``linear_pos``, a (B, 1, T) mask (1 = keep).
+    ``bug``: "no_linear_pos" uses the sinusoids as they come; "mask_on_queries" puts the mask on the query axis."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, bug: str | None = None) -> None:
+        super().__init__()
+        self.h, self.d, self.bug = heads, dim // heads, bug
+        self.linear_q, self.linear_k, self.linear_v, self.linear_out = (nn.Linear(dim, dim) for _ in range(4))
+        self.linear_pos = nn.Linear(dim, dim, bias=False)
+        self.pos_bias_u = nn.Parameter(torch.randn(heads, dim // heads) * 0.1)
+        self.pos_bias_v = nn.Parameter(torch.randn(heads, dim // heads) * 0.1)
+
+    def _sinusoids(self, n: int, dim: int, like: torch.Tensor) -> torch.Tensor:
+        rel = torch.arange(n - 1, -n, -1, dtype=like.dtype, device=like.device)[:, None]  # distances i - j
+        freq = torch.exp(torch.arange(0, dim, 2, dtype=like.dtype, device=like.device) * (-4.0 / dim))
+        return torch.cat(((rel * freq).sin(), (rel * freq).cos()), dim=-1)  # (2n - 1, dim)
+
+    def forward(self, x, mask=None):
+        b, n, e = x.shape
+        q = self.linear_q(x).view(b, n, self.h, self.d)
+        k, v = (p(x).view(b, n, self.h, self.d).transpose(1, 2) for p in (self.linear_k, self.linear_v))
+        pe = self._sinusoids(n, e, x)
+        p = (pe if self.bug == "no_linear_pos" else self.linear_pos(pe)).view(-1, self.h, self.d).transpose(0, 1)
+        ac = (q + self.pos_bias_u).transpose(1, 2) @ k.transpose(-1, -2)
+        bd_full = (q + self.pos_bias_v).transpose(1, 2) @ p.transpose(-1, -2)  # (B, H, n, 2n - 1)
+        i = torch.arange(n, device=x.device)
+        bd = bd_full.gather(-1, (n - 1 - i[:, None] + i[None, :]).expand(b, self.h, n, n))  # distance i - j
+        scores = (ac + bd) / self.d ** 0.5
+        if mask is not None:
+            hidden = (mask.transpose(1, 2) if self.bug == "mask_on_queries" else mask).unsqueeze(1).eq(0)
+            scores = scores.masked_fill(hidden, torch.finfo(scores.dtype).min)
+        w = torch.softmax(scores, dim=-1)
+        if mask is not None:
+            w = w.masked_fill(hidden, 0.0)
+        return self.linear_out((w @ v).transpose(1, 2).reshape(b, n, e))
+
+
+def test_relative_attention_of_the_speech_toolkits():
+    """catches: the sinusoids taken without linear_pos certified (the projection has no q/k/v role, and its
+    siblings named none either), and a stated (B, 1, T) key mask put on the query axis named mask-error ("raises
+    with the mask you stated") instead of mask-broadcast."""
+    stated = dict(mask="keep (B,1,L)")
+    assert check(RelPositionAttention(), **stated).passed
+    report = check(RelPositionAttention(bug="no_linear_pos"), **stated)
+    assert "no-grad" in report.ids, [(f.id, f.message) for f in report.findings]
+    report = check(RelPositionAttention(bug="mask_on_queries"), **stated)
+    assert "mask-broadcast" in report.ids, [(f.id, f.message) for f in report.findings]
+
+
+# -- DeepSeek-V3: decoupled rotary on part of the head dim, interleaved pairs laid out as halves ------------------
+class DecoupledRotary(nn.Module):
+    """MLA's attention with its decoupled rotary part: q = [q_nope | rope(q_rot)], k = [k_nope | rope(k_rot)], the
+    rotation on interleaved pairs written out as halves (``cat([x1 cos - x2 sin, x2 cos + x1 sin])``)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, nope: int = 8, rot: int = 4) -> None:
+        super().__init__()
+        self.h, self.nope, self.rot = heads, nope, rot
+        self.q_proj = nn.Linear(dim, heads * (nope + rot), bias=False)
+        self.k_proj = nn.Linear(dim, heads * nope + rot, bias=False)  # one rotary key shared by the heads
+        self.v_proj = nn.Linear(dim, heads * nope, bias=False)
+        self.o_proj = nn.Linear(heads * nope, dim, bias=False)
+
+    def _rotate(self, t):
+        n = t.shape[-2]
+        inv = 1.0 / 10000 ** (torch.arange(0, self.rot, 2, dtype=torch.float32) / self.rot)
+        ang = torch.arange(n, dtype=torch.float32)[:, None] * inv
+        cos, sin = ang.cos().to(t.dtype), ang.sin().to(t.dtype)
+        a, b = t[..., 0::2], t[..., 1::2]
+        return torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+
+    def forward(self, x):
+        bsz, n, _ = x.shape
+        q = self.q_proj(x).view(bsz, n, self.h, -1).transpose(1, 2)
+        q_nope, q_rot = q.split([self.nope, self.rot], dim=-1)
+        k_all = self.k_proj(x)
+        k_nope = k_all[..., :self.h * self.nope].view(bsz, n, self.h, -1).transpose(1, 2)
+        k_rot = k_all[..., self.h * self.nope:].view(bsz, 1, n, self.rot)
+        q = torch.cat((q_nope, self._rotate(q_rot)), dim=-1)
+        k = torch.cat((k_nope, self._rotate(k_rot).expand(-1, self.h, -1, -1)), dim=-1)
+        v = self.v_proj(x).view(bsz, n, self.h, -1).transpose(1, 2)
+        o = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.o_proj(o.transpose(1, 2).reshape(bsz, n, -1))
+
+
+def test_interleaved_rotary_laid_out_as_halves_is_read_as_positions():
+    """catches: DeepSeek-V3's rotation of interleaved pairs written out as halves not read as rotary positions, so
+    a correct module got a not-equivariant warning (no position term explained it)."""
+    report = check(DecoupledRotary())
+    assert report.passed and not report.findings, [(f.id, f.message) for f in report.findings]
+    assert "rotary" in str(report.inferred.get("design")), report.inferred.get("design")

@@ -834,7 +834,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             tried[label] = "acts the other way round: hides what the mask keeps"
             continue
         if caller.key_only and _hides_queries(masked_out, plain, k0[0]):
-            if not _query_axis_judged(caller):
+            if not _query_axis_judged(caller, ctx.spec is not None):
                 tried[label] = "read as (B, Lq, Lk): (B, 1, L) is not this module's key mask"
                 continue
             if _names_the_queries(ctx.module, caller.mask_arg, ctx.call.style):
@@ -974,11 +974,11 @@ def _hides_queries(masked_out: Tensor, plain: Tensor, kv: Tensor) -> bool:
     return bool(torch.equal(changed_rows, ~kv))
 
 
-def _query_axis_judged(caller: Caller) -> bool:
+def _query_axis_judged(caller: Caller, stated: bool = False) -> bool:
     """Is a key mask in this caller's form that hides query rows a broadcast bug? Not in (B, 1, L): a module that
     reads every 3-D mask as (B, Lq, Lk), as XLM does, puts it on its query axis by design; that form only serves
-    a module that takes no other."""
-    return caller.key_only and (caller.spec is None or caller.spec.shape != "B1L")
+    a module that takes no other, unless the user ``stated`` it is the module's key mask (ESPnet's (B, 1, T))."""
+    return caller.key_only and (caller.spec is None or caller.spec.shape != "B1L" or stated)
 
 
 def _broadcast_finding(caller: Caller, kv: Tensor, how: str = "") -> Outcome[Caller]:

@@ -370,7 +370,29 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
         if not played or fused or all(r is None for r in played):
             continue
         idle += [p for p, u, _ in group if not u and (role := _projection_role(p)) is not None and role not in played]
-    return sorted(idle + _idle_clones(module, used) + _idle_heads(module, used) + _idle_outputs(module, used))
+    return sorted(idle + _idle_clones(module, used) + _idle_heads(module, used) + _idle_outputs(module, used) +
+                  _idle_position_maps(module, used))
+
+
+_POSITION_WORDS = frozenset({"pos", "position", "positions", "positional"})
+
+
+def _idle_position_maps(module: nn.Module, used: set[int]) -> list[str]:
+    """The position projection (an nn.Linear named for positions: a Conformer's ``linear_pos``, ``pos_proj``) of a
+    module whose own position terms (its learned ``pos_bias_u`` / ``pos_bias_v``, Transformer-XL's ``r_w_bias``,
+    ``r_r_bias``) the call used, when it never used the projection: the position embeddings taken as they came."""
+    idle = []
+    for path, mod in module.named_modules():
+        terms = [p for n, p in mod.named_parameters(recurse=False)
+                 if p.requires_grad and ("pos" in n.lower() or n.lower() in ("r_w_bias", "r_r_bias"))]
+        if not any(id(p) in used for p in terms):
+            continue
+        for name, child in mod.named_children():
+            words = {w for w in re.split(r"[_\d]+", name.lower()) if w}
+            if isinstance(child, nn.Linear) and words & _POSITION_WORDS and child.weight.requires_grad and \
+                    id(child.weight) not in used:
+                idle.append(f"{path}.{name}" if path else name)
+    return idle
 
 
 _OUTPUT_NAMES = frozenset({"to_out", "out_proj", "o_proj", "o", "proj", "c_proj", "wo", "w_o", "dense", "fc_o",

@@ -29,15 +29,17 @@ __all__ = [
 ROPE_BASES = (10000.0, 500000.0, 1000000.0)
 
 
-def rope(t: Tensor, base: float, interleaved: bool) -> Tensor:
-    """Rotary positions 0..L-1 applied to t (..., L, D): rotate-half (Llama) or interleaved pairs."""
+def rope(t: Tensor, base: float, interleaved: bool | str) -> Tensor:
+    """Rotary positions 0..L-1 applied to t (..., L, D): rotate-half (Llama), interleaved pairs, or
+    ``interleaved="to halves"``: interleaved pairs rotated and laid out as halves (DeepSeek-V3's)."""
     d, length = t.shape[-1], t.shape[-2]
     inv = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
     ang = torch.arange(length, dtype=torch.float64)[:, None] * inv  # (L, D/2)
     t = t.double()
     if interleaved:
         a, b = t[..., 0::2], t[..., 1::2]
-        return torch.stack((a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos()), -1).flatten(-2)
+        turned = (a * ang.cos() - b * ang.sin(), a * ang.sin() + b * ang.cos())
+        return torch.cat(turned, -1) if interleaved == "to halves" else torch.stack(turned, -1).flatten(-2)
     cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
     half = torch.cat((-t[..., d // 2:], t[..., : d // 2]), -1)
     return t * cos + half * sin
@@ -69,12 +71,14 @@ def rotary(trace: Trace, tid: int, value: Tensor, reach: int = 8) -> str | None:
             # the positions on the second-to-last axis, on the third ((B, L, H, D), as GPT-J's), or on any other
             # (sequence first, (L, B, H, D), as Megatron's and ChatGLM's)
             axes = [a for a in range(-2, -t.dim() - 1, -1) if t.shape[a] > 1]
-            for axis, base, interleaved in ((a, b, i) for a in axes for b in ROPE_BASES for i in (False, True)):
+            for axis, base, interleaved in ((a, b, i) for a in axes for b in ROPE_BASES
+                                            for i in (False, True, "to halves")):
                 turned = rope(source.movedim(axis, -2), base, interleaved).movedim(-2, axis)
                 if torch.allclose(turned, t.double(), rtol=1e-4, atol=1e-5):
                     part = "" if t.shape[-1] == value.shape[-1] else f", on {t.shape[-1]} of {value.shape[-1]} dims"
-                    return f"rotary positions ({'interleaved pairs' if interleaved else 'rotate-half'}, " \
-                           f"base {base:g}{part})"
+                    how = "rotate-half" if not interleaved else "interleaved pairs" + (
+                        ", laid out as halves" if interleaved == "to halves" else "")
+                    return f"rotary positions ({how}, base {base:g}{part})"
     return None
 
 
