@@ -261,8 +261,9 @@ def test_keras_multi_head_attention_is_checked_in_its_own_precision():
 
 
 def test_an_unused_keras_value_projection_is_named_and_its_key_bias_is_not():
-    """catches: a Keras layer whose value_dense is built but never used certified (Dense is no nn.Linear), and the
-    key projection's bias, which the softmax cancels, named no-grad under Keras's variable names ("key/bias")."""
+    """catches: a Keras layer whose value_dense is built but never used certified (Dense is no nn.Linear), the key
+    projection's bias, which the softmax cancels, named no-grad under Keras's variable names ("key/bias"), and a
+    layer not built yet refused (exit 2: the doctor put back its state after the call that built it)."""
     keras = _keras()
     layers, ops = keras.layers, keras.ops
 
@@ -298,6 +299,9 @@ def test_an_unused_keras_value_projection_is_named_and_its_key_bias_is_not():
             assert "no-grad" in report.ids, [(f.id, f.message) for f in report.findings]
         else:
             assert report.passed, [(f.id, f.message) for f in report.findings]
+    # not built yet (its weights made on its first call), as `selfattn check file.py:Class` constructs it
+    report = check(SelfAttention())
+    assert report.passed, [(f.id, f.message) for f in report.findings]
 
 
 # -- a KV cache kept in the module (LLMs-from-scratch's chapter 4 style) -----------------------------------------
@@ -432,3 +436,47 @@ def test_interleaved_rotary_laid_out_as_halves_is_read_as_positions():
     report = check(DecoupledRotary())
     assert report.passed and not report.findings, [(f.id, f.message) for f in report.findings]
     assert "rotary" in str(report.inferred.get("design")), report.inferred.get("design")
+
+
+# -- a causal mask of 1 and 0 handed down by the model (keras-hub's decoder blocks) --------------------------------
+class OnesAndZerosLayer(nn.Module):
+    """A layer taking the model's (B, L, L) mask of integers, 1 = may attend (padding merged into the causal mask
+    by a minimum, as keras-hub's decoders build it)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x, attention_mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        s = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        if attention_mask is not None:
+            s = s.masked_fill(attention_mask[:, None] == 0, torch.finfo(s.dtype).min)
+        return self.out((s.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class OnesAndZerosDecoder(nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.attention = OnesAndZerosLayer(dim)
+
+    def forward(self, x, padding_mask):
+        n = x.shape[1]
+        causal = (torch.arange(n)[:, None] >= torch.arange(n)[None, :]).int()
+        return x + self.attention(x, attention_mask=torch.minimum(padding_mask[:, None, :], causal[None]))
+
+
+def test_a_models_causal_mask_of_ones_and_zeros_stands_for_the_layers_pattern():
+    """catches: with --causal, the model's integer 1/0 causal mask was not read as the layer's own pattern, so the
+    layer was probed without it and named causal-leak."""
+    from selfattn.check import check_model
+
+    torch.manual_seed(0)
+    padding = torch.ones(2, 7, dtype=torch.int32)
+    padding[1, 5:] = 0
+    report = check_model(OnesAndZerosDecoder().eval(), (torch.randn(2, 7, 32), padding), causal=True)
+    assert report.layers and all(r.passed for r in report.layers.values()), \
+        {n: [(f.id, f.message) for f in r.findings] for n, r in report.layers.items()}

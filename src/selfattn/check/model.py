@@ -223,6 +223,8 @@ def _causal_like(mask: object, length: int) -> Tensor | None:
         return not bool((seen & ~lower).any()) and bool(own.all())
 
     shape = (1, *mask.shape[1:]) if mask.dim() > 2 else mask.shape  # one for every item: the batch broadcasts
+    if _ones_and_zeros(mask):  # 1 = may attend, in integers or floats (Keras's masks: padding merged by a minimum)
+        return lower.expand(shape).to(mask.dtype).clone() if causal(mask != 0) else None
     if mask.dtype == torch.bool:  # True = may attend, or True = masked (MPT's, Hugging Face's older layers)
         if causal(mask):
             return lower.expand(shape).clone()
@@ -233,11 +235,21 @@ def _causal_like(mask: object, length: int) -> Tensor | None:
     return torch.zeros(shape, dtype=mask.dtype, device=mask.device).masked_fill(~lower, hidden)
 
 
+def _ones_and_zeros(mask: Tensor) -> bool:
+    """Is ``mask`` a keep-mask of 1 and 0 in integers or floats (not bool, not an additive 0 / large negative)?"""
+    if mask.dtype == torch.bool or mask.is_complex():
+        return False
+    with untraced():
+        return bool(((mask == 0) | (mask == 1)).all()) and bool((mask == 1).any())
+
+
 def _causal_at(own: Tensor, length: int) -> Tensor:
     """The plain causal mask ``own`` (from :func:`_causal_like`) in its kind, fill and leading shape, over ``length``
     tokens."""
     lower = torch.ones(length, length, dtype=torch.bool, device=own.device).tril()
     shape = (*own.shape[:-2], length, length)
+    if _ones_and_zeros(own):
+        return lower.expand(shape).to(own.dtype).clone()
     if own.dtype == torch.bool:  # True = may attend when the first query sees its own key
         return (lower if bool(own.reshape(-1, *own.shape[-2:])[0, 0, 0]) else ~lower).expand(shape).clone()
     return torch.zeros(shape, dtype=own.dtype, device=own.device).masked_fill(~lower, float(own.min()))
@@ -1371,6 +1383,10 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
     missed: list[str] = []
     model, quantized = dequantized(model)  # the model's own runs too (its padding read as it calls each layer)
     found = find_attention(model, example_inputs, missed)
+    if not found and len(list(model.modules())) == 1 and hasattr(model, "get_layer"):
+        raise CannotRun("no attention layer found: the model registers no torch submodule (a Keras functional model "
+                        "keeps its layers apart from torch's), so the doctor cannot see inside it; check its "
+                        "attention layers one by one (model.get_layer(name)), or a block built as a layer")
     if not found:
         raise CannotRun("no attention layer found: no submodule multiplied softmax weights into a tensor or ran an "
                         "attention kernel on the example inputs, while mapping hidden states (B, L, E) to that shape")

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CannotRun", "Sizes", "build", "cast_module", "copy_module", "dequantized", "draw_zeros", "embed_dim_of",
-           "load_class", "load_file", "num_heads_of", "param_device", "param_dtype", "user_callable"]
+__all__ = ["CannotRun", "Sizes", "build", "build_keras", "cast_module", "copy_module", "dequantized", "draw_zeros",
+           "embed_dim_of", "load_class", "load_file", "num_heads_of", "param_device", "param_dtype", "user_callable"]
 
 # constructor and config parameters the doctor fills with the embed dim / the head count
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
@@ -512,6 +512,19 @@ def copy_module(module: nn.Module) -> nn.Module:
 def _from_keras(module: nn.Module) -> bool:
     """Is ``module`` a Keras 3 layer (its class, or a class it derives from, Keras's or keras-hub's)?"""
     return any(c.__module__.split(".")[0] in ("keras", "keras_hub") for c in type(module).__mro__)
+
+
+def build_keras(module: nn.Module, run: Callable[[], object]) -> None:
+    """Build a Keras 3 layer that is not built yet (its weights are made on its first call) by running ``run``
+    once, so that the doctor's calls, which put back every attribute a call replaced, meet a layer with its weights;
+    a call that fails leaves it for the doctor's own calls to report."""
+    if not any(_from_keras(m) and getattr(m, "built", True) is False for m in module.modules()):
+        return
+    try:
+        with torch.no_grad():
+            run()
+    except Exception:  # the doctor's calls say why the module does not run
+        return
 
 
 def _copied_plainly(module: nn.Module, classes: set[type]) -> nn.Module:

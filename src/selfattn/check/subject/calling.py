@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..findings import BATCH_MIXING, SHAPE_DEPENDENT, STATE_DEPENDENT, WRONG_OUTPUT_SHAPE, Finding
-from .building import CannotRun, Sizes, num_heads_of
+from .building import CannotRun, Sizes, build_keras, num_heads_of
 from .caller import (
     LENGTH_NAMES,
     UNSET,
@@ -354,6 +354,17 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     else:
         lengths = sizes.lengths or (7, 5, 6)
         shapes = [(b, n) for n in lengths for b in ([sizes.batch] if sizes.batch else [3, 2, 1])]
+    first = torch.zeros(*shapes[0], e, dtype=dtype, device=device)
+
+    def once() -> object:
+        if adapter is None:
+            return module(first)
+        try:
+            return adapter(module, first)
+        except TypeError:  # call(module, x, mask)
+            return adapter(module, first, None)
+
+    build_keras(module, once)
     call: Caller | None = Caller(module, "adapter", adapter=adapter) if adapter is not None else None
     notes: dict = {}
     coincidence, failed_first = "", []
