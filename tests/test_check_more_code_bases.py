@@ -480,3 +480,92 @@ def test_a_models_causal_mask_of_ones_and_zeros_stands_for_the_layers_pattern():
     report = check_model(OnesAndZerosDecoder().eval(), (torch.randn(2, 7, 32), padding), causal=True)
     assert report.layers and all(r.passed for r in report.layers.values()), \
         {n: [(f.id, f.message) for f in r.findings] for n, r in report.layers.items()}
+
+
+# -- short sequences: ACT's encoder of 3 tokens --------------------------------------------------------------------
+def test_a_padding_probe_at_three_tokens_is_no_doctor_error():
+    """catches: at 3 tokens the padding probe padded an item whole and compared its (no) real tokens: a doctor error
+    (max() of an empty tensor) made torch's own layer inconclusive (ACT's encoder: latent, state, environment)."""
+    torch.manual_seed(0)
+    layer = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    for batch in (2, 3):
+        report = check(layer, call=lambda m, x, mask: m(x, x, x, key_padding_mask=mask)[0], length=[3], batch=batch)
+        assert report.passed and report.coverage["padding"] == "verified", (batch, report.not_verified)
+
+
+# -- causal layers whose padding only the left side shows ----------------------------------------------------------
+class FirstItemsMask(nn.Module):
+    """A causal layer with a key padding mask (True = padding) that applies item 0's mask to every item
+    (``mask[:1]``): with padding at the end a causal layer hides it anyway; padding on the left shows it.
+    ``column=True``: a (B, 1, L, L) keep mask read as ``mask[:, 0, :, 0]``, one column, for the key padding."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, column: bool = False) -> None:
+        super().__init__()
+        self.column = column
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(self, x, mask=None):
+        n = x.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
+        kpm = None
+        if mask is not None:
+            kpm = (mask[:, 0, :, 0] == 0) if self.column else mask[:1].expand(x.shape[0], -1)
+        return self.attn(x, x, x, attn_mask=causal, key_padding_mask=kpm, need_weights=False)[0]
+
+
+def test_padding_on_the_left_shows_what_a_causal_layer_hides():
+    """catches: item 0's mask applied to every item, and a full mask read as one column for the key padding,
+    certified on causal layers: the doctor padded only the end of each item, which causality hides anyway."""
+    report = check(FirstItemsMask(), mask="ignore (B,L)", causal=True)
+    assert "mask-ignored" in report.ids, [(f.id, f.message) for f in report.findings]
+    report = check(FirstItemsMask(column=True), causal=True)
+    assert not report.passed, [(f.id, f.message) for f in report.findings]
+
+
+# -- learned memory keys before the tokens, rotated at positions after them ----------------------------------------
+class MemoryKeys(RotaryOffset):
+    """Two learned memory tokens joined before the tokens' keys (positions 0, 1; the tokens at 2..L+1 for q and k);
+    ``restart``: the tokens' keys rotated from 0 again (memory at 0, 1, the tokens' keys at 0..L-1)."""
+
+    def __init__(self, restart: bool = False) -> None:
+        super().__init__()
+        self.restart = restart
+        self.mem = nn.Parameter(torch.randn(2, 64) * 0.5)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        xm = torch.cat((self.mem[None].expand(b, -1, -1), x), dim=1)
+        q = self.q_proj(x).view(b, n, self.heads, -1).transpose(1, 2)
+        k, v = (p(xm).view(b, n + 2, self.heads, -1).transpose(1, 2) for p in (self.k_proj, self.v_proj))
+        positions = torch.arange(n, device=x.device)
+        keys_at = torch.cat((torch.arange(2, device=x.device), positions if self.restart else positions + 2))
+        q, k = self._rotate(q, positions + 2), self._rotate(k, keys_at)
+        visible = torch.ones(n, n + 2, dtype=torch.bool, device=x.device).tril(2)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        return self.o_proj(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_memory_keys_before_the_tokens_are_no_rotary_mismatch():
+    """catches: learned memory keys first, read through SDPA, paired query i with key i (a memory key): a false
+    rotary-mismatch on a correct module; the tokens' keys rotated from 0 again are still named."""
+    report = check(MemoryKeys(), causal=True)
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+    report = check(MemoryKeys(restart=True), causal=True)
+    assert report.ids == {"rotary-mismatch"}, [(f.id, f.message) for f in report.findings]
+
+
+# -- a decode step that takes its own path ------------------------------------------------------------------------
+class DecodeStepOffByOne(CachedCausal):
+    """:class:`CachedCausal` whose one-token decode step reads the mask row one position on (its own path)."""
+
+    def forward(self, x, use_cache=False):
+        if use_cache and x.shape[1] == 1 and self.cache_k is not None:
+            self.ptr += 1
+        return super().forward(x, use_cache)
+
+
+def test_a_decode_step_of_one_token_continues_the_sequence():
+    """catches: a cache right for chunks and wrong for a one-token decode step certified: the calls continued the
+    sequence in chunks only."""
+    report = check(DecodeStepOffByOne(), call=lambda m, x: m(x, use_cache=True), causal=True)
+    assert report.ids == {"state-dependent"}, [(f.id, f.message) for f in report.findings]

@@ -123,7 +123,7 @@ PROBES: tuple[Probe, ...] = (
     Probe("mask convention", mask_convention,
           frozenset({MASK_INVERTED, MASK_IGNORED, MASK_ERROR, MASK_BROADCAST, MASK_CONVENTION, CAUSAL_LEAK}),
           "mask", ("dep",), gives="masked"),
-    Probe("padding", padding, frozenset({MASK_IGNORED, BATCH_MIXING}), "padding", ("masked",)),
+    Probe("padding", padding, frozenset({MASK_IGNORED, BATCH_MIXING}), "padding", ("masked", "dep")),
     Probe("fully masked rows", masked_rows, frozenset({NAN_ON_MASKED_ROW, NAN_ON_EMPTY_SEQUENCE}), needs=("masked",)),
     Probe("half precision", half_precision, frozenset({HALF_PRECISION_OVERFLOW, HALF_PRECISION_MISMATCH}),
           "half_precision", ("masked",)),

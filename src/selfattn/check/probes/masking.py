@@ -1182,7 +1182,7 @@ def _raises_always(tried: dict[str, str], working: str | None) -> tuple[str, str
     return None
 
 
-def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
+def padding(ctx: Context, masked: Caller | None, dep: Tensor | None = None) -> Outcome[None]:
     """Changing masked (padding) keys must not change the outputs of real tokens (else: mask-ignored).
 
     Each batch item has padding of its own length (2, 3, 2, ...: a module that applies item 0's mask to every
@@ -1191,9 +1191,14 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
     input where the module runs (a long-sequence path that drops the mask, keys in chunks that reuse the first
     chunk's mask).
 
+    A module that hides some keys on its own (``dep``: causal, local) is padded on the left too, where the padded
+    keys are earlier than the real tokens and its own pattern does not hide them; not through the user's call,
+    which may turn the mask into something padding on the left cannot be (lengths).
+
     Args:
         ctx: the probe context.
         masked: the caller from :func:`mask_convention`; None: nothing is checked.
+        dep: (L, L) from :func:`causality` (the keys each query sees without a mask), or None.
 
     Returns:
         At most a mask-ignored finding.
@@ -1219,13 +1224,22 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
             inputs.append(longer)
         except Exception:  # the module runs at its own lengths only
             pass
-    for t in inputs:
+    # padding on the left too (a causal module never sees keys padded at the end), where a mask can say it: not
+    # lengths, not one mask for every item, not through the user's call; the padded tokens' values change, never
+    # where the real tokens are
+    left = dep is not None and not bool(dep.all()) and not shared and caller.style != "adapter" and \
+        not (caller.spec is not None and caller.spec.kind == "lengths")
+    for t, at_start in [*((t, False) for t in inputs), *([(x, True)] if left else [])]:
         b, length, _ = t.shape
-        pads = [2 if shared else 2 + i % 2 for i in range(b)]
-        mask = caller.module_mask(_own_padding(b, length, shared))
+        pads = _pads(b, length, shared)
+        keep = _own_padding(b, length, shared)
+        if at_start:
+            keep = keep.flip(-1)
+        mask = caller.module_mask(keep)
         t2 = t.clone()
         for i, p in enumerate(pads):
-            t2[i, length - p:] = ctx.randn(p, t.shape[2]).to(t.dtype)
+            t2[i, slice(0, p) if at_start else slice(length - p, length)] = ctx.randn(p, t.shape[2]).to(t.dtype)
+        real = [slice(p, length) if at_start else slice(0, length - p) for p in pads]
         for grad in (False, True):
             try:
                 with torch.set_grad_enabled(grad):
@@ -1235,8 +1249,8 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
                     raise
                 break  # autograd refuses the module's in-place work: it has no training path to drop the mask on
             padded = padded_rows(caller, a)  # the rows the model pads through its call are not real tokens
-            rows = [slice(None) if padded is None else ~padded[i, :length - p] for i, p in enumerate(pads)]
-            moved = [i for i, p in enumerate(pads) if not close(c[i, :length - p][rows[i]], a[i, :length - p][rows[i]])]
+            rows = [slice(None) if padded is None else ~padded[i, real[i]] for i in range(b)]
+            moved = [i for i in range(b) if not close(c[i, real[i]][rows[i]], a[i, real[i]][rows[i]])]
             if moved and _through_token_statistics(partial(caller, t, mask), partial(caller, t2, mask), pads, grad):
                 found.notes["statistics over the tokens"] = (
                     "a group or instance norm before the attention normalises each channel over the tokens (a "
@@ -1247,13 +1261,13 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
                 i = moved[0]
                 where = (f"batch item {i}" + (" (item 0's padding is hidden: another item's mask is applied?)"
                                               if 0 not in moved else "")
+                         + (", padded on the left" if at_start else "")
                          + (f", at {length} tokens" if length != x.shape[1] else "")
                          + (", with one item alone in the batch" if b == 1 < x.shape[0] else "")
                          + (", with autograd on (without it the mask holds)" if grad else ""))
                 found.findings.append(Finding.of(MASK_IGNORED, "changing padded (masked) keys changes the outputs "
                                                  f"of real tokens ({where})",
-                                                 {"relative change": rel(c[i, :length - pads[i]],
-                                                                         a[i, :length - pads[i]]),
+                                                 {"relative change": rel(c[i, real[i]], a[i, real[i]]),
                                                   "items whose real tokens change": moved}))
                 return found
     cached = _mask_kept_from_an_earlier_call(caller, x, shared)
@@ -1267,7 +1281,7 @@ def padding(ctx: Context, masked: Caller | None) -> Outcome[None]:
         x2[0] = ctx.randn(length, x.shape[2]).to(x.dtype)
         with torch.no_grad():
             a, c = caller(x, mask), caller(x2, mask)
-        pads = [2 if shared else 2 + i % 2 for i in range(b)]
+        pads = _pads(b, length, shared)
         moved = [i for i in range(1, b) if not close(c[i, :length - pads[i]], a[i, :length - pads[i]])]
         if moved:
             found.findings.append(Finding.of(BATCH_MIXING, "with a padding mask, changing one batch item changes the "
@@ -1286,7 +1300,7 @@ def unlike_alone(ctx: Context, caller: Caller, x: Tensor) -> Finding | None:
            for m in caller.module.modules()):
         return None
     b, length, _ = x.shape
-    pads = [2 + i % 2 for i in range(b)]
+    pads = _pads(b, length)
     with torch.no_grad():
         padded = caller(x, caller.module_mask(_own_padding(b, length, False)))
     for p in sorted(set(pads)):
@@ -1397,11 +1411,17 @@ def _mask_kept_from_an_earlier_call(caller: Caller, x: Tensor, shared: bool) -> 
 
 
 def _own_padding(b: int, length: int, shared: bool = False) -> Tensor:
-    """(B, L, L) keep-mask: item i's last 2 + i % 2 keys are padding (the last 2 of every item when ``shared``)."""
+    """(B, L, L) keep-mask: item i's last :func:`_pads` keys are padding."""
     keep = torch.ones(b, length, length, dtype=torch.bool)
-    for i in range(b):
-        keep[i, :, length - 2 - (0 if shared else i % 2):] = False
+    for i, p in enumerate(_pads(b, length, shared)):
+        keep[i, :, length - p:] = False
     return keep
+
+
+def _pads(b: int, length: int, shared: bool = False) -> list[int]:
+    """How many keys of each item the padding probes pad: 2 + i % 2 (2 for every item when ``shared``), leaving each
+    item one real token at least (a module of 3 tokens: ACT's encoder)."""
+    return [min(2 if shared else 2 + i % 2, length - 1) for i in range(b)]
 
 
 def masked_rows(ctx: Context, masked: Caller | None) -> Outcome[None]:

@@ -629,17 +629,18 @@ def _agree(a: Tensor, b: Tensor, rtol: float) -> bool:
 
 
 def _continued(call: Caller, x: Tensor) -> str | None:
-    """For a causal module that carries state from call to call (a KV cache): called on the first half of the tokens
-    and then on the rest, the second call must give the rows of one call on all of them; the difference when it does
-    not (a cache position never advanced, keys stored in the wrong slots), None when it does or cannot be compared."""
+    """For a causal module that carries state from call to call (a KV cache): called on the first half of the tokens,
+    then on the next one alone, then on the rest, the later calls must give the rows of one call on all of them; the
+    difference when they do not (a cache position never advanced, keys stored in the wrong slots, a decode step's
+    rotary one position off), None when they do or cannot be compared."""
     half = x.shape[1] // 2
     kept = replace(call, keep_state=True)
     with torch.no_grad():
         whole = call(x)
         state = module_state(call.module)
-        try:
+        try:  # a prompt, one token decoded alone (a decode step may take its own path), then a chunk of the rest
             kept(x[:, :half].clone())
-            rest = kept(x[:, half:].clone())
+            rest = torch.cat([kept(x[:, half:half + 1].clone()), kept(x[:, half + 1:].clone())], dim=1)
         except Exception:  # a module that takes no shorter call: the calls in a row say what fails
             return None
         finally:
@@ -702,8 +703,9 @@ def calls_in_a_row(call: Caller, x: Tensor, gen: torch.Generator, dep: Tensor | 
     continued = _continued(call, x) if failure is None and differs and causal else None
     if continued is not None:
         found.findings.append(Finding.of(STATE_DEPENDENT, f"a call replaces the module's own {names} (a cache); called "
-                                         f"on the first {x.shape[1] // 2} tokens and then on the rest, the second "
-                                         "call's outputs are not those rows of one call on all the tokens: the cache "
+                                         f"on the first {x.shape[1] // 2} tokens, then on the next alone, then on the "
+                                         "rest, the later calls' outputs are not those rows of one call on all the "
+                                         "tokens: the cache "
                                          "continues another sequence (its position never advanced, keys or values "
                                          "stored in other slots, rotary positions restarted)",
                                          {"replaced": dict(call.replaced), "largest difference": continued}))

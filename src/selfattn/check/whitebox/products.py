@@ -2330,9 +2330,9 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4, memory: tu
         diag = r.diagonal(dim1=-2, dim2=-1)
         spread = (diag - diag[..., :1]).abs()
         size = 1 + float(r.abs().max())
-        if float(spread.max()) > rtol * size and extra > 0 and product is not None:
+        if float(spread.max()) > rtol * size and extra > 0:
             # learned keys put first (a null key and value, memory tokens): the tokens' keys are the last L
-            full = _contract(product, q, k)
+            full = _contract(product, q, k) if product is not None else q @ k.transpose(-1, -2)
             if full.dim() >= 2 and full.shape[-2] == length:
                 late = full[..., extra:].diagonal(dim1=-2, dim2=-1)
                 if float((late - late[..., :1]).abs().max()) <= rtol * size:
@@ -2398,15 +2398,23 @@ def rotated_operands(trace: Trace) -> bool:
 
 def rotated_apart(trace: Trace, length: int) -> str | None:
     """Are q and k, as they reach the first attention core, rotated by tables of other positions (k rotated at
-    ``position_ids + 1``, a cache offset given to one side only)? Both tables must be read and of one shape (keys
-    from a cache, rotated at more positions than the queries, are not compared); None when they agree or cannot
-    be compared. One token everywhere cannot tell this: q_i . k_i is then q . R(offset) k at every position."""
+    ``position_ids + 1``, a cache offset given to one side only)? Both tables must be read and of one shape, or k's
+    over more positions on one axis (learned memory keys or cached ones first: its last L are the tokens'); None
+    when they agree or cannot be compared. One token everywhere cannot tell this: q_i . k_i is then q . R(offset) k
+    at every position."""
     pairs = _core_pairs(trace)
     if len(pairs) < 2:
         return None
     found = [rotation_tables(trace, tid) for tid, _ in pairs[:2]]
     if found[0] is None or found[1] is None or len(found[0]) != len(found[1]):
         return None
+    def last_tokens(a: Tensor, b: Tensor) -> Tensor:  # keys after learned memory or cached ones: the last L are
+        differ = [i for i in range(a.dim()) if a.shape[i] != b.shape[i]] if a.dim() == b.dim() else []  # the tokens'
+        if len(differ) == 1 and a.shape[differ[0]] == length and b.shape[differ[0]] > length:
+            return b.narrow(differ[0], b.shape[differ[0]] - length, length)
+        return b
+
+    found = [found[0], [last_tokens(a, b) for a, b in zip(*found, strict=True)]]
     try:  # one table for every item on one side (positions of shape (1, L)), one per item on the other
         squeeze = [list(torch.broadcast_tensors(a, b)) for a, b in zip(*found, strict=True)]
     except RuntimeError:
