@@ -569,3 +569,75 @@ def test_a_decode_step_of_one_token_continues_the_sequence():
     sequence in chunks only."""
     report = check(DecodeStepOffByOne(), call=lambda m, x: m(x, use_cache=True), causal=True)
     assert report.ids == {"state-dependent"}, [(f.id, f.message) for f in report.findings]
+
+
+# -- a keep mask handed to torch's src_key_padding_mask ------------------------------------------------------------
+class EncoderLM(nn.Module):
+    """A causal language model on nn.TransformerEncoder, padding read from the token ids (0 = padding);
+    ``keep_as_padding``: the keep mask (~pad) handed to ``src_key_padding_mask`` (True = padding), which hides every
+    key of an item the model does not pad (torch's kernels give that item's tokens 0, or NaN)."""
+
+    def __init__(self, keep_as_padding: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True, norm_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.keep_as_padding = keep_as_padding
+
+    def forward(self, input_ids):
+        pad = input_ids == 0
+        causal = nn.Transformer.generate_square_subsequent_mask(input_ids.shape[1])
+        return self.enc(self.emb(input_ids), mask=causal, is_causal=True,
+                        src_key_padding_mask=~pad if self.keep_as_padding else pad)
+
+
+def test_a_keep_mask_handed_as_the_padding_mask_of_an_item_without_padding_is_named():
+    """catches: the model's keep mask given as src_key_padding_mask certified: the padded items' real tokens still
+    saw the padding (finite), and the item without padding, whose every key was hidden, got one output for all its
+    tokens from torch's kernel rather than NaN."""
+    from selfattn.check import check_model
+
+    torch.manual_seed(0)
+    ids = torch.randint(1, 50, (3, 8))
+    ids[1, 6:] = 0
+    ids[2, 5:] = 0
+    report = check_model(EncoderLM().eval(), (ids,))
+    assert all(r.passed for r in report.layers.values()), report
+    report = check_model(EncoderLM(keep_as_padding=True).eval(), (ids,))
+    assert report.layers and all("mask-inverted" in r.ids for r in report.layers.values()), \
+        {n: r.ids for n, r in report.layers.items()}
+
+
+# -- scGPT's flash layer: padded rows zeroed inside, a post-norm residual around them -----------------------------
+class FlashStyleBlock(nn.Module):
+    """scGPT's ``FlashTransformerEncoderLayer`` style: ``src_key_padding_mask`` True = padding, None when nothing is
+    padded, inverted for a flash-attn style core that reads True = keep and gives padded rows 0; then a post-norm
+    residual block (a padded row keeps its own token only)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.Wqkv = nn.Linear(dim, 3 * dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, src, src_key_padding_mask=None):
+        keep = None if src_key_padding_mask is None or not src_key_padding_mask.any() else ~src_key_padding_mask
+        b, n, e = src.shape
+        q, k, v = self.Wqkv(src).view(b, n, 3, self.heads, -1).unbind(2)
+        s = torch.einsum("bthd,bshd->bhts", q, k) / q.shape[-1] ** 0.5
+        if keep is not None:
+            s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+        out = torch.einsum("bhts,bshd->bthd", s.softmax(-1), v)
+        if keep is not None:
+            out = out * keep[:, :, None, None]
+        return self.norm(src + self.out_proj(out.reshape(b, n, e)))
+
+
+def test_padded_rows_left_to_their_own_token_do_not_hide_the_convention():
+    """catches: under the other reading a flash-style core zeroes the rows of the tokens the doctor keeps, and the
+    residual leaves each of them its own token: those rows were compared, no convention matched, and the white box
+    named a correct layer mask-ignored."""
+    report = check(FlashStyleBlock())
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+    assert report.inferred["mask"]["kind"] == "ignore"

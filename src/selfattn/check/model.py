@@ -1094,7 +1094,8 @@ def _padding_moves(layer: Layer, pad: Tensor) -> tuple[float, float] | None:
 
 def _real_rows_empty(layer: Layer, pad: Tensor) -> bool:
     """Replay the layer's recorded call as the model made it: is every real token's output of the padded items NaN
-    or inf (the model's mask leaves them no key: a padding mask read the other way round)?"""
+    or inf, or every token's of an item the model does not pad (the model's mask leaves them no key: a padding mask
+    read the other way round)?"""
     hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
     p = pad.T if layer.sequence_first else pad
     if tuple(hidden.shape[:2]) != tuple(p.shape) or hidden.dim() != 3 or not bool(torch.isfinite(hidden).all()):
@@ -1113,7 +1114,20 @@ def _real_rows_empty(layer: Layer, pad: Tensor) -> bool:
     finite = torch.isfinite(base).all(-1).cpu()  # (B, L) or (L, B)
     real = ~p.cpu()
     rows = [finite[:, b][real[:, b]] if layer.sequence_first else finite[b][real[b]] for b in items]
-    return all(r.numel() and not bool(r.any()) for r in rows)
+    if all(r.numel() and not bool(r.any()) for r in rows):
+        return True
+    # or an item with no padding whose every token gets NaN, or one output for all its tokens (a kernel that gives 0
+    # where no key is seen): the mask hides all its keys (a keep-mask handed to torch's src_key_padding_mask: all
+    # True for an item the model does not pad)
+    for b in (~padded).nonzero().flatten().tolist():
+        out, given = (base[:, b], hidden[:, b]) if layer.sequence_first else (base[b], hidden[b])
+        if not bool(torch.isfinite(out).any()):
+            return True
+        spread = float((out - out[:1]).abs().max())
+        if bool(torch.isfinite(out).all()) and spread <= 1e-6 * (1 + float(out.abs().max())) and \
+                float((given - given[:1]).abs().max()) > 1e-3 * (1 + float(given.abs().max())):
+            return True
+    return False
 
 
 def _real_keys_seen(layer: Layer, pad: Tensor) -> bool:
@@ -1255,9 +1269,10 @@ def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Find
                                                     "output scale": scale})
     what = f"{given.dtype} {tuple(given.shape)}"
     if _real_rows_empty(layer, pad):
-        return Finding.of(MASK_INVERTED, "called as the model calls it, every real token of the padded items gets a "
-                          "NaN output: the mask the model passes hides all their keys (the padding kept, the tokens "
-                          "hidden: a padding mask read the other way round)", {"mask the model passes": what})
+        return Finding.of(MASK_INVERTED, "called as the model calls it, every real token of the padded items (or of "
+                          "an item with no padding) gets a NaN output: the mask the model passes hides all their keys "
+                          "(the padding kept, the tokens hidden: a padding mask read the other way round)",
+                          {"mask the model passes": what})
     moved = _padding_moves(layer, pad)
     if moved is None:
         return None

@@ -810,9 +810,10 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
         as_keep, as_ignore = k0 & dep & off, ~k0 & dep & off
         rows = (k0 & dep).any(-1) & (~k0 & dep).any(-1)  # rows where the two readings differ
         flipped_rows = rows
-        if caller.key_only:  # a padded position's own row may be zeroed (x-transformers): compare the others
-            rows = rows & (k0.diagonal() | d.any(-1))
-            flipped_rows = flipped_rows & (~k0.diagonal() | d.any(-1))  # read the other way round, its pads' rows
+        if caller.key_only:  # a padded position's own row may be zeroed (x-transformers), or left to its own token
+            seen = (d & off).any(-1)  # through a residual (flash-attn's padded rows, 0 before a post-norm block)
+            rows = rows & (k0.diagonal() | seen)
+            flipped_rows = flipped_rows & (~k0.diagonal() | seen)  # read the other way round, its pads' rows
         if torch.equal((d & off)[rows], as_keep[rows]):
             return _found(ctx, native, d, candidates, plain, tried)
         # a mask added after softmax blows up; a row the other reading leaves without keys (a causal query whose
