@@ -641,3 +641,100 @@ def test_padded_rows_left_to_their_own_token_do_not_hide_the_convention():
     report = check(FlashStyleBlock())
     assert report.passed, [(f.id, f.message) for f in report.findings]
     assert report.inferred["mask"]["kind"] == "ignore"
+
+
+# -- a from-scratch module whose q, k, v are raw matrices (LLMs-from-scratch's SelfAttention_v1) --------------------
+class RawMatrices(nn.Module):
+    """Chapter 3's ``SelfAttention_v1``: ``W_query``, ``W_key``, ``W_value`` as (d_in, d_out) parameters, one
+    sequence (L, d_in) at a time."""
+
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.W_query, self.W_key, self.W_value = (nn.Parameter(torch.rand(d_in, d_out)) for _ in range(3))
+
+    def forward(self, x):
+        q, k, v = x @ self.W_query, x @ self.W_key, x @ self.W_value
+        return torch.softmax(q @ k.T / k.shape[-1] ** 0.5, dim=-1) @ v
+
+
+def test_the_width_of_raw_projection_matrices_is_tried():
+    """catches: built with d_in = 32 and no Linear to read its width from, the module was probed at 64 only and
+    the doctor gave up (exit 2) on a module a plain call runs."""
+    report = check(RawMatrices, init={"d_in": 32, "d_out": 32}, call=lambda m, x: torch.stack([m(t) for t in x]))
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+
+
+# -- state that is no cache ----------------------------------------------------------------------------------------
+class SegmentMemoryAttention(nn.Module):
+    """Transformer-XL's segment memory: the last ``memory`` inputs of the previous call are keys and values beside
+    the new tokens (a bounded memory, not a cache that continues one sequence)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, memory: int = 2) -> None:
+        super().__init__()
+        self.heads, self.memory = heads, memory
+        self.q, self.kv, self.out = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
+        self.mem = None
+
+    def forward(self, x):
+        b, n, e = x.shape
+        ctx = x if self.mem is None or self.mem.shape[0] != b else torch.cat([self.mem, x], dim=1)
+        m = ctx.shape[1] - n
+        q = self.q(x).view(b, n, self.heads, -1).transpose(1, 2)
+        k, v = (t.view(b, ctx.shape[1], self.heads, -1).transpose(1, 2) for t in self.kv(ctx).chunk(2, dim=-1))
+        visible = torch.ones(n, ctx.shape[1], dtype=torch.bool, device=x.device).tril(m)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        self.mem = ctx[:, -self.memory:].detach()
+        return self.out(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_memory_of_the_last_tokens_is_no_cache_to_continue():
+    """catches: a bounded segment memory judged as a KV cache that continues another sequence (state-dependent on
+    a correct Transformer-XL memory): only state that grows by the tokens of each call is a cache."""
+    report = check(SegmentMemoryAttention(), causal=True)
+    assert report.passed, [(f.id, f.message) for f in report.findings]
+
+
+# -- Keras: the mask's polarity, and a Dense never called --------------------------------------------------------
+def test_a_keras_mask_read_true_means_masked_is_a_warning_and_an_unbuilt_dense_is_named():
+    """catches: a Keras layer reading its mask as True = masked certified silently (Keras masks are True = keep),
+    and a key Dense never called, so never built and without weights, invisible to the unused-projection rule."""
+    keras = _keras()
+    layers, ops = keras.layers, keras.ops
+
+    class Attention(layers.Layer):
+        def __init__(self, dim=32, inverted=False, keys_from_queries=False, **kwargs):
+            super().__init__(**kwargs)
+            self.inverted, self.keys_from_queries = inverted, keys_from_queries
+            self.query, self.key, self.value = (layers.Dense(dim, name=n) for n in ("query", "key", "value"))
+
+        def call(self, x, mask=None):
+            q = self.query(x)
+            k = self.query(x) if self.keys_from_queries else self.key(x)
+            s = ops.matmul(q, ops.transpose(k, (0, 2, 1))) / q.shape[-1] ** 0.5
+            if mask is not None:
+                keep = ops.cast(mask, "bool")[:, None, :]
+                s = ops.where(ops.logical_not(keep) if self.inverted else keep, s, -1e4)
+            return ops.matmul(ops.softmax(s, axis=-1), self.value(x))
+
+    assert "mask-convention" in check(Attention(inverted=True), embed_dim=32).ids
+    assert "no-grad" in check(Attention(keys_from_queries=True), embed_dim=32).ids
+    assert check(Attention(), embed_dim=32).passed
+
+
+class FirstKeyAndItself(RowOfTheMask):
+    """Each query sees the first key and itself only: what a decode loop gives whose cached keys are stored at
+    step 0 and never replaced (fairseq's ``incremental_state`` slip)."""
+
+    def forward(self, x, mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        i = torch.arange(n, device=x.device)
+        visible = (i[None, :] == 0) | (i[None, :] == i[:, None])
+        o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        return self.proj(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_the_first_key_and_itself_is_no_sink_design():
+    """catches: a query that sees the first key and itself read as StreamingLLM's sinks beside a window of no
+    previous token, a design: with --causal it hides past keys, causal-leak."""
+    assert "causal-leak" in check(FirstKeyAndItself(), causal=True).ids

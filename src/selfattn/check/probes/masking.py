@@ -41,7 +41,7 @@ from ..findings import (
     NAN_ON_MASKED_ROW,
     Finding,
 )
-from ..subject.building import num_heads_of
+from ..subject.building import from_keras, num_heads_of
 from ..subject.caller import (
     LENGTH_NAMES,
     MASK_SHAPES,
@@ -185,8 +185,8 @@ def _sinks_and_window(dep: Tensor) -> tuple[int, int] | None:
     length = dep.shape[0]
     i = torch.arange(length, device=dep.device)
     causal, behind = i[None, :] <= i[:, None], i[:, None] - i[None, :]
-    for window in range(1, length - 1):
-        for sinks in range(1, length - window):
+    for window in range(2, length - 1):  # a window of the query alone beside the sinks is no design (a cache
+        for sinks in range(1, length - window):  # that is never updated: each step sees the first key and itself)
             if torch.equal(dep, causal & ((i[None, :] < sinks) | (behind < window))):
                 return sinks, window
     return None
@@ -1103,6 +1103,11 @@ def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], pl
             MASK_CONVENTION, f"the argument is called {caller.mask_arg}, which in Hugging Face code means 1 = attend, "
             "but this module hides the positions where it is True (True = masked)",
             {"argument": caller.mask_arg, "module reads": "True = masked", "the name suggests": "1 = attend"}))
+    elif not ctx.declared and kind == "ignore" and from_keras(ctx.module):
+        found.findings.append(Finding.of(
+            MASK_CONVENTION, "a Keras layer's mask means True = keep (a valid timestep, as Keras's own layers and its "
+            "masking read it), but this module hides the positions where it is True (True = masked)",
+            {"argument": caller.mask_arg or "mask", "module reads": "True = masked", "Keras means": "True = keep"}))
     elif not ctx.declared and kind == "keep" and (caller.mask_arg in _PADDING_NAMES or
                                                   str(caller.mask_arg).endswith("_key_padding_mask")):
         found.findings.append(Finding.of(
@@ -1230,7 +1235,7 @@ def padding(ctx: Context, masked: Caller | None, dep: Tensor | None = None) -> O
     # where the real tokens are
     left = dep is not None and not bool(dep.all()) and not shared and caller.style != "adapter" and \
         not (caller.spec is not None and caller.spec.kind == "lengths")
-    for t, at_start in [*((t, False) for t in inputs), *([(x, True)] if left else [])]:
+    for t, at_start in [*((t, False) for t in inputs), *((t, True) for t in (inputs if left else []))]:
         b, length, _ = t.shape
         pads = _pads(b, length, shared)
         keep = _own_padding(b, length, shared)

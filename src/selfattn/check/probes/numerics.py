@@ -371,7 +371,20 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
             continue
         idle += [p for p, u, _ in group if not u and (role := _projection_role(p)) is not None and role not in played]
     return sorted(idle + _idle_clones(module, used) + _idle_heads(module, used) + _idle_outputs(module, used) +
-                  _idle_position_maps(module, used))
+                  _idle_position_maps(module, used) + _unbuilt_projections(module, used))
+
+
+def _unbuilt_projections(module: nn.Module, used: set[int]) -> list[str]:
+    """Keras ``Dense`` / ``EinsumDense`` layers named for a q, k or v role that were never built (a Keras layer makes
+    its weights on its first call: never called) while a sibling named for another role was used."""
+    idle = []
+    for path, mod in module.named_modules():
+        children = [(n, c) for n, c in mod.named_children() if type(c).__name__ in ("Dense", "EinsumDense")]
+        played = {name_role(n) for n, c in children if (found := _projection(c)) is not None and id(found[0]) in used}
+        played.discard(None)
+        idle += [f"{path}.{n}" if path else n for n, c in children if getattr(c, "built", True) is False and
+                 (role := name_role(n)) is not None and role not in played and played]
+    return idle
 
 
 _POSITION_WORDS = frozenset({"pos", "position", "positions", "positional"})

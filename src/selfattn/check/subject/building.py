@@ -27,7 +27,8 @@ import torch
 from torch import Tensor, nn
 
 __all__ = ["CannotRun", "Sizes", "build", "build_keras", "cast_module", "copy_module", "dequantized", "draw_zeros",
-           "embed_dim_of", "load_class", "load_file", "num_heads_of", "param_device", "param_dtype", "user_callable"]
+           "embed_dim_of", "from_keras", "load_class", "load_file", "num_heads_of", "param_device", "param_dtype",
+           "user_callable"]
 
 # constructor and config parameters the doctor fills with the embed dim / the head count
 _EMBED_KEYS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim", "emb_dim",
@@ -415,6 +416,13 @@ def embed_dims_of(module: nn.Module) -> list[int]:
             else None  # transformers' Conv1D keeps its weight (in, out)
         if isinstance(size, int) and size > 0 and size not in dims:
             dims.append(size)
+    # q, k, v held as raw matrices named for their role (x @ W_query, W of (d_in, d_out): a from-scratch module's)
+    for name, p in module.named_parameters():
+        if not isinstance(p, nn.parameter.UninitializedParameter) and p.dim() == 2 and \
+                name_role(name.rsplit(".", 1)[-1]) is not None:
+            for size in p.shape:
+                if size > 1 and size not in dims:
+                    dims.append(int(size))
     return dims
 
 
@@ -482,7 +490,7 @@ def copy_module(module: nn.Module) -> nn.Module:
     try:
         return copy.deepcopy(module)
     except Exception:
-        keras = {type(m) for m in module.modules() if _from_keras(m)}
+        keras = {type(m) for m in module.modules() if from_keras(m)}
         if keras:  # Keras copies a layer through its saving library, which needs its class registered: copied as
             try:  # the plain objects they are instead
                 return _copied_plainly(module, keras)
@@ -509,7 +517,7 @@ def copy_module(module: nn.Module) -> nn.Module:
         return copy.deepcopy(module, memo)
 
 
-def _from_keras(module: nn.Module) -> bool:
+def from_keras(module: nn.Module) -> bool:
     """Is ``module`` a Keras 3 layer (its class, or a class it derives from, Keras's or keras-hub's)?"""
     return any(c.__module__.split(".")[0] in ("keras", "keras_hub") for c in type(module).__mro__)
 
@@ -518,7 +526,7 @@ def build_keras(module: nn.Module, run: Callable[[], object]) -> None:
     """Build a Keras 3 layer that is not built yet (its weights are made on its first call) by running ``run``
     once, so that the doctor's calls, which put back every attribute a call replaced, meet a layer with its weights;
     a call that fails leaves it for the doctor's own calls to report."""
-    if not any(_from_keras(m) and getattr(m, "built", True) is False for m in module.modules()):
+    if not any(from_keras(m) and getattr(m, "built", True) is False for m in module.modules()):
         return
     try:
         with torch.no_grad():
@@ -553,7 +561,7 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> nn.Module:
     inputs to the policy's compute dtype, not to its weights'."""
     module._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)
     for sub in module.modules():
-        if _from_keras(sub) and hasattr(sub, "dtype_policy"):
+        if from_keras(sub) and hasattr(sub, "dtype_policy"):
             try:
                 setattr(sub, "dtype_policy", str(dtype).rpartition(".")[2])  # noqa: B010 (a Keras property)
             except Exception:  # a policy Keras will not set (a quantized layer's): the layer casts as it did

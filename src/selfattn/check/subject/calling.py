@@ -628,11 +628,25 @@ def _agree(a: Tensor, b: Tensor, rtol: float) -> bool:
     return close(a.masked_fill(odd_a, 0), b.masked_fill(odd_b, 0), rtol)
 
 
+def _sizes(module: nn.Module) -> dict[tuple[str, str, int], int]:
+    """Each attribute or buffer of the module's submodules that is a tensor (its size along each axis) or a whole
+    number (its value), by (submodule, name, axis)."""
+    found: dict[tuple[str, str, int], int] = {}
+    for prefix, _, attrs, buffers in module_state(module):
+        for key, value in {**attrs, **buffers}.items():
+            if isinstance(value, Tensor):
+                found.update({(prefix, key, axis): size for axis, size in enumerate(value.shape)})
+            elif isinstance(value, int) and not isinstance(value, bool):
+                found[(prefix, key, -1)] = value
+    return found
+
+
 def _continued(call: Caller, x: Tensor) -> str | None:
     """For a causal module that carries state from call to call (a KV cache): called on the first half of the tokens,
     then on the next one alone, then on the rest, the later calls must give the rows of one call on all of them; the
     difference when they do not (a cache position never advanced, keys stored in the wrong slots, a decode step's
-    rotary one position off), None when they do or cannot be compared."""
+    rotary one position off), None when they do or cannot be compared, or when no state grows by the tokens of each
+    call (a memory of the last tokens, a running statistic: no cache)."""
     half = x.shape[1] // 2
     kept = replace(call, keep_state=True)
     with torch.no_grad():
@@ -640,11 +654,22 @@ def _continued(call: Caller, x: Tensor) -> str | None:
         state = module_state(call.module)
         try:  # a prompt, one token decoded alone (a decode step may take its own path), then a chunk of the rest
             kept(x[:, :half].clone())
-            rest = torch.cat([kept(x[:, half:half + 1].clone()), kept(x[:, half + 1:].clone())], dim=1)
+            sizes = [_sizes(call.module)]
+            outs = []
+            for part in (x[:, half:half + 1], x[:, half + 1:]):
+                outs.append(kept(part.clone()))
+                sizes.append(_sizes(call.module))
+            rest = torch.cat(outs, dim=1)
         except Exception:  # a module that takes no shorter call: the calls in a row say what fails
             return None
         finally:
             restore(state)
+    # a cache: some state grows by the tokens of each call (keys appended, a position advanced); a memory of the
+    # last tokens or a running statistic does not, and is no cache to continue a sequence with
+    steps = (1, x.shape[1] - half - 1)
+    if not any(all(after.get(k) is not None and before.get(k) is not None and after[k] - before[k] == n
+                   for before, after, n in zip(sizes[:-1], sizes[1:], steps, strict=True)) for k in sizes[0]):
+        return None
     if rest.shape != whole[:, half:].shape or _agree(rest, whole[:, half:], tolerance(x.dtype)):
         return None
     return f"{float((rest - whole[:, half:]).abs().max()):.3g}"
