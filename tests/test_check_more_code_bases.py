@@ -738,3 +738,78 @@ def test_the_first_key_and_itself_is_no_sink_design():
     """catches: a query that sees the first key and itself read as StreamingLLM's sinks beside a window of no
     previous token, a design: with --causal it hides past keys, causal-leak."""
     assert "causal-leak" in check(FirstKeyAndItself(), causal=True).ids
+
+
+# -- a causal sliding window joined to a full mask of 1 and 0 -------------------------------------------------------
+class WindowJoinedToMask(nn.Module):
+    """A causal sliding window of 3 keys, joined to the caller's (B, 1, L, L) mask (``keep``: 1 = may attend; else
+    bool True = padding), as code that builds one boolean mask for SDPA does."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, keep: bool = True) -> None:
+        super().__init__()
+        self.heads, self.keep = heads, keep
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x, attn_mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        i = torch.arange(n, device=x.device)
+        allowed = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 3)
+        if attn_mask is not None:
+            allowed = allowed & (attn_mask.bool() if self.keep else ~attn_mask)
+        o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.proj(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_full_mask_joined_to_a_window_as_wide_as_the_probe_band_is_read():
+    """catches: the doctor's full mask is a causal band of 3, which a window of 3 hides anyway: the mask showed no
+    effect, and a correct layer was named mask-inverted. A mask the module joins to its own pattern must hide more
+    than that pattern, as one that replaces it must."""
+    for keep in (True, False):
+        report = check(WindowJoinedToMask(keep=keep), causal=True)
+        assert report.passed, (keep, [(f.id, f.message) for f in report.findings])
+
+
+# -- a preallocated cache that keeps each slot's padding -----------------------------------------------------------
+class PaddedSlotsCache(nn.Module):
+    """gpt-fast style: keys, values and each slot's padding written into preallocated buffers at a position counter;
+    every call sees the slots written so far, with their padding (a later call continues the earlier one's sequence)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, slots: int = 256) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.k_cache = torch.zeros(4, heads, slots, dim // heads)
+        self.v_cache = torch.zeros(4, heads, slots, dim // heads)
+        self.pad_cache = torch.zeros(4, slots, dtype=torch.bool)
+        self.pos = 0
+
+    def forward(self, x, key_padding_mask=None, use_cache=False):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        pad = torch.zeros(b, n, dtype=torch.bool) if key_padding_mask is None else key_padding_mask
+        start = self.pos if use_cache else 0
+        if use_cache:
+            self.k_cache, self.v_cache, self.pad_cache = (c.clone() for c in (self.k_cache, self.v_cache,
+                                                                              self.pad_cache))
+            self.k_cache[:b, :, start:start + n] = k.to(self.k_cache.dtype)
+            self.v_cache[:b, :, start:start + n] = v.to(self.v_cache.dtype)
+            self.pad_cache[:b, start:start + n] = pad
+            self.pos = start + n
+            k, v = self.k_cache[:b, :, :start + n].to(q.dtype), self.v_cache[:b, :, :start + n].to(q.dtype)
+            pad = self.pad_cache[:b, :start + n]
+        i = torch.arange(n)[:, None] + start
+        allowed = (torch.arange(k.shape[2])[None, :] <= i)[None, None] & ~pad[:, None, None, :]
+        o = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        return self.proj(o.transpose(1, 2).reshape(b, n, e))
+
+
+def test_a_cache_that_keeps_each_slots_padding_reads_its_own_mask():
+    """catches: after a call with padding, a call with a mask that hides nothing gives other outputs than alone,
+    since the cache continues the first call's sequence with its padding: read as a mask cached by its shape
+    (mask-ignored). The second call given the padding mask again gives other outputs: it reads its own mask."""
+    report = check(PaddedSlotsCache(), causal=True,
+                   call=lambda m, x, mask: m(x, key_padding_mask=mask, use_cache=True), mask="ignore (B,L)")
+    assert report.passed, [(f.id, f.message) for f in report.findings]

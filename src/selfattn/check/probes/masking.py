@@ -765,6 +765,8 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                 if native.base is not None:
                     caller = ctx.exact_of(native)
                     keep = _beyond_its_own(keep, dep)
+                else:  # a mask the module joins to its own pattern (a causal window of 3, as wide as the band)
+                    keep = _beyond_its_own(keep, dep)  # must hide more than that pattern too
             mask = caller.module_mask(keep)
             watch = MaskWatch(mask, caller.module)
             with torch.no_grad(), watch:
@@ -1408,6 +1410,19 @@ def _mask_kept_from_an_earlier_call(caller: Caller, x: Tensor, shared: bool) -> 
     with torch.no_grad():
         fresh = caller(x, second)
     if close(again, fresh):
+        return None
+    # a cache continues the first call's sequence (its outputs differ from a call alone by design); the second call
+    # must still read its own mask: given the padding mask again instead, it gives other outputs
+    state = module_state(caller.module)
+    try:
+        with torch.no_grad():
+            kept(x, first)
+            padded_again = kept(x, first)
+    except Exception:  # calls in a row that fail are the state probe's to report
+        return None
+    finally:
+        restore(state)
+    if not close(padded_again, again):
         return None
     names = ", ".join(caller.replaced)
     return Finding.of(MASK_IGNORED, f"called in a row, the second call does not read its own mask: after a call with "
