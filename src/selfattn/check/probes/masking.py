@@ -1397,38 +1397,38 @@ def _mask_kept_from_an_earlier_call(caller: Caller, x: Tensor, shared: bool) -> 
     b, length, _ = x.shape
     first = caller.module_mask(_own_padding(b, length, shared))
     second = caller.module_mask(torch.ones(b, length, length, dtype=torch.bool))
-    kept = replace(caller, keep_state=True)
-    state = module_state(caller.module)
-    try:
-        with torch.no_grad():
-            kept(x, first)
-            again = kept(x, second)
-    except Exception:  # calls in a row that fail are the state probe's to report
+    again = _second_of_two(caller, x, first, second)
+    if again is None:
         return None
-    finally:
-        restore(state)
     with torch.no_grad():
         fresh = caller(x, second)
     if close(again, fresh):
         return None
     # a cache continues the first call's sequence (its outputs differ from a call alone by design); the second call
     # must still read its own mask: given the padding mask again instead, it gives other outputs
-    state = module_state(caller.module)
-    try:
-        with torch.no_grad():
-            kept(x, first)
-            padded_again = kept(x, first)
-    except Exception:  # calls in a row that fail are the state probe's to report
-        return None
-    finally:
-        restore(state)
-    if not close(padded_again, again):
+    padded_again = _second_of_two(caller, x, first, first)
+    if padded_again is None or not close(padded_again, again):
         return None
     names = ", ".join(caller.replaced)
     return Finding.of(MASK_IGNORED, f"called in a row, the second call does not read its own mask: after a call with "
                       f"a padding mask, a call with a mask that hides nothing gives another output than alone (the "
                       f"module keeps its {names} from the first call: a mask cached by its shape?)",
                       {"relative change": rel(again, fresh), "state the calls replace": names})
+
+
+def _second_of_two(caller: Caller, x: Tensor, first: object, second: object) -> Tensor | None:
+    """The output of a second call on ``x`` with mask ``second`` after one with ``first``, the module keeping its state
+    between them (put back after); None when the calls fail (the state probe reports calls in a row)."""
+    kept = replace(caller, keep_state=True)
+    state = module_state(caller.module)
+    try:
+        with torch.no_grad():
+            kept(x, first)
+            return kept(x, second)
+    except Exception:
+        return None
+    finally:
+        restore(state)
 
 
 def _own_padding(b: int, length: int, shared: bool = False) -> Tensor:
