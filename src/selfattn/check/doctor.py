@@ -189,24 +189,32 @@ class _Undeclared(RuntimeError):
     """A probe emitted a finding kind its table entry does not declare (a doctor bug)."""
 
 
-def _keys(call: Caller, x: Tensor) -> int | None:
-    """How many keys the module's first attention weighs in a run on ``x`` (None: none recorded)."""
+def _weighed(call: Caller, x: Tensor) -> tuple[int, int] | None:
+    """How many keys the module's first attention weighs in a run on ``x``, and over how many rows (every query of
+    every item, head and window); None when no attention was recorded."""
     try:
         trace, _ = record(call.module, lambda: call(x))
     except Exception:
         return None
     for op in trace.ops:
         if op.name == "scaled_dot_product_attention" and len(op.inputs) > 1 and op.inputs[1].dim() >= 2:
-            return int(op.inputs[1].shape[-2])
+            q = op.inputs[0]
+            return int(op.inputs[1].shape[-2]), q.numel() // max(int(q.shape[-1]), 1)
         if op.name in SOFTMAX and op.outputs:  # the axis it normalises (an einsum's 'bijh' weights: dim 2)
             dim = op.args[1] if len(op.args) > 1 and isinstance(op.args[1], int) else op.kwargs.get("dim", -1)
             out = op.outputs[0]
             keys = int(out.shape[dim]) if isinstance(dim, int) and -out.dim() <= dim < out.dim() else \
                 int(out.shape[-1])
             if keys == 1 and sum(size == x.shape[1] for size in out.shape) >= 2:
-                return x.shape[1]  # (L, L) weights normalised over an axis of one (a heads axis): not one key
-            return keys
+                keys = x.shape[1]  # (L, L) weights normalised over an axis of one (a heads axis): not one key
+            return keys, out.numel() // max(keys, 1)
     return None
+
+
+def _keys(call: Caller, x: Tensor) -> int | None:
+    """How many keys the module's first attention weighs in a run on ``x`` (None: none recorded)."""
+    weighed = _weighed(call, x)
+    return None if weighed is None else weighed[0]
 
 
 def _enough_keys(call: Caller, x: Tensor, gen: torch.Generator, inferred: dict) -> Tensor:
@@ -224,10 +232,11 @@ def _enough_keys(call: Caller, x: Tensor, gen: torch.Generator, inferred: dict) 
         x, n = bigger, 4 * n
         inferred["probe shape"] = (b, n, e)
         inferred["keys"] = "a grid with one key after the module's reduction was doubled on each side"
-    keys = _keys(call, x)
+    weighed = _weighed(call, x)
     side = math.isqrt(n)
-    if keys is None or keys < n or side * side != n:
+    if weighed is None or weighed[0] < n or side * side != n:
         return x
+    keys, rows = weighed
     # one window may cover the whole grid (Swin's 4 x 4 window on a 4 x 4 grid cuts nothing and shifts nothing): the
     # grid's sides are doubled, or made twice the window's side, so that whole windows tile it (a grid padded up to
     # the windows, 8 x 8 in windows of 7, would hold padding the run's pattern does not show)
@@ -237,14 +246,45 @@ def _enough_keys(call: Caller, x: Tensor, gen: torch.Generator, inferred: dict) 
             continue
         tried.add(sides)
         bigger = torch.randn(b, sides * sides, e, generator=gen).to(x)
-        more = _keys(call, bigger)
-        window = math.isqrt(more) if more is not None else 0
-        if more is not None and more < sides * sides and window * window == more and sides % window == 0:
+        more = _weighed(call, bigger)
+        if more is not None and more[0] == keys and more[1] == rows:
+            # weights of the same size over a grid four times as big: their axes are no tokens (Restormer's and
+            # XCiT's attention over the channels); the grid is grown until its tokens outnumber every row of the
+            # weights, which then cannot be read as windows of tokens
+            grown = _outnumbering(call, x, rows, gen)
+            if grown is not None:
+                inferred["probe shape"] = tuple(grown.shape)
+                inferred["keys"] = (f"the module's weights keep their size ({rows} rows of {keys} keys) on a grid of "
+                                    f"{n} tokens and on one of {sides * sides}: they are not over the tokens; "
+                                    f"probed on {grown.shape[1]} tokens")
+                return grown
+            return x
+        window = math.isqrt(more[0]) if more is not None else 0
+        if more is not None and more[0] < sides * sides and window * window == more[0] and sides % window == 0:
             inferred["probe shape"] = (b, sides * sides, e)
             inferred["keys"] = (f"a grid whose {n} tokens fit one of the module's windows was grown to {sides} x "
-                                f"{sides}: its queries weigh {more} keys of {sides * sides}")
+                                f"{sides}: its queries weigh {more[0]} keys of {sides * sides}")
             return bigger
     return x
+
+
+def _outnumbering(call: Caller, x: Tensor, rows: int, gen: torch.Generator) -> Tensor | None:
+    """The smallest square grid, up to 32 x 32, whose tokens over the batch outnumber ``rows`` and on which the module
+    runs (None: none)."""
+    b, n, e = x.shape
+    side = math.isqrt(n)
+    while side <= 32:
+        side += 1
+        if b * side * side <= rows:
+            continue
+        bigger = torch.randn(b, side * side, e, generator=gen).to(x)
+        try:
+            with torch.no_grad():
+                call(bigger)
+        except Exception:
+            continue
+        return bigger
+    return None
 
 
 def _float64_twin(call: Caller, x: Tensor, out: Tensor) -> Caller | None:

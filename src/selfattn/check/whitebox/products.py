@@ -1718,7 +1718,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     # depend on its neighbours: the run's pattern cannot show windows, the weights' shape does
     local = local or _convolved_before(trace, sm)
     window = local and p.dim() >= 2 and p.shape[-1] == p.shape[-2] and 1 < p.shape[-1] < length and \
-        _tiles(length, p.shape[-1], tuple(p.shape[:-2]))
+        _tiles(length, p.shape[-1], tuple(p.shape[:-2])) and p.numel() // p.shape[-1] >= batch * length
     blocks = local and not window and p.dim() >= 3 and 1 < p.shape[-2] < length < p.shape[-3] * p.shape[-2] + \
         p.shape[-2] and p.shape[-1] > p.shape[-2] and p.shape[-1] % p.shape[-2] == 0
     if window:  # attention within windows (Swin's on an image): the weights' axes are a window's tokens

@@ -1,0 +1,44 @@
+"""The doctor on attention as research repositories, tutorials and reference packages write it.
+
+Each module is written in the style of the code it names; the tests say which wrong verdict they catch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from selfattn.check import check
+
+
+# -- attention over the channels of a map (Restormer's transposed attention) --------------------------------------
+class ChannelMapAttention(nn.Module):
+    """Restormer-style transposed attention on a (B, C, H, W) map: 1 x 1 and depthwise convolutions make q, k and v,
+    q and k are L2-normalised over the pixels, and the weights are (C/h, C/h) per head, over the channels."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.temperature = nn.Parameter(torch.ones(heads, 1, 1))
+        self.qkv = nn.Conv2d(dim, 3 * dim, 1, bias=False)
+        self.qkv_dw = nn.Conv2d(3 * dim, 3 * dim, 3, padding=1, groups=3 * dim, bias=False)
+        self.project_out = nn.Conv2d(dim, dim, 1, bias=False)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv_dw(self.qkv(x)).chunk(3, dim=1)
+        q, k, v = (t.reshape(b, self.heads, c // self.heads, h * w) for t in (q, k, v))
+        q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        attn = (q @ k.transpose(-2, -1) * self.temperature).softmax(dim=-1)
+        return self.project_out((attn @ v).reshape(b, c, h, w))
+
+
+def test_attention_over_a_maps_channels_is_no_window_of_tokens():
+    # its (C/h, C/h) weights keep their size when the grid grows, as windows' do; with 4 heads they were read as
+    # windows merged the wrong way (head-merge), with 1 head as windows of 64 tokens (certified)
+    for heads in (4, 1):
+        report = check(ChannelMapAttention(heads=heads))
+        assert report.ids == {"definition-mismatch"}, (heads, report.ids)
+        assert "not over the tokens" in report.inferred["keys"]
+    assert check(ChannelMapAttention(heads=4), allow_nonstandard=True).passed
