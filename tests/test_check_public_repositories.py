@@ -42,3 +42,37 @@ def test_attention_over_a_maps_channels_is_no_window_of_tokens():
         assert report.ids == {"definition-mismatch"}, (heads, report.ids)
         assert "not over the tokens" in report.inferred["keys"]
     assert check(ChannelMapAttention(heads=4), allow_nonstandard=True).passed
+
+
+# -- a (B, 1, L) pad mask turned into the heads' mask on the wrong axis (attention-is-all-you-need ports) ----------
+class PadMaskedMHA(nn.Module):
+    """Post-norm attention taking q, k, v and a (B, 1, L) pad mask (1 = keep), which it gives a heads axis with
+    ``unsqueeze(1)`` (right: (B, 1, 1, L)) or ``unsqueeze(-1)`` (the bug: (B, 1, L, 1), on the queries)."""
+
+    def __init__(self, d_model: int = 64, n_head: int = 4, wrong_axis: bool = False) -> None:
+        super().__init__()
+        self.n_head, self.wrong_axis = n_head, wrong_axis
+        self.w_q = nn.Linear(d_model, d_model, bias=False)
+        self.w_k = nn.Linear(d_model, d_model, bias=False)
+        self.w_v = nn.Linear(d_model, d_model, bias=False)
+        self.fc = nn.Linear(d_model, d_model, bias=False)
+        self.norm = nn.LayerNorm(d_model)
+
+    def forward(self, q, k, v, mask=None):
+        b, n, e = q.shape
+        residual = q
+        q, k, v = (lin(t).view(b, -1, self.n_head, e // self.n_head).transpose(1, 2)
+                   for lin, t in ((self.w_q, q), (self.w_k, k), (self.w_v, v)))
+        scores = q @ k.transpose(2, 3) / (e // self.n_head) ** 0.5
+        if mask is not None:
+            mask = mask.unsqueeze(-1) if self.wrong_axis else mask.unsqueeze(1)
+            scores = scores.masked_fill(mask == 0, float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e)
+        return self.norm(self.fc(out) + residual)
+
+
+def test_a_pad_mask_on_the_query_axis_of_a_module_taking_no_full_mask_is_a_broadcast():
+    # its (B, 1, L) form is the only one it takes, so it is its key mask, not a (B, Lq, Lk) one: the bug was
+    # mask-ignored (its effect matched no convention)
+    assert check(PadMaskedMHA()).passed
+    assert check(PadMaskedMHA(wrong_axis=True)).ids == {"mask-broadcast"}

@@ -737,6 +737,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
     blew_up = False  # the first reading that matched no convention gave NaN or inf
     untouched: set[str] = set()  # labels whose mask reached no operation
     takes_bool: set[tuple[str | None, str]] = set()  # (argument, shape) where a bool mask was accepted
+    takes_full: set[str | None] = set()  # arguments where a full (query by key) mask ran
     # a key mask that hides query rows: named once no other argument takes the mask as a key mask (PyG's
     # MultiheadAttentionBlock takes the queries' mask first, x_mask, and the keys' second, y_mask)
     broadcast: tuple[Caller, Tensor] | None = None
@@ -800,6 +801,8 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             continue
         if caller.spec is not None and caller.spec.kind == "keep":
             takes_bool.add((caller.mask_arg, caller.spec.shape))
+        if not caller.key_only:
+            takes_full.add(caller.mask_arg)
         # in float64, a mask's effect scaled down by a residual branch's gain (LayerScale at 1e-5 or 1e-6) still counts
         if _unchanged(masked_out, plain, 1e-9 if x.dtype == torch.float64 else 1e-4):
             tried[label] = "accepted, but changed nothing" + ("" if watch.used else " (no operation read it)")
@@ -837,7 +840,8 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             tried[label] = "acts the other way round: hides what the mask keeps"
             continue
         if caller.key_only and _hides_queries(masked_out, plain, k0[0]):
-            if not _query_axis_judged(caller, ctx.spec is not None):
+            # a module that takes no (B, L, L) mask in that argument reads (B, 1, L) as its key mask
+            if not _query_axis_judged(caller, ctx.spec is not None or caller.mask_arg not in takes_full):
                 tried[label] = "read as (B, Lq, Lk): (B, 1, L) is not this module's key mask"
                 continue
             if _names_the_queries(ctx.module, caller.mask_arg, ctx.call.style):
@@ -980,7 +984,8 @@ def _hides_queries(masked_out: Tensor, plain: Tensor, kv: Tensor) -> bool:
 def _query_axis_judged(caller: Caller, stated: bool = False) -> bool:
     """Is a key mask in this caller's form that hides query rows a broadcast bug? Not in (B, 1, L): a module that
     reads every 3-D mask as (B, Lq, Lk), as XLM does, puts it on its query axis by design; that form only serves
-    a module that takes no other, unless the user ``stated`` it is the module's key mask (ESPnet's (B, 1, T))."""
+    a module that takes no other: ``stated`` when the user said it is the module's key mask (ESPnet's (B, 1, T)),
+    or when the module refuses every (B, L, L) mask in that argument."""
     return caller.key_only and (caller.spec is None or caller.spec.shape != "B1L" or stated)
 
 
