@@ -76,3 +76,43 @@ def test_a_pad_mask_on_the_query_axis_of_a_module_taking_no_full_mask_is_a_broad
     # mask-ignored (its effect matched no convention)
     assert check(PadMaskedMHA()).passed
     assert check(PadMaskedMHA(wrong_axis=True)).ids == {"mask-broadcast"}
+
+
+# -- ProbSparse attention (Informer): random key samples choose the queries, every query at short lengths ----------
+class ProbSparseAttention(nn.Module):
+    """Informer-style ProbSparse self-attention: a random sample of keys scores each query's sparsity, the top u
+    queries attend, the rest take the mean of the values. At u = L (factor * ceil(ln L) >= L) every query attends
+    and the module is softmax attention; the sample then changes only the order of the rows. ``merge_by_view``
+    puts the (B, H, L, D) context back with ``view(B, L, -1)``, a head-merge that shipped in a port."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, factor: int = 5, merge_by_view: bool = False) -> None:
+        super().__init__()
+        self.heads, self.factor, self.merge_by_view = heads, factor, merge_by_view
+        self.query_projection = nn.Linear(dim, dim)
+        self.key_projection = nn.Linear(dim, dim)
+        self.value_projection = nn.Linear(dim, dim)
+        self.out_projection = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, e = x.shape
+        h, d = self.heads, e // self.heads
+        q, k, v = (p(x).view(b, n, h, d).transpose(1, 2) for p in
+                   (self.query_projection, self.key_projection, self.value_projection))
+        u = min(self.factor * math.ceil(math.log(n)), n)
+        sample = torch.randint(n, (n, u))
+        qk_sample = (q.unsqueeze(-2) @ k[:, :, sample].transpose(-2, -1)).squeeze(-2)
+        sparsity = qk_sample.max(-1)[0] - qk_sample.sum(-1) / n
+        top = sparsity.topk(u, sorted=False)[1]
+        q_top = torch.gather(q, 2, top[..., None].expand(-1, -1, -1, d))
+        attn = torch.softmax(q_top @ k.transpose(-2, -1) / math.sqrt(d), dim=-1)
+        context = v.mean(-2, keepdim=True).expand(b, h, n, d).clone()
+        context.scatter_(2, top[..., None].expand(-1, -1, -1, d), attn @ v)
+        out = context.view(b, n, -1) if self.merge_by_view else context.transpose(1, 2).reshape(b, n, e)
+        return self.out_projection(out)
+
+
+def test_a_random_sample_that_only_reorders_a_sum_is_no_dropout():
+    # two calls differ by a rounding (6e-8): it was dropout-in-eval, which also hid the port's head-merge
+    torch.manual_seed(0)
+    assert check(ProbSparseAttention()).passed
+    assert check(ProbSparseAttention(merge_by_view=True)).ids == {"head-merge"}
