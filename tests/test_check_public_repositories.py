@@ -5,6 +5,8 @@ Each module is written in the style of the code it names; the tests say which wr
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -116,3 +118,45 @@ def test_a_random_sample_that_only_reorders_a_sum_is_no_dropout():
     torch.manual_seed(0)
     assert check(ProbSparseAttention()).passed
     assert check(ProbSparseAttention(merge_by_view=True)).ids == {"head-merge"}
+
+
+# -- pair-biased attention that requires its mask, with a zero-initialised output (protein structure models) --------
+class PairBiasedAttention(nn.Module):
+    """Gated attention over single representations ``s`` with a bias from the pair representation ``z``, a required
+    float mask (1 = real token) turned into ``(1 - mask) * -1e4``, and an output projection initialised to
+    zero (as structure models initialise their last layers). ``flipped`` reads the mask the other way round."""
+
+    def __init__(self, c_s: int = 64, c_z: int = 16, heads: int = 4, flipped: bool = False) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.flipped = heads, c_s // heads, flipped
+        self.norm_s = nn.LayerNorm(c_s)
+        self.proj_q = nn.Linear(c_s, c_s)
+        self.proj_k = nn.Linear(c_s, c_s, bias=False)
+        self.proj_v = nn.Linear(c_s, c_s, bias=False)
+        self.proj_g = nn.Linear(c_s, c_s, bias=False)
+        self.proj_z = nn.Sequential(nn.LayerNorm(c_z), nn.Linear(c_z, heads, bias=False))
+        self.proj_o = nn.Linear(c_s, c_s, bias=False)
+        nn.init.zeros_(self.proj_o.weight)
+
+    def forward(self, s, z, mask, multiplicity: int = 1):
+        b, n, _ = s.shape
+        s = self.norm_s(s)
+        q, k, v = (p(s).view(b, n, self.heads, self.head_dim) for p in (self.proj_q, self.proj_k, self.proj_v))
+        bias = self.proj_z(z).permute(0, 3, 1, 2)
+        keep = 1 - mask if self.flipped else mask
+        attn = torch.einsum("bihd,bjhd->bhij", q, k) / self.head_dim ** 0.5 + bias
+        attn = (attn + (1 - keep[:, None, None].to(attn.dtype)) * -1e4).softmax(dim=-1)
+        o = torch.einsum("bhij,bjhd->bihd", attn, v).reshape(b, n, -1)
+        return self.proj_o(torch.sigmoid(self.proj_g(s)) * o)
+
+
+def _with_pair(module, x, mask):
+    """The user's call: a pair representation that is the same for every item, and the mask as given."""
+    z = torch.randn(1, x.shape[1], x.shape[1], 16, generator=torch.Generator().manual_seed(3)).to(x)
+    return module(x, z.expand(x.shape[0], -1, -1, -1), mask)
+
+
+def test_a_module_requiring_its_mask_runs_with_a_zero_initialised_output():
+    # the search for a mask that hides nothing saw no token change the output and gave up: exit 2
+    assert check(PairBiasedAttention(), call=_with_pair, mask="keep-float (B,L)").passed
+    assert "mask-inverted" in check(PairBiasedAttention(flipped=True), call=_with_pair, mask="keep-float (B,L)").ids

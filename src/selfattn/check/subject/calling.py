@@ -65,6 +65,7 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
     b, length, _ = x.shape
     off = ~torch.eye(length, dtype=torch.bool)
     first: Caller | None = None
+    runs: Caller | None = None
     # a bool mask read either way is found by "keep", unless its "hide nothing" hides everything (True = masked,
     # an (L, L) triu mask that a from-scratch model builds for its blocks): then "ignore" is sent as such
     kinds = {"keep": KIND_ORDER, "ignore": ("ignore", "additive")}.get(declared or "", (*KIND_ORDER, "ignore"))
@@ -88,6 +89,7 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
             if errors is not None and not errors:
                 errors.append(f"{type(err).__name__}: {err}"[:300])
             continue
+        runs = runs or c
         if not bool(full.any()):  # its "hide nothing" mask hides everything (an additive 0 read as a bool)
             continue
         first = first or c
@@ -100,7 +102,9 @@ def _required_mask_caller(module: nn.Module, style: str, arg: str | None, x: Ten
         if kind == "keep" and stated is None and declared is None and \
                 torch.equal((seen & off)[rows], (~k0 & full & off)[rows]):
             return c.with_mask(MaskSpec("ignore", shape), arg)
-    return first
+    # no form shows a dependency: an output that depends on no token (a zero-initialised output projection, which
+    # the doctor re-initialises later) still runs with the first form that does
+    return first or runs
 
 
 # required forward parameters that carry where the tokens are (gpt-fast's input_pos, transformers' cache_position and
