@@ -160,3 +160,42 @@ def test_a_module_requiring_its_mask_runs_with_a_zero_initialised_output():
     # the search for a mask that hides nothing saw no token change the output and gave up: exit 2
     assert check(PairBiasedAttention(), call=_with_pair, mask="keep-float (B,L)").passed
     assert "mask-inverted" in check(PairBiasedAttention(flipped=True), call=_with_pair, mask="keep-float (B,L)").ids
+
+
+# -- a softmax written out by hand, on raw weight matrices (exercises and course notebooks) ------------------------
+class WrittenOutSoftmaxMHSA(nn.Module):
+    """Causal multi-head self-attention on raw ``X @ W`` matrices with the softmax written out: the row maximum
+    subtracted, ``exp``, and a division by the row sum (kept, or given its dim back with ``unsqueeze``).
+    ``variant``: "scale dropped", "sum over queries", or "no shift" (exp of the scores as they are, summed without
+    keepdim: the formula is right, but large scores overflow)."""
+
+    def __init__(self, d_model: int = 64, heads: int = 4, variant: str = "") -> None:
+        super().__init__()
+        self.heads, self.variant = heads, variant
+        self.W_Q, self.W_K, self.W_V, self.W_O = (nn.Parameter(torch.randn(d_model, d_model) / d_model ** 0.5)
+                                                  for _ in range(4))
+
+    def forward(self, X):
+        b, s, d = X.shape
+        dk = d // self.heads
+        Q, K, V = ((X @ W).reshape(b, s, self.heads, dk).transpose(1, 2) for W in (self.W_Q, self.W_K, self.W_V))
+        scores = Q @ K.transpose(-1, -2)
+        if self.variant != "scale dropped":
+            scores = scores / math.sqrt(dk)
+        causal = torch.tril(torch.ones(s, s, dtype=torch.bool))
+        scores = scores.masked_fill(~causal, torch.finfo(scores.dtype).min)
+        if self.variant == "no shift":
+            e = torch.exp(scores)
+            weights = e / torch.sum(e, dim=-1).unsqueeze(-1)
+        else:
+            e = torch.exp(scores - scores.max(dim=-1, keepdim=True).values)
+            weights = e / e.sum(dim=-2 if self.variant == "sum over queries" else -1, keepdim=True)
+        return (weights @ V).transpose(1, 2).reshape(b, s, d) @ self.W_O
+
+
+def test_a_softmax_written_out_by_hand_is_read_as_one():
+    # the white box saw no softmax: the right module was inconclusive and a dropped scale went unnamed
+    assert check(WrittenOutSoftmaxMHSA(), causal=True).passed
+    assert check(WrittenOutSoftmaxMHSA(variant="no shift"), causal=True).ids == {"non-finite"}
+    assert check(WrittenOutSoftmaxMHSA(variant="scale dropped"), causal=True).ids == {"missing-scale"}
+    assert "softmax-dim" in check(WrittenOutSoftmaxMHSA(variant="sum over queries"), causal=True).ids

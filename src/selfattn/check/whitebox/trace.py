@@ -378,6 +378,49 @@ class Trace(TorchFunctionMode):
         found = self.maker(tid)
         return None if found is None else found[0].outputs[found[1]]
 
+    def read_written_out_softmaxes(self) -> None:
+        """Stand a softmax written out by hand (``e = exp(s - s.max(-1, keepdim=True)); e / e.sum(-1, keepdim=True)``)
+        in for the division that ends it, so that it is read as the softmax it computes: over the summed dim, of the
+        scores before a row maximum was subtracted (a softmax ignores a shift that is the same along its dim)."""
+        for index, op in enumerate(self.ops):
+            written = self._written_out_softmax(op)
+            if written is not None:
+                self.ops[index] = written
+
+    def _written_out_softmax(self, op: Op) -> Op | None:
+        if op.name != "div" or len(op.in_ids) != 2 or len(op.args) < 2 or \
+                not all(isinstance(a, Tensor) for a in op.args[:2]) or not op.outputs:
+            return None
+        numerator, denominator = op.in_ids
+        exp = self.maker(numerator)
+        if exp is None or exp[0].name != "exp" or len(exp[0].in_ids) != 1:
+            return None
+        made = self.maker(denominator)
+        back_at = None  # a sum without keepdim, given its dim back by unsqueeze
+        if made is not None and made[0].name == "unsqueeze" and len(made[0].args) > 1 and made[0].in_ids:
+            back_at, made = made[0].args[1], self.maker(made[0].in_ids[0])
+        if made is None or made[0].name != "sum" or made[0].in_ids[:1] != [numerator]:
+            return None
+        total = made[0]
+        dim = total.args[1] if len(total.args) > 1 else total.kwargs.get("dim")
+        dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+        keepdim = total.args[2] if len(total.args) > 2 else total.kwargs.get("keepdim", False)
+        rank = op.outputs[0].dim()
+        if not isinstance(dim, int) or not isinstance(back_at, (int, type(None))) or \
+                (back_at is None) == (not keepdim) or (back_at is not None and back_at % rank != dim % rank):
+            return None
+        scores_id, scores = exp[0].in_ids[0], exp[0].inputs[0]
+        shifted = self.maker(scores_id)
+        if shifted is not None and shifted[0].name == "sub" and len(shifted[0].in_ids) == 2:
+            peak = self.maker(shifted[0].in_ids[1])
+            if peak is not None and peak[0].name in ("max", "amax", "logsumexp") and \
+                    peak[0].in_ids[:1] == shifted[0].in_ids[:1]:
+                over = peak[0].args[1] if len(peak[0].args) > 1 else peak[0].kwargs.get("dim")
+                over = over[0] if isinstance(over, (tuple, list)) and len(over) == 1 else over
+                if over is None or (isinstance(over, int) and over % rank == dim % rank):
+                    scores_id, scores = shifted[0].in_ids[0], shifted[0].inputs[0]
+        return Op("softmax", (scores, dim % rank), {}, op.outputs, [scores_id], op.out_ids, op.module)
+
 
 def record(module: nn.Module, call: Callable[[], Tensor]) -> tuple[Trace, Tensor]:
     """Run ``call`` (which runs ``module``) under a :class:`Trace`, without gradients; returns (trace, output)."""
@@ -406,6 +449,7 @@ def record(module: nn.Module, call: Callable[[], Tensor]) -> tuple[Trace, Tensor
     finally:
         for h in handles:
             h.remove()
+    trace.read_written_out_softmaxes()
     return trace, out
 
 
