@@ -199,3 +199,49 @@ def test_a_softmax_written_out_by_hand_is_read_as_one():
     assert check(WrittenOutSoftmaxMHSA(variant="no shift"), causal=True).ids == {"non-finite"}
     assert check(WrittenOutSoftmaxMHSA(variant="scale dropped"), causal=True).ids == {"missing-scale"}
     assert "softmax-dim" in check(WrittenOutSoftmaxMHSA(variant="sum over queries"), causal=True).ids
+
+
+# -- a KV cache kept in a plain object the module holds (KV-cache tutorials) ----------------------------------------
+class KeyValueStore:
+    """Keys and values of earlier calls, grown with ``torch.cat`` on the token axis (dim 2)."""
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+class StoreCachedAttention(nn.Module):
+    """Causal attention that appends every call's keys and values to a :class:`KeyValueStore` and attends over all
+    of them, its causal mask offset by the past. ``slip``: "own keys only" (appended, then only the call's own kept)
+    or "no offset" (the mask as if there were no past)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, slip: str = "") -> None:
+        super().__init__()
+        self.heads, self.slip = heads, slip
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.store = KeyValueStore()
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = (z.view(b, t, self.heads, e // self.heads).transpose(1, 2) for z in self.qkv(x).split(e, dim=2))
+        k, v = self.store.extend(k, v)
+        if self.slip == "own keys only":
+            k, v = k[:, :, -t:], v[:, :, -t:]
+        past = 0 if self.slip == "no offset" else k.shape[2] - t
+        visible = torch.ones(t, k.shape[2], dtype=torch.bool).tril(diagonal=past)
+        att = (q @ k.transpose(-2, -1) / (e // self.heads) ** 0.5).masked_fill(~visible, float("-inf"))
+        return self.proj((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, e))
+
+
+def test_a_cache_kept_in_a_plain_object_is_put_back_between_calls():
+    # the store was not put back: each probe met the last one's keys (dropout-in-eval, half-precision-overflow on
+    # the right module); keys appended but never read were certified
+    assert check(StoreCachedAttention(), causal=True).passed
+    assert check(StoreCachedAttention(slip="own keys only"), causal=True).ids == {"state-dependent"}
+    assert check(StoreCachedAttention(slip="no offset"), causal=True).ids == {"state-dependent"}

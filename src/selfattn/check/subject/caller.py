@@ -493,10 +493,28 @@ def _own(mask: object) -> object:
 _MODULE_OWN = frozenset(vars(nn.Module()))  # nn.Module's bookkeeping: parameters, submodules, hooks, training
 
 
-def module_state(module: nn.Module) -> list[tuple[str, nn.Module, dict, dict]]:
-    """Each submodule's own attributes and buffers, by identity (nothing is copied)."""
-    return [(name, m, {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}, dict(m._buffers))
-            for name, m in module.named_modules()]
+# packages whose objects a module holds as configuration or tooling, not as state of its own
+_NOT_STATE = frozenset({"builtins", "torch", "keras", "transformers", "numpy", "typing", "enum", "functools"})
+
+
+def _holder(value: object) -> bool:
+    """Is ``value`` a plain object of the user's that a module keeps state in (a KV cache object whose ``keys`` are
+    replaced by ``torch.cat``, rather than the module's own attributes)?"""
+    return hasattr(value, "__dict__") and not isinstance(value, (nn.Module, Tensor, type)) and \
+        not callable(value) and type(value).__module__.split(".")[0] not in _NOT_STATE
+
+
+def module_state(module: nn.Module) -> list[tuple[str, object, dict, dict]]:
+    """Each submodule's own attributes and buffers, and the attributes of each plain object of the user's that a
+    submodule holds (a cache object), by identity (nothing is copied)."""
+    state: list[tuple[str, object, dict, dict]] = []
+    for name, m in module.named_modules():
+        attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
+        state.append((name, m, attrs, dict(m._buffers)))
+        for key, value in attrs.items():
+            if _holder(value):
+                state.append((f"{name}.{key}" if name else key, value, dict(vars(value)), {}))
+    return state
 
 
 def _describe(value: object) -> str:
@@ -508,7 +526,7 @@ def _describe(value: object) -> str:
 UNSET = object()
 
 
-def restore(state: list[tuple[str, nn.Module, dict, dict]],
+def restore(state: list[tuple[str, object, dict, dict]],
             replaced: dict[str, tuple[str, str]] | None = None) -> list[tuple[str, object, object]]:
     """Put back every attribute and buffer replaced, added or removed since ``state`` was taken; record in
     ``replaced`` those that were tensors or numbers (a cache's length), by their dotted name. Returns them as
@@ -516,7 +534,8 @@ def restore(state: list[tuple[str, nn.Module, dict, dict]],
     changes = []
     for prefix, m, attrs, buffers in state:
         now_attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
-        for before, now, target in ((attrs, now_attrs, m.__dict__), (buffers, dict(m._buffers), m._buffers)):
+        held = getattr(m, "_buffers", {}) if isinstance(m, nn.Module) else {}
+        for before, now, target in ((attrs, now_attrs, m.__dict__), (buffers, dict(held), held)):
             for key in before.keys() | now.keys():
                 old, new = before.get(key, UNSET), now.get(key, UNSET)
                 if old is new:
