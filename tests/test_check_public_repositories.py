@@ -245,3 +245,87 @@ def test_a_cache_kept_in_a_plain_object_is_put_back_between_calls():
     assert check(StoreCachedAttention(), causal=True).passed
     assert check(StoreCachedAttention(slip="own keys only"), causal=True).ids == {"state-dependent"}
     assert check(StoreCachedAttention(slip="no offset"), causal=True).ids == {"state-dependent"}
+
+
+# -- Meta's reference attention on model-parallel linear layers (fairscale's ColumnParallelLinear) ----------------
+class ColumnParallelLinear(nn.Module):
+    """A one-process stand-in for a model-parallel Linear: its own class, a (out, in) weight, F.linear."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.randn(out_features, in_features) / in_features ** 0.5)
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+
+class ReferenceStyleAttention(nn.Module):
+    """Llama-reference attention on parallel linear layers ``wq``, ``wk``, ``wv``, ``wo``, through SDPA with a causal
+    mask. ``slip``: "v from wk" (the value projection never used) or "no wo" (the output projection skipped)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, slip: str = "") -> None:
+        super().__init__()
+        self.heads, self.slip = heads, slip
+        self.wq, self.wk, self.wv, self.wo = (ColumnParallelLinear(dim, dim) for _ in range(4))
+
+    def forward(self, x):
+        b, n, e = x.shape
+        v_proj = self.wk if self.slip == "v from wk" else self.wv
+        q, k, v = (p(x).view(b, n, self.heads, e // self.heads).transpose(1, 2) for p in (self.wq, self.wk, v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, e)
+        return out if self.slip == "no wo" else self.wo(out)
+
+
+def test_an_unused_projection_on_another_librarys_linear_layer_is_named():
+    # only nn.Linear was taken for a projection: both slips were certified on Meta's reference code
+    assert check(ReferenceStyleAttention(), causal=True).passed
+    assert "no-grad" in check(ReferenceStyleAttention(slip="v from wk"), causal=True).ids
+    assert check(ReferenceStyleAttention(slip="no wo"), causal=True).ids == {"no-grad"}
+
+
+def _rotate(xq, xk, freqs_cis):
+    """Meta's complex rotary: pairs of features as complex numbers, multiplied by e^(i m theta)."""
+    def one(t):
+        z = torch.view_as_complex(t.float().reshape(*t.shape[:-1], -1, 2))
+        return torch.view_as_real(z * freqs_cis[None, :, None, :]).flatten(3).type_as(t)
+    return one(xq), one(xk)
+
+
+class ReferenceCachedRotaryAttention(nn.Module):
+    """Llama-reference attention with complex rotary and a preallocated cache moved to q's dtype with
+    ``cache.to(xq)``, on parallel linear layers. ``q_only``: k's rotation computed and dropped
+    (``xq, _ = apply_rotary_emb(xq, xk, ...)``)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, q_only: bool = False) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.q_only = heads, dim // heads, q_only
+        self.wq, self.wk, self.wv, self.wo = (ColumnParallelLinear(dim, dim) for _ in range(4))
+        d = self.head_dim
+        angles = torch.outer(torch.arange(64).float(), 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+        self.register_buffer("freqs_cis", torch.polar(torch.ones_like(angles), angles), persistent=False)
+        self.cache_k = torch.zeros(4, 64, heads, d)
+        self.cache_v = torch.zeros(4, 64, heads, d)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        xq, xk, xv = (w(x).view(b, n, self.heads, self.head_dim) for w in (self.wq, self.wk, self.wv))
+        if self.q_only:
+            xq, _ = _rotate(xq, xk, self.freqs_cis[:n])
+        else:
+            xq, xk = _rotate(xq, xk, self.freqs_cis[:n])
+        self.cache_k = self.cache_k.to(xq)
+        self.cache_v = self.cache_v.to(xq)
+        self.cache_k[:b, :n] = xk
+        self.cache_v[:b, :n] = xv
+        keys, values = self.cache_k[:b, :n], self.cache_v[:b, :n]
+        q, k, v = (t.transpose(1, 2) for t in (xq, keys, values))
+        scores = q @ k.transpose(2, 3) / math.sqrt(self.head_dim) + torch.full((n, n), float("-inf")).triu(1)
+        out = F.softmax(scores.float(), dim=-1).type_as(q) @ v
+        return self.wo(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def test_rotary_on_q_only_through_a_cache_moved_to_qs_dtype_is_one_sided():
+    # cache.to(xq) took q's rotation for k's, and the parallel layers ended no walk: rotary-mismatch
+    assert check(ReferenceCachedRotaryAttention(), causal=True).passed
+    assert check(ReferenceCachedRotaryAttention(q_only=True), causal=True).ids == {"rotary-one-side"}

@@ -427,17 +427,17 @@ def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
             words = [w for w in re.split(r"[_\d]+", name.lower()) if w]
             named_out = name.lower() in _OUTPUT_NAMES or "out" in words or "output" in words
             if isinstance(child, (nn.Sequential, nn.ModuleList)) and named_out:
-                first = next((i for i, c in enumerate(child) if isinstance(c, nn.Linear)), None)
+                first = next((i for i, c in enumerate(child) if _linear(c)), None)
                 if first is not None:
                     outputs.append((f"{name}.{first}", id(child[first].weight) in used))
                 continue
-            if isinstance(child, nn.ModuleList) and any(isinstance(c, nn.Linear) and id(c.weight) in used
+            if isinstance(child, nn.ModuleList) and any(_linear(c) and id(c.weight) in used
                                                         for c in child):
                 roles.add(_projection_role(f"{name}.0"))  # per-head projections (TFT's q_layers, k_layers)
                 continue
-            if not isinstance(child, nn.Linear):  # an attention core of the block's: its projections count too
+            if not _linear(child):  # an attention core of the block's: its projections count too
                 roles |= {"qk" if n.lower() in _FUSED_NAMES else name_role(n) for n, c in child.named_children()
-                          if isinstance(c, nn.Linear) and id(c.weight) in used}
+                          if _linear(c) and id(c.weight) in used}
                 continue
             if not child.weight.requires_grad:
                 continue
@@ -513,11 +513,25 @@ _KERAS_LAYERS = frozenset({"Dense", "EinsumDense", "LayerNormalization", "RMSNor
                            "Conv2D", "GroupNormalization", "ReversibleEmbedding"})
 
 
-def _projection(mod: nn.Module) -> tuple[Tensor, int, int] | None:
-    """(weight, in features, out features) of an nn.Linear or a Keras ``Dense`` / ``EinsumDense`` (its kernel's torch
-    parameter), when it is trained; else None."""
+def _linear(mod: nn.Module) -> bool:
+    """An nn.Linear, or a layer of another library that is one (fairscale's and Megatron's ``ColumnParallelLinear`` /
+    ``RowParallelLinear``): no submodules, a 2-D ``weight`` parameter (out, in), named a Linear or giving its
+    ``in_features``."""
     if isinstance(mod, nn.Linear):
-        return (mod.weight, mod.in_features, mod.out_features) if mod.weight.requires_grad else None
+        return True
+    weight = getattr(mod, "weight", None)
+    return isinstance(weight, nn.Parameter) and weight.dim() == 2 and not isinstance(mod, nn.Embedding) and \
+        not any(True for _ in mod.children()) and (type(mod).__name__.endswith("Linear") or
+                                                    isinstance(getattr(mod, "in_features", None), int))
+
+
+def _projection(mod: nn.Module) -> tuple[Tensor, int, int] | None:
+    """(weight, in features, out features) of a Linear (:func:`_linear`) or a Keras ``Dense`` / ``EinsumDense`` (its
+    kernel's torch parameter), when it is trained; else None."""
+    if _linear(mod):
+        weight = mod.weight
+        return (weight, weight.shape[1], weight.shape[0]) if isinstance(weight, Tensor) and weight.requires_grad \
+            else None
     kernel = getattr(getattr(mod, "kernel", None), "value", None)
     if type(mod).__name__ in ("Dense", "EinsumDense") and isinstance(kernel, nn.Parameter) and kernel.dim() >= 2 \
             and kernel.requires_grad:

@@ -257,10 +257,11 @@ def rotation_on_the_way(trace: Trace, tid: int) -> bool | None:
         found = trace.maker(cur)
         if found is None:
             continue
-        if found[0].name in ("linear", "addmm") or found[0].name in PRODUCTS:
+        if found[0].name in ("linear", "addmm") or found[0].name in PRODUCTS or \
+                (found[0].name == "module" and found[0].module):  # a layer with a weight of its own, hooked
             reached = True
             continue
-        for i in found[0].in_ids:
+        for i in found[0].value_inputs():  # not a template (a cache moved to q's dtype: cache.to(q))
             if i not in seen:
                 seen.add(i)
                 todo.append(i)
