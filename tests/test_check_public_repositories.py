@@ -329,3 +329,43 @@ def test_rotary_on_q_only_through_a_cache_moved_to_qs_dtype_is_one_sided():
     # cache.to(xq) took q's rotation for k's, and the parallel layers ended no walk: rotary-mismatch
     assert check(ReferenceCachedRotaryAttention(), causal=True).passed
     assert check(ReferenceCachedRotaryAttention(q_only=True), causal=True).ids == {"rotary-one-side"}
+
+
+# -- caches kept in a dict or a list the module holds (Whisper's kv_cache dict, lists appended to) ------------------
+class ContainerCachedAttention(nn.Module):
+    """Causal attention keeping earlier keys and values in a dict (``self.kv_cache["k"]``) or in lists appended to
+    (``self.past_k``), its causal mask offset by the past. ``offset_kept_at_zero``: the mask as if there were no past
+    (the bug)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, store: str = "dict", offset_kept_at_zero: bool = False) -> None:
+        super().__init__()
+        self.heads, self.store, self.zero = heads, store, offset_kept_at_zero
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.kv_cache: dict[str, torch.Tensor] = {}
+        self.past_k: list[torch.Tensor] = []
+        self.past_v: list[torch.Tensor] = []
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = (z.view(b, t, self.heads, e // self.heads).transpose(1, 2) for z in self.qkv(x).split(e, dim=2))
+        if self.store == "dict":
+            if "k" in self.kv_cache:
+                k, v = torch.cat([self.kv_cache["k"], k], dim=2), torch.cat([self.kv_cache["v"], v], dim=2)
+            self.kv_cache["k"], self.kv_cache["v"] = k, v
+        else:
+            self.past_k.append(k)
+            self.past_v.append(v)
+            k, v = torch.cat(self.past_k, dim=2), torch.cat(self.past_v, dim=2)
+        past = 0 if self.zero else k.shape[2] - t
+        visible = torch.ones(t, k.shape[2], dtype=torch.bool).tril(diagonal=past)
+        att = (q @ k.transpose(-2, -1) / (e // self.heads) ** 0.5).masked_fill(~visible, float("-inf"))
+        return self.proj((att.softmax(-1) @ v).transpose(1, 2).reshape(b, t, e))
+
+
+def test_a_cache_kept_in_a_dict_or_a_list_is_put_back_between_calls():
+    # items set or appended in place were not put back: dropout-in-eval on the right dict cache, exit 2 on the list
+    for store in ("dict", "list"):
+        assert check(ContainerCachedAttention(store=store), causal=True).passed, store
+        assert check(ContainerCachedAttention(store=store, offset_kept_at_zero=True), causal=True).ids == \
+            {"state-dependent"}, store

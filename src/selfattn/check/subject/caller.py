@@ -504,16 +504,35 @@ def _holder(value: object) -> bool:
         not callable(value) and type(value).__module__.split(".")[0] not in _NOT_STATE
 
 
+def _contents(m: object) -> dict:
+    """What ``m`` holds, by key: a list's items by index, a dict's by key, else the object's own attributes."""
+    if isinstance(m, list):
+        return dict(enumerate(m))
+    if isinstance(m, dict):
+        return dict(m)
+    return {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
+
+
+def _held(state: list[tuple[str, object, dict, dict]], name: str, value: object, depth: int) -> None:
+    """Add to ``state`` a plain object of the user's or a list or dict a module holds (a cache object, a dict of
+    keys and values, a list appended to), and what those hold in turn, ``depth`` levels down."""
+    if depth == 0 or not (_holder(value) or (isinstance(value, (list, dict)) and len(value) <= 1024)):
+        return
+    contents = _contents(value)
+    state.append((name, value, contents, {}))
+    for key, inner in contents.items():
+        _held(state, f"{name}.{key}", inner, depth - 1)
+
+
 def module_state(module: nn.Module) -> list[tuple[str, object, dict, dict]]:
-    """Each submodule's own attributes and buffers, and the attributes of each plain object of the user's that a
-    submodule holds (a cache object), by identity (nothing is copied)."""
+    """Each submodule's own attributes and buffers, and what the plain objects of the user's, lists and dicts that a
+    submodule holds (a cache) hold, by identity (nothing is copied)."""
     state: list[tuple[str, object, dict, dict]] = []
     for name, m in module.named_modules():
-        attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
+        attrs = _contents(m)
         state.append((name, m, attrs, dict(m._buffers)))
         for key, value in attrs.items():
-            if _holder(value):
-                state.append((f"{name}.{key}" if name else key, value, dict(vars(value)), {}))
+            _held(state, f"{name}.{key}" if name else key, value, 2)
     return state
 
 
@@ -533,14 +552,23 @@ def restore(state: list[tuple[str, object, dict, dict]],
     (name, before, after) (``UNSET``: not there)."""
     changes = []
     for prefix, m, attrs, buffers in state:
-        now_attrs = {k: v for k, v in vars(m).items() if k not in _MODULE_OWN}
+        now_attrs = _contents(m)
         held = getattr(m, "_buffers", {}) if isinstance(m, nn.Module) else {}
-        for before, now, target in ((attrs, now_attrs, m.__dict__), (buffers, dict(held), held)):
+        container = isinstance(m, (list, dict))
+        if container and any(attrs.get(k, UNSET) is not now_attrs.get(k, UNSET) for k in attrs.keys() | now_attrs):
+            if isinstance(m, list):  # items appended or replaced in place: the list as it was
+                m[:] = list(attrs.values())
+            else:
+                m.clear()
+                m.update(attrs)
+        for before, now, target in ((attrs, now_attrs, None if container else m.__dict__), (buffers, dict(held), held)):
             for key in before.keys() | now.keys():
                 old, new = before.get(key, UNSET), now.get(key, UNSET)
                 if old is new:
                     continue
-                if old is UNSET:
+                if target is None:  # a list or dict, put back whole above
+                    pass
+                elif old is UNSET:
                     del target[key]
                 else:
                     target[key] = old

@@ -634,9 +634,13 @@ def _agree(a: Tensor, b: Tensor, rtol: float) -> bool:
 
 def _sizes(module: nn.Module) -> dict[tuple[str, str, int], int]:
     """Each attribute or buffer of the module's submodules that is a tensor (its size along each axis) or a whole
-    number (its value), by (submodule, name, axis)."""
+    number (its value), by (submodule, name, axis); a list of tensors also by their sizes summed (``"+"``)."""
     found: dict[tuple[str, str, int], int] = {}
-    for prefix, _, attrs, buffers in module_state(module):
+    for prefix, held, attrs, buffers in module_state(module):
+        tensors = [v for v in attrs.values() if isinstance(v, Tensor)]
+        if isinstance(held, list) and tensors and all(t.dim() == tensors[0].dim() for t in tensors):
+            # a list of chunks appended to (keys of each call): their sizes together, along each axis
+            found.update({(prefix, "+", axis): sum(t.shape[axis] for t in tensors) for axis in range(tensors[0].dim())})
         for key, value in {**attrs, **buffers}.items():
             if isinstance(value, Tensor):
                 found.update({(prefix, key, axis): size for axis, size in enumerate(value.shape)})
