@@ -369,3 +369,55 @@ def test_a_cache_kept_in_a_dict_or_a_list_is_put_back_between_calls():
         assert check(ContainerCachedAttention(store=store), causal=True).passed, store
         assert check(ContainerCachedAttention(store=store, offset_kept_at_zero=True), causal=True).ids == \
             {"state-dependent"}, store
+
+
+# -- projections that are convolutions over one position (GPT-2's Conv1D, nn.Conv1d of kernel 1) -------------------
+class Conv1D(nn.Module):
+    """GPT-2's Conv1D: a Linear whose weight is (in, out), applied with addmm."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.1)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], self.nf)
+
+
+class PointwiseProjectedAttention(nn.Module):
+    """Attention whose projections are GPT-2 ``Conv1D`` layers (``kind="gpt2"``: ``q_attn``, ``k_attn``, ``v_attn``,
+    ``c_proj``) or ``nn.Conv1d`` of kernel 1 over (B, E, L) (``kind="conv"``: ``to_q``, ``to_k``, ``to_v``,
+    ``to_out``). ``slip``: "v from k" (the value projection never used) or "no out" (the output projection
+    skipped)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, kind: str = "gpt2", slip: str = "") -> None:
+        super().__init__()
+        self.heads, self.kind, self.slip = heads, kind, slip
+        if kind == "gpt2":
+            self.q_attn, self.k_attn, self.v_attn, self.c_proj = (Conv1D(dim, dim) for _ in range(4))
+        else:
+            self.to_q, self.to_k, self.to_v, self.to_out = (nn.Conv1d(dim, dim, 1) for _ in range(4))
+
+    def forward(self, x):
+        b, n, e = x.shape
+        if self.kind == "gpt2":
+            proj = [self.q_attn, self.k_attn, self.k_attn if self.slip == "v from k" else self.v_attn]
+            q, k, v = (p(x) for p in proj)
+        else:
+            c = x.transpose(1, 2)
+            proj = [self.to_q, self.to_k, self.to_k if self.slip == "v from k" else self.to_v]
+            q, k, v = (p(c).transpose(1, 2) for p in proj)
+        q, k, v = (t.view(b, n, self.heads, e // self.heads).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, e)
+        if self.slip == "no out":
+            return out
+        return self.c_proj(out) if self.kind == "gpt2" else self.to_out(out.transpose(1, 2)).transpose(1, 2)
+
+
+def test_an_unused_pointwise_convolution_projection_is_named():
+    # only Linear layers were taken for projections: a value or output projection never used was certified
+    for kind in ("gpt2", "conv"):
+        assert check(PointwiseProjectedAttention(kind=kind)).passed, kind
+        for slip in ("v from k", "no out"):
+            assert "no-grad" in check(PointwiseProjectedAttention(kind=kind, slip=slip)).ids, (kind, slip)

@@ -514,10 +514,11 @@ _KERAS_LAYERS = frozenset({"Dense", "EinsumDense", "LayerNormalization", "RMSNor
 
 
 def _linear(mod: nn.Module) -> bool:
-    """An nn.Linear, or a layer of another library that is one (fairscale's and Megatron's ``ColumnParallelLinear`` /
-    ``RowParallelLinear``): no submodules, a 2-D ``weight`` parameter (out, in), named a Linear or giving its
-    ``in_features``."""
-    if isinstance(mod, nn.Linear):
+    """An nn.Linear, or a layer that is one: another library's (fairscale's and Megatron's ``ColumnParallelLinear`` /
+    ``RowParallelLinear``: no submodules, a 2-D ``weight`` parameter (out, in), named a Linear or giving its
+    ``in_features``), GPT-2's ``Conv1D`` (weight (in, out)) or a convolution over one position (``nn.Conv1d`` of
+    kernel 1)."""
+    if isinstance(mod, nn.Linear) or _is_conv1d(mod) or _pointwise(mod):
         return True
     weight = getattr(mod, "weight", None)
     return isinstance(weight, nn.Parameter) and weight.dim() == 2 and not isinstance(mod, nn.Embedding) and \
@@ -530,13 +531,21 @@ def _projection(mod: nn.Module) -> tuple[Tensor, int, int] | None:
     kernel's torch parameter), when it is trained; else None."""
     if _linear(mod):
         weight = mod.weight
-        return (weight, weight.shape[1], weight.shape[0]) if isinstance(weight, Tensor) and weight.requires_grad \
-            else None
+        if not isinstance(weight, Tensor) or not weight.requires_grad:
+            return None
+        if _is_conv1d(mod):  # GPT-2's Conv1D: (in, out)
+            return weight, weight.shape[0], weight.shape[1]
+        return weight, weight.shape[1], weight.shape[0]
     kernel = getattr(getattr(mod, "kernel", None), "value", None)
     if type(mod).__name__ in ("Dense", "EinsumDense") and isinstance(kernel, nn.Parameter) and kernel.dim() >= 2 \
             and kernel.requires_grad:
         return kernel, kernel.shape[0], kernel[0].numel()
     return None
+
+
+def _pointwise(mod: nn.Module) -> bool:
+    """An ``nn.Conv1d`` of kernel 1, stride 1 and one group: a Linear over the channels of each position."""
+    return isinstance(mod, nn.Conv1d) and mod.kernel_size == (1,) and mod.stride == (1,) and mod.groups == 1
 
 
 def _standalone(module: nn.Module, name: str) -> bool:
