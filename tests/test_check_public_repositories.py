@@ -421,3 +421,231 @@ def test_an_unused_pointwise_convolution_projection_is_named():
         assert check(PointwiseProjectedAttention(kind=kind)).passed, kind
         for slip in ("v from k", "no out"):
             assert "no-grad" in check(PointwiseProjectedAttention(kind=kind, slip=slip)).ids, (kind, slip)
+
+
+# -- a whole model run under inference_mode, its layers on parallel linear layers (Meta's reference Transformer) ---
+class ReferenceStyleModel(nn.Module):
+    """Token embeddings, two causal :class:`ReferenceStyleAttention` blocks with residuals, at width 32; its forward
+    runs under ``torch.inference_mode()``, as the reference code's does."""
+
+    def __init__(self, dim: int = 32, slip: str = "") -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(100, dim)
+        self.layers = nn.ModuleList(ReferenceStyleAttention(dim, heads=4, slip=slip) for _ in range(2))
+
+    @torch.inference_mode()
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = h + layer(h)
+        return h
+
+
+def test_a_model_run_under_inference_mode_is_replayed_at_its_width():
+    # its recorded calls were inference tensors (autograd refused them: inconclusive), and its layers were
+    # probed at the default width 64 (could not run)
+    from selfattn.check import check_model
+    tokens = torch.randint(0, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    report = check_model(ReferenceStyleModel(), {"tokens": tokens}, causal=True)
+    assert report.verdict == "passed", report.summary()
+    report = check_model(ReferenceStyleModel(slip="no wo"), {"tokens": tokens}, causal=True)
+    assert all(layer.ids == {"no-grad"} for layer in report.layers.values()), report.summary()
+
+
+# -- models that build their padding mask from token ids (classifiers with a padding index, fairseq encoders) ------
+class PaddedTokensLayer(nn.Module):
+    """Post-norm attention taking ``key_padding_mask`` (True = padding), filled with -inf."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x, key_padding_mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / (e // self.heads) ** 0.5
+        if key_padding_mask is not None:
+            hidden = key_padding_mask if key_padding_mask.dim() == 4 else key_padding_mask[:, None, None, :]
+            scores = scores.masked_fill(hidden, float("-inf"))
+        return self.norm(x + self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e)))
+
+
+class PaddedTokensEncoder(nn.Module):
+    """Token ids with padding index 0, three :class:`PaddedTokensLayer` blocks given ``tokens.eq(0)``. ``slip``:
+    "dropped on one layer" (the middle block gets None), "query axis" (the padding laid out (B, 1, L, 1)) or "query
+    rows" (laid out (B, 1, L, L) with the padded queries' rows hidden)."""
+
+    def __init__(self, dim: int = 32, slip: str = "") -> None:
+        super().__init__()
+        self.slip = slip
+        self.embed = nn.Embedding(50, dim, padding_idx=0)
+        self.layers = nn.ModuleList(PaddedTokensLayer(dim) for _ in range(3))
+
+    def forward(self, tokens):
+        pad = tokens.eq(0)
+        if self.slip == "query axis":
+            pad = pad[:, None, :, None]
+        elif self.slip == "query rows":  # BERT4Rec's repeat: (B, 1, L, L), each padded query's row hidden
+            pad = pad[:, None, :, None].expand(-1, 1, -1, pad.shape[1])
+        h = self.embed(tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, key_padding_mask=None if self.slip == "dropped on one layer" and i == 1 else pad)
+        return h
+
+
+def test_a_models_padding_from_token_ids_is_judged_on_every_layer():
+    # the padding was read from the mask each layer got: a layer given none, and a mask laid out on the query axis
+    # (no padding read from a column), were certified
+    from selfattn.check import check_model
+    tokens = torch.randint(1, 50, (2, 9), generator=torch.Generator().manual_seed(1))
+    tokens[1, -3:] = 0
+    assert check_model(PaddedTokensEncoder(), (tokens,)).verdict == "passed"
+    report = check_model(PaddedTokensEncoder(slip="dropped on one layer"), (tokens,))
+    errors = [sorted(f.id for f in r.findings if f.severity == "error") for r in report.layers.values()]
+    assert errors == [[], ["mask-ignored"], []], report.summary()
+    for slip in ("query axis", "query rows"):  # the second tells no padding: the embedding's padding index does
+        report = check_model(PaddedTokensEncoder(slip=slip), (tokens,))
+        assert all("mask-broadcast" in r.ids for r in report.layers.values()), (slip, report.summary())
+
+
+# -- a model handing its layers the causal pattern and the padding as an additive bias under another name ----------
+class BiasedBlock(nn.Module):
+    """Attention taking ``attn_bias`` (B, 1, T, T), 0 = may attend, finfo.min = hidden, added to the scores."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x, attn_bias):
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(e // self.heads) + attn_bias
+        return x + self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, e))
+
+
+class BiasedEncoder(nn.Module):
+    """Per-step features and a (B, T) keep mask of the real steps; the blocks get the causal pattern and the padding
+    joined into one additive bias."""
+
+    def __init__(self, features: int = 10, dim: int = 32) -> None:
+        super().__init__()
+        self.inp = nn.Linear(features, dim)
+        self.blocks = nn.ModuleList(BiasedBlock(dim) for _ in range(2))
+
+    def forward(self, steps, seqmask):
+        x = self.inp(steps)
+        t = x.shape[1]
+        blocked = torch.ones(t, t, dtype=torch.bool).triu(1)[None, None] | ~seqmask[:, None, None, :]
+        bias = torch.zeros(blocked.shape, dtype=x.dtype).masked_fill(blocked, torch.finfo(x.dtype).min)
+        for block in self.blocks:
+            x = block(x, bias)
+        return x
+
+
+def test_a_models_additive_bias_that_is_its_mask_is_replayed_as_one():
+    # attn_bias is named like no mask: replayed as recorded, the items' padding read as keys hidden by no mask
+    # (mask-ignored on a correct model)
+    from selfattn.check import check_model
+    seqmask = torch.ones(3, 8, dtype=torch.bool)
+    seqmask[1, 6:] = False
+    seqmask[2, 4:] = False
+    steps = torch.randn(3, 8, 10, generator=torch.Generator().manual_seed(2))
+    report = check_model(BiasedEncoder(), (steps, seqmask), causal=True)
+    assert report.verdict == "passed", report.summary()
+
+
+# -- a sequence-first model: token ids (L, B), blocks computing over (B * H, L, D) with bmm -------------------------
+class SequenceFirstBlock(nn.Module):
+    """A post-norm block on (L, B, E) states with an (L, L) additive causal mask, its heads folded into the batch
+    for ``torch.bmm``, as torch's functional attention lays them out."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.in_proj = nn.Linear(dim, 3 * dim)
+        self.out_proj = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, z, mask):
+        n, b, e = z.shape
+        d = e // self.heads
+        q, k, v = (t.reshape(n, b * self.heads, d).transpose(0, 1) for t in self.in_proj(z).chunk(3, dim=-1))
+        weights = torch.softmax(torch.bmm(q, k.transpose(1, 2)) / math.sqrt(d) + mask, dim=-1)
+        out = torch.bmm(weights, v).transpose(0, 1).reshape(n, b, e)
+        return self.norm(z + self.out_proj(out))
+
+
+class SequenceFirstLM(nn.Module):
+    """Token ids (L, B), learned positions, two :class:`SequenceFirstBlock` layers given the causal mask."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, dim)
+        self.pos = nn.Parameter(torch.randn(20, 1, dim) * 0.1)
+        self.blocks = nn.ModuleList(SequenceFirstBlock(dim) for _ in range(2))
+
+    def forward(self, ids):
+        n = ids.shape[0]
+        z = self.embed(ids) + self.pos[:n]
+        mask = torch.full((n, n), float("-inf")).triu(1)
+        for block in self.blocks:
+            z = block(z, mask)
+        return z
+
+
+def test_a_model_taking_its_token_ids_sequence_first_is_replayed_so():
+    # dim 0 of the ids was taken for the batch: the right model was batch-mixing, its items read as tokens
+    from selfattn.check import check_model
+    ids = torch.randint(0, 50, (9, 3), generator=torch.Generator().manual_seed(4))
+    report = check_model(SequenceFirstLM(), (ids,))
+    assert report.verdict == "passed", report.summary()
+
+
+# -- a causal model whose left-padded queries are left with no key (minGPT with an attention_mask) ------------------
+class LeftPaddedCausalBlock(nn.Module):
+    """Causal attention taking ``attention_mask`` (B, L), 1 = token; hidden scores filled with -inf (``fill="-inf"``)
+    or finfo.min. With left padding, -inf leaves the padded queries with no key: their rows are NaN."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, fill: str = "-inf") -> None:
+        super().__init__()
+        self.heads, self.fill = heads, fill
+        self.c_attn = nn.Linear(dim, 3 * dim)
+        self.c_proj = nn.Linear(dim, dim)
+
+    def forward(self, x, attention_mask):
+        b, n, e = x.shape
+        q, k, v = self.c_attn(x).view(b, n, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        hidden = torch.ones(n, n, dtype=torch.bool).triu(1) | (attention_mask[:, None, None, :] == 0)
+        fill = float("-inf") if self.fill == "-inf" else torch.finfo(x.dtype).min
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).masked_fill(hidden, fill)
+        return x + self.c_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, e))
+
+
+class LeftPaddedLM(nn.Module):
+    def __init__(self, dim: int = 32, fill: str = "-inf") -> None:
+        super().__init__()
+        self.wte = nn.Embedding(50, dim)
+        self.h = nn.ModuleList(LeftPaddedCausalBlock(dim, fill=fill) for _ in range(3))
+
+    def forward(self, input_ids, attention_mask):
+        x = self.wte(input_ids)
+        for block in self.h:
+            x = block(x, attention_mask)
+        return x
+
+
+def test_nan_that_reaches_a_models_real_tokens_is_named():
+    # each layer was probed on the doctor's own inputs: a model whose real tokens come out NaN was certified
+    from selfattn.check import check_model
+    ids = torch.randint(1, 50, (2, 9), generator=torch.Generator().manual_seed(6))
+    attention_mask = torch.ones(2, 9, dtype=torch.long)
+    attention_mask[1, :3] = 0
+    inputs = {"input_ids": ids, "attention_mask": attention_mask}
+    assert check_model(LeftPaddedLM(fill="finfo.min"), inputs, causal=True).verdict == "passed"
+    report = check_model(LeftPaddedLM(), inputs, causal=True)
+    assert report.verdict == "failed" and "non-finite" in report.layers["h.1"].ids, report.summary()

@@ -41,6 +41,7 @@ from .findings import (
     MASK_INVERTED,
     MISSING_SCALE,
     NO_GRAD,
+    NON_FINITE,
     SHAPE_DEPENDENT,
     Finding,
 )
@@ -96,6 +97,8 @@ class Layer:
     not_self: tuple[str | None] | None = field(default=None, repr=False)
     # the same layer's call when the model ran its first item alone, (args, kwargs); None when it did not
     alone: tuple[tuple, dict] | None = field(default=None, repr=False)
+    # what the layer returned in the model's run
+    output: object = field(default=None, repr=False)
 
     @property
     def extras(self) -> list[Tensor]:
@@ -344,7 +347,8 @@ def _detached(value: object, memo: dict[int, Tensor]) -> object:
         if not isinstance(t, Tensor):
             return t
         if id(t) not in memo:
-            memo[id(t)] = t.detach().clone()
+            with torch.inference_mode(False):  # a model run under inference_mode (Meta's reference forward) made
+                memo[id(t)] = t.detach().clone()  # inference tensors; their copies are plain, for autograd's replays
         return memo[id(t)]
 
     return tree_map(copy, value)
@@ -375,7 +379,21 @@ def _mask_parameter(module: nn.Module, kwargs: dict, taken: set, given: dict | N
     values = {**kwargs, **(given or {})}  # what the model passed, by parameter name
     names = names or [k for k in [*params, *kwargs] if k in LENGTH_NAMES and
                       (not isinstance(values.get(k), Tensor) or values[k].dim() == 1)]
+    # else a tensor over (query, key) pairs whose values are only 0 and a large negative: a mask under another name
+    # (an additive ``attn_bias`` built from the causal pattern and the padding), not a position bias
+    names = names or [k for k in [*params, *kwargs] if _additive_mask(values.get(k))]
     return (names or [None])[0]
+
+
+def _additive_mask(t: object) -> bool:
+    """Is ``t`` a floating (..., L, L) tensor holding 0 and one or more large negative values (-inf, finfo.min,
+    -1e4 and below), and nothing else?"""
+    if not isinstance(t, Tensor) or not t.is_floating_point() or t.dim() < 2 or t.shape[-1] != t.shape[-2] or \
+            t.shape[-1] < 2:
+        return False
+    flat = t.detach().flatten()
+    zero, hidden = flat == 0, flat <= -1e4
+    return bool((zero | hidden).all()) and bool(zero.any()) and bool(hidden.any())
 
 
 def _keys_and_values(slots: list[tuple[int | str, object]], hidden: Tensor, params: list[str]) -> tuple:
@@ -494,10 +512,13 @@ def find_attention(model: nn.Module, example_inputs: object, missed: list[str] |
     order = list(calls)
     first = next((t for t in [*args, *kwargs.values()] if isinstance(t, Tensor) and t.dim() >= 1), None)
     batch = None if first is None else first.shape[0]  # the model's batch: token ids (B, L), pixels (B, C, H, W)
+    axis = 0
+    if first is not None and _batch_second(model, args, kwargs, first, calls, found):
+        batch, axis = first.shape[1], 1  # token ids given (L, B)
     alone = None
     if batch is not None and batch > 1:  # one item alone: which recorded tensors are per item
-        one = tree_map(lambda t: t[:1] if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == batch else t,
-                       (args, kwargs))
+        one = tree_map(lambda t: t.narrow(axis, 0, 1) if isinstance(t, Tensor) and t.dim() > axis and
+                       t.shape[axis] == batch else t, (args, kwargs))
         try:
             alone = _record_calls(model, *one)[0]
         except CannotRun:  # a model that runs only at its batch: every tensor of that first size is per item
@@ -513,12 +534,48 @@ def find_attention(model: nn.Module, example_inputs: object, missed: list[str] |
                     if alone is not None and name in alone and batch is not None:
                         layer.shared = _shared(calls[name][:2], alone[name][:2], batch)
                         layer.alone = alone[name][:2]
+                    layer.output = calls[name][2]
                     layers.setdefault(name, layer)
                     break
             name = parents.get(name)
         if name is None and missed is not None and inner:  # no module on the way up maps (B, L, E) to itself
             missed.append(inner)
     return sorted(layers.values(), key=lambda layer: order.index(layer.name))
+
+
+def _batch_second(model: nn.Module, args: tuple, kwargs: dict, first: Tensor,
+                  calls: dict[str, tuple[tuple, dict, object]], found: list[str]) -> bool:
+    """Does the model take its items on dim 1 of its first input (token ids (L, B), as sequence-first models take
+    them)? Told by behaviour: the first input changed at index 0 of dim 1 changes the first attention's output at
+    that index of dim 1 only; in a batch-first model it changes the other tokens too. A model whose attention says
+    its layout (``batch_first``) is read by it instead."""
+    if first.dim() < 2 or first.shape[0] == first.shape[1] or first.shape[1] < 2:
+        return False
+    if any(hasattr(model.get_submodule(n), "batch_first") for n in found):
+        return False  # torch's layers say their layout: one left sequence first and handed (B, L, E) attends over
+        # the batch, which the same behaviour would read as ids given (L, B)
+    name = next((n for n in found if n in calls), None)
+    y = None if name is None else _first_tensor(calls[name][2])
+    if y is None or y.dim() != 3 or tuple(y.shape[:2]) != tuple(first.shape[:2]):
+        return False
+    changed = first.clone()
+    if first.is_floating_point():
+        changed[:, 0] = changed[:, 0] + torch.randn(changed[:, 0].shape, generator=torch.Generator().manual_seed(5))
+    else:
+        changed[:, 0] = (changed[:, 0] + 1) % (int(first.max()) + 1)
+    if torch.equal(changed, first):
+        return False
+    swapped = tree_map(lambda t: changed if t is first else t, (args, kwargs))
+    try:
+        again = _record_calls(model, *swapped)[0]
+    except CannotRun:
+        return False
+    y2 = _first_tensor(again[name][2]) if name in again else None
+    if y2 is None or y2.shape != y.shape:
+        return False
+    diff = (y2.double() - y.double()).abs().nan_to_num(0.0)
+    scale = 1e-6 * (1 + float(y.double().abs().nan_to_num(0.0).max()))
+    return bool(diff[:, 0].max() > scale) and not bool(diff[:, 1:].max() > scale)
 
 
 def _self_attention_above(model: nn.Module, name: str, layer: Layer,
@@ -675,6 +732,43 @@ def _record_calls(model: nn.Module, args: tuple,
                 if buffer.shape == value.shape:
                     buffer.copy_(value)
     return calls, parents, list(watch.found)
+
+
+def _nan_on_real_tokens(layer: Layer, pad: Tensor | None) -> Finding | None:
+    """non-finite when, in the model's own run, the layer gave NaN or inf on real tokens (the model's padding known)
+    whose input was finite: what an earlier layer left NaN in the padded positions (a query with every key hidden,
+    filled with -inf) reaches them through the keys and values, since a weight of 0 times NaN is NaN."""
+    y = _first_tensor(layer.output)
+    hidden = next((a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x), None)
+    if pad is None or y is None or not isinstance(hidden, Tensor) or y.shape != hidden.shape or y.dim() != 3 or \
+            not y.is_floating_point():
+        return None
+    fresh = (~torch.isfinite(y) & torch.isfinite(hidden)).any(-1)
+    if layer.sequence_first:
+        fresh = fresh.transpose(0, 1)
+    if tuple(fresh.shape) != tuple(pad.shape):
+        return None
+    real = fresh.cpu() & ~pad.cpu()
+    if not bool(real.any()):
+        return None
+    return Finding.of(NON_FINITE, "as the model runs it on its example inputs, the layer's output is NaN or inf on "
+                      f"{int(real.sum())} real token(s) whose input is finite: NaN in the padded positions' keys or "
+                      "values (a padded query left with no visible key by an earlier layer, its scores filled with "
+                      "-inf) reaches them, since a weight of 0 times NaN is NaN",
+                      {"real tokens with NaN or inf (item, token)": real.nonzero().tolist()[:10],
+                       "padded positions' inputs non-finite": int((~torch.isfinite(hidden)).any(-1).sum())})
+
+
+def _sibling_key(name: str) -> str:
+    """The layer's place with its indices left out: the blocks of one stack share it (``layers.0.attn``,
+    ``layers.1.attn``), an encoder's and a decoder's do not."""
+    return ".".join("*" if part.isdigit() else part for part in name.split("."))
+
+
+def _width(layer: Layer) -> int | None:
+    """E of the (B, L, E) (or (L, B, E)) hidden states the model called the layer with; None for another shape."""
+    hidden = next((a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x), None)
+    return int(hidden.shape[-1]) if isinstance(hidden, Tensor) and hidden.dim() == 3 else None
 
 
 def _not_self_attention(layer: Layer) -> str | None:
@@ -837,6 +931,28 @@ def _padding(kwargs: dict) -> Tensor | None:
     return None
 
 
+def _padding_of_ids(model: nn.Module, kwargs: dict) -> Tensor | None:
+    """(B, L) bool, True = padding, from token ids (B, L) among the model's inputs and the ``padding_idx`` of an
+    embedding of the model that takes them: the positions holding it, when they are a run at one end of some items
+    and every item keeps a real token; else None."""
+    indices = {m.padding_idx: m.num_embeddings for m in model.modules()
+               if isinstance(m, nn.Embedding) and m.padding_idx is not None}
+    ids = [v for v in kwargs.values() if isinstance(v, Tensor) and v.dim() == 2 and not v.is_floating_point() and
+           v.dtype != torch.bool]
+    for value in ids if len(ids) == 1 else []:  # two sequences of ids (a source and a target): whose is unknown
+        for index, size in indices.items():
+            if int(value.min()) < 0 or int(value.max()) >= size:
+                continue
+            pad = (value == index).cpu()
+            if not bool(pad.any()) or not bool((~pad).any(-1).all()):
+                continue
+            ends = all(not at or (at == list(range(at[0], at[-1] + 1)) and (at[0] == 0 or at[-1] == len(item) - 1))
+                       for item in pad for at in [item.nonzero().flatten().tolist()])
+            if ends:
+                return pad
+    return None
+
+
 def _padding_in_mask(layer: Layer) -> Tensor | None:
     """(B, L) bool, True = padding, read from the mask the model passes the layer when the model's inputs name none
     (a speech encoder given lengths, a model that pads inside): per item, the last query row of a mask (B, ..., L)
@@ -855,7 +971,10 @@ def _padding_in_mask(layer: Layer) -> Tensor | None:
 
 
 def _padding_in(given: object, layer: Layer) -> Tensor | None:
-    """:func:`_padding_in_mask` for one recorded tensor."""
+    """:func:`_padding_in_mask` for one recorded tensor; a column (B, ..., L, 1) is read as its row (a padding mask
+    the model lays out on the query axis is still the model's padding)."""
+    if isinstance(given, Tensor) and given.dim() >= 3 and given.shape[-1] == 1 and given.shape[-2] == layer.length:
+        given = given[..., 0]
     if not isinstance(given, Tensor) or given.dim() < 2 or given.shape[0] != layer.batch or layer.batch < 2 or \
             given.shape[-1] != layer.length or given.is_complex():
         return None
@@ -1428,6 +1547,12 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
     except (TypeError, ValueError):
         named = kwargs
     pad = _padding(named)
+    if pad is None:  # token ids holding an embedding's padding index
+        pad = _padding_of_ids(model, named)
+    siblings_pad: dict[str, Tensor] = {}  # per stack of layers: the padding the model passes one of them
+    for layer in found:
+        if layer.name not in crossing and (own := _padding_in_mask(layer)) is not None:
+            siblings_pad.setdefault(_sibling_key(layer.name), own)
     causal_as_called: dict[str, bool] = {}  # per layer: does it hide every future key as the model calls it?
     drawn: nn.Module | None = None  # the model with its all-zero parameters drawn, made when first needed
     outputs: dict[int, list[Tensor] | None] = {}  # the outputs of the model and of that copy, by id
@@ -1439,6 +1564,9 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
         pad_here = pad if pad is not None and tuple(pad.shape) == (layer.batch, layer.length) else \
             _padding_in_mask(layer)
         pad_here = pad if pad_here is None else pad_here
+        sibling = siblings_pad.get(_sibling_key(layer.name))
+        if pad_here is None and sibling is not None and tuple(sibling.shape) == (layer.batch, layer.length):
+            pad_here = sibling  # none in its own call: the padding the model passes the other blocks of its stack
         # a call that carries tensors of the recorded sizes is replayed at them: (B, L), or (L, B) for a layer
         # the model calls sequence first (XLNet's); one that carries numbers (a feature map's (H, W)) at the
         # recorded length first, so that a size that lines up with them by chance is not a shape limit; any
@@ -1453,6 +1581,8 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
         for sized in tries:
             try:
                 given = {k: v for k, v in options.items() if v is not None or k not in sized}
+                if given.get("embed_dim") is None and (width := _width(layer)) is not None:
+                    given["embed_dim"] = width  # the hidden states' width as the model called it
                 causal = bool(options.get("causal"))
                 done = check(layer.module, call=layer.adapter(causal, pad_here), **{**sized, **given})
                 if "length" not in sized and options.get("length") is None and _shape_limited(done):
@@ -1509,7 +1639,7 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
                     "as it was (a block that drops the attention's result, or adds its input in its place)",
                     {"layer": layer.name})
                 for extra in (misread, _models_causal_mask(layer, read, causal), unused,
-                              items_mixed_on_the_way(layer)):
+                              items_mixed_on_the_way(layer), _nan_on_real_tokens(layer, pad_here)):
                     done = _amended(done, add=extra)
                 if quantized:
                     done = _amended(done, {"quantized": (
