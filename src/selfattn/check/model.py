@@ -932,9 +932,11 @@ def _padding(kwargs: dict) -> Tensor | None:
 
 
 def _padding_of_ids(model: nn.Module, kwargs: dict) -> Tensor | None:
-    """(B, L) bool, True = padding, from token ids (B, L) among the model's inputs and the ``padding_idx`` of an
-    embedding of the model that takes them: the positions holding it, when they are a run at one end of some items
-    and every item keeps a real token; else None."""
+    """(B, L) bool, True = padding, from token ids (B, L) among the model's inputs (when none of them is a mask or
+    lengths) and the ``padding_idx`` of an embedding of the model: the positions holding it, when they are a run at
+    one end of some items, two or more in one, and every item keeps a real token; else None."""
+    if any(k in MASK_NAMES or k in LENGTH_NAMES for k in kwargs):  # the inputs say where the padding is
+        return None
     indices = {m.padding_idx: m.num_embeddings for m in model.modules()
                if isinstance(m, nn.Embedding) and m.padding_idx is not None}
     ids = [v for v in kwargs.values() if isinstance(v, Tensor) and v.dim() == 2 and not v.is_floating_point() and
@@ -944,7 +946,8 @@ def _padding_of_ids(model: nn.Module, kwargs: dict) -> Tensor | None:
             if int(value.min()) < 0 or int(value.max()) >= size:
                 continue
             pad = (value == index).cpu()
-            if not bool(pad.any()) or not bool((~pad).any(-1).all()):
+            # a run of two or more somewhere: one id at an item's end may be a token drawn at random
+            if int(pad.sum(-1).max()) < 2 or not bool((~pad).any(-1).all()):
                 continue
             ends = all(not at or (at == list(range(at[0], at[-1] + 1)) and (at[0] == 0 or at[-1] == len(item) - 1))
                        for item in pad for at in [item.nonzero().flatten().tolist()])
