@@ -649,3 +649,33 @@ def test_nan_that_reaches_a_models_real_tokens_is_named():
     assert check_model(LeftPaddedLM(fill="finfo.min"), inputs, causal=True).verdict == "passed"
     report = check_model(LeftPaddedLM(), inputs, causal=True)
     assert report.verdict == "failed" and "non-finite" in report.layers["h.1"].ids, report.summary()
+
+
+# -- a causal layer reading the key padding out of a full (B, 1, L, L) mask ----------------------------------------
+class PaddingFromFullMask(nn.Module):
+    """Causal attention through SDPA, given the caller's (B, 1, L, L) keep-mask (causal and padding joined), from
+    which it takes the key padding: its last row (right), or its first column (``column=True``: the bug, which
+    hides every key of an item whose first token is padding)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, column: bool = False) -> None:
+        super().__init__()
+        self.heads, self.column = heads, column
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x, attention_mask=None):
+        b, n, e = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, e // self.heads).permute(2, 0, 3, 1, 4)
+        visible = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        if attention_mask is not None:
+            pad = attention_mask[:, 0, :, 0] if self.column else attention_mask[:, 0, -1, :]
+            visible = visible & pad.bool()[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        return self.out(out.transpose(1, 2).reshape(b, n, e))
+
+
+def test_key_padding_read_from_a_full_masks_column_is_named():
+    # the padding run the white box adds for a mask that matched no convention padded the end, which a causal
+    # layer hides anyway: the column read was certified
+    assert check(PaddingFromFullMask(), causal=True, mask="keep (B,1,L,L)").passed
+    assert not check(PaddingFromFullMask(column=True), causal=True, mask="keep (B,1,L,L)").passed

@@ -175,7 +175,10 @@ def _runs(ctx: Context, masked: Caller | None, dep: Tensor) -> list[tuple[str, T
             i = torch.arange(length)
             runs.append(("with a causal mask", (i[None, :] <= i[:, None]).expand(b, length, length)))
             if masked.unmatched:  # a full mask whose effect matched no convention (read in part: mask[:, 0, :, 0]):
-                runs.append(("with a padding mask", padding_keep(b, length)))  # padding tells what it hides
+                # padding tells what it hides; on the left where the module hides later keys on its own (a causal
+                # pattern hides padding at the end from every real query)
+                pad = padding_keep(b, length)
+                runs.append(("with a padding mask", pad if bool(dep.all()) else pad.flip(-1)))
     deps = [dep]
     if getattr(ctx.call.adapter, "rows_from_the_start", False) and ctx.analysis_x.shape[0] == b and \
             (not dep.all() or getattr(ctx.call.adapter, "carries_padding", False)):
