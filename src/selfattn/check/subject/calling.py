@@ -280,7 +280,9 @@ def _discover_length(module: nn.Module, adapter: Callable | None, errors: list[s
                      gen: torch.Generator, dtype: torch.dtype, device: torch.device) -> tuple[Caller, int] | None:
     """A length the module runs at, among the numbers its error messages name and the sizes it carries (a fixed
     window of N tokens)."""
-    named = {int(n) for n in re.findall(r"\d+", " ".join(errors))} | _sizes_in(module)
+    # numbers in error messages up to 256 (beyond, they are mostly element counts of the shapes tried, each costly to
+    # try with a mask over L x L); the module's own sizes up to 4096
+    named = {int(n) for n in re.findall(r"\d+", " ".join(errors)) if int(n) <= 256} | _sizes_in(module)
     numbers = sorted({n for n in named if 2 <= n <= 4096} - tried - {e})
     for n in numbers[:12]:
         x = _randn(gen, (2, n, e), dtype, device)
