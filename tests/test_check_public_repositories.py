@@ -679,3 +679,42 @@ def test_key_padding_read_from_a_full_masks_column_is_named():
     # layer hides anyway: the column read was certified
     assert check(PaddingFromFullMask(), causal=True, mask="keep (B,1,L,L)").passed
     assert not check(PaddingFromFullMask(column=True), causal=True, mask="keep (B,1,L,L)").passed
+
+
+# -- a layer that reads its mask only as given or not (Whisper's SDPA path: is_causal=mask is not None) -------------
+class SwitchMaskAttention(nn.Module):
+    """Self-attention through SDPA that takes the model's causal mask buffer but reads it only as a switch."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query, self.key, self.value, self.out = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x, mask=None):
+        b, n, e = x.shape
+        q, k, v = (p(x).view(b, n, self.heads, -1).transpose(1, 2) for p in (self.query, self.key, self.value))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=mask is not None and n > 1)
+        return self.out(out.transpose(1, 2).reshape(b, n, e))
+
+
+class SwitchMaskDecoder(nn.Module):
+    """Token ids, a (n_ctx, n_ctx) -inf causal buffer handed to every layer, as Whisper's text decoder does."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(60, dim)
+        self.blocks = nn.ModuleList(SwitchMaskAttention(dim) for _ in range(2))
+        self.register_buffer("mask", torch.full((16, 16), float("-inf")).triu(1), persistent=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = x + block(x, mask=self.mask)
+        return x
+
+
+def test_a_mask_read_only_as_a_causal_switch_in_a_causal_model_is_no_ignored_mask():
+    # every mask the doctor sent made it causal, as the model's does: mask-ignored on Whisper's decoder as shipped
+    from selfattn.check import check_model
+    tokens = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(7))
+    assert check_model(SwitchMaskDecoder(), (tokens,), causal=True).verdict == "passed"

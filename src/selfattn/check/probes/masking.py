@@ -932,6 +932,14 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
                                    tried)], {"mask": {"raises with the stated mask": tried}},
                        coverage={"mask": "verified: the module raises with its mask",
                                  "padding": "not verified: the module raises with its mask"})
+    unread = {label for label, why in tried.items() if "no operation read it" in why}
+    if accepted and accepted <= unread and getattr(ctx.call.adapter, "own_causal", False) and \
+            torch.equal(dep.cpu(), torch.ones_like(dep.cpu()).tril()):
+        # replayed as its model calls it, with a mask that stands for its causal pattern: a layer that reads only
+        # whether a mask is given (Whisper's is_causal=mask is not None) is causal, and has no mask to judge (the
+        # model's padding, where it has one, is judged as the model calls it)
+        return _no_mask("the layer reads its mask argument only as given or not (no operation reads its values): "
+                        "given one, as the model gives it, it is causal")
     if accepted and all("changed nothing" in v or "Error" in v for v in tried.values()):
         return Outcome([Finding.of(MASK_IGNORED, "the module accepts a mask but its output does not depend on it",
                                    tried)],
