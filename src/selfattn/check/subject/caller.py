@@ -558,7 +558,7 @@ def restore(state: list[tuple[str, object, dict, dict]],
         if container and any(attrs.get(k, UNSET) is not now_attrs.get(k, UNSET) for k in attrs.keys() | now_attrs):
             if isinstance(m, list):  # items appended or replaced in place: the list as it was
                 m[:] = list(attrs.values())
-            else:
+            elif isinstance(m, dict):
                 m.clear()
                 m.update(attrs)
         for before, now, target in ((attrs, now_attrs, None if container else m.__dict__), (buffers, dict(held), held)):
