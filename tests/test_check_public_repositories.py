@@ -718,3 +718,75 @@ def test_a_mask_read_only_as_a_causal_switch_in_a_causal_model_is_no_ignored_mas
     from selfattn.check import check_model
     tokens = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(7))
     assert check_model(SwitchMaskDecoder(), (tokens,), causal=True).verdict == "passed"
+
+
+# -- a model handed over in train mode, its sublayers called through lambdas (the Annotated Transformer) ------------
+class AnnotatedAttention(nn.Module):
+    """Multi-head attention on (query, key, value) with dropout on the weights, as the Annotated Transformer's."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, dropout: float = 0.1) -> None:
+        super().__init__()
+        self.heads = heads
+        self.linears = nn.ModuleList(nn.Linear(dim, dim) for _ in range(4))
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, query, key, value, mask=None):
+        b = query.shape[0]
+        q, k, v = (lin(t).view(b, -1, self.heads, t.shape[-1] // self.heads).transpose(1, 2)
+                   for lin, t in zip(self.linears, (query, key, value), strict=False))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if mask is not None:
+            scores = scores.masked_fill(mask.unsqueeze(1) == 0, -1e4)
+        out = (self.dropout(scores.softmax(-1)) @ v).transpose(1, 2).reshape(b, -1, query.shape[-1])
+        return self.linears[-1](out)
+
+
+class SublayerConnection(nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, x, sublayer):
+        return x + self.dropout(sublayer(self.norm(x)))
+
+
+class AnnotatedDecoderLayer(nn.Module):
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.self_attn, self.src_attn = AnnotatedAttention(dim), AnnotatedAttention(dim)
+        self.sublayer = nn.ModuleList(SublayerConnection(dim) for _ in range(2))
+
+    def forward(self, x, memory, src_mask, tgt_mask):
+        x = self.sublayer[0](x, lambda x: self.self_attn(x, x, x, tgt_mask))
+        return self.sublayer[1](x, lambda x: self.src_attn(x, memory, memory, src_mask))
+
+
+class AnnotatedDecoder(nn.Module):
+    """Target ids and an encoded source; its layers' cross-attention reached through a lambda."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, dim)
+        self.layers = nn.ModuleList(AnnotatedDecoderLayer(dim) for _ in range(2))
+
+    def forward(self, tgt, memory):
+        n = tgt.shape[1]
+        tgt_mask = torch.ones(1, n, n, dtype=torch.bool).tril()
+        src_mask = torch.ones(memory.shape[0], 1, memory.shape[1], dtype=torch.bool)
+        x = self.embed(tgt)
+        for layer in self.layers:
+            x = layer(x, memory, src_mask, tgt_mask)
+        return x
+
+
+def test_a_model_handed_over_in_train_mode_is_checked_in_eval_mode_throughout():
+    # the model was put back in train mode after its recorded run, so the cross-attention its lambda closes over ran
+    # with dropout on in every replay: it was checked as a self-attention (dropout-in-eval, state-dependent)
+    from selfattn.check import check_model
+    tgt = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(8))
+    memory = torch.randn(2, 9, 32, generator=torch.Generator().manual_seed(9))
+    model = AnnotatedDecoder().train()
+    report = check_model(model, (tgt, memory))
+    assert report.verdict == "passed", report.summary()
+    assert model.training and model.layers[0].src_attn.dropout.training  # its modes given back

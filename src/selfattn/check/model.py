@@ -1517,6 +1517,25 @@ def check_model(model: nn.Module, example_inputs: object, *, layers: int | Seque
     if unknown:
         raise ValueError(f"check_model does not take {', '.join(unknown)}; its options are "
                          f"{', '.join(sorted(allowed))}")
+    with _in_eval(model):  # closures the model passes its layers (a sublayer's lambda) reach modules in eval mode
+        return _checked(model, example_inputs, layers, options)
+
+
+@contextmanager
+def _in_eval(model: nn.Module) -> Iterator[None]:
+    """``model`` and every submodule in eval mode while inside, each given back its own mode after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _checked(model: nn.Module, example_inputs: object, layers: int | Sequence[str] | None,
+             options: dict[str, Any]) -> ModelReport:
+    """:func:`check_model` with its options checked, the model in eval mode."""
     missed: list[str] = []
     model, quantized = dequantized(model)  # the model's own runs too (its padding read as it calls each layer)
     found = find_attention(model, example_inputs, missed)
