@@ -101,6 +101,11 @@ class Layer:
     output: object = field(default=None, repr=False)
 
     @property
+    def hidden(self) -> Tensor:
+        """The hidden states the model called the layer with (the first slot they took)."""
+        return next(a for k, a in [*enumerate(self.args), *self.kwargs.items()] if k in self.x)
+
+    @property
     def extras(self) -> list[Tensor]:
         """The tensors of the recorded call other than the hidden states and the mask."""
         skip = {*self.x, self.mask}
@@ -602,7 +607,7 @@ def _given_keys_apart(layer: Layer) -> bool:
     cannot be called on (B, L, E) alone."""
     if any(True for _ in layer.module.parameters()):
         return False
-    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    hidden = layer.hidden
     return any(t.dim() == hidden.dim() and t.shape[:-1] == hidden.shape[:-1] and t.shape[-1] % hidden.shape[-1] == 0
                for t in layer.extras)
 
@@ -739,7 +744,7 @@ def _nan_on_real_tokens(layer: Layer, pad: Tensor | None) -> Finding | None:
     whose input was finite: what an earlier layer left NaN in the padded positions (a query with every key hidden,
     filled with -inf) reaches them through the keys and values, since a weight of 0 times NaN is NaN."""
     y = _first_tensor(layer.output)
-    hidden = next((a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x), None)
+    hidden = layer.hidden
     if pad is None or y is None or not isinstance(hidden, Tensor) or y.shape != hidden.shape or y.dim() != 3 or \
             not y.is_floating_point():
         return None
@@ -767,7 +772,7 @@ def _sibling_key(name: str) -> str:
 
 def _width(layer: Layer) -> int | None:
     """E of the (B, L, E) (or (L, B, E)) hidden states the model called the layer with; None for another shape."""
-    hidden = next((a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x), None)
+    hidden = layer.hidden
     return int(hidden.shape[-1]) if isinstance(hidden, Tensor) and hidden.dim() == 3 else None
 
 
@@ -782,7 +787,7 @@ def _not_self_attention(layer: Layer) -> str | None:
 def _judge_self_attention(layer: Layer) -> str | None:
     """:func:`_not_self_attention`, run. A layer whose all-zero parameters (a norm's weight initialised at 0, as
     LeViT's) silence its output is judged on a copy with them drawn at random."""
-    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    hidden = layer.hidden
     if hidden.dim() >= 2 and hidden.shape[0 if layer.sequence_first else 1] == 1:
         return ("called with one token: an attention pooling's query over tokens the model passes in (a "
                 "cross-attention), or one decoding step; no tokens of its own to attend between")
@@ -879,7 +884,7 @@ def _output_unused(base: list[Tensor] | None, other: list[Tensor] | None) -> boo
 def _rows_independent(layer: Layer, module: nn.Module) -> bool:
     """Does each output row of ``module`` (the layer or a copy of it), called as the model called the layer, stay
     the same when another token of its input changes?"""
-    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    hidden = layer.hidden
     if layer.sequence_first and hidden.dim() == 3:  # the replay takes (B, L, E) and hands the layer (L, B, E)
         hidden = hidden.transpose(0, 1)
     if hidden.shape[1] < 2:
@@ -1192,7 +1197,7 @@ def _padding_moves(layer: Layer, pad: Tensor) -> tuple[float, float] | None:
     """Replay the layer's recorded call as the model made it with the hidden states of the padded positions changed:
     (the largest change of a real token's output, the largest output); None when the call cannot be replayed so
     (not the model's tokens, or the layer fails)."""
-    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    hidden = layer.hidden
     pad = pad.T if layer.sequence_first else pad  # the states (L, B, E): the padding on their first two axes
     if tuple(hidden.shape[:2]) != tuple(pad.shape) or hidden.dim() != 3:
         return None
@@ -1218,7 +1223,7 @@ def _real_rows_empty(layer: Layer, pad: Tensor) -> bool:
     """Replay the layer's recorded call as the model made it: is every real token's output of the padded items NaN
     or inf, or every token's of an item the model does not pad (the model's mask leaves them no key: a padding mask
     read the other way round)?"""
-    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    hidden = layer.hidden
     p = pad.T if layer.sequence_first else pad
     if tuple(hidden.shape[:2]) != tuple(p.shape) or hidden.dim() != 3 or not bool(torch.isfinite(hidden).all()):
         return False
@@ -1257,7 +1262,7 @@ def _real_keys_seen(layer: Layer, pad: Tensor) -> bool:
     real token there? Then the mask the model passes does not hide the real tokens: it leaves the padding visible
     (built from another item's padding, or given in a form the layer does not read as a mask), which is not a mask
     read the other way round."""
-    hidden = next(a for k, a in [*enumerate(layer.args), *layer.kwargs.items()] if k in layer.x)
+    hidden = layer.hidden
     if layer.sequence_first or hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(pad.shape) or \
             not bool(torch.isfinite(hidden).all()) or hidden.shape[1] > _READ_AS_CALLED:
         return False
