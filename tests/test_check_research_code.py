@@ -1,0 +1,63 @@
+"""The doctor on attention as recent research code and inference repositories write it.
+
+Each module is written in the style of the code it names; the tests say which wrong verdict they catch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from selfattn.check import check_model
+
+
+# -- a model whose layers take an additive bias and a mask, the model passing only the bias -----------------------
+class BiasOrMaskAttention(nn.Module):
+    """Llama-style attention taking ``attn_bias`` and ``mask`` (each added to the scores when given)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x, attn_bias=None, mask=None):
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, self.heads, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        scores = q @ k.transpose(2, 3) / math.sqrt(self.head_dim)
+        if attn_bias is not None:
+            scores = scores + attn_bias
+        if mask is not None:
+            scores = scores + mask
+        out = scores.float().softmax(-1).type_as(q) @ v
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class BiasedLM(nn.Module):
+    """Token ids and an attention_mask; causal and padding joined into one bias in the model's dtype."""
+
+    def __init__(self, vocab: int = 50, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(BiasOrMaskAttention(dim) for _ in range(2))
+
+    def forward(self, tokens, attention_mask):
+        h = self.embed(tokens)
+        t = tokens.shape[1]
+        keep = torch.ones(t, t, dtype=torch.bool).tril()[None, None] & attention_mask.bool()[:, None, None, :]
+        bias = torch.zeros(keep.shape, dtype=h.dtype).masked_fill(~keep, torch.finfo(h.dtype).min)
+        for layer in self.layers:
+            h = h + layer(h, attn_bias=bias)
+        return h
+
+
+def test_the_doctors_mask_beside_a_models_bias_does_not_overflow_half_precision():
+    # the doctor's mask goes to `mask` while the model's bias stays in `attn_bias`: in float16 the two fills add up
+    # to -inf on left-padded rows the model never reads (half-precision-overflow on a correct model)
+    tokens = torch.randint(1, 50, (3, 9), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(tokens)
+    attention_mask[1, :3] = 0
+    attention_mask[2, :5] = 0
+    report = check_model(BiasedLM(), {"tokens": tokens, "attention_mask": attention_mask}, causal=True)
+    assert report.verdict == "passed", report.summary()
