@@ -61,3 +61,37 @@ def test_the_doctors_mask_beside_a_models_bias_does_not_overflow_half_precision(
     attention_mask[2, :5] = 0
     report = check_model(BiasedLM(), {"tokens": tokens, "attention_mask": attention_mask}, causal=True)
     assert report.verdict == "passed", report.summary()
+
+
+# -- a KV cache kept as a list of (keys, values) pairs appended to (minGPT generation forks) ----------------------
+class PairListCachedAttention(nn.Module):
+    """Causal attention whose cache is ``self.past``, a list of each call's (keys, values) so far."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, slip: str | None = None) -> None:
+        super().__init__()
+        self.heads, self.slip = heads, slip
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.past: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = (w(x).view(b, t, self.heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        if self.past:
+            pk, pv = self.past[-1]
+            axis = 1 if self.slip == "grown on the heads" else 2
+            k, v = torch.cat([pk, k], axis), torch.cat([pv, v], axis)
+        self.past.append((k, v))
+        if self.slip == "never read":
+            k, v = k[:, :, -t:], v[:, :, -t:]
+        seen = torch.arange(k.shape[2])[None, :] <= torch.arange(t)[:, None] + k.shape[2] - t
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+        return self.wo(out.transpose(1, 2).reshape(b, t, e))
+
+
+def test_a_cache_kept_as_a_list_of_key_value_pairs_is_continued():
+    # the pairs were no state the doctor put back or followed: keys never read, or grown on the heads' axis, passed
+    from selfattn.check import check
+    assert check(PairListCachedAttention(), causal=True).verdict == "passed"
+    for slip in ("never read", "grown on the heads"):
+        report = check(PairListCachedAttention(slip=slip), causal=True)
+        assert "state-dependent" in report.ids, (slip, report.ids)

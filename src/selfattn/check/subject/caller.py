@@ -45,6 +45,7 @@ __all__ = [
     "restore",
     "switch_parameter",
     "takes_two_sequences",
+    "tensors_in",
     "token_grids",
 ]
 
@@ -536,9 +537,21 @@ def module_state(module: nn.Module) -> list[tuple[str, object, dict, dict]]:
     return state
 
 
+def tensors_in(value: object) -> list[Tensor]:
+    """``value`` if it is a tensor, the tensors of a tuple or list of them (an appended (keys, values) pair), else
+    none."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [v for v in value if isinstance(v, Tensor)]
+    return []
+
+
 def _describe(value: object) -> str:
     if isinstance(value, Tensor):
         return f"a tensor {tuple(value.shape)}"
+    if tensors := tensors_in(value):
+        return f"{type(value).__name__} of tensors {', '.join(str(tuple(t.shape)) for t in tensors)}"[:80]
     return "unset" if value is UNSET else repr(value)[:40]
 
 
@@ -572,7 +585,7 @@ def restore(state: list[tuple[str, object, dict, dict]],
                     del target[key]
                 else:
                     target[key] = old
-                if any(isinstance(v, Tensor) for v in (old, new)) or (
+                if any(tensors_in(v) for v in (old, new)) or (
                         all(isinstance(v, (int, float)) for v in (old, new)) and old != new):
                     name = f"{prefix}.{key}" if prefix else key
                     changes.append((name, old, new))

@@ -38,6 +38,7 @@ from .caller import (
     required_mask_parameter,
     restore,
     takes_two_sequences,
+    tensors_in,
 )
 from .context import Outcome, close, probe_keep, tolerance
 
@@ -639,10 +640,12 @@ def _sizes(module: nn.Module) -> dict[tuple[str, str, int], int]:
     number (its value), by (submodule, name, axis); a list of tensors also by their sizes summed (``"+"``)."""
     found: dict[tuple[str, str, int], int] = {}
     for prefix, held, attrs, buffers in module_state(module):
-        tensors = [v for v in attrs.values() if isinstance(v, Tensor)]
-        if isinstance(held, list) and tensors and all(t.dim() == tensors[0].dim() for t in tensors):
-            # a list of chunks appended to (keys of each call): their sizes together, along each axis
+        # a list appended to: of tensors (keys of each call), or of (keys, values) pairs, read by their first tensor
+        tensors = [t[0] for v in attrs.values() if (t := tensors_in(v))] if isinstance(held, list) else []
+        if tensors and all(t.dim() == tensors[0].dim() for t in tensors):
+            # the chunks' sizes together (each call's own keys), and the last one's (each call's keys so far)
             found.update({(prefix, "+", axis): sum(t.shape[axis] for t in tensors) for axis in range(tensors[0].dim())})
+            found.update({(prefix, "last", axis): size for axis, size in enumerate(tensors[-1].shape)})
         for key, value in {**attrs, **buffers}.items():
             if isinstance(value, Tensor):
                 found.update({(prefix, key, axis): size for axis, size in enumerate(value.shape)})
@@ -656,7 +659,8 @@ def _continued(call: Caller, x: Tensor) -> str | None:
     then on the next one alone, then on the rest, the later calls must give the rows of one call on all of them; the
     difference when they do not (a cache position never advanced, keys stored in the wrong slots, a decode step's
     rotary one position off), None when they do or cannot be compared, or when no state grows by the tokens of each
-    call (a memory of the last tokens, a running statistic: no cache)."""
+    call (a memory of the last tokens, a running statistic: no cache); ``"raises ..."`` when a later call fails where
+    each part runs alone (keys appended on another axis)."""
     half = x.shape[1] // 2
     kept = replace(call, keep_state=True)
     with torch.no_grad():
@@ -670,8 +674,14 @@ def _continued(call: Caller, x: Tensor) -> str | None:
                 outs.append(kept(part.clone()))
                 sizes.append(_sizes(call.module))
             rest = torch.cat(outs, dim=1)
-        except Exception:  # a module that takes no shorter call: the calls in a row say what fails
-            return None
+        except Exception as err:  # a module that takes no shorter call: the calls in a row say what fails
+            restore(state)
+            try:  # each part alone runs: continuing the first is what fails (keys appended on another axis)
+                for part in (x[:, :half], x[:, half:half + 1], x[:, half + 1:]):
+                    call(part.clone())
+            except Exception:
+                return None
+            return f"raises {type(err).__name__}: {err}"[:300]
         finally:
             restore(state)
     # a cache: some state grows by the tokens of each call (keys appended, a position advanced); a memory of the
@@ -737,8 +747,17 @@ def calls_in_a_row(call: Caller, x: Tensor, gen: torch.Generator, dep: Tensor | 
     causal = dep is not None and x.shape[1] >= 4 and torch.equal(dep.cpu(), torch.ones_like(dep.cpu()).tril())
     # calls in a row may also agree with the module as given while the cache grows unread (keys appended, then only
     # the call's own kept): a sequence continued through it is then no continuation either
-    continued = _continued(call, x) if failure is None and causal else None
-    if continued is not None:
+    grown = failure is not None  # a failure where the state only grew (a cache full): the same batch continued
+    continued = _continued(call, x) if causal else None  # must still run
+    if continued is not None and continued.startswith("raises "):
+        found.findings.append(Finding.of(STATE_DEPENDENT, f"a call replaces the module's own {names} (a cache); called "
+                                         f"on the first {x.shape[1] // 2} tokens, then on the next alone, then on the "
+                                         f"rest, the later calls fail where each runs alone: the cache cannot "
+                                         f"continue a sequence of the same batch (keys or values appended on another "
+                                         f"axis): {continued[7:]}",
+                                         {"replaced": dict(call.replaced), "error": continued[7:]}))
+        return found
+    if continued is not None and not grown:
         found.findings.append(Finding.of(STATE_DEPENDENT, f"a call replaces the module's own {names} (a cache); called "
                                          f"on the first {x.shape[1] // 2} tokens, then on the next alone, then on the "
                                          "rest, the later calls' outputs are not those rows of one call on all the "
