@@ -95,3 +95,47 @@ def test_a_cache_kept_as_a_list_of_key_value_pairs_is_continued():
     for slip in ("never read", "grown on the heads"):
         report = check(PairListCachedAttention(slip=slip), causal=True)
         assert "state-dependent" in report.ids, (slip, report.ids)
+
+
+# -- a model handing its layers the padding as a column (B, 1, L, 1), which each layer turns into a row ------------
+class ColumnMaskedAttention(nn.Module):
+    """Takes ``mask`` (B, 1, L, 1), 1.0 = token, and lays it on the keys with a transpose (``turned``) or not."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, turned: bool = True) -> None:
+        super().__init__()
+        self.heads, self.turned = heads, turned
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)
+        if mask is not None:
+            keys = mask.transpose(-1, -2) if self.turned else mask
+            scores = scores.masked_fill(keys == 0, torch.finfo(scores.dtype).min)
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, e))
+
+
+class ColumnMaskedEncoder(nn.Module):
+    def __init__(self, turned: bool = True, vocab: int = 40, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.layers = nn.ModuleList(ColumnMaskedAttention(dim, turned=turned) for _ in range(2))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        column = ids.ne(0)[:, None, :, None].to(h.dtype)
+        for layer in self.layers:
+            h = h + layer(h, mask=column)
+        return h
+
+
+def test_a_models_padding_column_that_its_layers_turn_into_a_row_is_their_mask():
+    # the layer alone reads a (B, 1, 1, L) mask transposed, onto its queries: mask-broadcast on a correct model
+    ids = torch.randint(1, 40, (3, 10), generator=torch.Generator().manual_seed(7))
+    ids[1, 7:] = 0
+    ids[2, 5:] = 0
+    report = check_model(ColumnMaskedEncoder(), (ids,))
+    assert report.verdict == "passed", report.summary()
+    report = check_model(ColumnMaskedEncoder(turned=False), (ids,))
+    assert all("mask-broadcast" in r.ids for r in report.layers.values()), report.summary()

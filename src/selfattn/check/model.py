@@ -1002,8 +1002,11 @@ def _padding_in(given: object, layer: Layer) -> Tensor | None:
 
 def _carries_padding(t: object, pad: Tensor) -> bool:
     """Is ``t`` the model's padding in some form: a tensor (B or 1, ..., L), or (B * H, L, L), whose last query row
-    marks exactly the padded keys of each item (bool either way round, 1/0, or an additive 0 / large negative)?"""
+    marks exactly the padded keys of each item (bool either way round, 1/0, or an additive 0 / large negative), or a
+    column (B, ..., L, 1) that does?"""
     b = pad.shape[0]
+    if isinstance(t, Tensor) and t.dim() >= 3 and t.shape[-1] == 1 and t.shape[-2] == pad.shape[1] != 1:
+        t = t.transpose(-1, -2)  # a column (B, ..., L, 1): the padding as a row the layer turns it into
     if not isinstance(t, Tensor) or t.dim() < 2 or t.shape[-1] != pad.shape[1] or t.is_complex() or \
             not (t.shape[0] in (1, b) or (t.dim() >= 3 and t.shape[0] > b and t.shape[0] % b == 0)):
         return False
@@ -1035,6 +1038,27 @@ def _columns_pad(t: Tensor, pad: Tensor) -> bool:
         if bool(padded.any()) and not (bool(item[:, padded].all()) and bool((~item[:, ~padded]).any(0).all())):
             return False
     return True
+
+
+def _column_form(layer: Layer, pad: Tensor | None) -> str | None:
+    """The mask form (``"keep (B,1,L,1)"``) of a model that hands its layer the padding as a column (B, 1, L, 1), one
+    flag per key, which the layer turns into a row itself (``mask.transpose(-1, -2)``); None for any other mask. The
+    layer alone reads a (B, 1, 1, L) or (B, 1, L, L) mask transposed, which only the column explains."""
+    t = layer.recorded_mask()
+    if pad is None or not isinstance(t, Tensor) or t.dim() != 4 or t.shape[1] != 1 or t.shape[-1] != 1 or \
+            tuple(t.shape[::2]) != tuple(pad.shape) or not bool(pad.any()):
+        return None
+    col, pad = t[:, 0, :, 0].detach().cpu(), pad.cpu()
+    at_pad, at_real = col[pad], col[~pad]
+    if col.dtype == torch.bool:
+        kind = "ignore" if bool(at_pad.all()) and not bool(at_real.any()) else \
+            "keep" if bool(at_real.all()) and not bool(at_pad.any()) else None
+    elif col.is_floating_point():
+        kind = "keep-float" if bool((at_pad == 0).all()) and bool((at_real == 1).all()) else \
+            "additive" if bool((at_pad <= -1e4).all()) and bool((at_real == 0).all()) else None
+    else:
+        kind = "keep-int" if bool((at_pad == 0).all()) and bool((at_real == 1).all()) else None
+    return None if kind is None else f"{kind} (B,1,L,1)"
 
 
 def _pads_queries(t: object, pad: Tensor) -> bool:
@@ -1610,6 +1634,8 @@ def _checked(model: nn.Module, example_inputs: object, layers: int | Sequence[st
                 given = {k: v for k, v in options.items() if v is not None or k not in sized}
                 if given.get("embed_dim") is None and (width := _width(layer)) is not None:
                     given["embed_dim"] = width  # the hidden states' width as the model called it
+                if given.get("mask") is None and (column := _column_form(layer, pad_here)) is not None:
+                    given["mask"] = column  # the padding as a column, which the layer lays on its keys
                 causal = bool(options.get("causal"))
                 done = check(layer.module, call=layer.adapter(causal, pad_here), **{**sized, **given})
                 if "length" not in sized and options.get("length") is None and _shape_limited(done):

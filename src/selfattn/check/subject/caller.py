@@ -51,7 +51,7 @@ __all__ = [
 
 ARITY = {"x": 1, "qk": 2, "qkv": 3}  # how many times a call style passes the input: forward(x), (x, x), (x, x, x)
 MASK_SHAPES: dict[str, str] = {"BLL": "(B, L, L)", "B1LL": "(B, 1, L, L)", "BL": "(B, L)", "B1L": "(B, 1, L)",
-                               "B11L": "(B, 1, 1, L)",
+                               "B11L": "(B, 1, 1, L)", "B1L1": "(B, 1, L, 1)",
                                "LL": "(L, L)", "LLB": "(L, L, B)", "LLB1": "(L, L, B, 1)", "LL1": "(L, L, 1)",
                                "B": "(B,)"}
 # (L, L, B), (L, L, B, 1) and (L, L, 1): sequence-first modules' masks (Transformer-XL's (Lq, Lk, B) or (Lq, Lk, 1),
@@ -103,8 +103,9 @@ class MaskSpec:
 
     @property
     def key_only(self) -> bool:
-        """True for (B, L), (B, 1, L) and (B, 1, 1, L) masks: one flag per key, the same for every query."""
-        return self.shape in ("BL", "B1L", "B11L", "B")
+        """True for (B, L), (B, 1, L), (B, 1, 1, L) and (B, 1, L, 1) masks: one flag per key, the same for every
+        query (a column (B, 1, L, 1) is a module's that turns it into a row itself)."""
+        return self.shape in ("BL", "B1L", "B11L", "B1L1", "B")
 
     def describe(self) -> str:
         """E.g. "additive float, 0 = may attend, ... of shape (B, 1, 1, L)"."""
@@ -122,7 +123,8 @@ class MaskSpec:
         """
         if self.key_only:
             if not torch.equal(keep, keep[:, :1].expand_as(keep)):
-                raise ValueError("a key-only mask (B, L), (B, 1, L) or (B, 1, 1, L) cannot express a per-query mask")
+                raise ValueError("a key-only mask (B, L), (B, 1, L), (B, 1, 1, L) or (B, 1, L, 1) cannot express a "
+                                 "per-query mask")
             keep = keep[:, :1]  # (B, 1, L)
         if (self.kind == "lengths") != (self.shape == "B"):
             raise ValueError("lengths are given as shape (B,), and shape (B,) holds lengths only")
@@ -144,7 +146,8 @@ class MaskSpec:
             m = torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, ADDITIVE_FILL)
         return {"LL": lambda: m[0], "BLL": lambda: m, "B1LL": lambda: m[:, None], "BL": lambda: m[:, 0],
                 "B1L": lambda: m,
-                "B11L": lambda: m[:, None], "LLB": lambda: m.permute(1, 2, 0),
+                "B11L": lambda: m[:, None], "B1L1": lambda: m[:, None].transpose(-1, -2),
+                "LLB": lambda: m.permute(1, 2, 0),
                 "LLB1": lambda: m.permute(1, 2, 0)[..., None], "LL1": lambda: m[0, :, :, None]}[self.shape]()
 
 
@@ -152,8 +155,8 @@ def parse_mask(text: str) -> MaskSpec:
     """``"additive (B,1,1,L)"``, ``"keep (B,L)"``, ``"ignore (L, L)"`` -> a :class:`MaskSpec`.
 
     Kinds: keep, ignore, keep-int, keep-float, additive, and lengths (shape (B,) only). Shapes: (L,L), (B,L,L),
-    (B,1,L,L), (B,1,1,L), (B,L), (B,1,L) (ESPnet's and WeNet's key mask), and for sequence-first modules (L,L,B),
-    (L,L,B,1) and (L,L,1).
+    (B,1,L,L), (B,1,1,L), (B,L), (B,1,L) (ESPnet's and WeNet's key mask), (B,1,L,1) (the keys' padding as a column
+    the module turns into a row), and for sequence-first modules (L,L,B), (L,L,B,1) and (L,L,1).
     """
     match = re.fullmatch(r"\s*([a-z-]+)\s*\(([^)]*)\)\s*", text)
     shape = "".join(match.group(2).replace(",", " ").split()) if match else ""

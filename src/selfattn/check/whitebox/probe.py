@@ -132,6 +132,7 @@ def _raw(caller: Caller, mask: object, keep: Tensor) -> Tensor | None:
     if caller.make_mask is None:  # the doctor encoded it: its shape is the spec's
         m = {"LL": lambda: m[None, None], "BLL": lambda: m[:, None], "B1LL": lambda: m,
              "BL": lambda: m[:, None, None, :], "B1L": lambda: m[:, None], "B11L": lambda: m,
+             "B1L1": lambda: m.transpose(-1, -2),
              "LLB": lambda: m.permute(2, 0, 1)[:, None],
              "LLB1": lambda: m[..., 0].permute(2, 0, 1)[:, None], "LL1": lambda: m.permute(2, 0, 1)[:, None]
              }[caller.spec.shape]()
