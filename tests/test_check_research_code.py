@@ -139,3 +139,50 @@ def test_a_models_padding_column_that_its_layers_turn_into_a_row_is_their_mask()
     assert report.verdict == "passed", report.summary()
     report = check_model(ColumnMaskedEncoder(turned=False), (ids,))
     assert all("mask-broadcast" in r.ids for r in report.layers.values()), report.summary()
+
+
+# -- projections wrapped by a LoRA adapter, in peft's layout (the frozen layer kept as ``base_layer``) -------------
+class LoraLinear(nn.Module):
+    """A low-rank adapter around a frozen Linear: base_layer(x) + B(A(x)) * scaling, as peft's ``lora.Linear``."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base_layer = base.requires_grad_(False)
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, rank, bias=False)})
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(rank, base.out_features, bias=False)})
+        nn.init.normal_(self.lora_B["default"].weight, std=0.2)
+        self.scaling = 2.0
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x)) * self.scaling
+
+
+class LoraAttention(nn.Module):
+    """Attention whose q and v projections carry LoRA adapters; ``k_from_q``: keys from the query projection."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, k_from_q: bool = False) -> None:
+        super().__init__()
+        self.heads, self.k_from_q = heads, k_from_q
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(dim, dim) for _ in range(4))
+        self.q_proj, self.v_proj = LoraLinear(self.q_proj), LoraLinear(self.v_proj)
+        self.k_proj.requires_grad_(False)
+        self.o_proj.requires_grad_(False)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        k = self.q_proj(x) if self.k_from_q else self.k_proj(x)
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in (self.q_proj(x), k, self.v_proj(x)))
+        out = (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).softmax(-1) @ v
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, e))
+
+
+def test_an_unused_projection_beside_lora_wrapped_ones_is_named():
+    # the frozen base layers and the wrapper's own path hid the group: k = q_proj(x) passed under LoRA
+    from selfattn.check import check
+    assert check(LoraAttention()).verdict == "passed"
+    report = check(LoraAttention(k_from_q=True))
+    assert "no-grad" in report.ids, report.ids

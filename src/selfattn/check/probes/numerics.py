@@ -353,6 +353,10 @@ def _objective(call: Caller, x: Tensor, weights: Tensor) -> Tensor:
     return (call(x).double() * weights).sum()
 
 
+# the attribute under which an adapter keeps the layer it wraps (peft's LoRA, IA3 and DoRA layers)
+_WRAPPED = frozenset({"base_layer"})
+
+
 def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
     """The q, k or v projections (nn.Linear layers named for the role: ``key``, ``k_proj``, ``to_v``) the call never
     used while it used their siblings (the Linear layers of the same parent module), none of them named for that
@@ -361,7 +365,11 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
     part of the module the call does not run at all (an adapter that runs one submodule) has no used sibling."""
     groups: dict[str, list[tuple[str, bool, tuple[Tensor, int, int]]]] = {}
     for path, mod in module.named_modules():
-        if (found := _projection(mod)) is not None:  # an nn.Linear, or a Keras Dense / EinsumDense
+        # an nn.Linear, or a Keras Dense / EinsumDense; frozen ones too (used or not is read from the run, not from
+        # gradients: the base layers under LoRA are frozen)
+        if (found := _projection(mod, frozen=True)) is not None:
+            if path.rpartition(".")[2] in _WRAPPED:  # a wrapper's layer (peft's LoRA: q_proj.base_layer) is the
+                path = path.rpartition(".")[0]  # wrapper's projection, beside the plain ones of its parent
             parent = path.rpartition(".")[0]
             if path.rpartition(".")[2].isdigit():  # one head's projection in a per-head list (``k_layers[i]``)
                 parent = parent.rpartition(".")[0]
@@ -532,12 +540,13 @@ def _linear(mod: nn.Module) -> bool:
                                                     isinstance(getattr(mod, "in_features", None), int))
 
 
-def _projection(mod: nn.Module) -> tuple[Tensor, int, int] | None:
+def _projection(mod: nn.Module, frozen: bool = False) -> tuple[Tensor, int, int] | None:
     """(weight, in features, out features) of a Linear (:func:`_linear`) or a Keras ``Dense`` / ``EinsumDense`` (its
-    kernel's torch parameter), when it is trained; else None."""
+    kernel's torch parameter), when it is trained (or ``frozen``: also when not, as a base layer under LoRA); else
+    None."""
     if _linear(mod):
         weight = mod.weight
-        if not isinstance(weight, Tensor) or not weight.requires_grad:
+        if not isinstance(weight, Tensor) or not (weight.requires_grad or frozen):
             return None
         if _is_conv1d(mod):  # GPT-2's Conv1D: (in, out)
             return weight, weight.shape[0], weight.shape[1]
