@@ -186,3 +186,31 @@ def test_an_unused_projection_beside_lora_wrapped_ones_is_named():
     assert check(LoraAttention()).verdict == "passed"
     report = check(LoraAttention(k_from_q=True))
     assert "no-grad" in report.ids, report.ids
+
+
+# -- SDPA's is_causal and a padding mask, which it takes one or the other of --------------------------------------
+class PaddedCausalSDPA(nn.Module):
+    """Causal self-attention through SDPA with a (B, L) key mask, True = attend; ``folded``: the causal pattern joined
+    into the mask when one is given, else dropped (``is_causal=mask is None``)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, folded: bool = True) -> None:
+        super().__init__()
+        self.heads, self.folded = heads, folded
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attn_mask=None):
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        mask = None if attn_mask is None else attn_mask[:, None, None, :]
+        if mask is not None and self.folded:
+            mask = mask & torch.ones(t, t, dtype=torch.bool).tril()
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.proj(out.transpose(1, 2).reshape(b, t, e))
+
+
+def test_causality_dropped_whenever_a_mask_is_given_is_a_causal_leak():
+    # with the mask's convention stated, the white box read the later keys left visible as padding ignored
+    from selfattn.check import check
+    assert check(PaddedCausalSDPA(), causal=True, mask_convention="keep").verdict == "passed"
+    report = check(PaddedCausalSDPA(folded=False), causal=True, mask_convention="keep")
+    assert report.ids == {"causal-leak"}, report.ids

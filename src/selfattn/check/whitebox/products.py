@@ -1500,6 +1500,14 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict, apart: in
             return Verdict(MASK_IGNORED, {"matches": matches + " (which keys are hidden changes with the item: the "
                                                                "mask is read for other keys than it marks)",
                                           **evidence})
+    if missed and not extra:
+        length = hidden.shape[-1]
+        left = torch.where(padded_rows, False, ~hidden & want)
+        if not bool((left & ~torch.ones(length, length, dtype=torch.bool, device=left.device).triu(1)).any()):
+            # every pair left visible is a later key of a real query: the mask's keys are hidden, the causal pattern
+            # is not (dropped whenever a mask is given: is_causal=mask is None around SDPA)
+            return Verdict(CAUSAL_LEAK, {"matches": matches + " (every one a later key: the causal pattern is dropped "
+                                                              "when a mask is given)", **evidence})
     return Verdict(MASK_IGNORED if missed else CAUSAL_LEAK, {"matches": matches, **evidence})
 
 
