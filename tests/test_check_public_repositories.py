@@ -718,6 +718,10 @@ def test_a_mask_read_only_as_a_causal_switch_in_a_causal_model_is_no_ignored_mas
     from selfattn.check import check_model
     tokens = torch.randint(0, 60, (2, 9), generator=torch.Generator().manual_seed(7))
     assert check_model(SwitchMaskDecoder(), (tokens,), causal=True).verdict == "passed"
+    # without causal=True nothing tells what the switch stands for: inconclusive, and the report says what to say
+    report = check_model(SwitchMaskDecoder(), (tokens,))
+    assert report.verdict == "inconclusive", report.summary()
+    assert all("--causal" in r.coverage["mask"] for r in report.layers.values()), report.summary()
 
 
 # -- a model handed over in train mode, its sublayers called through lambdas (the Annotated Transformer) ------------

@@ -793,7 +793,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                         if flipped and caller.spec is not None and caller.spec.kind == "keep":
                             native = native.with_mask(MaskSpec("ignore", caller.spec.shape))
                         return Outcome[Caller]([finding], {"mask": _describe(native)}, native, {"mask": "verified"})
-                    raise ValueError("a mask that hides nothing (or everything) does not give the unmasked output: "
+                    raise ValueError(f"{_SWITCHED}: "
                                      "it broadcasts into other dimensions")
         except Exception as err:  # not this argument, shape or kind: try the next one
             refusal = _refusal(err)
@@ -946,10 +946,21 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
                        {"mask": {"accepted but ignored": tried}},
                        coverage={"mask": "verified: the module ignores its mask",
                                  "padding": "not verified: the mask changes nothing"})
+    if (accepted and accepted <= unread) or (tried and all(_SWITCHED in why for why in tried.values())):
+        # a switch read from the mask (Whisper's is_causal=mask is not None): given or not is all that counts
+        return Outcome(notes={"mask": {"not understood": tried}},
+                       coverage={"mask": "not verified: the module reads its mask argument as a switch (no operation "
+                                         "reads its values, or a mask that hides nothing changes the output, as "
+                                         "is_causal=mask is not None does); when the mask it is given stands for a "
+                                         "causal pattern, say --causal (causal=True)",
+                                 "padding": "not verified: no mask understood"})
     return Outcome(notes={"mask": {"not understood": tried}},
                    coverage={"mask": "not verified: no mask argument, shape or kind the doctor tries was accepted; "
                                      "state it with --mask, give --call, or say --no-mask",
                              "padding": "not verified: no mask understood"})
+
+
+_SWITCHED = "a mask that hides nothing (or everything) does not give the unmasked output"
 
 
 def _causal_chunks(dep: Tensor) -> int | None:
