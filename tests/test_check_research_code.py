@@ -214,3 +214,29 @@ def test_causality_dropped_whenever_a_mask_is_given_is_a_causal_leak():
     assert check(PaddedCausalSDPA(), causal=True, mask_convention="keep").verdict == "passed"
     report = check(PaddedCausalSDPA(folded=False), causal=True, mask_convention="keep")
     assert report.ids == {"causal-leak"}, report.ids
+
+
+# -- a model's additive bias subtracted by its layers --------------------------------------------------------------
+class SubtractedBiasAttention(BiasOrMaskAttention):
+    """As :class:`BiasOrMaskAttention`, with ``attn_bias`` subtracted from the scores."""
+
+    def forward(self, x, attn_bias=None, mask=None):
+        return super().forward(x, None if attn_bias is None else -attn_bias, mask)
+
+
+class SubtractedBiasLM(BiasedLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(SubtractedBiasAttention(32) for _ in range(2))
+
+
+def test_a_models_bias_subtracted_by_its_layers_is_an_inverted_mask():
+    # the padding carried in attn_bias left each real token only the padded keys: mask-ignored, and a wrong-gradient
+    # of the real keys' scores rounded away under the fill
+    tokens = torch.randint(1, 50, (3, 9), generator=torch.Generator().manual_seed(1))
+    attention_mask = torch.ones_like(tokens)
+    attention_mask[1, 6:] = 0
+    attention_mask[2, 4:] = 0
+    report = check_model(SubtractedBiasLM(), {"tokens": tokens, "attention_mask": attention_mask})
+    for layer in report.layers.values():
+        assert "mask-inverted" in layer.ids and not {"mask-ignored", "wrong-gradient"} & layer.ids, report.summary()

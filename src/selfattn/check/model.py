@@ -43,6 +43,7 @@ from .findings import (
     NO_GRAD,
     NON_FINITE,
     SHAPE_DEPENDENT,
+    WRONG_GRADIENT,
     Finding,
 )
 from .probes.masking import band
@@ -1281,28 +1282,57 @@ def _real_rows_empty(layer: Layer, pad: Tensor) -> bool:
     return False
 
 
-def _real_keys_seen(layer: Layer, pad: Tensor) -> bool:
-    """Replay the layer's recorded call as the model made it: does a real token of a padded item depend on another
-    real token there? Then the mask the model passes does not hide the real tokens: it leaves the padding visible
-    (built from another item's padding, or given in a form the layer does not read as a mask), which is not a mask
-    read the other way round."""
+def _padded_item_as_called(layer: Layer, pad: Tensor) -> tuple[int, Tensor] | None:
+    """Replay the layer's recorded call as the model made it: (item, which tokens each token's output depends on,
+    (L, L)) for the first padded item with two real tokens; None when there is none or the replay fails."""
     hidden = layer.hidden
     if layer.sequence_first or hidden.dim() != 3 or tuple(hidden.shape[:2]) != tuple(pad.shape) or \
             not bool(torch.isfinite(hidden).all()) or hidden.shape[1] > _READ_AS_CALLED:
-        return False
+        return None
     items = [b for b in range(pad.shape[0]) if bool(pad[b].any()) and int((~pad[b]).sum()) >= 2]
     if not items:
-        return False
+        return None
     run = _replay(layer)
     try:
         with _evaluated(layer.module):
             dep = dependency(lambda x: run(x), hidden, item=items[0],  # type: ignore[arg-type,return-value]
                              rtol=1e-5 if hidden.dtype == torch.float32 else 1e-2)
     except Exception:  # the layer's own report says what fails
+        return None
+    return items[0], dep.cpu()
+
+
+def _real_keys_seen(layer: Layer, pad: Tensor) -> bool:
+    """Replay the layer's recorded call as the model made it: does a real token of a padded item depend on another
+    real token there? Then the mask the model passes does not hide the real tokens: it leaves the padding visible
+    (built from another item's padding, or given in a form the layer does not read as a mask), which is not a mask
+    read the other way round."""
+    found = _padded_item_as_called(layer, pad)
+    if found is None:
         return False
-    real = ~pad[items[0]].cpu()
+    item, dep = found
+    real = ~pad[item].cpu()
     among = dep[real][:, real] & ~torch.eye(int(real.sum()), dtype=torch.bool)
     return bool(among.any())
+
+
+def _bias_read_inverted(layer: Layer, pad: Tensor, bias: Tensor) -> bool:
+    """Is ``bias``, an additive (B, ..., L, L) bias carrying the model's padding in an argument other than the mask,
+    read the other way round (subtracted): as the model calls the layer, does each real token of a padded item
+    depend on exactly the other keys the bias hides?"""
+    length = pad.shape[1]
+    if not isinstance(bias, Tensor) or not bias.is_floating_point() or bias.dim() < 3 or \
+            bias.shape[-1] != length or bias.shape[-2] not in (1, length) or bias.shape[0] not in (1, pad.shape[0]):
+        return False
+    found = _padded_item_as_called(layer, pad)
+    if found is None:
+        return False
+    item, dep = found
+    rows = bias.detach().reshape(bias.shape[0], -1, *bias.shape[-2:])[min(item, bias.shape[0] - 1), 0]
+    hides = (rows <= -1e4).expand(length, length).cpu()  # a key bias (.., 1, L): the same for every query
+    off = ~torch.eye(length, dtype=torch.bool)
+    real = [i for i in (~pad[item]).nonzero().flatten().tolist() if bool((hides[i] & off[i]).any())]
+    return bool(real) and all(torch.equal(dep[i] & off[i], hides[i] & off[i]) for i in real)
 
 
 def _padding_elsewhere(layer: Layer, pad: Tensor, report: Report) -> str | None:
@@ -1437,8 +1467,12 @@ def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Find
                           "(B, 1, L, L) with the padded queries' rows hidden), so it hides padded queries' rows and "
                           "no key", {"mask the model passes": what, "largest change of a real token's output": change})
     reads = report.inferred.get("mask")
-    if MASK_IGNORED.id in report.ids or not (isinstance(reads, dict) and "convention" in reads) or \
-            _real_keys_seen(layer, pad):
+    # padding carried in another argument (an attn_bias) whose hidden keys are the only ones a real token sees: that
+    # bias is read the other way round (subtracted), whatever the layer's own mask argument does
+    carried_inverted = all(v is not given for k, v in slots if k == layer.mask) and \
+        _bias_read_inverted(layer, pad, given)
+    if (MASK_IGNORED.id in report.ids or not (isinstance(reads, dict) and "convention" in reads) or
+            _real_keys_seen(layer, pad)) and not carried_inverted:
         name = next((k for k, v in slots if v is given), None)
         return Finding.of(MASK_IGNORED, "called as the model calls it, the layer lets the padded tokens change the "
                           f"real tokens' outputs: the model passes its padding (argument {name!r}) and the layer does "
@@ -1682,6 +1716,11 @@ def _checked(model: nn.Module, example_inputs: object, layers: int | Sequence[st
                     elif bool(dep.diagonal().all()) and bool((dep & ~ahead).sum() > dep.shape[0]):
                         causal_as_called[layer.name] = True
                 misread = None if pad_here is None else _reads_the_models_padding(layer, pad_here, done)
+                if misread is not None and misread.id == MASK_INVERTED.id:
+                    # the symptoms of a padding read the other way round in every probe's call: padded keys seen,
+                    # and the real keys' scores rounded away under the fill (a gradient autograd sees and no step
+                    # does)
+                    done = _amended(_amended(done, drop=MASK_IGNORED.id), drop=WRONG_GRADIENT.id)
                 if drawn is None:  # the model's outputs, with its weights and with its all-zero ones drawn
                     drawn = _model_zeros_drawn(model)
                     outputs = {id(m): _model_outputs(m, args, kwargs) for m in (model, drawn)}
