@@ -240,3 +240,41 @@ def test_a_models_bias_subtracted_by_its_layers_is_an_inverted_mask():
     report = check_model(SubtractedBiasLM(), {"tokens": tokens, "attention_mask": attention_mask})
     for layer in report.layers.values():
         assert "mask-inverted" in layer.ids and not {"mask-ignored", "wrong-gradient"} & layer.ids, report.summary()
+
+
+# -- criss-cross attention (CCNet): one softmax over a pixel's column and row, each part with its own values -------
+class CrissCrossAttention(nn.Module):
+    """Each pixel of a (B, C, H, W) map attends to the pixels of its column and its row (itself counted once), with
+    the values products computed channels first, as bmm(V (N, C, H), A^T)."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.q, self.k = nn.Conv2d(dim, dim // 8, 1), nn.Conv2d(dim, dim // 8, 1)
+        self.v = nn.Conv2d(dim, dim, 1)
+        self.gamma = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        b, _, h, w = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        q_col = q.permute(0, 3, 2, 1).reshape(b * w, h, -1)  # (B * W, H, C'): the pixels of each column
+        k_col = k.permute(0, 3, 1, 2).reshape(b * w, -1, h)
+        v_col = v.permute(0, 3, 1, 2).reshape(b * w, -1, h)
+        q_row = q.permute(0, 2, 3, 1).reshape(b * h, w, -1)  # (B * H, W, C'): the pixels of each row
+        k_row = k.permute(0, 2, 1, 3).reshape(b * h, -1, w)
+        v_row = v.permute(0, 2, 1, 3).reshape(b * h, -1, w)
+        self_once = torch.diag(torch.full((h,), float("-inf"))).to(x)  # the pixel itself is in its row already
+        e_col = (torch.bmm(q_col, k_col) + self_once).view(b, w, h, h).permute(0, 2, 1, 3)  # (B, H, W, H)
+        e_row = torch.bmm(q_row, k_row).view(b, h, w, w)  # (B, H, W, W)
+        a = torch.cat([e_col, e_row], -1).softmax(-1)
+        a_col = a[..., :h].permute(0, 2, 1, 3).reshape(b * w, h, h)
+        a_row = a[..., h:].reshape(b * h, w, w)
+        out_col = torch.bmm(v_col, a_col.transpose(1, 2)).view(b, w, -1, h).permute(0, 2, 3, 1)
+        out_row = torch.bmm(v_row, a_row.transpose(1, 2)).view(b, h, -1, w).permute(0, 2, 1, 3)
+        return self.gamma * (out_col + out_row) + x
+
+
+def test_criss_cross_attention_is_not_read_as_values_times_weights():
+    # its values products take a part of the softmax's output each: read as V @ weights (matmul-order)
+    from selfattn.check import check
+    report = check(CrissCrossAttention(), scale=1.0)
+    assert "matmul-order" not in report.ids, report.ids

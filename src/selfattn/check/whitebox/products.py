@@ -1788,6 +1788,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                                   f"({', '.join(passed)}): the visible keys' weights no longer sum "
                                                   "to 1", **evidence})
         facts["masked weights"] = f"the weights of hidden keys are zeroed after the softmax ({', '.join(passed)})"
+    if axes is None and w.numel() < p.numel() and _orientation(w, p) is None:
+        # the values multiplied by a part of the softmax's output (CCNet's criss-cross attention: one softmax over a
+        # pixel's column and row keys, then each part with its own values): no product of the whole to orient
+        raise Unrecognised(f"the values are multiplied by {tuple(w.shape)} weights, a part of the softmax's "
+                           f"{tuple(p.shape)} output (one softmax shared by several products)")
     orientation = _orientation(w, p)
     # V^T @ W^T (channels first, as convolutional blocks compute it) contracts the keys too: the output is the
     # transpose of W @ V, (..., D, L)
