@@ -278,3 +278,28 @@ def test_criss_cross_attention_is_not_read_as_values_times_weights():
     from selfattn.check import check
     report = check(CrissCrossAttention(), scale=1.0)
     assert "matmul-order" not in report.ids, report.ids
+
+
+# -- a fused projection unpacked key first (ALiBi and nanoGPT re-implementations) ---------------------------------
+class KeyFirstFusedAttention(nn.Module):
+    """``key, query, value = self.kqv(x).chunk(3, dim=-1)``, then softmax(q k^T / sqrt(d)) v."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.kqv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        key, query, value = self.kqv(x).chunk(3, dim=-1)
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in (query, key, value))
+        return self.proj(self.attend(q, k, v, e).transpose(1, 2).reshape(b, t, e))
+
+    def attend(self, q, k, v, e):
+        return (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).softmax(-1) @ v
+
+
+def test_a_fused_projection_unpacked_key_first_is_read_in_its_order():
+    # the first of three parts was taken for the queries whatever the source called it: softmax-dim on correct code
+    from selfattn.check import check
+    assert check(KeyFirstFusedAttention()).verdict == "passed"

@@ -720,24 +720,27 @@ def _fit(s: Tensor, r: Tensor, batch: int, with_terms: bool,
 
 def _role(trace: Trace, tid: int) -> tuple[str | None, str]:
     """The role (q, k, v) of the projection a tensor comes from, and how it is known: "name" (its module's name,
-    ``q_proj``, ``to_k``) or "order" (its place in a fused projection split in three or two parts, which only
-    says "q" for the first of three: code bases order the rest as they like, q|v|k in CodeGen); (None, "")
-    when it cannot be told."""
+    ``q_proj``, ``to_k``) or "order" (its place in a fused projection split in three or two parts: the role the
+    module's source unpacks it as, ``key, query, value = ...chunk(3)``, else "q" for the first of three only, as
+    code bases order the rest as they like, q|v|k in CodeGen); (None, "") when it cannot be told."""
     part, parts = None, None
+
+    def by_order(part: int) -> str:  # the order the module's source unpacks the parts in, else q first
+        return trace.fused_order[part] if trace.fused_order is not None else "q" if part == 0 else "k or v"
     for _ in range(80):
         if tid in trace.names:
             role = name_role(trace.names[tid])
             if role is not None:
                 return role, "name"
             if part is not None and parts == 3:
-                return ("q" if part == 0 else "k or v"), "order"
+                return by_order(part), "order"
             return None, ""
         found = trace.maker(tid)
         if found is None:
             return None, ""
         op, index = found
         if op.name == "linear":  # a projection without a module name (F.linear on a packed weight)
-            return (("q" if part == 0 else "k or v"), "order") if part is not None and parts == 3 else (None, "")
+            return (by_order(part), "order") if part is not None and parts == 3 else (None, "")
         if op.name in ("split", "chunk", "unbind", "tensor_split", "split_with_sizes"):  # the one nearest the
             part, parts = index, len(op.outputs)  # projection counts
         elif op.name in ("getitem", "select") and len(op.args) > 1 and \
@@ -987,7 +990,7 @@ def _roles_verdict(trace: Trace, ids: tuple[int, int, int], evidence: dict, fact
     """A verdict when the score and value operands come from projections in the wrong roles, else None."""
     roles = [_role(trace, i) for i in ids]
     named = [r if how == "name" else None for r, how in roles]
-    if (roles[1] == ("q", "order") and roles[0][0] == "k or v") or named[:2] == ["k", "q"]:
+    if (roles[1] == ("q", "order") and roles[0][0] in ("k or v", "k")) or named[:2] == ["k", "q"]:
         return Verdict(SOFTMAX_DIM, {"matches": "the scores are K Q^T (keys and queries swapped): the softmax runs "
                                       "over the queries", **evidence}, facts)
     if named[:2] == ["q", "q"] and named[2] in ("v", None):  # no key projection ran: the keys are the queries'

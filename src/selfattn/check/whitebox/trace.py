@@ -32,8 +32,10 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from .._seams import base_of, version
+from ..subject.building import name_role
 
-__all__ = ["LAYOUT", "PRODUCTS", "SOFTMAX", "Linear", "Op", "Origin", "Trace", "key", "linears", "normalises", "record"]
+__all__ = ["LAYOUT", "PRODUCTS", "SOFTMAX", "Linear", "Op", "Origin", "Trace", "fused_order", "key", "linears",
+           "normalises", "record"]
 
 PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm", "rmatmul"})
 SOFTMAX = frozenset({"softmax", "_softmax"})
@@ -217,6 +219,9 @@ class Trace(TorchFunctionMode):
         self.names: dict[int, str] = {}  # key of the output of an nn.Linear, a norm or hooked leaf -> its name
         self.parameters: set[int] = set()  # ids of the trained parameters (nn.Parameter, requires_grad) read
         self.transformed = False  # some operations ran inside torch.vmap (or another torch.func transform): unrecorded
+        # the roles of a fused projection's parts, in order, as the module's source unpacks them (key, query, value =
+        # self.kqv(x).chunk(3)); None when its source says nothing
+        self.fused_order: tuple[str, ...] | None = None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -422,9 +427,28 @@ class Trace(TorchFunctionMode):
         return Op("softmax", (scores, dim % rank), {}, op.outputs, [scores_id], op.out_ids, op.module)
 
 
+_UNPACKED = re.compile(r"^\s*\(?\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)?\s*=[^\n]*\b(?:chunk|split|unbind)\b", re.M)
+
+
+def fused_order(module: nn.Module) -> tuple[str, ...] | None:
+    """The roles (q, k, v) of a fused projection's three parts in the order the module's forward unpacks them
+    (``key, query, value = self.kqv(x).chunk(3, dim=-1)`` gives k, q, v), when its source names each part for a
+    different role; else None."""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return None
+    for names in _UNPACKED.findall(source):
+        roles = tuple(name_role(n) for n in names)
+        if None not in roles and len(set(roles)) == 3:
+            return tuple(r for r in roles if r is not None)
+    return None
+
+
 def record(module: nn.Module, call: Callable[[], Tensor]) -> tuple[Trace, Tensor]:
     """Run ``call`` (which runs ``module``) under a :class:`Trace`, without gradients; returns (trace, output)."""
     trace = Trace()
+    trace.fused_order = fused_order(module)
     handles = []
 
     def named(mod: nn.Module, inp: tuple, out: object, name: str = "") -> None:
