@@ -1506,11 +1506,14 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict, apart: in
     if missed and not extra:
         length = hidden.shape[-1]
         left = torch.where(padded_rows, False, ~hidden & want)
-        if not bool((left & ~torch.ones(length, length, dtype=torch.bool, device=left.device).triu(1)).any()):
-            # every pair left visible is a later key of a real query: the mask's keys are hidden, the causal pattern
+        # the causal part of what was sent: later keys hidden from real queries, among keys some query may see
+        later = want & torch.ones(length, length, dtype=torch.bool, device=want.device).triu(1) & \
+            ~want.all(-2, keepdim=True) & ~padded_rows
+        if bool(later.any()) and torch.equal(left, later.expand_as(left)):
+            # the pairs left visible are exactly the causal pattern's: the mask's keys are hidden, the causal pattern
             # is not (dropped whenever a mask is given: is_causal=mask is None around SDPA)
-            return Verdict(CAUSAL_LEAK, {"matches": matches + " (every one a later key: the causal pattern is dropped "
-                                                              "when a mask is given)", **evidence})
+            return Verdict(CAUSAL_LEAK, {"matches": matches + " (exactly the later keys: the causal pattern is "
+                                                              "dropped when a mask is given)", **evidence})
     return Verdict(MASK_IGNORED if missed else CAUSAL_LEAK, {"matches": matches, **evidence})
 
 
