@@ -146,21 +146,25 @@ def _raw(caller: Caller, mask: object, keep: Tensor) -> Tensor | None:
         return None
 
 
-def _informative_input(module: nn.Module, call: Callable[[Tensor], Tensor], x: Tensor, heads: list[int]) -> Tensor:
+def _informative_input(module: nn.Module, call: Callable[[Tensor], Tensor], x: Tensor,
+                       heads: list[int]) -> tuple[Tensor, bool]:
     """x, scaled up (at most 3 times) while the scores Q K^T / sqrt(D) are too small (std < 0.5) to tell the
-    scale, the softmax axis and the other formulas apart (small initialisations: GPT-2's std 0.02)."""
+    scale, the softmax axis and the other formulas apart (small initialisations: GPT-2's std 0.02); and whether
+    the scores stay the same for every key at every scale (q or k zero: rows of a fused projection initialised at
+    0), where no formula can be told from another."""
+    spread = 1.0
     for _ in range(3):
         trace, _ = record(module, partial(call, x))
         cap = capture(trace, module, x)
         split = None if isinstance(cap, str) else qkv_heads(cap.splits[0], heads[0])
         if split is None:
-            return x
+            return x, False
         qh, kh, _ = split
         spread = float((qh @ kh.transpose(-1, -2)).std() / qh.shape[-1] ** 0.5)
         if not spread < 0.5:
-            return x
+            return x, False
         x = x * min(30.0, (1.0 / max(spread, 1e-6)) ** 0.5)
-    return x
+    return x, spread < 1e-9
 
 
 def _runs(ctx: Context, masked: Caller | None, dep: Tensor) -> list[tuple[str, Tensor | None, Tensor | None]]:
@@ -231,7 +235,12 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
     def stated(d: int) -> float | None:
         return ctx.scale if ctx.scale is not None else config_scale(d)
 
-    x = _informative_input(module, caller, x0, heads)
+    x, flat = _informative_input(module, caller, x0, heads)
+    if flat:
+        return Outcome(coverage={"white_box": "not verified: the scores Q K^T are 0 for every key at every input "
+                                              "scale tried (the queries' or keys' projection is zero: rows of a "
+                                              "fused projection initialised at 0), so no scale or softmax axis can "
+                                              "be told from another; check the module with trained weights"})
     findings, results, facts = [], {}, {}
     positions, bias = None, None
     if stated_where or ctx.scale is not None:
