@@ -328,3 +328,32 @@ def test_scores_zero_at_every_scale_leave_the_white_box_unverified():
     from selfattn.check import check
     report = check(ZeroQueryAttention(scale=1.0), causal=True)
     assert report.verdict == "inconclusive" and report.coverage["white_box"].startswith("not verified"), report.ids
+
+
+# -- a hook on the attention map, as relevance-propagation code registers it --------------------------------------
+class HookedMapAttention(nn.Module):
+    """ViT attention that saves its attention map's gradient with ``attn.register_hook`` (explainability code)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, scaled: bool = True) -> None:
+        super().__init__()
+        self.heads, self.scaled = heads, scaled
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.attn_gradients: torch.Tensor | None = None
+
+    def save_attn_gradients(self, grad: torch.Tensor) -> None:
+        self.attn_gradients = grad
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scale = (c // self.heads) ** -0.5 if self.scaled else 1.0
+        attn = (q @ k.transpose(-2, -1) * scale).softmax(dim=-1)
+        attn.register_hook(self.save_attn_gradients)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_module_that_needs_autograd_on_is_checked():
+    # the hook raises without gradients, and the doctor's calls run without them: exit 2 on a module a plain call runs
+    from selfattn.check import check
+    assert check(HookedMapAttention()).verdict == "passed"
+    assert "missing-scale" in check(HookedMapAttention(scaled=False)).ids

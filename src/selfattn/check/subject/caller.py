@@ -313,6 +313,15 @@ class Caller:
         return out
 
     def _call(self, t: Tensor, mask: object) -> Tensor:
+        try:
+            return self._call_once(t, mask)
+        except RuntimeError as err:  # a module that needs autograd on (a hook registered on its attention map, as
+            if torch.is_grad_enabled() or not any(s in str(err) for s in _NEEDS_GRAD):  # relevance propagation's
+                raise  # save the map's gradient): the probes' calls without gradients go with it, output detached
+        with torch.enable_grad():
+            return self._call_once(t, mask).detach()
+
+    def _call_once(self, t: Tensor, mask: object) -> Tensor:
         if self.adapter is not None:
             out = self.adapter(self.module, t) if not self.takes_mask else self.adapter(self.module, t, mask)
         else:
@@ -559,6 +568,8 @@ def _describe(value: object) -> str:
 
 
 UNSET = object()
+# what torch says when a module needs autograd on: a hook on a tensor, autograd.grad inside the forward
+_NEEDS_GRAD = ("doesn't require gradient", "does not require grad")
 
 
 def restore(state: list[tuple[str, object, dict, dict]],
