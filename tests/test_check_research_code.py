@@ -357,3 +357,28 @@ def test_a_module_that_needs_autograd_on_is_checked():
     from selfattn.check import check
     assert check(HookedMapAttention()).verdict == "passed"
     assert "missing-scale" in check(HookedMapAttention(scaled=False)).ids
+
+
+# -- attention on a map with its values product written channels first (EDM's U-Net blocks) ----------------------
+class ChannelsFirstProductAttention(nn.Module):
+    """q, k, v (B * H, C / H, L) from a 1 x 1 convolution; weights "ncq,nck->nqk" and values "nqk,nck->ncq", put back
+    with a reshape to the map's shape; ``tokens_first``: the values product written "nqk,nck->nqc" and put back the
+    same way (the tokens spread over the channels)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4, tokens_first: bool = False) -> None:
+        super().__init__()
+        self.heads, self.tokens_first = heads, tokens_first
+        self.qkv, self.proj = nn.Conv2d(dim, 3 * dim, 1), nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).reshape(x.shape[0] * self.heads, x.shape[1] // self.heads, 3, -1).unbind(2)
+        w = torch.einsum("ncq,nck->nqk", q, k / math.sqrt(k.shape[1])).softmax(dim=2)
+        a = torch.einsum("nqk,nck->nqc" if self.tokens_first else "nqk,nck->ncq", w, v)
+        return self.proj(a.reshape(*x.shape)) + x
+
+
+def test_a_values_product_written_channels_first_is_merged_as_such():
+    # its (B * H, D, L) output was read as (B * H, L, D): head-merge on the correct module
+    from selfattn.check import check
+    assert check(ChannelsFirstProductAttention()).verdict == "passed"
+    assert "head-merge" in check(ChannelsFirstProductAttention(tokens_first=True)).ids

@@ -210,8 +210,9 @@ def _einsum_token_axes(op: Op, position: int, w: Tensor, p: Tensor, length: int)
 
 def _canonical_output(op: Op, position: int, query_axis: int, batch: int) -> tuple[int, ...] | None:
     """For an einsum weights-times-values product whose weights have their query axis at ``query_axis``: the
-    permutation of its output to (B, H, L, D) ("bhqk,kbhd->qbhd" writes (L, B, H, D)), or None when the letters
-    do not say it (the batch letter is the one of the probe's batch size, the first when both are)."""
+    permutation of its output to (B, H, L, D) ("bhqk,kbhd->qbhd" writes (L, B, H, D)), or of a three-letter one to
+    (B * H, L, D) ("nqk,nck->ncq" writes (B * H, D, L)), or None when the letters do not say it (the batch letter
+    is the one of the probe's batch size, the first when both are)."""
     eq = _equation(op)
     if eq is None:
         return None
@@ -222,6 +223,8 @@ def _canonical_output(op: Op, position: int, query_axis: int, batch: int) -> tup
     query = subs[query_axis]
     values_only = [c for c in out if c not in subs]
     rest = [c for c in out if c != query and c not in values_only]
+    if len(out) == 3 and len(values_only) == 1 and len(rest) == 1 and query in out:  # (B * H, L, D) in any order
+        return out.index(rest[0]), out.index(query), out.index(values_only[0])  # (EDM's "nqk,nck->ncq")
     if len(out) != 4 or len(values_only) != 1 or len(rest) != 2 or query not in out:
         return None
     sizes = dict(zip(out, op.outputs[0].shape, strict=True)) if op.outputs else {}
