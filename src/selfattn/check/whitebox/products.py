@@ -507,8 +507,10 @@ def _score_chain(trace: Trace, tid: int) -> tuple[Op, _Chain]:
     for _ in range(60):
         found = trace.maker(tid)
         if found is None:  # no recorded operation made it: code the record does not enter
-            raise Unseen("the scores come from code the doctor's record cannot see into (a torch.jit.script "
-                         "function or a compiled extension between the product and the softmax)")
+            raise Unseen("no score product the record saw leads to the softmax: a softmax taken of the "
+                         "projections themselves (efficient or linear attention's, over the keys' tokens or the "
+                         "queries' features), or code the record cannot see into (a torch.jit.script function, "
+                         "a compiled extension)")
         op, _ = found
         mixed = _head_mix(op)
         if mixed is not None:
