@@ -382,3 +382,35 @@ def test_a_values_product_written_channels_first_is_merged_as_such():
     from selfattn.check import check
     assert check(ChannelsFirstProductAttention()).verdict == "passed"
     assert "head-merge" in check(ChannelsFirstProductAttention(tokens_first=True)).ids
+
+
+# -- a sequence-first module with a bug that mixes its items (fairseq's MultiheadAttention style) ------------------
+class TimeFirstAttention(nn.Module):
+    """Takes (T, B, C), unpacks ``tgt_len, bsz, embed_dim = query.size()``, attends over (B * H, T, D) with bmm;
+    ``slip``: "merge" (the heads put back with a view, no transpose), "softmax" (over the B * H axis)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, slip: str | None = None) -> None:
+        super().__init__()
+        self.heads, self.head_dim, self.slip = heads, dim // heads, slip
+        self.q_proj, self.k_proj, self.v_proj, self.out_proj = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, query):
+        tgt_len, bsz, embed_dim = query.size()
+        q, k, v = (p(query).contiguous().view(tgt_len, bsz * self.heads, self.head_dim).transpose(0, 1)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        weights = torch.bmm(q * self.head_dim ** -0.5, k.transpose(1, 2))
+        weights = weights.softmax(dim=0 if self.slip == "softmax" else -1)
+        attn = torch.bmm(weights, v)
+        if self.slip == "merge":
+            attn = attn.contiguous().view(tgt_len, bsz, embed_dim)
+        else:
+            attn = attn.transpose(0, 1).contiguous().view(tgt_len, bsz, embed_dim)
+        return self.out_proj(attn)
+
+
+def test_a_sequence_first_module_mixing_its_items_is_read_in_its_own_layout():
+    # mixing along both axes, it was probed batch first: batch-mixing where its own bug has an id
+    from selfattn.check import check
+    assert check(TimeFirstAttention()).verdict == "passed"
+    assert "head-merge" in check(TimeFirstAttention(slip="merge")).ids
+    assert "softmax-dim" in check(TimeFirstAttention(slip="softmax")).ids

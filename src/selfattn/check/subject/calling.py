@@ -265,6 +265,36 @@ def _sequence_first(call: Caller, x: Tensor, gen: torch.Generator, rtol: float) 
         return _unchanged(call(x3)[:, 1:], out[:, 1:], rtol)
 
 
+_LENGTH_WORDS = frozenset({"t", "l", "n", "s", "tgt_len", "src_len", "seq_len", "seqlen", "length", "len", "time",
+                           "num_tokens", "n_tokens", "tokens", "seq_length", "q_len", "query_len"})
+_BATCH_WORDS = frozenset({"b", "bsz", "bs", "batch", "batch_size", "nbatches", "n_batch"})
+_UNPACKED_SIZE = re.compile(r"(\w+)\s*,\s*(\w+)\s*,\s*\w+\s*=\s*\w+\.(?:size\(\)|shape)")
+
+
+def _source_sequence_first(module: nn.Module) -> bool:
+    """Does the module's forward unpack its input's sizes length first, then batch (fairseq's ``tgt_len, bsz,
+    embed_dim = query.size()``)?"""
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    match = _UNPACKED_SIZE.search(source)
+    return match is not None and match.group(1).lower() in _LENGTH_WORDS and match.group(2).lower() in _BATCH_WORDS
+
+
+def _mixes_both(call: Caller, x: Tensor, gen: torch.Generator, rtol: float) -> bool:
+    """Does the module mix along dim 0 and along dim 1 of its input (changing one row of either changes others):
+    no layout keeps its items apart, so its own source may say which it takes?"""
+    if x.shape[0] < 2 or x.shape[1] < 2:
+        return False
+    with torch.no_grad():
+        out = call(x)
+        x2, x3 = x.clone(), x.clone()
+        x2[0] = _randn(gen, x2[0].shape, x.dtype, x.device)
+        x3[:, 0] = _randn(gen, x3[:, 0].shape, x.dtype, x.device)
+        return not _unchanged(call(x2)[1:], out[1:], rtol) and not _unchanged(call(x3)[:, 1:], out[:, 1:], rtol)
+
+
 def _sizes_in(module: nn.Module) -> set[int]:
     """Sizes a module with a fixed length carries: its buffers' and parameters' dims, and products of int pairs
     among its attributes (a window of (7, 7) is 49 tokens)."""
@@ -489,7 +519,10 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     # a layer replayed as its model calls it (check_model's adapter says which layout) keeps the model's layout: a
     # sequence-first layer the model hands (B, L, E) attends over the batch, as it does in the model
     replayed = getattr(call.adapter, "sequence_first", None) is not None
-    if call.layout == "batch-first" and not replayed and _sequence_first(call, x, gen, tolerance(dtype)):
+    if call.layout == "batch-first" and not replayed and (_sequence_first(call, x, gen, tolerance(dtype)) or (
+            _source_sequence_first(module) and _mixes_both(call, x, gen, tolerance(dtype)))):
+        # a module mixing its items in either layout (a sequence-first one with a bug of its own) is taken as its
+        # source unpacks its input: length first, then batch
         call.layout = "sequence-first"
     if call.layout == "sequence-first":
         found.notes.setdefault("layout", _SEQUENCE_FIRST)
