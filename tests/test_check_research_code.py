@@ -414,3 +414,57 @@ def test_a_sequence_first_module_mixing_its_items_is_read_in_its_own_layout():
     assert check(TimeFirstAttention()).verdict == "passed"
     assert "head-merge" in check(TimeFirstAttention(slip="merge")).ids
     assert "softmax-dim" in check(TimeFirstAttention(slip="softmax")).ids
+
+
+# -- an output projection skipped beside LoRA-wrapped projections, or kept in an output block of its own ------------
+class LoraSkippedOutput(LoraAttention):
+    """As :class:`LoraAttention`, returning the heads without ``o_proj``."""
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in (self.q_proj(x), self.k_proj(x),
+                                                                          self.v_proj(x)))
+        out = (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).softmax(-1) @ v
+        return out.transpose(1, 2).reshape(b, t, e)
+
+
+class SelfPart(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.query, self.key, self.value = (nn.Linear(dim, dim) for _ in range(3))
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, -1).transpose(1, 2) for p in (self.query, self.key, self.value))
+        out = (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).softmax(-1) @ v
+        return out.transpose(1, 2).reshape(b, t, e)
+
+
+class OutputPart(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dense, self.LayerNorm = nn.Linear(dim, dim), nn.LayerNorm(dim)
+
+    def forward(self, hidden, residual):
+        return self.LayerNorm(self.dense(hidden) + residual)
+
+
+class SplitBlockAttention(nn.Module):
+    """BERT's layout: ``self`` (query, key, value) and ``output`` (dense, LayerNorm); ``skip``: dense not applied."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, skip: bool = False) -> None:
+        super().__init__()
+        self.self, self.output, self.skip = SelfPart(dim, heads), OutputPart(dim), skip
+
+    def forward(self, x):
+        h = self.self(x)
+        return self.output.LayerNorm(h + x) if self.skip else self.output(h, x)
+
+
+def test_an_output_projection_skipped_beside_lora_or_in_an_output_block_is_named():
+    # LoRA's wrappers and frozen layers, or an output block of its own, hid the skipped projection: certified
+    from selfattn.check import check
+    assert "no-grad" in check(LoraSkippedOutput()).ids
+    assert check(SplitBlockAttention()).verdict == "passed"
+    assert "no-grad" in check(SplitBlockAttention(skip=True)).ids

@@ -354,7 +354,8 @@ def _objective(call: Caller, x: Tensor, weights: Tensor) -> Tensor:
 
 
 # the attribute under which an adapter keeps the layer it wraps (peft's LoRA, IA3 and DoRA layers)
-_WRAPPED = frozenset({"base_layer"})
+_BASE = "base_layer"
+_WRAPPED = frozenset({_BASE})
 
 
 def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
@@ -427,6 +428,12 @@ _OUTPUT_NAMES = frozenset({"to_out", "out_proj", "o_proj", "o", "proj", "c_proj"
 _FUSED_NAMES = frozenset({"qkv", "to_qkv", "c_attn", "in_proj", "query_key_value", "wqkv", "qkv_proj"})
 
 
+def _unwrapped(mod: nn.Module) -> nn.Module:
+    """The layer an adapter wraps (peft's LoRA keeps it as ``base_layer``), else ``mod``."""
+    base = getattr(mod, _BASE, None)
+    return base if isinstance(base, nn.Module) and _linear(base) else mod
+
+
 def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
     """The output projections (an nn.Linear named for that, ``to_out``, ``out_proj``, ``c_proj``, ``wo``, TFT's ``w_h``,
     or the first Linear of an ``nn.Sequential`` or ``nn.ModuleList`` so named, diffusers' ``to_out[0]``) of a module
@@ -437,24 +444,29 @@ def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
     idle = []
     for path, mod in module.named_modules():
         roles, outputs = set(), []
-        for name, child in mod.named_children():
+        for name, wrapper in mod.named_children():
+            child = _unwrapped(wrapper)  # a LoRA wrapper's base layer stands for it
             words = [w for w in re.split(r"[_\d]+", name.lower()) if w]
             named_out = name.lower() in _OUTPUT_NAMES or "out" in words or "output" in words
             if isinstance(child, (nn.Sequential, nn.ModuleList)) and named_out:
-                first = next((i for i, c in enumerate(child) if _linear(c)), None)
+                first = next((i for i, c in enumerate(child) if _linear(_unwrapped(c))), None)
                 if first is not None:
-                    outputs.append((f"{name}.{first}", id(child[first].weight) in used))
+                    outputs.append((f"{name}.{first}", id(_unwrapped(child[first]).weight) in used))
                 continue
             if isinstance(child, nn.ModuleList) and any(_linear(c) and id(c.weight) in used
                                                         for c in child):
                 roles.add(_projection_role(f"{name}.0"))  # per-head projections (TFT's q_layers, k_layers)
                 continue
             if not _linear(child):  # an attention core of the block's: its projections count too
-                roles |= {"qk" if n.lower() in _FUSED_NAMES else name_role(n) for n, c in child.named_children()
+                inner = [(n, _unwrapped(c)) for n, c in child.named_children()]
+                roles |= {"qk" if n.lower() in _FUSED_NAMES else name_role(n) for n, c in inner
                           if _linear(c) and id(c.weight) in used}
+                if named_out:  # an output block of its own (BERT's BertSelfOutput: dense, then a norm)
+                    first = next(((n, c) for n, c in inner if _linear(c)), None)
+                    if first is not None:
+                        outputs.append((f"{name}.{first[0]}", id(first[1].weight) in used))
                 continue
-            if not child.weight.requires_grad:
-                continue
+            # frozen layers too (the base layers under LoRA): used or not is read from the run
             touched = id(child.weight) in used
             if named_out:
                 outputs.append((name, touched))
