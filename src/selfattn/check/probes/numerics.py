@@ -462,9 +462,9 @@ def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
                 roles |= {"qk" if n.lower() in _FUSED_NAMES else name_role(n) for n, c in inner
                           if _linear(c) and id(c.weight) in used}
                 if named_out:  # an output block of its own (BERT's BertSelfOutput: dense, then a norm)
-                    first = next(((n, c) for n, c in inner if _linear(c)), None)
-                    if first is not None:
-                        outputs.append((f"{name}.{first[0]}", id(first[1].weight) in used))
+                    dense = next(((n, c) for n, c in inner if _linear(c)), None)
+                    if dense is not None:
+                        outputs.append((f"{name}.{dense[0]}", id(dense[1].weight) in used))
                 continue
             # frozen layers too (the base layers under LoRA): used or not is read from the run
             touched = id(child.weight) in used
