@@ -722,6 +722,9 @@ def test_a_mask_read_only_as_a_causal_switch_in_a_causal_model_is_no_ignored_mas
     report = check_model(SwitchMaskDecoder(), (tokens,))
     assert report.verdict == "inconclusive", report.summary()
     assert all("--causal" in r.coverage["mask"] for r in report.layers.values()), report.summary()
+    # the layer alone runs without a mask unless a call gives it one: --causal alone would judge the bidirectional
+    # plain call, so the advice asks for such a call too
+    assert "--call" in check(SwitchMaskAttention()).coverage["mask"]
 
 
 # -- a model handed over in train mode, its sublayers called through lambdas (the Annotated Transformer) ------------

@@ -948,11 +948,15 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
                                  "padding": "not verified: the mask changes nothing"})
     if (accepted and accepted <= unread) or (tried and all(_SWITCHED in why for why in tried.values())):
         # a switch read from the mask (Whisper's is_causal=mask is not None): given or not is all that counts
+        replayed = hasattr(ctx.call.adapter, "own_causal")  # a model's layer: --causal replays the model's mask
+        say = "say --causal (causal=True)" if replayed else \
+            "give a --call that always passes the module the mask it is given in use (lambda m, x: m(x, " \
+            "mask=...)) and say --causal"
         return Outcome(notes={"mask": {"not understood": tried}},
                        coverage={"mask": "not verified: the module reads its mask argument as a switch (no operation "
                                          "reads its values, or a mask that hides nothing changes the output, as "
                                          "is_causal=mask is not None does); when the mask it is given stands for a "
-                                         "causal pattern, say --causal (causal=True)",
+                                         f"causal pattern, {say}",
                                  "padding": "not verified: no mask understood"})
     return Outcome(notes={"mask": {"not understood": tried}},
                    coverage={"mask": "not verified: no mask argument, shape or kind the doctor tries was accepted; "
