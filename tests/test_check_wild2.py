@@ -20,12 +20,7 @@ from doctor_corpus_wild import check_wild
 from selfattn.check import FINDING_IDS, CannotRun
 
 # entry -> why the doctor's verdict is wrong today (measured)
-NOT_YET: dict[str, str] = {
-    "seq-first-bmm/merge without transpose": "batch-mixing, causal-leak, mask-error: the merge (B*H, T, D).view(T, "
-                                             "B, E) mixes dims 0 and 1 of the (T, B, E) input, so the sequence-first "
-                                             "layout (a module that mixes dim 0 and keeps dim 1 apart) is not found; "
-                                             "read batch-first, items mix and the (B, L) mask does not fit",
-}
+NOT_YET: dict[str, str] = {}
 
 # the entries that take more than a few seconds on a 2-core machine
 SLOW: frozenset[str] = frozenset({"onmt-shaw/softmax over queries"})

@@ -276,7 +276,7 @@ def _source_sequence_first(module: nn.Module) -> bool:
     embed_dim = query.size()``)?"""
     try:
         source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
+    except Exception:  # no Python source: a built-in, a TorchScript module's compiled forward
         return False
     match = _UNPACKED_SIZE.search(source)
     return match is not None and match.group(1).lower() in _LENGTH_WORDS and match.group(2).lower() in _BATCH_WORDS

@@ -436,7 +436,7 @@ def fused_order(module: nn.Module) -> tuple[str, ...] | None:
     different role; else None."""
     try:
         source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
+    except Exception:  # no Python source: a built-in, a TorchScript module's compiled forward
         return None
     for names in _UNPACKED.findall(source):
         roles = tuple(name_role(n) for n in names)
