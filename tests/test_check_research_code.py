@@ -468,3 +468,31 @@ def test_an_output_projection_skipped_beside_lora_or_in_an_output_block_is_named
     assert "no-grad" in check(LoraSkippedOutput()).ids
     assert check(SplitBlockAttention()).verdict == "passed"
     assert "no-grad" in check(SplitBlockAttention(skip=True)).ids
+
+
+# -- a square map's side taken as sqrt(L) in floating point (SAM 2's axial rotary) --------------------------------
+class FloatSideMapAttention(nn.Module):
+    """Attention over the tokens of a square map whose side is ``math.sqrt(L)``: the positions ``arange(side * side)``
+    must be L of them, which they are at squares and, by rounding, at a few other lengths (6, 12)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        side = math.sqrt(n)
+        assert torch.arange(side * side).numel() == n
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        out = (q @ k.transpose(-2, -1) * (c // self.heads) ** -0.5).softmax(-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_square_maps_module_running_at_a_few_other_lengths_by_rounding_is_probed_at_a_square():
+    # it runs at 6 and 12 tokens and fails at 5 and 7: probed at 6 tokens, a map's positions that are no grid (SAM 2's
+    # rotary then made a correct module shape-dependent)
+    from selfattn.check import check
+    report = check(FloatSideMapAttention())
+    n = report.inferred["probe shape"][1]
+    assert report.verdict == "passed" and math.isqrt(n) ** 2 == n, (report.ids, report.inferred["lengths"])
