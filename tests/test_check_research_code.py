@@ -496,3 +496,30 @@ def test_a_square_maps_module_running_at_a_few_other_lengths_by_rounding_is_prob
     report = check(FloatSideMapAttention())
     n = report.inferred["probe shape"][1]
     assert report.verdict == "passed" and math.isqrt(n) ** 2 == n, (report.ids, report.inferred["lengths"])
+
+
+# -- a softmax written through its log: exp(s - logsumexp(s)) -------------------------------------------------------
+class LogNormalisedAttention(nn.Module):
+    """Causal attention whose weights are ``exp(s - torch.logsumexp(s, dim, keepdim=True))``; ``dim`` -2 normalises
+    over the queries."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, over: int = -1) -> None:
+        super().__init__()
+        self.heads, self.over = heads, over
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = self.to_qkv(x).reshape(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        s = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
+        i = torch.arange(t)
+        s = s.masked_fill(i[None, :] > i[:, None], torch.finfo(s.dtype).min)
+        p = torch.exp(s - torch.logsumexp(s, dim=self.over, keepdim=True))
+        return self.to_out(torch.einsum("bhij,bhjd->bhid", p, v).transpose(1, 2).reshape(b, t, e))
+
+
+def test_a_softmax_written_through_its_log_is_read_as_one():
+    # over the queries in a causal module it was causal-leak, its white box seeing no softmax
+    from selfattn.check import check
+    assert check(LogNormalisedAttention(), causal=True).verdict == "passed"
+    assert check(LogNormalisedAttention(over=-2), causal=True).ids == {"softmax-dim"}

@@ -386,13 +386,35 @@ class Trace(TorchFunctionMode):
     def read_written_out_softmaxes(self) -> None:
         """Stand a softmax written out by hand (``e = exp(s - s.max(-1, keepdim=True)); e / e.sum(-1, keepdim=True)``)
         in for the division that ends it, so that it is read as the softmax it computes: over the summed dim, of the
-        scores before a row maximum was subtracted (a softmax ignores a shift that is the same along its dim)."""
+        scores before a row maximum was subtracted (a softmax ignores a shift that is the same along its dim); and one
+        written through its log (``exp(s - s.logsumexp(-1, keepdim=True))``) in for the exp."""
         for index, op in enumerate(self.ops):
             written = self._written_out_softmax(op)
             if written is not None:
                 self.ops[index] = written
 
+    def _log_normalised(self, op: Op) -> Op | None:
+        """``exp(s - logsumexp(s, dim, keepdim=True))``: the softmax of s over dim, written through its log."""
+        if op.name != "exp" or len(op.in_ids) != 1 or not op.outputs:
+            return None
+        shifted = self.maker(op.in_ids[0])
+        if shifted is None or shifted[0].name != "sub" or len(shifted[0].in_ids) != 2:
+            return None
+        peak = self.maker(shifted[0].in_ids[1])
+        if peak is None or peak[0].name != "logsumexp" or peak[0].in_ids[:1] != shifted[0].in_ids[:1]:
+            return None
+        dim = peak[0].args[1] if len(peak[0].args) > 1 else peak[0].kwargs.get("dim")
+        dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
+        keepdim = peak[0].args[2] if len(peak[0].args) > 2 else peak[0].kwargs.get("keepdim", False)
+        if not isinstance(dim, int) or not keepdim:
+            return None
+        scores = shifted[0].inputs[0]
+        return Op("softmax", (scores, dim % op.outputs[0].dim()), {}, op.outputs, [shifted[0].in_ids[0]], op.out_ids,
+                  op.module)
+
     def _written_out_softmax(self, op: Op) -> Op | None:
+        if op.name == "exp":
+            return self._log_normalised(op)
         if op.name != "div" or len(op.in_ids) != 2 or len(op.args) < 2 or \
                 not all(isinstance(a, Tensor) for a in op.args[:2]) or not op.outputs:
             return None
