@@ -523,3 +523,28 @@ def test_a_softmax_written_through_its_log_is_read_as_one():
     from selfattn.check import check
     assert check(LogNormalisedAttention(), causal=True).verdict == "passed"
     assert check(LogNormalisedAttention(over=-2), causal=True).ids == {"softmax-dim"}
+
+
+# -- per-head maps of one head's width, the model's width kept as self.d (ViT-from-scratch tutorials) --------------
+class PerHeadMapsAttention(nn.Module):
+    """Each head's slice of the tokens gets its own q, k and v maps of d_head -> d_head."""
+
+    def __init__(self, d: int = 32, n_heads: int = 4) -> None:
+        super().__init__()
+        self.d, self.n_heads, self.d_head = d, n_heads, d // n_heads
+        self.q_mappings, self.k_mappings, self.v_mappings = (
+            nn.ModuleList(nn.Linear(self.d_head, self.d_head) for _ in range(n_heads)) for _ in range(3))
+
+    def forward(self, sequences):
+        out = []
+        for h in range(self.n_heads):
+            seq = sequences[:, :, h * self.d_head:(h + 1) * self.d_head]
+            q, k, v = self.q_mappings[h](seq), self.k_mappings[h](seq), self.v_mappings[h](seq)
+            out.append((q @ k.transpose(-1, -2) / self.d_head ** 0.5).softmax(-1) @ v)
+        return torch.cat(out, -1)
+
+
+def test_a_width_kept_as_d_beside_per_head_maps_is_tried():
+    # the first Linear's input is one head's width: probed at it only, exit 2 on a module a plain call runs
+    from selfattn.check import check
+    assert check(PerHeadMapsAttention()).verdict == "passed"

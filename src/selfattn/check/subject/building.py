@@ -85,6 +85,7 @@ _HEAD_DIM_KEYS = ("head_dim", "dim_head", "d_head", "head_size", "kv_channels", 
 _HEAD_KEYS = ("num_heads", "n_heads", "heads", "n_head", "nhead", "num_attention_heads", "h")
 # attributes a built module may carry its sizes in
 _EMBED_ATTRS = ("embed_dim", "embedding_dim", "d_model", "dim", "hidden_size", "n_embd", "hidden_dim")
+_OTHER_WIDTHS = ("d", "num_hiddens", "d_in", "in_dim", "model_dim", "emb_dim", "emb_size", "embed_size", "width")
 
 
 class CannotRun(Exception):
@@ -408,6 +409,13 @@ def embed_dims_of(module: nn.Module) -> list[int]:
     """The candidates for E, most likely first: :func:`embed_dim_of`, then the input sizes of the module's other
     layers (Linear, convolution, norm), each once."""
     dims = [embed_dim_of(module, 64)]
+    # widths named otherwise by from-scratch modules (self.d = d, d2l's num_hiddens), whose first Linear may be one
+    # head's (per-head q, k and v maps of d_head)
+    for m in module.modules():
+        for name in _OTHER_WIDTHS:
+            size = getattr(m, name, None)
+            if isinstance(size, int) and not isinstance(size, bool) and size > 1 and size not in dims:
+                dims.append(size)
     for m in module.modules():
         weight = getattr(m, "weight", None)
         size = m.in_features if isinstance(m, nn.Linear) else m.in_channels if isinstance(m, (nn.Conv1d, nn.Conv2d)) \
