@@ -72,7 +72,8 @@ BATCH_MIXING = _error(
     # causal-leak is not here: a module that mixes the batch can leak the future as well, and both are named
     ("not-equivariant", "shape-dependent", "wrong-output-shape", "mask-ignored"))
 MISSING_SCALE = _error("missing-scale", "no 1/sqrt(D) on the scores",
-                       "Divide the scores by sqrt(head_dim) before the softmax.")
+                       "Divide the scores by sqrt(head_dim) before the softmax; a design published without a scale "
+                       "(SAGAN's and the non-local block's image attention) is stated with --scale 1.")
 WRONG_SCALE = _error("wrong-scale", "the scores scaled by 1/D or 1/sqrt(E) instead of 1/sqrt(D)",
                      "Scale the scores by 1/sqrt(head_dim), the size of one head's q/k vectors (not head_dim, "
                      "not embed_dim).")
