@@ -548,3 +548,85 @@ def test_a_width_kept_as_d_beside_per_head_maps_is_tried():
     # the first Linear's input is one head's width: probed at it only, exit 2 on a module a plain call runs
     from selfattn.check import check
     assert check(PerHeadMapsAttention()).verdict == "passed"
+
+
+class KeyFirstCore(nn.Module):
+    """guided-diffusion's QKVAttention with its packed projection unpacked key first, channels first."""
+
+    def __init__(self, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+
+    def forward(self, qkv):
+        bs, width, length = qkv.shape
+        ch = width // (3 * self.heads)
+        k, q, v = qkv.reshape(bs * self.heads, ch * 3, length).split(ch, dim=1)
+        scale = 1 / math.sqrt(math.sqrt(ch))
+        weight = torch.einsum("bct,bcs->bts", q * scale, k * scale).softmax(dim=-1)
+        return torch.einsum("bts,bcs->bct", weight, v).reshape(bs, -1, length)
+
+
+class KeyFirstBlock(nn.Module):
+    """The block around it: a group norm, a 1-d convolution makes the packed projection, another maps the heads
+    back."""
+
+    def __init__(self, channels: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.norm = nn.GroupNorm(8, channels)
+        self.qkv, self.attention = nn.Conv1d(channels, 3 * channels, 1), KeyFirstCore(heads)
+        self.proj_out = nn.Conv1d(channels, channels, 1)
+
+    def forward(self, x):
+        b, c, *spatial = x.shape
+        h = self.attention(self.qkv(self.norm(x.reshape(b, c, -1))))
+        return (x.reshape(b, c, -1) + self.proj_out(h)).reshape(b, c, *spatial)
+
+
+def test_a_packed_projection_unpacked_key_first_by_a_core_is_read_in_its_order():
+    # the unpacking is in the core's forward, not the block's: softmax-dim on correct code
+    from selfattn.check import check
+    assert check(KeyFirstBlock()).verdict == "passed"
+
+
+class PaddedTimeFirstAttention(TimeFirstAttention):
+    """:class:`TimeFirstAttention` with fairseq's ``key_padding_mask`` (B, T), True = padding."""
+
+    def forward(self, query, key_padding_mask=None):
+        tgt_len, bsz, embed_dim = query.size()
+        q, k, v = (p(query).contiguous().view(tgt_len, bsz * self.heads, self.head_dim).transpose(0, 1)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        weights = torch.bmm(q * self.head_dim ** -0.5, k.transpose(1, 2))
+        if key_padding_mask is not None:
+            weights = weights.view(bsz, self.heads, tgt_len, -1).masked_fill(
+                key_padding_mask[:, None, None, :], float("-inf")).view(bsz * self.heads, tgt_len, -1)
+        attn = torch.bmm(weights.softmax(dim=-1), v)
+        if self.slip == "merge":
+            attn = attn.contiguous().view(tgt_len, bsz, embed_dim)
+        else:
+            attn = attn.transpose(0, 1).contiguous().view(tgt_len, bsz, embed_dim)
+        return self.out_proj(attn)
+
+
+class PaddedTimeFirstEncoder(nn.Module):
+    def __init__(self, slip: str | None = None, vocab: int = 40, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=1)
+        self.layers = nn.ModuleList(PaddedTimeFirstAttention(dim, slip=slip) for _ in range(2))
+
+    def forward(self, src_tokens):
+        pad = src_tokens.eq(1)
+        x = self.embed(src_tokens).transpose(0, 1)
+        for layer in self.layers:
+            x = x + layer(x, key_padding_mask=pad)
+        return x.transpose(0, 1)
+
+
+def test_a_layer_mixing_tokens_on_its_own_is_not_also_reading_its_mask_inverted():
+    # the merge without the transpose lets the padding reach real tokens: mask-inverted beside the head-merge
+    tokens = torch.randint(2, 40, (3, 9), generator=torch.Generator().manual_seed(3))
+    tokens[1, 6:] = 1
+    tokens[2, 4:] = 1
+    assert check_model(PaddedTimeFirstEncoder(), (tokens,)).verdict == "passed"
+    report = check_model(PaddedTimeFirstEncoder(slip="merge"), (tokens,))
+    for layer in report.layers.values():
+        assert "head-merge" in layer.ids and "mask-inverted" not in layer.ids, report.summary()

@@ -36,6 +36,8 @@ from .doctor import check
 from .findings import (
     BATCH_MIXING,
     CAUSAL_LEAK,
+    HEAD_MERGE,
+    HEAD_SPLIT,
     MASK_BROADCAST,
     MASK_IGNORED,
     MASK_INVERTED,
@@ -43,6 +45,7 @@ from .findings import (
     NO_GRAD,
     NON_FINITE,
     SHAPE_DEPENDENT,
+    SOFTMAX_DIM,
     WRONG_GRADIENT,
     Finding,
 )
@@ -1420,6 +1423,10 @@ def _t5_sibling(report: Report, done: dict[str, Report], classes: dict[str, str]
                for other, r in done.items() if other != name)
 
 
+# errors of a layer that mix tokens or items whatever the mask (the padding then reaches the real tokens)
+_MIXERS = frozenset({HEAD_MERGE.id, HEAD_SPLIT.id, SOFTMAX_DIM.id, BATCH_MIXING.id})
+
+
 def _reads_the_models_padding(layer: Layer, pad: Tensor, report: Report) -> Finding | None:
     """Replay the layer's recorded call as the model made it (its own mask, in its own dtype and values) with the
     hidden states of the padded positions changed: the real tokens' outputs must not change. The model's mask is
@@ -1716,6 +1723,11 @@ def _checked(model: nn.Module, example_inputs: object, layers: int | Sequence[st
                     elif bool(dep.diagonal().all()) and bool((dep & ~ahead).sum() > dep.shape[0]):
                         causal_as_called[layer.name] = True
                 misread = None if pad_here is None else _reads_the_models_padding(layer, pad_here, done)
+                if misread is not None and _MIXERS & done.ids:
+                    # a layer that mixes tokens or items on its own (a merge without the transpose, a softmax over
+                    # the heads and batch) lets the padding reach the real tokens whatever its mask: its own error
+                    # says why, and the mask is not read the other way round for it
+                    misread = None
                 if misread is not None and misread.id == MASK_INVERTED.id:
                     # the symptoms of a padding read the other way round in every probe's call: padded keys seen,
                     # and the real keys' scores rounded away under the fill (a gradient autograd sees and no step

@@ -453,17 +453,18 @@ _UNPACKED = re.compile(r"^\s*\(?\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)?\s*=[^\n]*
 
 
 def fused_order(module: nn.Module) -> tuple[str, ...] | None:
-    """The roles (q, k, v) of a fused projection's three parts in the order the module's forward unpacks them
-    (``key, query, value = self.kqv(x).chunk(3, dim=-1)`` gives k, q, v), when its source names each part for a
-    different role; else None."""
-    try:
-        source = inspect.getsource(type(module).forward)
-    except Exception:  # no Python source: a built-in, a TorchScript module's compiled forward
-        return None
-    for names in _UNPACKED.findall(source):
-        roles = tuple(name_role(n) for n in names)
-        if None not in roles and len(set(roles)) == 3:
-            return tuple(r for r in roles if r is not None)
+    """The roles (q, k, v) of a fused projection's three parts in the order the module's forward (or a submodule's,
+    guided-diffusion's attention core) unpacks them (``key, query, value = self.kqv(x).chunk(3, dim=-1)`` gives k, q,
+    v), when its source names each part for a different role; else None."""
+    for part in module.modules():  # the module's forward, or a core's it hands the packed projection to
+        try:
+            source = inspect.getsource(type(part).forward)
+        except Exception:  # no Python source: a built-in, a TorchScript module's compiled forward
+            continue
+        for names in _UNPACKED.findall(source):
+            roles = tuple(name_role(n) for n in names)
+            if None not in roles and len(set(roles)) == 3:
+                return tuple(r for r in roles if r is not None)
     return None
 
 
