@@ -45,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--mask", metavar="'KIND (SHAPE)'",
                    help="your module's mask, e.g. 'additive (B,1,1,L)', 'keep (B,L)', 'ignore (L,L)'; kinds: keep, "
                         "ignore (bool), keep-int, keep-float (1 = may attend), additive (0 / large negative); "
-                        "shapes: (L,L), (B,L,L), (B,1,L,L), (B,1,1,L), (B,L), (B,1,L) (default: inferred)")
+                        "shapes: (L,L), (B,L,L), (B,1,L,L), (B,1,1,L), (B,L), (B,1,L), (B,1,L,1) (a key column "
+                        "the module turns into a row) (default: inferred)")
     c.add_argument("--no-mask", action="store_true", help="the module takes no mask: try no argument as one")
     c.add_argument("--call", metavar="PYTHON",
                    help="how to call the module, a Python function of (module, x, mask) returning the output, "
