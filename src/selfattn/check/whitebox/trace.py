@@ -449,13 +449,14 @@ class Trace(TorchFunctionMode):
         return Op("softmax", (scores, dim % rank), {}, op.outputs, [scores_id], op.out_ids, op.module)
 
 
-_UNPACKED = re.compile(r"^\s*\(?\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)?\s*=[^\n]*\b(?:chunk|split|unbind)\b", re.M)
+_UNPACKED = re.compile(r"^\s*\(?\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)?\s*=[^=]", re.M)
 
 
 def fused_order(module: nn.Module) -> tuple[str, ...] | None:
     """The roles (q, k, v) of a fused projection's three parts in the order the module's forward (or a submodule's,
     guided-diffusion's attention core) unpacks them (``key, query, value = self.kqv(x).chunk(3, dim=-1)`` gives k, q,
-    v), when its source names each part for a different role; else None."""
+    v; an einops ``rearrange``, a ``map`` or ``kqv[0], kqv[1], kqv[2]`` alike), when the first assignment to three
+    names for three different roles says so; else None."""
     for part in module.modules():  # the module's forward, or a core's it hands the packed projection to
         try:
             source = inspect.getsource(type(part).forward)
