@@ -211,12 +211,13 @@ def _parameters(module: nn.Module) -> list[str]:
 
 
 def _carries_pattern(mask: object) -> bool:
-    """Is ``mask`` one that can carry a pattern over the queries: a tensor (..., Lq, Lk) with Lq > 1, not a key
-    mask (B, L) or (B, 1, 1, L)? (Read outside the doctor's watch on the mask: this look is not the module's.)"""
+    """Is ``mask`` one that can carry a pattern over the queries: a tensor (..., Lq, Lk) with Lq > 1 and Lk > 1, not
+    a key mask (B, L), (B, 1, 1, L) or a key column (B, 1, L, 1)? (Read outside the doctor's watch on the mask: this
+    look is not the module's.)"""
     if not isinstance(mask, Tensor):
         return False
     with untraced():
-        return mask.dim() >= 3 and mask.shape[-2] > 1
+        return mask.dim() >= 3 and mask.shape[-2] > 1 and mask.shape[-1] > 1
 
 
 def _causal_like(mask: object, length: int) -> Tensor | None:
