@@ -630,3 +630,91 @@ def test_a_layer_mixing_tokens_on_its_own_is_not_also_reading_its_mask_inverted(
     report = check_model(PaddedTimeFirstEncoder(slip="merge"), (tokens,))
     for layer in report.layers.values():
         assert "head-merge" in layer.ids and "mask-inverted" not in layer.ids, report.summary()
+
+
+# -- a packed projection unpacked key first by indexing (Swin's qkv[0], qkv[1], qkv[2]) ------------------------------
+class IndexedKeyFirstAttention(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.kqv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        kqv = self.kqv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        k, q, v = kqv[0], kqv[1], kqv[2]
+        out = (q @ k.transpose(-2, -1) * (c // self.heads) ** -0.5).softmax(-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_packed_projection_unpacked_key_first_by_indexing_is_read_in_its_order():
+    # only chunk, split and unbind were read as an unpacking: softmax-dim on correct code
+    from selfattn.check import check
+    assert check(IndexedKeyFirstAttention()).verdict == "passed"
+
+
+# -- a causal switch beside a padding column, both passed by the model --------------------------------------------
+class SwitchedColumnAttention(ColumnMaskedAttention):
+    """:class:`ColumnMaskedAttention` with a ``causal`` switch the model turns on."""
+
+    def forward(self, x, mask=None, causal=False):
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)
+        if mask is not None:
+            scores = scores.masked_fill(mask.transpose(-1, -2) == 0, torch.finfo(scores.dtype).min)
+        if causal:
+            scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), torch.finfo(scores.dtype).min)
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, e))
+
+
+class SwitchedColumnLM(nn.Module):
+    def __init__(self, vocab: int = 40, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim, padding_idx=0)
+        self.layers = nn.ModuleList(SwitchedColumnAttention(dim) for _ in range(2))
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        column = ids.ne(0)[:, None, :, None].to(h.dtype)
+        for layer in self.layers:
+            h = h + layer(h, mask=column, causal=True)
+        return h
+
+
+def test_a_causal_switch_beside_a_padding_column_stays_on():
+    # the column was taken for a mask that carries the whole pattern, and the model's switch was turned off:
+    # causal-leak on a correct model
+    ids = torch.randint(1, 40, (3, 10), generator=torch.Generator().manual_seed(7))
+    ids[1, 7:] = 0
+    ids[2, 5:] = 0
+    report = check_model(SwitchedColumnLM(), (ids,), causal=True)
+    assert report.verdict == "passed", report.summary()
+
+
+# -- a window whose token count equals the head dim (Swin's 4 x 4 window at head dim 16) ---------------------------
+class SmallWindowAttention(nn.Module):
+    """Attention within one window of window_size[0] x window_size[1] tokens, with a relative position bias table."""
+
+    def __init__(self, dim: int = 64, window_size: tuple[int, int] = (4, 4), num_heads: int = 4) -> None:
+        super().__init__()
+        self.window_size, self.num_heads = window_size, num_heads
+        wh, ww = window_size
+        self.relative_position_bias_table = nn.Parameter(0.02 * torch.randn((2 * wh - 1) * (2 * ww - 1), num_heads))
+        coords = torch.stack(torch.meshgrid(torch.arange(wh), torch.arange(ww), indexing="ij")).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + torch.tensor([wh - 1, ww - 1])
+        self.register_buffer("relative_position_index", rel[..., 0] * (2 * ww - 1) + rel[..., 1], persistent=False)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        bias = self.relative_position_bias_table[self.relative_position_index.view(-1)].view(n, n, -1)
+        attn = q * (c // self.num_heads) ** -0.5 @ k.transpose(-2, -1) + bias.permute(2, 0, 1)
+        return self.proj((attn.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_windows_token_count_equal_to_the_head_dim_is_its_length():
+    # it runs only at 16 tokens, also the head dim: read as sizes matching by accident (shape-dependent)
+    from selfattn.check import check
+    assert check(SmallWindowAttention()).verdict == "passed"

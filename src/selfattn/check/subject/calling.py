@@ -295,6 +295,21 @@ def _mixes_both(call: Caller, x: Tensor, gen: torch.Generator, rtol: float) -> b
         return not _unchanged(call(x2)[1:], out[1:], rtol) and not _unchanged(call(x3)[:, 1:], out[:, 1:], rtol)
 
 
+def _window_tokens(module: nn.Module) -> set[int]:
+    """The token counts of the windows a module declares (``window_size = (4, 4)`` is 16 tokens; an int is a side)."""
+    found = set()
+    for m in module.modules():
+        for name, value in vars(m).items():
+            if "window" not in name.lower():
+                continue
+            if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+                found |= {value, value * value}
+            elif isinstance(value, (tuple, list)) and 1 < len(value) <= 3 and \
+                    all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                found.add(math.prod(value))
+    return found
+
+
 def _sizes_in(module: nn.Module) -> set[int]:
     """Sizes a module with a fixed length carries: its buffers' and parameters' dims, and products of int pairs
     among its attributes (a window of (7, 7) is 49 tokens)."""
@@ -464,7 +479,9 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
                 call, n = square
                 notes["length"] = f"runs only at square lengths among those tried (a grid of tokens it lays out " \
                                   f"itself); probed at {n}; --length states it"
-            if n in lined_up:  # a product whose sizes match only by accident: L x D where D x L was meant
+            if n in lined_up and n in _window_tokens(module):  # a window's tokens (Swin's 4 x 4 at head dim 16)
+                notes["length"] = f"runs only at length {n}, the tokens of its window (--length states it)"
+            elif n in lined_up:  # a product whose sizes match only by accident: L x D where D x L was meant
                 coincidence = f"it runs only when the length equals a head count or head dim ({n}): a product whose " \
                               "sizes match only by accident (a transpose missing?); a module with a fixed length " \
                               "equal to one of those states it with --length"
