@@ -23,6 +23,7 @@ import copy
 import functools
 import inspect
 import re
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -458,15 +459,32 @@ def fused_order(module: nn.Module) -> tuple[str, ...] | None:
     v; an einops ``rearrange``, a ``map`` or ``kqv[0], kqv[1], kqv[2]`` alike), when the first assignment to three
     names for three different roles says so; else None."""
     for part in module.modules():  # the module's forward, or a core's it hands the packed projection to
-        try:
-            source = inspect.getsource(type(part).forward)
-        except Exception:  # no Python source: a built-in, a TorchScript module's compiled forward
-            continue
-        for names in _UNPACKED.findall(source):
-            roles = tuple(name_role(n) for n in names)
-            if None not in roles and len(set(roles)) == 3:
-                return tuple(r for r in roles if r is not None)
+        order = _unpacking_of(type(part))
+        if order is not None:
+            return order
     return None
+
+
+# class -> its forward's unpacking order, read once a class (weakly: classes made on the fly may go)
+_UNPACKINGS: weakref.WeakKeyDictionary[type, tuple[str, ...] | None] = weakref.WeakKeyDictionary()
+
+
+def _unpacking_of(cls: type) -> tuple[str, ...] | None:
+    """:func:`fused_order` for one class's forward (read once per class: the record runs many times a check)."""
+    if cls in _UNPACKINGS:
+        return _UNPACKINGS[cls]
+    order = None
+    try:
+        source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+    except Exception:  # no Python source: a built-in, a TorchScript module's compiled forward
+        source = ""
+    for names in _UNPACKED.findall(source):
+        roles = tuple(name_role(n) for n in names)
+        if None not in roles and len(set(roles)) == 3:
+            order = tuple(r for r in roles if r is not None)
+            break
+    _UNPACKINGS[cls] = order
+    return order
 
 
 def record(module: nn.Module, call: Callable[[], Tensor]) -> tuple[Trace, Tensor]:
