@@ -355,7 +355,6 @@ def _objective(call: Caller, x: Tensor, weights: Tensor) -> Tensor:
 
 # the attribute under which an adapter keeps the layer it wraps (peft's LoRA, IA3 and DoRA layers)
 _BASE = "base_layer"
-_WRAPPED = frozenset({_BASE})
 
 
 def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
@@ -369,7 +368,7 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
         # an nn.Linear, or a Keras Dense / EinsumDense; frozen ones too (used or not is read from the run, not from
         # gradients: the base layers under LoRA are frozen)
         if (found := _projection(mod, frozen=True)) is not None:
-            if path.rpartition(".")[2] in _WRAPPED:  # a wrapper's layer (peft's LoRA: q_proj.base_layer) is the
+            if path.rpartition(".")[2] == _BASE:  # a wrapper's layer (peft's LoRA: q_proj.base_layer) is the
                 path = path.rpartition(".")[0]  # wrapper's projection, beside the plain ones of its parent
             parent = path.rpartition(".")[0]
             if path.rpartition(".")[2].isdigit():  # one head's projection in a per-head list (``k_layers[i]``)

@@ -250,8 +250,10 @@ def _unchanged(a: Tensor, b: Tensor, rtol: float) -> bool:
     return close(a.masked_fill(both, 0), b.masked_fill(both, 0), rtol)
 
 
-def _sequence_first(call: Caller, x: Tensor, gen: torch.Generator, rtol: float) -> bool:
-    """Does the module keep dim 1 apart and mix dim 0 (an (L, B, E) module given (B, L, E))?"""
+def _sequence_first(call: Caller, x: Tensor, gen: torch.Generator, rtol: float, unpacked_so: bool = False) -> bool:
+    """Does the module keep dim 1 apart and mix dim 0 (an (L, B, E) module given (B, L, E))? ``unpacked_so``: its
+    source unpacks its input length first, then batch (:func:`_source_sequence_first`), which settles a module that
+    mixes along both dims (a sequence-first one with a bug of its own: no layout keeps its items apart)."""
     if x.shape[0] < 2 or x.shape[1] < 2:
         return False
     with torch.no_grad():
@@ -262,7 +264,7 @@ def _sequence_first(call: Caller, x: Tensor, gen: torch.Generator, rtol: float) 
             return False
         x3 = x.clone()
         x3[:, 0] = _randn(gen, x3[:, 0].shape, x.dtype, x.device)
-        return _unchanged(call(x3)[:, 1:], out[:, 1:], rtol)
+        return _unchanged(call(x3)[:, 1:], out[:, 1:], rtol) or unpacked_so
 
 
 _LENGTH_WORDS = frozenset({"t", "l", "n", "s", "tgt_len", "src_len", "seq_len", "seqlen", "length", "len", "time",
@@ -280,19 +282,6 @@ def _source_sequence_first(module: nn.Module) -> bool:
         return False
     match = _UNPACKED_SIZE.search(source)
     return match is not None and match.group(1).lower() in _LENGTH_WORDS and match.group(2).lower() in _BATCH_WORDS
-
-
-def _mixes_both(call: Caller, x: Tensor, gen: torch.Generator, rtol: float) -> bool:
-    """Does the module mix along dim 0 and along dim 1 of its input (changing one row of either changes others):
-    no layout keeps its items apart, so its own source may say which it takes?"""
-    if x.shape[0] < 2 or x.shape[1] < 2:
-        return False
-    with torch.no_grad():
-        out = call(x)
-        x2, x3 = x.clone(), x.clone()
-        x2[0] = _randn(gen, x2[0].shape, x.dtype, x.device)
-        x3[:, 0] = _randn(gen, x3[:, 0].shape, x.dtype, x.device)
-        return not _unchanged(call(x2)[1:], out[1:], rtol) and not _unchanged(call(x3)[:, 1:], out[:, 1:], rtol)
 
 
 def _window_tokens(module: nn.Module) -> set[int]:
@@ -536,10 +525,8 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
     # a layer replayed as its model calls it (check_model's adapter says which layout) keeps the model's layout: a
     # sequence-first layer the model hands (B, L, E) attends over the batch, as it does in the model
     replayed = getattr(call.adapter, "sequence_first", None) is not None
-    if call.layout == "batch-first" and not replayed and (_sequence_first(call, x, gen, tolerance(dtype)) or (
-            _source_sequence_first(module) and _mixes_both(call, x, gen, tolerance(dtype)))):
-        # a module mixing its items in either layout (a sequence-first one with a bug of its own) is taken as its
-        # source unpacks its input: length first, then batch
+    if call.layout == "batch-first" and not replayed and \
+            _sequence_first(call, x, gen, tolerance(dtype), _source_sequence_first(module)):
         call.layout = "sequence-first"
     if call.layout == "sequence-first":
         found.notes.setdefault("layout", _SEQUENCE_FIRST)
