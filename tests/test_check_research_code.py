@@ -293,10 +293,8 @@ class KeyFirstFusedAttention(nn.Module):
         b, t, e = x.shape
         key, query, value = self.kqv(x).chunk(3, dim=-1)
         q, k, v = (y.view(b, t, self.heads, -1).transpose(1, 2) for y in (query, key, value))
-        return self.proj(self.attend(q, k, v, e).transpose(1, 2).reshape(b, t, e))
-
-    def attend(self, q, k, v, e):
-        return (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).softmax(-1) @ v
+        out = (q @ k.transpose(-1, -2) / math.sqrt(e // self.heads)).softmax(-1) @ v
+        return self.proj(out.transpose(1, 2).reshape(b, t, e))
 
 
 def test_a_fused_projection_unpacked_key_first_is_read_in_its_order():
@@ -633,12 +631,7 @@ def test_a_layer_mixing_tokens_on_its_own_is_not_also_reading_its_mask_inverted(
 
 
 # -- a packed projection unpacked key first by indexing (Swin's qkv[0], qkv[1], qkv[2]) ------------------------------
-class IndexedKeyFirstAttention(nn.Module):
-    def __init__(self, dim: int = 32, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.kqv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
-
+class IndexedKeyFirstAttention(KeyFirstFusedAttention):
     def forward(self, x):
         b, n, c = x.shape
         kqv = self.kqv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
@@ -718,3 +711,21 @@ def test_a_windows_token_count_equal_to_the_head_dim_is_its_length():
     # it runs only at 16 tokens, also the head dim: read as sizes matching by accident (shape-dependent)
     from selfattn.check import check
     assert check(SmallWindowAttention()).verdict == "passed"
+
+
+class IndexedKeyFirstOverQueries(KeyFirstFusedAttention):
+    """Unpacked key first by indexing, with the softmax over the queries."""
+
+    def forward(self, x):
+        b, n, c = x.shape
+        kqv = self.kqv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        k, q, v = kqv[0], kqv[1], kqv[2]
+        out = (q @ k.transpose(-2, -1) * (c // self.heads) ** -0.5).softmax(-2) @ v
+        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_softmax_over_the_queries_beside_key_first_unpacking_is_softmax_dim():
+    # the projections were read q first whatever the source said, and with q and k swapped a softmax over the queries
+    # is the weights transposed: matmul-order, whose fix sends the user to the wrong line
+    from selfattn.check import check
+    assert check(IndexedKeyFirstOverQueries()).ids == {"softmax-dim"}

@@ -122,7 +122,7 @@ def capture(trace: Trace, module: nn.Module, x: Tensor) -> Capture | str:
                                                         torch.equal(g[0].input, x.to(g[0].input.dtype))),
                                                    maps.index(g[0])))
     for group in order:
-        splits, how = _readings(group)
+        splits, how = _readings(group, trace.fused_order)
         if splits:
             used = {id(g) for g in group}
             start = max(maps.index(g) for g in group)
@@ -138,10 +138,16 @@ def _output(lin: Linear) -> Tensor:
     return lin.output
 
 
-def _readings(group: list[Linear]) -> tuple[list[tuple[Tensor, Tensor, Tensor]], str]:
+def _readings(group: list[Linear], fused_order: tuple[str, ...] | None = None
+              ) -> tuple[list[tuple[Tensor, Tensor, Tensor]], str]:
     e = group[0].input.shape[-1]
-    if len(group) == 1:
-        return _fused_splits(_output(group[0]), e), f"fused projection {group[0].name!r} split as [q | k | v]"
+    if len(group) == 1:  # equal thirds in the order the module's source unpacks them (key, query, value = ...)
+        roles = fused_order or ("q", "k", "v")
+        splits = _fused_splits(_output(group[0]), e)
+        thirds = [t for t in splits if len({p.shape[-1] for p in t}) == 1]
+        splits = [(t[roles.index("q")], t[roles.index("k")], t[roles.index("v")]) for t in thirds] + \
+            [t for t in splits if not any(t is u for u in thirds)]
+        return splits, f"fused projection {group[0].name!r} split as [{' | '.join(roles)}]"
     if len(group) == 2:
         a, b = group
         if name_role(b.name) == "q" or "kv" in a.name.split(".")[-1]:
@@ -152,9 +158,9 @@ def _readings(group: list[Linear]) -> tuple[list[tuple[Tensor, Tensor, Tensor]],
             return [(q, k, v)], f"projections {a.name!r} (q) and {b.name!r} split as [k | v]"
         return [], ""
     if len(group) == 3:
-        roles = {name_role(g.name): _output(g) for g in group}
-        if set(roles) == {"q", "k", "v"}:
-            return [(roles["q"], roles["k"], roles["v"])], "separate projections, recognised by name"
+        named = {name_role(g.name): _output(g) for g in group}
+        if set(named) == {"q", "k", "v"}:
+            return [(named["q"], named["k"], named["v"])], "separate projections, recognised by name"
         q, k, v = (_output(g) for g in group)
         return [(q, k, v)], "separate projections, taken in call order as q, k, v"
     return [], ""
