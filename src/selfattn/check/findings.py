@@ -19,7 +19,7 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 __all__ = ["CATALOGUE", "EXPLAINS", "FINDING_IDS", "FIXES", "SEVERITY", "Finding", "Kind", "Severity", "kind"]
@@ -247,21 +247,26 @@ class Finding:
     message: str
     evidence: dict
     fix: str
+    direct: bool = field(default=False, compare=False)
+    """Seen as the bug itself, not as a symptom (a mask that changes nothing at all): no diagnosis of another kind
+    explains it away (:func:`~selfattn.check.report.merge`)."""
 
     @classmethod
-    def of(cls, fid: Kind | str, message: str, evidence: dict) -> Finding:
+    def of(cls, fid: Kind | str, message: str, evidence: dict, direct: bool = False) -> Finding:
         """A finding of kind ``fid``, with the catalogue's fix.
 
         Args:
             fid: a kind of the catalogue (a constant such as ``MISSING_SCALE``, or its id).
             message: what the probe saw.
             evidence: the numbers or examples behind it (JSON-serialisable).
+            direct: the bug itself was seen, which no other kind of bug can cause: it is never folded into
+                another diagnosis.
 
         Returns:
             The finding.
         """
         k = kind(fid)
-        return cls(k.id, message, evidence, k.fix)
+        return cls(k.id, message, evidence, k.fix, direct)
 
     @property
     def kind(self) -> Kind:
@@ -275,4 +280,5 @@ class Finding:
 
     def to_dict(self) -> dict:
         """{"id", "severity", "message", "evidence", "fix"}."""
-        return {"id": self.id, "severity": self.severity, **{k: v for k, v in asdict(self).items() if k != "id"}}
+        return {"id": self.id, "severity": self.severity,
+                **{k: v for k, v in asdict(self).items() if k not in ("id", "direct")}}

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
-from .findings import EXPLAINS, Finding
+from .findings import DROPOUT_IN_EVAL, EXPLAINS, Finding
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -114,6 +114,8 @@ def merge(findings: Iterable[Finding]) -> list[Finding]:
     for fid, explained in EXPLAINS.items():
         if fid in by_id:
             for other in sorted(explained & set(by_id)):
+                if by_id[other].direct and fid != DROPOUT_IN_EVAL.id:  # the bug itself, seen: no symptom of another
+                    continue  # (a random module's runs alone cannot be compared)
                 by_id[fid].evidence.setdefault("also seen", {})[other] = by_id.pop(other).evidence
     return list(by_id.values())
 

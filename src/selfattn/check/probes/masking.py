@@ -13,7 +13,6 @@ Shape legend: B batch, L length, E embed dim.
 
 from __future__ import annotations
 
-import inspect
 import linecache
 import math
 import re
@@ -49,6 +48,7 @@ from ..subject.caller import (
     MaskSpec,
     MaskWatch,
     dependency,
+    forward_signature,
     mask_parameters,
     module_state,
     named_like_mask,
@@ -942,7 +942,7 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
                         "given one, as the model gives it, it is causal")
     if accepted and all("changed nothing" in v or "Error" in v for v in tried.values()):
         return Outcome([Finding.of(MASK_IGNORED, "the module accepts a mask but its output does not depend on it",
-                                   tried)],
+                                   tried, direct=True)],
                        {"mask": {"accepted but ignored": tried}},
                        coverage={"mask": "verified: the module ignores its mask",
                                  "padding": "not verified: the mask changes nothing"})
@@ -1075,7 +1075,7 @@ def _names_the_queries(module: nn.Module, arg: str | None, style: str) -> bool:
     if style not in ("qk", "qkv"):
         return False
     try:
-        names = [p.name for p in inspect.signature(module.forward).parameters.values()]
+        names = [p.name for p in forward_signature(module).parameters.values()]
     except (TypeError, ValueError):
         return False
     if arg is None or not names or sum(named_like_mask(n) for n in names) < 2:

@@ -28,13 +28,22 @@ import torch
 from torch import Tensor, nn
 
 from ..findings import (
+    CAUSAL_LEAK,
     DEFINITION_MISMATCH,
+    GROUP_MISMATCH,
     HEAD_MERGE,
     HEAD_SPLIT,
+    MASK_AFTER_SOFTMAX,
+    MASK_BROADCAST,
     MASK_IGNORED,
     MASK_INVERTED,
+    MATMUL_ORDER,
     MISSING_SCALE,
+    NO_GRAD,
     ROTARY_MISMATCH,
+    SOFTMAX_DIM,
+    VALUES_CHANGED,
+    WRONG_SCALE,
     Finding,
 )
 from ..probes.masking import unlike_alone
@@ -65,6 +74,12 @@ from .trace import Trace, key, record
 __all__ = ["declared_scale", "white_box"]
 
 
+# bugs that leave each token's score with itself where it was at every position, so that q and k rotated alike can
+# still be told from q and k rotated apart (the run on one token everywhere); a layout slip or an unknown formula
+# does not (a head split puts other tokens' features on a position's row)
+_ROTATION_READABLE = frozenset(k.id for k in (
+    MISSING_SCALE, WRONG_SCALE, SOFTMAX_DIM, MATMUL_ORDER, MASK_IGNORED, MASK_INVERTED, MASK_AFTER_SOFTMAX,
+    MASK_BROADCAST, CAUSAL_LEAK, NO_GRAD, GROUP_MISMATCH, VALUES_CHANGED))
 _SOFTCAPS = ("attn_logit_softcapping", "attention_logit_softcapping", "attn_logit_softcap", "attn_softcap",
              "softcapping", "logit_softcapping")
 
@@ -291,13 +306,14 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
                                                                  cap.how if isinstance(cap, Capture) else cap}))
             continue
         fid, evidence, found_facts = verdict
-        if fid == MASK_INVERTED and masked is not None and masked.unmatched and ctx.spec is None and \
-                not ctx.declared and label != "without mask":  # no polarity to invert: the mask was sent in a
-            # convention its effect did not match (items given each other's masks); one the user stated, or the
-            # module's own default mask in a run given none, is the polarity
-            fid = MASK_IGNORED
-            evidence = {**evidence, "matches": f"{evidence.get('matches')}, with a mask whose effect matches no "
-                                               "convention: it hides other keys than it marks"}
+        evidence = dict(evidence)
+        also = evidence.pop("_also", [])
+        if masked is not None and masked.unmatched and ctx.spec is None and not ctx.declared and \
+                label != "without mask":  # no polarity to invert: the mask was sent in a convention its effect did
+            # not match (items given each other's masks); one the user stated, or the module's own default mask in
+            # a run given none, is the polarity
+            fid, evidence = _unmatched_inversion(fid, evidence)
+            also = [_unmatched_inversion(*other) for other in also]
         facts.update(found_facts)
         capped = evidence.pop("_softcap", None)
         if capped is not None and stated_cap is not None and fid is None and \
@@ -320,7 +336,11 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         if fid is not None:
             findings.append(Finding.of(fid, f"the output follows a known bug ({label}): {evidence['matches']}",
                                        evidence))
-        elif str(evidence.get("compared with", "")).endswith(AFTER.split("{name}")[1]):
+        for other, other_evidence in also:  # read apart from the first: a bug of another kind, named too
+            findings.append(Finding.of(other, f"the output also follows a known bug ({label}): "
+                                       f"{other_evidence['matches']}", other_evidence))
+            results[label] += f"; and {other}: {other_evidence.get('matches')}"
+        if fid is None and str(evidence.get("compared with", "")).endswith(AFTER.split("{name}")[1]):
             facts["after the attention"] = evidence["compared with"]
         if label == "with a padding mask" and sent is not None:
             facts.update(_zeroed_rows(out, sent))
@@ -341,7 +361,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         # are relative
         made = {op.name for op in plain.ops}
         rotated = {"cos", "sin"} <= made or rotated_operands(plain)  # tables cached ahead: the rotation itself
-    if rotated and not any(f.severity == "error" for f in findings):
+    if rotated and all(f.id in _ROTATION_READABLE for f in findings if f.severity == "error"):
         mismatch = _rotated_alike(module, caller, x, getattr(caller.adapter, "recorded_eps", 0.0), memory)
         if mismatch is None and plain is not None:
             mismatch = rotated_apart(plain, x.shape[1])
@@ -576,11 +596,22 @@ def _by_operands(trace, out: Tensor, width: int, length: int, stated: Callable[[
     chosen = bad or verdicts[0]
     facts = {k: v for verdict in verdicts for k, v in verdict.facts.items()}
     evidence = {**chosen.evidence, "read from": "the operands of the attention's products"}
+    if chosen.also:  # bugs of other kinds the same core follows, each named
+        evidence["_also"] = [(v.fid, {**v.evidence, "read from": evidence["read from"]}) for v in chosen.also]
     if "position term" in facts or "positions" in facts:
         evidence["positions"] = facts.get("positions", facts.get("position term"))
     elif "reduced keys" in facts:  # which tokens pool into which key follows their positions
         evidence["positions"] = "keys and values pooled from the tokens by their positions (a sequence reduction)"
     return (chosen.fid, evidence, facts), ""
+
+
+def _unmatched_inversion(fid: str | None, evidence: dict) -> tuple[str | None, dict]:
+    """mask-inverted read with a mask whose effect matched no convention is mask-ignored: there was no polarity to
+    invert (items given each other's masks)."""
+    if fid != MASK_INVERTED:
+        return fid, evidence
+    return MASK_IGNORED, {**evidence, "matches": f"{evidence.get('matches')}, with a mask whose effect matches no "
+                                                 "convention: it hides other keys than it marks"}
 
 
 def _zeroed_rows(out: Tensor, keep: Tensor) -> dict:

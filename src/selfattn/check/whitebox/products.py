@@ -92,6 +92,22 @@ class Verdict:
     fid: str | None
     evidence: dict
     facts: dict = field(default_factory=dict)
+    also: list[Verdict] = field(default_factory=list)
+    """Bugs of other kinds the same core follows besides ``fid`` (read apart: a scale is read apart from which keys
+    are hidden, from how the heads are merged and from how q and k are rotated)."""
+
+
+def _joined(found: list[Verdict | None]) -> Verdict | None:
+    """The first bug of ``found`` with the others of other kinds as its ``also`` (None: no bug)."""
+    bugs = [v for v in found if v is not None and v.fid is not None]
+    if not bugs:
+        return None
+    first = bugs[0]
+    for other in bugs[1:]:
+        if other.fid != first.fid and all(other.fid != v.fid for v in first.also):
+            first.also.append(other)
+            first.facts = {**other.facts, **first.facts}
+    return first
 
 
 def _dim(op: Op) -> int:
@@ -203,8 +219,8 @@ def _einsum_token_axes(op: Op, position: int, w: Tensor, p: Tensor, length: int)
         return None
     contracted = [c for c in subs if c in other and c not in out]
     kept = [i for i, c in enumerate(subs) if c in out and p.shape[i] == length]
-    if len(contracted) != 1 or p.shape[subs.index(contracted[0])] != length or len(kept) != 1:
-        return None
+    if len(contracted) != 1 or p.shape[subs.index(contracted[0])] < length or len(kept) != 1:
+        return None  # (more keys than tokens: a memory of earlier segments, Transformer-XL's, read as extra keys)
     return kept[0], subs.index(contracted[0])
 
 
@@ -1703,6 +1719,20 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                            f"{tuple(p.shape)}: over queries (and batch items or heads) flattened "
                                            "together, not over the keys", **evidence})
         p, s, dim = p.reshape(w.shape), s.reshape(w.shape), w.dim() - 1
+    axes = _einsum_token_axes(pv, position, w, p, length)
+    if axes is not None:  # an einsum layout with the tokens elsewhere ("ijbh": sequence first): move them last
+        if dim == axes[0] and _softmax_over_keys(trace, sm, dim):  # the product contracts the queries instead
+            return Verdict(MATMUL_ORDER, {"matches": f"the product with the values contracts the queries (dim "
+                                            f"{axes[1]} of the weights) while the softmax runs over the keys (dim "
+                                            f"{dim}, from the key operand of the scores): weights transposed before "
+                                            "V", **evidence})
+        if dim != axes[1]:
+            return Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d weights, not over "
+                                           f"the keys (dim {axes[1]}, the axis the product with the values "
+                                           "contracts)", **evidence})
+        facts["layout"] = f"einsum {pv.args[0]!r}: the weights' query and key axes are dims {axes[0]} and {axes[1]}"
+        p, s, w, dim = (p.movedim(axes, (-2, -1)), s.movedim(axes, (-2, -1)), p.movedim(axes, (-2, -1)),
+                        p.dim() - 1)
     sinks = p.shape[-1] - length if p.dim() >= 2 and p.shape[-2] == length and p.shape[-1] > length == w.shape[-1] \
         else 0
     if sinks and dim == p.dim() - 1:  # attention sinks: logits in the softmax with no value (gpt-oss)
@@ -1719,20 +1749,6 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
             p, s, w = p[..., memory], s[..., memory], w[..., memory]
             facts["memory"] = f"{extra} key/value pair(s) that depend on no token, put {side} beside the tokens' " \
                               "(learned memory key/values, a null or zero key/value)"
-    axes = _einsum_token_axes(pv, position, w, p, length)
-    if axes is not None:  # an einsum layout with the tokens elsewhere ("ijbh": sequence first): move them last
-        if dim == axes[0] and _softmax_over_keys(trace, sm, dim):  # the product contracts the queries instead
-            return Verdict(MATMUL_ORDER, {"matches": f"the product with the values contracts the queries (dim "
-                                            f"{axes[1]} of the weights) while the softmax runs over the keys (dim "
-                                            f"{dim}, from the key operand of the scores): weights transposed before "
-                                            "V", **evidence})
-        if dim != axes[1]:
-            return Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d weights, not over "
-                                           f"the keys (dim {axes[1]}, the axis the product with the values "
-                                           "contracts)", **evidence})
-        facts["layout"] = f"einsum {pv.args[0]!r}: the weights' query and key axes are dims {axes[0]} and {axes[1]}"
-        p, s, w, dim = (p.movedim(axes, (-2, -1)), s.movedim(axes, (-2, -1)), p.movedim(axes, (-2, -1)),
-                        p.dim() - 1)
     # a convolution before the attention (MobileViT's 3 x 3 conv around its patch attention) makes every output
     # depend on its neighbours: the run's pattern cannot show windows, the weights' shape does
     local = local or _convolved_before(trace, sm)
@@ -1808,19 +1824,29 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     # V^T @ W^T (channels first, as convolutional blocks compute it) contracts the keys too: the output is the
     # transpose of W @ V, (..., D, L)
     channels_first = axes is None and orientation == "transposed" and _transposed_keys_contracted(pv, position)
+    order = None  # the weights' product with the values; which keys the scores hide is read apart from it
     if axes is None and not channels_first and (orientation is None or not _weights_contracted_last(pv, position, w)):
         how = "V @ weights instead of weights @ V" if position == 1 and pv.name != "einsum" else \
             "weights transposed before V" if orientation == "transposed" else \
             "the product with the values does not contract the key axis"
-        return Verdict(MATMUL_ORDER, {"matches": how, **evidence})
-    if orientation == "transposed" and not channels_first:
-        return Verdict(MATMUL_ORDER, {"matches": "weights transposed before V", **evidence})
+        order = Verdict(MATMUL_ORDER, {"matches": how, **evidence})
+    elif orientation == "transposed" and not channels_first:
+        order = Verdict(MATMUL_ORDER, {"matches": "weights transposed before V", **evidence})
+    if order is not None and keep is None:
+        return order
     if channels_first:
         facts["layout"] = "the values product is V^T W^T (channels first): the transpose of W V"
-    product, chain = _score_chain(trace, sm.in_ids[0])
+    try:
+        product, chain = _score_chain(trace, sm.in_ids[0])
+    except Unrecognised:
+        if order is not None:
+            return order
+        raise
     steps, temperatures = chain.steps, chain.temperatures
     pairs = _operands(product)
     if len(pairs) < 2:
+        if order is not None:
+            return order
         raise Unrecognised("the score product has one operand")
     (aid, a), (bid, b) = pairs[0], pairs[1]
     r = _contract(product, a, b)
@@ -1830,6 +1856,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if memory is not None and r.dim() >= 2 and r.shape[-1] == length + extra:  # the keys' product has them too
         r = r[..., memory]
     if s.numel() != r.numel():
+        if order is not None:
+            return order
         raise Unrecognised("the softmax input does not have the score product's size")
     names = [n for n, _ in steps]
     if "tanh" in names:
@@ -1849,10 +1877,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     s = _negligible_fills(s, chain)
     hidden = ~(torch.isfinite(s) & (s > _MASKED))
     if not scores_only and s.numel() and bool(hidden.all()):  # no mask the doctor sends hides every key
-        return Verdict(MASK_INVERTED, {"matches": "the module masks every score of every query: a mask it builds "
-                                                  "for itself (every token visible when it is given none) is read "
-                                                  "the other way round, so each query weighs every key alike (or "
-                                                  "none, with -inf)", **evidence})
+        inverted = Verdict(MASK_INVERTED, {"matches": "the module masks every score of every query: a mask it builds "
+                                                      "for itself (every token visible when it is given none) is read "
+                                                      "the other way round, so each query weighs every key alike (or "
+                                                      "none, with -inf)", **evidence})
+        return _joined([inverted, order]) or inverted
     own = _self_mask(s, hidden)
     if own is not None:
         facts["self mask"] = own
@@ -1876,8 +1905,10 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
             canon = _canonical_output(pv, position, axes[0] if axes is not None else w.dim() - 2, batch)  # against
             merge_fid, merged = _merge(trace, pv, pv.outputs[0], final, canon)
             if merge_fid is not None:
-                return Verdict(merge_fid, {"matches": merged, **evidence}, facts)
-        return masked
+                masked = Verdict(merge_fid, {"matches": merged, **evidence}, facts)
+        return _joined([masked, order])
+    if order is not None:
+        return order
     relative = _relative_terms(trace, chain, inputs, r.shape, axes)
     if relative:  # content and position products (Transformer-XL, Shaw): one scale for both
         facts["positions"] = "relative positions: " + "; ".join(name for name, _, _ in relative)
@@ -1963,12 +1994,12 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         fid, said = None, f"{said}, times a learned scale per head dimension (TimesFM's per_dim_scale)"
         facts["scale"] = "q (or k) is multiplied by a learned vector per head dimension: the scale is learned"
     evidence.update({"scale": said, "head dim": d, "product": product.name})
-    if fid is not None:
-        return Verdict(fid, {"matches": said, **evidence}, facts)
-    wrong = _roles_verdict(trace, (aid, bid, vid), evidence, facts) or \
-        _values_verdict(trace, vid, evidence, facts, inputs) or _groups_verdict(trace, bid, vid, evidence, facts)
-    if wrong is not None:
-        return wrong
+    # the scale, the operands' roles, the merge and the rotation are read apart: a bug in one leaves the others
+    # readable, and each is named
+    found = [Verdict(fid, {"matches": said, **evidence}, facts) if fid is not None else None]
+    found.append(_roles_verdict(trace, (aid, bid, vid), evidence, facts) or
+                 _values_verdict(trace, vid, evidence, facts, inputs) or
+                 _groups_verdict(trace, bid, vid, evidence, facts))
     canon = _canonical_output(pv, position, axes[0] if axes is not None else w.dim() - 2, batch)
     if channels_first and pv.outputs:
         nd = pv.outputs[0].dim()
@@ -1982,20 +2013,19 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         merge_fid, merged = None, "read with the attention whose rows these join"
     evidence["merge"] = merged
     if merge_fid is not None:
-        return Verdict(merge_fid, {"matches": merged, **evidence}, facts)
+        found.append(Verdict(merge_fid, {"matches": merged, **evidence}, facts))
     one_side = _one_side(trace, aid, bid, evidence, facts)
-    if one_side is not None:
-        return one_side
-    turned = rotary(trace, aid, a)
+    found.append(one_side)
+    turned = rotary(trace, aid, a) if one_side is None else None
     if turned is not None:
         facts["positions"] = turned
-    else:
+    elif one_side is None:
         problems = (_rotation_problem(trace, aid, a), _rotation_problem(trace, bid, b))
         problem = problems[0] or problems[1]
         if problems[0] and problems[1]:  # both: xPos's decay, or a rotation that is not one; the run on one token
             facts["positions"] = _SCALED_ROTARY  # everywhere tells
         elif problem:
-            return Verdict(ROTARY_MISMATCH, {"matches": problem, **evidence}, facts)
+            found.append(Verdict(ROTARY_MISMATCH, {"matches": problem, **evidence}, facts))
         if "" in problems:
             facts["positions"] = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
     value_term = _value_position_term(trace, sm, pv, inputs)
@@ -2004,6 +2034,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     norms = (normalised(trace, aid), normalised(trace, bid))
     if all(norms):
         facts["q/k normalisation"] = f"q and k are normalised ({norms[0]}) before the scores"
+    joined = _joined(found)
+    if joined is not None:
+        return joined
     return Verdict(None, {"formula": f"softmax({'capped ' if 'tanh' in names else ''}c Q K^T"
                                      f"{' + T' if 'position term' in facts else ''}) V from the operands of its "
                                      f"products; {said}", **evidence}, facts)
@@ -2151,8 +2184,9 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         fid, said = None, f"{said}, times a learned scale per head dimension (TimesFM's per_dim_scale)"
         facts["scale"] = "q (or k) is multiplied by a learned vector per head dimension: the scale is learned"
     evidence = {"scale": said, "head dim": d, "product": "scaled_dot_product_attention"}
-    if fid is not None:
-        return Verdict(fid, {"matches": said, **evidence})
+    # the scale, which keys are hidden, the operands' roles, the merge and the rotation are read apart: a bug in one
+    # leaves the others readable, and each is named
+    found = [Verdict(fid, {"matches": said, **evidence}) if fid is not None else None]
     if keep is not None and not cached:
         hidden = _sdpa_hidden(op, length)
         # (B, H, L, L); or heads folded into the batch (B * H, L, L), the layout xformers' kernels take, read by items
@@ -2170,12 +2204,11 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         masked = _mask_verdict(hidden, keep, evidence)
         if masked is not None:
             merge_fid, merged = _merge(trace, op, op.outputs[0], final)  # a wrong merge distorts the pattern
-            return Verdict(merge_fid, {"matches": merged, **evidence}) if merge_fid is not None else masked
-    wrong = _roles_verdict(trace, (op.in_ids[0], op.in_ids[1], op.in_ids[2]), evidence, {}) or \
-        _values_verdict(trace, op.in_ids[2], evidence, {}, inputs) or \
-        _groups_verdict(trace, op.in_ids[1], op.in_ids[2], evidence, facts)
-    if wrong is not None:
-        return wrong
+            return _joined([*found, Verdict(merge_fid, {"matches": merged, **evidence})
+                            if merge_fid is not None else masked]) or masked
+    found.append(_roles_verdict(trace, (op.in_ids[0], op.in_ids[1], op.in_ids[2]), evidence, {}) or
+                 _values_verdict(trace, op.in_ids[2], evidence, {}, inputs) or
+                 _groups_verdict(trace, op.in_ids[1], op.in_ids[2], evidence, facts))
     merge_fid, merged = _merge(trace, op, op.outputs[0], final)
     if window and merge_fid is None:  # heads side by side cannot be told from windows put back
         merged = "heads merged side by side within the windows (the windows are put back by the module's own layout)"
@@ -2183,23 +2216,25 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         merge_fid, merged = None, "not checked: the rows are joined with another attention's before the merge"
     evidence["merge"] = merged
     if merge_fid is not None:
-        return Verdict(merge_fid, {"matches": merged, **evidence})
+        found.append(Verdict(merge_fid, {"matches": merged, **evidence}))
     one_side = _one_side(trace, op.in_ids[0], op.in_ids[1], evidence, facts)
-    if one_side is not None:
-        return one_side
-    turned = rotary(trace, op.in_ids[0], q)
-    problems = (None, None) if turned else (_rotation_problem(trace, op.in_ids[0], q),
-                                            _rotation_problem(trace, op.in_ids[1], k))
+    found.append(one_side)
+    turned = rotary(trace, op.in_ids[0], q) if one_side is None else None
+    problems = (None, None) if turned or one_side is not None else (_rotation_problem(trace, op.in_ids[0], q),
+                                                                    _rotation_problem(trace, op.in_ids[1], k))
     if problems[0] and problems[1]:
         turned, problems = _SCALED_ROTARY, (None, None)
     if problems[0] or problems[1]:
-        return Verdict(ROTARY_MISMATCH, {"matches": problems[0] or problems[1], **evidence})
+        found.append(Verdict(ROTARY_MISMATCH, {"matches": problems[0] or problems[1], **evidence}))
     if "" in problems:
         turned = "rotary positions (a rotation with frequencies of its own: scaled, YaRN, ...)"
     if turned:
         facts["positions"] = turned
     if cached:
         facts["cache"] = f"keys and values from a cache of {k.shape[-2]} positions for the {length} queries"
+    joined = _joined(found)
+    if joined is not None:
+        return joined
     return Verdict(None, {"formula": f"scaled_dot_product_attention; {said}", **evidence}, facts)
 
 

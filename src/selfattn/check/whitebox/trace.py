@@ -23,8 +23,10 @@ import copy
 import functools
 import inspect
 import re
+import sys
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -450,47 +452,118 @@ class Trace(TorchFunctionMode):
         return Op("softmax", (scores, dim % rank), {}, op.outputs, [scores_id], op.out_ids, op.module)
 
 
-_UNPACKED = re.compile(r"^\s*\(?\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)?\s*=[^=]", re.M)
+_UNPACKED = re.compile(r"^\s*\(?\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)?\s*=(?!=)(.*)$", re.M)
+# what a right-hand side that takes a packed projection apart says (rather than a call returning three tensors
+# already unpacked elsewhere: ``q, k, v = self.to_qkv(x)``)
+_SPLITS = re.compile(r"\b(chunk|split|unbind|rearrange|unflatten|tensor_split|map)\s*\(|\[\s*0\s*\]|\.permute\s*\(")
+_CALLED = re.compile(r"(?<![\w.])([A-Za-z_]\w*)\s*\(")
 
 
-def fused_order(module: nn.Module) -> tuple[str, ...] | None:
+@dataclass(frozen=True)
+class _Unpacking:
+    """An assignment to three names for three roles: where it is (file, line), the roles in order, and what its
+    right-hand side says of the packed tensor: 2 it takes it apart, 1 it unpacks a name (``k, q, v = parts``), 0
+    it names what a call returns (``q, k, v = self.to_qkv(x)``: unpacked elsewhere)."""
+
+    where: tuple[str, int]
+    order: tuple[str, ...]
+    splits: int
+
+
+def fused_order(module: nn.Module, ran: frozenset[tuple[str, int]] | None = None) -> tuple[str, ...] | None:
     """The roles (q, k, v) of a fused projection's three parts in the order the module's forward (or a submodule's,
-    guided-diffusion's attention core) unpacks them (``key, query, value = self.kqv(x).chunk(3, dim=-1)`` gives k, q,
-    v; an einops ``rearrange``, a ``map`` or ``kqv[0], kqv[1], kqv[2]`` alike), when the first assignment to three
-    names for three different roles says so; else None."""
-    for part in module.modules():  # the module's forward, or a core's it hands the packed projection to
-        order = _unpacking_of(type(part))
-        if order is not None:
-            return order
-    return None
+    guided-diffusion's attention core, or a function of its file the forward calls) unpacks them (``key, query, value
+    = self.kqv(x).chunk(3, dim=-1)`` gives k, q, v; an einops ``rearrange``, a ``map`` or ``kqv[0], kqv[1], kqv[2]``
+    alike), else None. An assignment that takes a tensor apart is read before one that names what a call returns;
+    where those disagree, the one on a line the run executed (``ran``: (file, line)), else the first."""
+    splitting = _closest(module)
+    if len({u.order for u in splitting}) > 1 and ran:
+        splitting = [u for u in splitting if u.where in ran] or splitting
+    return splitting[0].order if splitting else None
 
 
-# class -> its forward's unpacking order, read once a class (weakly: classes made on the fly may go)
-_UNPACKINGS: weakref.WeakKeyDictionary[type, tuple[str, ...] | None] = weakref.WeakKeyDictionary()
+def _closest(module: nn.Module) -> list[_Unpacking]:
+    """The unpackings of the module and its submodules that say most of the packed tensor (:class:`_Unpacking`)."""
+    found = [u for part in module.modules() for u in _unpackings_of(type(part))]
+    best = max((u.splits for u in found), default=0)
+    return [u for u in found if u.splits == best]
 
 
-def _unpacking_of(cls: type) -> tuple[str, ...] | None:
-    """:func:`fused_order` for one class's forward (read once per class: the record runs many times a check)."""
+def unpacking_files(module: nn.Module) -> frozenset[str] | None:
+    """The files whose executed lines settle :func:`fused_order` (its candidates disagree), else None."""
+    splitting = _closest(module)
+    if len({u.order for u in splitting}) < 2:
+        return None
+    return frozenset(u.where[0] for u in splitting)
+
+
+# class -> its forward's unpackings, read once a class (weakly: classes made on the fly may go)
+_UNPACKINGS: weakref.WeakKeyDictionary[type, tuple[_Unpacking, ...]] = weakref.WeakKeyDictionary()
+
+
+def _unpackings_of(cls: type) -> tuple[_Unpacking, ...]:
+    """The unpackings in one class's forward and in the functions of its file that forward calls (read once per
+    class: the record runs many times a check)."""
     if cls in _UNPACKINGS:
         return _UNPACKINGS[cls]
-    order = None
+    found: list[_Unpacking] = []
+    forward = getattr(cls, "forward", None)
+    sources = [forward]
     try:
-        source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+        own = inspect.getsource(forward)  # type: ignore[arg-type]
     except Exception:  # no Python source: a built-in, a TorchScript module's compiled forward
-        source = ""
-    for names in _UNPACKED.findall(source):
-        roles = tuple(name_role(n) for n in names)
-        if None not in roles and len(set(roles)) == 3:
-            order = tuple(r for r in roles if r is not None)
-            break
-    _UNPACKINGS[cls] = order
-    return order
+        own = ""
+    namespace = vars(inspect.getmodule(cls)) if own and inspect.getmodule(cls) is not None else {}
+    for name in dict.fromkeys(_CALLED.findall(own)):  # a function of the module's file that the forward calls
+        fn = namespace.get(name)
+        if inspect.isfunction(fn) and fn.__module__ == cls.__module__:
+            sources.append(fn)
+    for fn in sources:
+        try:
+            lines, first = inspect.getsourcelines(fn)  # type: ignore[arg-type]
+            file = inspect.getsourcefile(fn) or ""  # type: ignore[arg-type]
+        except Exception:
+            continue
+        text = "".join(lines)
+        for m in _UNPACKED.finditer(text):
+            roles = tuple(name_role(n) for n in m.groups()[:3])
+            if None not in roles and len(set(roles)) == 3:
+                line = first + text.count("\n", 0, m.start(1))
+                rhs = m.group(4).split("#")[0]
+                says = 2 if _SPLITS.search(rhs) else 1 if re.fullmatch(r"\s*\w+\s*", rhs) else 0
+                found.append(_Unpacking((file, line), tuple(r for r in roles if r is not None), says))
+    _UNPACKINGS[cls] = tuple(found)
+    return _UNPACKINGS[cls]
+
+
+@contextmanager
+def _lines_run(files: frozenset[str] | None) -> Iterator[set[tuple[str, int]]]:
+    """The (file, line) pairs of ``files`` that run inside the block; nothing is watched when ``files`` is None or
+    another tracer (a debugger, coverage) is set, which is left alone."""
+    ran: set[tuple[str, int]] = set()
+    if not files or sys.gettrace() is not None:
+        yield ran
+        return
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "line":
+            ran.add((frame.f_code.co_filename, frame.f_lineno))
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        return local if event == "call" and frame.f_code.co_filename in files else None
+
+    sys.settrace(calls)
+    try:
+        yield ran
+    finally:
+        sys.settrace(None)
 
 
 def record(module: nn.Module, call: Callable[[], Tensor]) -> tuple[Trace, Tensor]:
     """Run ``call`` (which runs ``module``) under a :class:`Trace`, without gradients; returns (trace, output)."""
     trace = Trace()
-    trace.fused_order = fused_order(module)
+    files = unpacking_files(module)  # the unpacking that ran settles the order where the source's disagree
     handles = []
 
     def named(mod: nn.Module, inp: tuple, out: object, name: str = "") -> None:
@@ -510,11 +583,12 @@ def record(module: nn.Module, call: Callable[[], Tensor]) -> tuple[Trace, Tensor
                 not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):  # weight leaves not going through F.linear
             handles.append(m.register_forward_hook(functools.partial(leaf, name=name)))
     try:
-        with torch.no_grad(), trace:
+        with torch.no_grad(), trace, _lines_run(files) as ran:
             out = call()
     finally:
         for h in handles:
             h.remove()
+    trace.fused_order = fused_order(module, frozenset(ran))
     trace.read_written_out_softmaxes()
     return trace, out
 

@@ -1,0 +1,122 @@
+"""Two bugs of different kinds in one module: each is named, and the one bug alone is named alone.
+
+The white box reads a core's scale, which keys its scores hide, the operands' roles, the merge and the rotation
+apart, and a mask that changes nothing at all is the bug itself, not a symptom of another one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from einops import rearrange
+from torch import nn
+from torch.nn import functional as F
+
+from selfattn.check import check
+
+
+# -- a timm-style SDPA wrapper, causal, with a (B, L) keep-mask ------------------------------------------------------
+class CausalSDPA(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4, bugs: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.heads, self.bugs = heads, bugs
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attn_mask=None):
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        mask = None if attn_mask is None else attn_mask[:, None, None, :]
+        if mask is not None and "causal-leak" not in self.bugs:  # the bug: causal only when no mask is given
+            mask = mask & torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+        scale = 1.0 if "missing-scale" in self.bugs else None
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale)
+        return self.proj(out.transpose(1, 2).reshape(b, t, e))
+
+
+# -- an einops module with a (B, L) keep-mask --------------------------------------------------------------------
+class EinopsMasked(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4, bugs: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.heads, self.bugs = heads, bugs
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in self.to_qkv(x).chunk(3, dim=-1))
+        dots = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
+        if mask is not None and "mask-ignored" not in self.bugs:  # the bug: the mask is taken and never applied
+            dots = dots.masked_fill(~mask[:, None, None, :], -torch.finfo(dots.dtype).max)
+        attn = dots.softmax(dim=-1)
+        spelled = "bhji,bhjd->bhid" if "matmul-order" in self.bugs else "bhij,bhjd->bhid"
+        out = torch.einsum(spelled, attn, v)
+        return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
+
+
+# -- Hugging Face eager style: grouped keys and values, rotary from a (cos, sin) table ------------------------------
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _interleaved(x, cos, sin):  # GPT-J's pairing: (x0, x1), (x2, x3), ...
+    pairs = x.unflatten(-1, (-1, 2))
+    c, s = cos[..., : x.shape[-1] // 2, None], sin[..., : x.shape[-1] // 2, None]
+    turned = torch.stack((pairs[..., 0] * c[..., 0] - pairs[..., 1] * s[..., 0],
+                          pairs[..., 0] * s[..., 0] + pairs[..., 1] * c[..., 0]), dim=-1)
+    return turned.flatten(-2)
+
+
+class GroupedRotary(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4, kv_heads: int = 2,
+                 bugs: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim, self.bugs = heads, kv_heads, dim // heads, bugs
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+        self.is_causal = True
+
+    def forward(self, hidden_states):
+        b, t, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(b, t, -1, self.head_dim).transpose(1, 2)
+        inv = 1.0 / 10000 ** (torch.arange(0, self.head_dim, 2, device=q.device).to(q.dtype) / self.head_dim)
+        freqs = torch.arange(t, device=q.device).to(q.dtype)[:, None] * inv
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        q = q * cos + _rotate_half(q) * sin
+        if "rotary-mismatch" in self.bugs:  # the bug: k rotated with the other pairing
+            k = _interleaved(k, freqs.cos(), freqs.sin())
+        elif "rotary-one-side" not in self.bugs:  # the bug: k is never rotated
+            k = k * cos + _rotate_half(k) * sin
+        n = self.heads // self.kv_heads
+        k = k.repeat_interleave(n, dim=1)
+        v = v.repeat(1, n, 1, 1) if "group-mismatch" in self.bugs else v.repeat_interleave(n, dim=1)
+        scale = 1.0 if "missing-scale" in self.bugs else self.head_dim ** -0.5
+        scores = q @ k.transpose(2, 3) * scale
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+        out = scores.softmax(dim=-1) @ v
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+CASES = [
+    (CausalSDPA, {"causal": True, "mask_convention": "keep"}, ("causal-leak", "missing-scale")),
+    (EinopsMasked, {"mask_convention": "keep"}, ("mask-ignored", "matmul-order")),
+    (GroupedRotary, {"causal": True}, ("rotary-one-side", "group-mismatch")),
+    (GroupedRotary, {"causal": True}, ("rotary-mismatch", "missing-scale")),
+]
+
+
+@pytest.mark.parametrize(("module", "options", "bugs"), CASES, ids=["+".join(c[2]) for c in CASES])
+def test_each_of_two_bugs_is_named(module, options, bugs):
+    torch.manual_seed(0)
+    assert check(module(), **options).verdict == "passed"
+    for bug in bugs:  # alone, each is named alone: reading on past it adds no second finding
+        torch.manual_seed(0)
+        alone = check(module(bugs=frozenset({bug})), **options)
+        assert {f.id for f in alone.findings if f.severity == "error"} == {bug}, (bug, alone.ids)
+    torch.manual_seed(0)
+    both = check(module(bugs=frozenset(bugs)), **options)
+    assert set(bugs) <= both.ids, both.ids
+
