@@ -729,3 +729,241 @@ def test_a_softmax_over_the_queries_beside_key_first_unpacking_is_softmax_dim():
     # is the weights transposed: matmul-order, whose fix sends the user to the wrong line
     from selfattn.check import check
     assert check(IndexedKeyFirstOverQueries()).ids == {"softmax-dim"}
+
+
+# -- Transformer-XL memory in a model's own object, attention sequence first over [memory; tokens] ------------------
+class SegmentMemory:
+    """Each layer's hidden states of the last segment (M, B, E), kept in a plain object the model replaces."""
+
+    def __init__(self, layers: int, length: int, batch: int, dim: int) -> None:
+        self.states = torch.zeros(layers, length, batch, dim)
+
+    def update(self, hidden: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            joined = torch.cat([self.states, torch.stack(hidden)], dim=1)
+            self.states = joined[:, -self.states.shape[1]:].detach()
+
+
+def _rel_shift(x: torch.Tensor) -> torch.Tensor:
+    """Transformer-XL's shift of a (query, key, ...) position term: row i moved right by its distance to the last."""
+    zero = x.new_zeros((x.size(0), 1, *x.shape[2:]))
+    padded = torch.cat([zero, x], dim=1).view(x.size(1) + 1, x.size(0), *x.shape[2:])
+    return padded[1:].view_as(x)
+
+
+class XLSegmentAttention(nn.Module):
+    """(L, B, E) queries over [memory; tokens], content and position terms with u and v, scores as "ijbh"."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.q, self.kv, self.r, self.out = (nn.Linear(dim, dim), nn.Linear(dim, 2 * dim),
+                                             nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x, memory, pos_emb, u, v, mask):
+        cur, b = x.shape[:2]
+        full = self.norm(torch.cat([memory, x], dim=0))
+        n = full.shape[0]
+        q = self.q(x).view(cur, b, self.heads, self.head_dim)
+        key, value = (t.view(n, b, self.heads, self.head_dim) for t in self.kv(full).chunk(2, dim=-1))
+        r = self.r(pos_emb).view(n, self.heads, self.head_dim)
+        scores = torch.einsum("ibhd,jbhd->ijbh", q + u, key) + \
+            _rel_shift(torch.einsum("ibhd,jhd->ijbh", q + v, r))
+        scores = (scores / math.sqrt(self.head_dim)).masked_fill(mask[..., None], float("-inf"))
+        out = torch.einsum("ijbh,jbhd->ibhd", scores.softmax(dim=1), value)
+        return self.out(out.reshape(cur, b, -1))
+
+
+class XLSegmentModel(nn.Module):
+    """Features (L, B, F) in; the memory object made on the first call and replaced on every call."""
+
+    def __init__(self, features: int = 6, dim: int = 32, layers: int = 2, memory: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Linear(features, dim)
+        self.layers = nn.ModuleList(XLSegmentAttention(dim) for _ in range(layers))
+        self.u, self.v = nn.Parameter(0.1 * torch.randn(4, dim // 4)), nn.Parameter(0.1 * torch.randn(4, dim // 4))
+        self.dim, self.memory_length, self.memory = dim, memory, None
+        self.register_buffer("inv_freq", 1 / 10000 ** (torch.arange(0.0, dim, 2.0) / dim))
+
+    def forward(self, x):
+        cur, b = x.shape[:2]
+        if self.memory is None:
+            self.memory = SegmentMemory(len(self.layers), self.memory_length, b, self.dim)
+        n = cur + self.memory_length
+        mask = torch.ones(cur, n).triu(1 + self.memory_length).bool()[..., None]  # (L, M + L, 1)
+        angles = torch.outer(torch.arange(n - 1, -1, -1.0), self.inv_freq)
+        pos_emb = torch.cat([angles.sin(), angles.cos()], dim=-1)
+        h, hidden = self.embed(x), []
+        for layer, memory in zip(self.layers, self.memory.states, strict=True):
+            hidden.append(h)
+            h = h + layer(h, memory, pos_emb, self.u, self.v, mask)
+        self.memory.update(hidden)
+        return h
+
+
+def test_a_model_replacing_its_memory_on_every_call_meets_each_run_as_given():
+    # the memory the first run left made the second run differ on every item: the model read as batch first, and
+    # the "ijbh" scores over [memory; tokens] as a softmax over the wrong dim (softmax-dim on correct layers)
+    torch.manual_seed(0)
+    model = XLSegmentModel().eval()
+    report = check_model(model, torch.randn(5, 2, 6))
+    assert model.memory is None  # handed back as it was given
+    assert report.verdict != "failed", report.summary()
+    for name, layer in report.layers.items():
+        assert not layer.findings, (name, layer.ids)
+        assert "matches the definition" in str(layer.inferred["white box"]), layer.inferred["white box"]
+
+
+# -- a packed projection unpacked key first by a helper, a function of the file, or in one branch of several -------
+def split_key_first(kqv: torch.Tensor, heads: int) -> list[torch.Tensor]:
+    key, query, value = kqv.chunk(3, dim=-1)
+    return [t.unflatten(-1, (heads, -1)).transpose(1, 2) for t in (query, key, value)]
+
+
+class KeyFirstByFunction(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.kqv, self.out = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        q, k, v = split_key_first(self.kqv(x), self.heads)
+        weights = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
+        return self.out((weights @ v).transpose(1, 2).flatten(2))
+
+
+class PackedParts(nn.Module):
+    """A helper that unpacks the packed projection in the order its flag says and hands back (q, k, v)."""
+
+    def __init__(self, dim: int, heads: int, key_first: bool) -> None:
+        super().__init__()
+        self.heads, self.key_first, self.proj = heads, key_first, nn.Linear(dim, 3 * dim)
+
+    def forward(self, x):
+        parts = self.proj(x).chunk(3, dim=-1)
+        if self.key_first:
+            k, q, v = parts
+        else:
+            q, k, v = parts
+        return tuple(t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in (q, k, v))
+
+
+class KeyFirstByHelper(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4, key_first: bool = True, over_queries: bool = False) -> None:
+        super().__init__()
+        self.qkv, self.o, self.over_queries = PackedParts(dim, heads, key_first), nn.Linear(dim, dim), over_queries
+
+    def forward(self, x):
+        q, k, v = self.qkv(x)
+        weights = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-2 if self.over_queries else -1)
+        return self.o((weights @ v).transpose(1, 2).flatten(2))
+
+
+def test_an_unpacking_in_a_helper_a_function_or_one_branch_is_read_where_it_runs():
+    # the forward's own `q, k, v = self.qkv(x)` (a call's result, unpacked elsewhere), or the first of two branches,
+    # was taken for the packed projection's order: softmax-dim on correct modules
+    from selfattn.check import check
+    assert check(KeyFirstByFunction()).verdict == "passed"
+    for key_first in (True, False):
+        assert check(KeyFirstByHelper(key_first=key_first)).verdict == "passed", key_first
+        assert check(KeyFirstByHelper(key_first=key_first, over_queries=True)).ids == {"softmax-dim"}
+
+
+# -- the Annotated Transformer's four clones, the last (the output projection) never applied ----------------------
+class ClonedProjections(nn.Module):
+    def __init__(self, h: int = 4, d_model: int = 32, apply_output: bool = True) -> None:
+        super().__init__()
+        self.h, self.d_k, self.apply_output = h, d_model // h, apply_output
+        self.linears = nn.ModuleList(nn.Linear(d_model, d_model) for _ in range(4))
+
+    def forward(self, query, key, value, mask=None):
+        n = query.size(0)
+        query, key, value = (lin(x).view(n, -1, self.h, self.d_k).transpose(1, 2)
+                             for lin, x in zip(self.linears, (query, key, value), strict=False))
+        scores = query @ key.transpose(-2, -1) / math.sqrt(self.d_k)
+        if mask is not None:
+            scores = scores.masked_fill(mask.unsqueeze(1) == 0, float("-inf"))
+        x = (scores.softmax(dim=-1) @ value).transpose(1, 2).contiguous().view(n, -1, self.h * self.d_k)
+        return self.linears[-1](x) if self.apply_output else x
+
+
+def test_the_last_of_four_cloned_projections_never_applied_is_named():
+    from selfattn.check import check
+    assert check(ClonedProjections()).verdict == "passed"
+    report = check(ClonedProjections(apply_output=False))
+    assert {f.id for f in report.findings if f.severity == "error"} == {"no-grad"}, report.ids
+
+
+# -- SAINT's attention between samples: the model's items folded into one sequence (1, B, n * d) --------------------
+class RowAttention(nn.Module):
+    def __init__(self, dim: int, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.to_qkv, self.to_out = heads, nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.to_qkv(x).chunk(3, dim=-1))
+        weights = (q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5).softmax(dim=-1)
+        return self.to_out((weights @ v).transpose(1, 2).flatten(2))
+
+
+class BetweenSamples(nn.Module):
+    def __init__(self, features: int = 5, dim: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Linear(1, dim)
+        self.rows = RowAttention(features * dim)
+
+    def forward(self, x):  # (B, features) numbers
+        h = self.embed(x[..., None])  # (B, n, d)
+        b, n, d = h.shape
+        folded = h.reshape(1, b, n * d)  # every sample a token of one sequence
+        return (folded + self.rows(folded)).reshape(b, n, d)
+
+
+def test_a_model_folding_its_items_into_one_sequence_has_that_attention_checked():
+    # the (1, B, n * d) states were read as one token of B items, sequence first: the attention between samples was
+    # left unchecked ("called with one token"), and a model of that layer alone was inconclusive
+    torch.manual_seed(0)
+    report = check_model(BetweenSamples().eval(), torch.randn(6, 5))
+    assert list(report.layers) == ["rows"] and report.verdict == "passed", report.summary()
+
+
+# -- what users do to a module before they check it: compiled, scripted ---------------------------------------------
+class NamedMaskAttention(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attention_mask=None):
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        return self.proj(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+                         .transpose(1, 2).flatten(2))
+
+
+def test_a_compiled_module_keeps_its_arguments_names():
+    # torch.compile's wrapper takes *args, **kwargs: the mask argument, unnamed, read as no mask
+    from selfattn.check.subject.caller import forward_signature
+    compiled = torch.compile(NamedMaskAttention())
+    assert list(forward_signature(compiled).parameters) == ["x", "attention_mask"]
+
+
+class Scriptable(nn.Module):
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.proj = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        q = q.view(b, t, self.heads, e // self.heads).transpose(1, 2)
+        k = k.view(b, t, self.heads, e // self.heads).transpose(1, 2)
+        v = v.view(b, t, self.heads, e // self.heads).transpose(1, 2)
+        weights = (q @ k.transpose(-2, -1) / math.sqrt(e // self.heads)).softmax(dim=-1)
+        return self.proj((weights @ v).transpose(1, 2).reshape(b, t, e))
+
+
+def test_a_scripted_module_raises_nothing_inside_the_doctor():
+    # the gradients probe asked a ScriptModule for get_submodule, which TorchScript does not have: a doctor error
+    from selfattn.check import check
+    report = check(torch.jit.script(Scriptable()))
+    assert not report.doctor_errors, report.doctor_errors

@@ -52,7 +52,7 @@ from .findings import (
 from .probes.masking import band
 from .report import Report, render
 from .subject.building import CannotRun, copy_module, dequantized, draw_zeros, num_heads_of
-from .subject.caller import LENGTH_NAMES, MASK_NAMES, SWITCH_NAMES, dependency
+from .subject.caller import LENGTH_NAMES, MASK_NAMES, SWITCH_NAMES, dependency, module_state, restore
 from .subject.context import future
 
 if TYPE_CHECKING:
@@ -491,11 +491,37 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
         for _, a in slots)
     told = getattr(module, "batch_first", None) is False and (batch is None or hidden.shape[1] == batch or
                                                              hidden.shape[0] != batch or square or keyed)
-    if hidden.dim() == 3 and (told or (batch is not None and hidden.shape[1] == batch != hidden.shape[0])):
+    # one token of each item sequence first, unless the layer attends over them: the model's items folded into one
+    # sequence (SAINT's attention between samples, (1, B, L * E)) is a batch of one
+    folded = hidden.dim() == 3 and hidden.shape[0] == 1 and not told and \
+        _mixes_along(module, args, kwargs, hidden, y)
+    if hidden.dim() == 3 and not folded and \
+            (told or (batch is not None and hidden.shape[1] == batch != hidden.shape[0])):
         return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[1], hidden.shape[0], hidden.shape[0],
                      sequence_first=True)
     return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[0], hidden.shape[1],
                  math.prod(hidden.shape[1:-1]))
+
+
+def _mixes_along(module: nn.Module, args: tuple, kwargs: dict, hidden: Tensor, out: Tensor) -> bool:
+    """Does the layer's output at other indices of dim 1 change with its hidden states at index 0 (it attends over
+    dim 1)? The layer is run once more on the recorded call, in eval mode, its state put back after."""
+    changed = hidden.clone()
+    changed[:, 0] += torch.randn(changed[:, 0].shape, generator=torch.Generator().manual_seed(7)).to(changed)
+    again_args = tuple(changed if a is hidden else a for a in args)
+    again_kwargs = {k: changed if a is hidden else a for k, a in kwargs.items()}
+    state = module_state(module)
+    try:
+        with _evaluated(module):
+            again = _first_tensor(module(*again_args, **again_kwargs))
+    except Exception:  # a layer that does not run alone on its recorded call: read as the model calls it
+        return False
+    finally:
+        restore(state)
+    if again is None or again.shape != out.shape:
+        return False
+    diff = (again.double() - out.double()).abs().nan_to_num(0.0)
+    return bool(diff[:, 1:].max() > 1e-6 * (1 + float(out.double().abs().nan_to_num(0.0).max())))
 
 
 def find_attention(model: nn.Module, example_inputs: object, missed: list[str] | None = None) -> list[Layer]:
@@ -722,6 +748,9 @@ def _record_calls(model: nn.Module, args: tuple,
     # the run writes into buffers in place (a KV cache filled by the prefill), with autograd on: each layer is checked
     # as the model holds it, so every buffer gets its value back, without the run's autograd history
     kept = [(b, b.detach().clone()) for b in model.buffers()]
+    # and every attribute a call replaces (a memory of the last segment kept in an object of the model's own, as
+    # GTrXL's; a cache grown by torch.cat): each run meets the model as it was given
+    state = module_state(model)
     try:
         model.eval()
         with watch:  # with autograd on: torch's fused inference paths (nn.TransformerEncoderLayer's) stay off
@@ -733,6 +762,7 @@ def _record_calls(model: nn.Module, args: tuple,
             h.remove()
         model.train(was_training)
         with torch.no_grad():
+            restore(state)
             for buffer, value in kept:
                 if buffer.grad_fn is not None or buffer.requires_grad:
                     try:
@@ -860,6 +890,7 @@ def _model_outputs(model: nn.Module, args: tuple, kwargs: dict, layer: str | Non
         return out  # an output this hook cannot change (a dict, a dataclass): nothing is concluded
 
     kept = [(b, b.detach().clone()) for b in model.buffers()]
+    state = module_state(model)
     handle = None if layer is None else model.get_submodule(layer).register_forward_hook(changed)
     try:
         with _evaluated(model):
@@ -870,6 +901,7 @@ def _model_outputs(model: nn.Module, args: tuple, kwargs: dict, layer: str | Non
         if handle is not None:
             handle.remove()
         with torch.no_grad():
+            restore(state)
             for buffer, value in kept:
                 if buffer.shape == value.shape:
                     buffer.copy_(value)

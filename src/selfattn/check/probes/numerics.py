@@ -503,15 +503,16 @@ def _projection_role(path: str) -> str | None:
 def _idle_clones(module: nn.Module, used: set[int]) -> list[str]:
     """q, k, v (and output) projections held as 3 or 4 copies of one Linear in an ``nn.ModuleList`` (the Annotated
     Transformer's ``clones(nn.Linear(d, d), 4)``), named by their place only: one of them the call never used while
-    it used a later one (a key or value taken from another copy: ``v = self.linears[1](value)``)."""
+    it used another (a key or value taken from another copy: ``v = self.linears[1](value)``; the last, the output
+    projection, never applied)."""
     idle = []
     for path, mod in module.named_modules():
         if not isinstance(mod, nn.ModuleList) or len(mod) not in (3, 4) or \
                 not all(isinstance(c, nn.Linear) and c.weight.shape == mod[0].weight.shape for c in mod):
             continue
         touched = [id(c.weight) in used for c in mod]
-        last = max((i for i, t in enumerate(touched) if t), default=-1)
-        idle += [f"{path}.{i}" for i, t in enumerate(touched) if not t and i < last and mod[i].weight.requires_grad]
+        if sum(touched) >= 2:  # q and k at least: the list is the attention's projections
+            idle += [f"{path}.{i}" for i, t in enumerate(touched) if not t and mod[i].weight.requires_grad]
     return idle
 
 
@@ -574,15 +575,22 @@ def _pointwise(mod: nn.Module) -> bool:
     return isinstance(mod, nn.Conv1d) and mod.kernel_size == (1,) and mod.stride == (1,) and mod.groups == 1
 
 
+def _submodule(module: nn.Module, path: str) -> nn.Module:
+    """The submodule at the dotted ``path`` (a TorchScript module has no ``get_submodule``: attributes are walked)."""
+    for part in path.split(".") if path else ():
+        module = getattr(module, part)
+    return module
+
+
 def _standalone(module: nn.Module, name: str) -> bool:
     """Is the parameter ``name`` a module's own learned tensor (an attention sink, a temperature, a table), not the
     weight or bias of a layer (a key projection's bias gets a gradient of 0 in every module: q . b_k is the same for
     every key) and not named a bias?"""
     path, _, last = name.rpartition(".")
-    owner = module.get_submodule(path) if path else module
+    owner = _submodule(module, path)
     if "/" in last and isinstance(owner, nn.ParameterDict):  # a Keras layer's variable ("key/bias") in its
         path = path.rpartition(".")[0]  # _torch_params: read as the layer's own, by its last name
-        owner, last = module.get_submodule(path) if path else module, last.rpartition("/")[2]
+        owner, last = _submodule(module, path), last.rpartition("/")[2]
         if type(owner).__name__ in _KERAS_LAYERS:
             return False
     layers = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
@@ -593,7 +601,8 @@ def _standalone(module: nn.Module, name: str) -> bool:
         joined[:1] == "b" and len(words) == 1 and name_role(joined[1:]) is not None))
     # a bias named for no role and laid out per head (Transformer-XL's r_w_bias, a Conformer's pos_bias_u) is a
     # learned term of its own, not a projection's bias
-    term = "bias" in last.lower() and bool(words) and not projection and module.get_parameter(name).dim() >= 2
+    term = "bias" in last.lower() and bool(words) and not projection and \
+        dict(module.named_parameters()).get(name, torch.empty(0)).dim() >= 2
     return not isinstance(owner, layers) and not _is_conv1d(owner) and ("bias" not in last.lower() or term) and \
         not projection and not _is_norm(owner)
 

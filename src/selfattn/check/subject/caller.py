@@ -38,6 +38,7 @@ __all__ = [
     "MaskWatch",
     "dependency",
     "find_call_style",
+    "forward_signature",
     "mask_parameters",
     "module_state",
     "named_like_mask",
@@ -396,7 +397,7 @@ def mask_parameters(module: nn.Module, style: str) -> list[str | None]:
     """The forward parameters a mask may go to: mask-like keywords in signature order, else the next
     positional parameter that could take a tensor (by name), or None (positional, for ``*args``)."""
     try:
-        params = list(inspect.signature(module.forward).parameters.values())
+        params = list(forward_signature(module).parameters.values())
     except (TypeError, ValueError):
         return [None]
     named: list[str | None] = [p.name for p in params if named_like_mask(p.name) and p.kind != p.POSITIONAL_ONLY]
@@ -416,7 +417,7 @@ def switch_parameter(module: nn.Module) -> str | None:
     """The name of a bool causal switch of forward (``is_causal=False`` and the like: a parameter named for
     causality whose default is a bool, as Stable Diffusion's ``causal_mask=False``), or None."""
     try:
-        params = inspect.signature(module.forward).parameters.values()
+        params = forward_signature(module).parameters.values()
     except (TypeError, ValueError):
         return None
     return next((p.name for p in params if (p.name in SWITCH_NAMES or "causal" in p.name.lower()) and
@@ -427,7 +428,7 @@ def required_mask_parameter(module: nn.Module, style: str, any_name: bool = Fals
     """The mask-like forward parameter with no default (the module cannot run without it), or None. ``any_name``:
     the one parameter with no default, whatever its name (the user stated a mask: a graph's ``adj``)."""
     try:
-        params = list(inspect.signature(module.forward).parameters.values())
+        params = list(forward_signature(module).parameters.values())
     except (TypeError, ValueError):
         return None
     skip = ARITY.get(style, 3)
@@ -445,7 +446,7 @@ def takes_two_sequences(module: nn.Module) -> bool:
     (OpenFold's ``forward(q_x, kv_x, biases=None)``; torchtune's ``forward(x, y=None, *, mask=None)``, whose
     self-attention without a cache needs y too)?"""
     try:
-        params = [p for p in inspect.signature(module.forward).parameters.values()
+        params = [p for p in forward_signature(module).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         return False
@@ -468,7 +469,7 @@ def takes_two_sequences(module: nn.Module) -> bool:
 def _third_is_a_mask(module: nn.Module) -> bool:
     """Is forward's third positional parameter named like a mask?"""
     try:
-        params = [p for p in inspect.signature(module.forward).parameters.values()
+        params = [p for p in forward_signature(module).parameters.values()
                   if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
         return False
@@ -501,6 +502,13 @@ def _own(mask: object) -> object:
     """A mask tensor with storage of its own (not a view of the keep-mask it was made from, nor expanded), so that a
     module that writes into its mask in place changes nothing the doctor holds."""
     return mask.clone(memory_format=torch.contiguous_format) if isinstance(mask, Tensor) else mask
+
+
+def forward_signature(module: nn.Module) -> inspect.Signature:
+    """The signature of ``module.forward``; a compiled module's (``torch.compile``, whose forward takes ``*args,
+    **kwargs``) is the one of the module it compiled, so that its arguments keep their names."""
+    inner = getattr(module, "_orig_mod", None)
+    return inspect.signature((inner if isinstance(inner, nn.Module) else module).forward)
 
 
 _MODULE_OWN = frozenset(vars(nn.Module()))  # nn.Module's bookkeeping: parameters, submodules, hooks, training

@@ -32,6 +32,7 @@ from .caller import (
     MaskSpec,
     dependency,
     find_call_style,
+    forward_signature,
     mask_parameters,
     module_state,
     named_like_mask,
@@ -120,7 +121,7 @@ def _positions_adapter(module: nn.Module) -> tuple[Callable, str] | None:
     (an offset 0; positions 0..L-1, (B, L) for ``position_ids``), and the note that says so; None when forward
     requires none (or requires anything else, which only the user's --call can give)."""
     try:
-        params = list(inspect.signature(module.forward).parameters.values())
+        params = list(forward_signature(module).parameters.values())
     except (TypeError, ValueError):
         return None
     rest = [p for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty]
