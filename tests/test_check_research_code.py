@@ -967,3 +967,34 @@ def test_a_scripted_module_raises_nothing_inside_the_doctor():
     from selfattn.check import check
     report = check(torch.jit.script(Scriptable()))
     assert not report.doctor_errors, report.doctor_errors
+
+
+# -- a Swin window whose relative index is sliced to the tokens it gets (monai's WindowAttention) ------------------
+class SlicedWindowAttention(nn.Module):
+    def __init__(self, dim: int = 64, heads: int = 4, window_size: tuple[int, int] = (4, 4)) -> None:
+        super().__init__()
+        self.heads, self.window_size, self.scale = heads, window_size, (dim // heads) ** -0.5
+        wh, ww = window_size
+        self.relative_position_bias_table = nn.Parameter(torch.randn((2 * wh - 1) * (2 * ww - 1), heads))
+        coords = torch.stack(torch.meshgrid(torch.arange(wh), torch.arange(ww), indexing="ij")).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + torch.tensor([wh - 1, ww - 1])
+        self.register_buffer("relative_position_index", rel[..., 0] * (2 * ww - 1) + rel[..., 1])
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        attn = (q * self.scale) @ k.transpose(-2, -1)
+        index = self.relative_position_index[:n, :n].reshape(-1)  # runs at any n up to the window's tokens
+        bias = self.relative_position_bias_table[index].reshape(n, n, -1).permute(2, 0, 1)
+        attn = (attn + bias[None]).softmax(dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_window_that_runs_at_fewer_tokens_by_slicing_is_probed_at_its_window():
+    # at 7 tokens of a 4 x 4 window a one-token shift crosses a row: a 2-D relative bias is not relative along one
+    # axis, and the correct module was definition-mismatch until --length 16 (with no way out through check_model)
+    from selfattn.check import check
+    report = check(SlicedWindowAttention())
+    assert report.verdict == "passed", report.ids
+    assert report.inferred["probe shape"][1] == 16

@@ -300,6 +300,22 @@ def _window_tokens(module: nn.Module) -> set[int]:
     return found
 
 
+def _relative_window(module: nn.Module) -> int | None:
+    """The tokens of the 2-D or 3-D window (a ``window_size`` tuple, at most 256 tokens) of a module that holds a
+    relative-position table for it (Swin's ``relative_position_bias_table``), else None."""
+    tables = any("relative_position" in name for name, _ in
+                 [*module.named_parameters(), *module.named_buffers()])
+    if not tables:
+        return None
+    for m in module.modules():
+        for name, value in vars(m).items():
+            if "window" in name.lower() and isinstance(value, (tuple, list)) and 1 < len(value) <= 3 and \
+                    all(isinstance(v, int) and not isinstance(v, bool) and v > 1 for v in value) and \
+                    math.prod(value) <= 256:
+                return math.prod(value)
+    return None
+
+
 def _sizes_in(module: nn.Module) -> set[int]:
     """Sizes a module with a fixed length carries: its buffers' and parameters' dims, and products of int pairs
     among its attributes (a window of (7, 7) is 49 tokens)."""
@@ -522,6 +538,14 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         b, n, _ = (3, 7, e) if (3, 7, e) in good else min(good, key=lambda s: (s[0] < 2, s[1] > 64, s[0], s[1]))
         if _pools_tokens(module) and n < 16 and sizes.lengths is None and runs_at(call, b, 16, e, gen, dtype, device):
             n = 16  # keys pooled from the tokens (a 1-d pooling or a strided convolution): 16 tokens keep several
+        window = _relative_window(module)
+        if window is not None and n != window and sizes.lengths is None and \
+                runs_at(call, b, window, e, gen, dtype, device):
+            # a window with a 2-D relative-position table that runs at fewer tokens by slicing its index (monai's
+            # Swin): fewer tokens are no window, and along one axis its 2-D relative bias is not relative
+            n = window
+            found.notes["length"] = f"probed at {window}, the tokens of the window its relative positions are laid " \
+                                    "out for (--length states another)"
     x = _randn(gen, (b, n, e), dtype, device)
     # a layer replayed as its model calls it (check_model's adapter says which layout) keeps the model's layout: a
     # sequence-first layer the model hands (B, L, E) attends over the batch, as it does in the model
