@@ -1017,3 +1017,58 @@ def test_a_half_precision_module_is_not_blamed_for_its_float32_nan_on_an_empty_s
     for dtype in (torch.float16, torch.bfloat16):
         report = check(MHAWrapper().to(dtype))
         assert report.verdict == "passed", (dtype, report.ids)
+
+
+# -- LoFTR's full attention: "nlsh" scores, a query mask and a key mask, padded queries' rows NaN by design ---------
+class QueryKeyMaskedAttention(nn.Module):
+    """(N, L, H, D) queries, keys and values; both masks hide with -inf, so a padded query's row is NaN."""
+
+    def forward(self, queries, keys, values, q_mask=None, kv_mask=None):
+        scores = torch.einsum("nlhd,nshd->nlsh", queries, keys)
+        if q_mask is not None and kv_mask is not None:
+            scores = scores.masked_fill(~(q_mask[:, :, None, None] & kv_mask[:, None, :, None]), float("-inf"))
+        weights = torch.softmax(scores / queries.size(3) ** 0.5, dim=2)
+        return torch.einsum("nlsh,nshd->nlhd", weights, values)
+
+
+class MatchingLayer(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.attention = heads, QueryKeyMaskedAttention()
+        self.q, self.k, self.v, self.merge = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x, source, x_mask=None, source_mask=None):
+        n = x.shape[0]
+        q, k, v = (p(t).view(n, -1, self.heads, x.shape[-1] // self.heads)
+                   for p, t in ((self.q, x), (self.k, source), (self.v, source)))
+        return x + self.merge(self.attention(q, k, v, x_mask, source_mask).reshape(n, -1, x.shape[-1]))
+
+
+class Matcher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_layer, self.cross_layer = MatchingLayer(), MatchingLayer()
+
+    def forward(self, feat0, feat1, mask0, mask1):
+        feat0 = self.self_layer(feat0, feat0, mask0, mask0)
+        return self.cross_layer(feat0, feat1, mask0, mask1)
+
+
+def test_nan_rows_of_queries_a_mask_hides_are_not_misread():
+    # NaN rows made the einsum's weights unequal to the softmax's (softmax-dim on the correct module) and made the
+    # cross layer's rows look dependent on the other tokens (read as self-attention: causal-leak, non-finite)
+    from selfattn.check import check
+
+    def both_masks(m, x, mask=None):
+        heads = x.view(*x.shape[:2], 4, -1)
+        keep = None if mask is None else mask.bool()
+        return m(heads, heads, heads, q_mask=keep, kv_mask=keep).reshape(x.shape)
+
+    report = check(QueryKeyMaskedAttention(), call=both_masks, mask="keep (B,L)")
+    assert not [f for f in report.findings if f.severity == "error"], report.ids
+    torch.manual_seed(0)
+    mask0, mask1 = torch.ones(2, 12, dtype=torch.bool), torch.ones(2, 10, dtype=torch.bool)
+    mask0[1, -3:], mask1[0, -2:] = False, False
+    model = check_model(Matcher().eval(), (torch.randn(2, 12, 32), torch.randn(2, 10, 32), mask0, mask1))
+    assert "cross_layer" in model.not_self_attention, (list(model.layers), model.not_self_attention)
+    assert not any(f.severity == "error" for layer in model.layers.values() for f in layer.findings)

@@ -211,7 +211,7 @@ def _einsum_token_axes(op: Op, position: int, w: Tensor, p: Tensor, length: int)
     if eq is None or p.dim() < 3 or w.shape != p.shape or (p.shape[-2:] == (length, length) and
                                                            _weights_contracted_last(op, position, w)):
         return None
-    if not torch.allclose(w.double(), p.double(), atol=1e-6):
+    if not torch.allclose(w.double(), p.double(), atol=1e-6, equal_nan=True):  # NaN rows: queries the mask hides
         return None
     (sa, sb), out = eq
     subs, other = (sa, sb) if position == 0 else (sb, sa)
