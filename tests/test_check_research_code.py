@@ -1072,3 +1072,38 @@ def test_nan_rows_of_queries_a_mask_hides_are_not_misread():
     model = check_model(Matcher().eval(), (torch.randn(2, 12, 32), torch.randn(2, 10, 32), mask0, mask1))
     assert "cross_layer" in model.not_self_attention, (list(model.layers), model.not_self_attention)
     assert not any(f.severity == "error" for layer in model.layers.values() for f in layer.findings)
+
+
+# -- a model's padding given as `mask` (True = padding), its layers' wrapper dropping it ----------------------------
+class PaddingWrapper(nn.Module):
+    def __init__(self, drops: bool) -> None:
+        super().__init__()
+        self.self_attn, self.drops = nn.MultiheadAttention(32, 4, batch_first=True), drops
+
+    def forward(self, x, key_padding_mask=None):
+        given = None if self.drops else key_padding_mask
+        return self.self_attn(x, x, x, key_padding_mask=given, need_weights=False)[0]
+
+
+class PreNormStack(nn.Module):
+    def __init__(self, drops: bool = False) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(32) for _ in range(2))
+        self.layers = nn.ModuleList(PaddingWrapper(drops) for _ in range(2))
+
+    def forward(self, x, mask=None):
+        for norm, layer in zip(self.norms, self.layers, strict=True):
+            x = x + layer(norm(x), key_padding_mask=mask)
+        return x
+
+
+def test_a_models_padding_under_a_name_with_no_polarity_is_read_and_judged():
+    # `mask` True = padding was read 1 = token, which left no item a token: no padding known, and a wrapper that
+    # drops the mask before its attention was certified
+    torch.manual_seed(0)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    x = torch.randn(2, 7, 32)
+    assert check_model(PreNormStack().eval(), (x, pad)).verdict == "passed"
+    report = check_model(PreNormStack(drops=True).eval(), (x, pad))
+    assert all("mask-ignored" in layer.ids for layer in report.layers.values()), report.summary()

@@ -959,6 +959,10 @@ def _padding(kwargs: dict) -> Tensor | None:
         pad = value.bool() if "padding" in key else ~value.bool()
         if bool(pad.any()) and bool((~pad).any(-1).all()):
             return pad
+        if "padding" not in key and "attention" not in key and _at_the_ends(~pad):
+            # a name that says no polarity (`mask`): True = padding, as torch's key_padding_mask, when that is the
+            # reading that pads a run at one end of some items and leaves every item a token
+            return ~pad
     tokens = next((v for v in kwargs.values() if isinstance(v, Tensor) and v.dim() == 2 and not v.is_floating_point()),
                   None)  # token ids (B, L) beside each item's length (d2l's valid_lens)
     for key, value in kwargs.items():
@@ -972,6 +976,14 @@ def _padding(kwargs: dict) -> Tensor | None:
                 if bool(pad.any()) and bool((~pad).any(-1).all()) and bool((held == held[0]).all()):
                     return pad.cpu()
     return None
+
+
+def _at_the_ends(pad: Tensor) -> bool:
+    """Does (B, L) bool ``pad`` pad a run at one end of some items, and leave every item a token?"""
+    if not bool(pad.any()) or not bool((~pad).any(-1).all()):
+        return False
+    return all(not at or (at == list(range(at[0], at[-1] + 1)) and (at[0] == 0 or at[-1] == len(item) - 1))
+               for item in pad for at in [item.nonzero().flatten().tolist()])
 
 
 def _padding_of_ids(model: nn.Module, kwargs: dict) -> Tensor | None:
