@@ -1107,3 +1107,38 @@ def test_a_models_padding_under_a_name_with_no_polarity_is_read_and_judged():
     assert check_model(PreNormStack().eval(), (x, pad)).verdict == "passed"
     report = check_model(PreNormStack(drops=True).eval(), (x, pad))
     assert all("mask-ignored" in layer.ids for layer in report.layers.values()), report.summary()
+
+
+# -- a layer that transposes its model's additive causal mask (it sees the future only) ------------------------------
+class TransposedMaskAttention(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attention_mask):
+        q, k, v = (t.unflatten(-1, (self.heads, -1)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]) + attention_mask.transpose(-1, -2)
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).flatten(2))
+
+
+class TransposedMaskLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(40, 32)
+        self.layers = nn.ModuleList(TransposedMaskAttention() for _ in range(2))
+
+    def forward(self, tokens):
+        h, t = self.embed(tokens), tokens.shape[1]
+        bias = torch.full((t, t), torch.finfo(h.dtype).min).triu(1)[None, None]
+        for layer in self.layers:
+            h = h + layer(h, bias)
+        return h
+
+
+def test_a_model_whose_attention_sees_the_future_only_is_not_read_sequence_first():
+    # a change at token 0 reached row 0 alone, as an item's would in a sequence-first model: the model was read
+    # (L, B), and its layers' causal leak was batch-mixing
+    torch.manual_seed(0)
+    report = check_model(TransposedMaskLM().eval(), torch.randint(0, 40, (2, 7)))
+    for name, layer in report.layers.items():
+        assert "causal-leak" in layer.ids and "batch-mixing" not in layer.ids, (name, layer.ids)
