@@ -221,6 +221,8 @@ def _einsum_token_axes(op: Op, position: int, w: Tensor, p: Tensor, length: int)
     kept = [i for i, c in enumerate(subs) if c in out and p.shape[i] == length]
     if len(contracted) != 1 or p.shape[subs.index(contracted[0])] < length or len(kept) != 1:
         return None  # (more keys than tokens: a memory of earlier segments, Transformer-XL's, read as extra keys)
+    if (kept[0], subs.index(contracted[0])) == (p.dim() - 2, p.dim() - 1):
+        return None  # the tokens last already (keys beside memory ones: read as such below)
     return kept[0], subs.index(contracted[0])
 
 

@@ -521,7 +521,8 @@ def _unpackings_of(cls: type) -> tuple[_Unpacking, ...]:
     for fn in sources:
         try:
             lines, first = inspect.getsourcelines(fn)  # type: ignore[arg-type]
-            file = inspect.getsourcefile(fn) or ""  # type: ignore[arg-type]
+            # the name the interpreter runs it under, as the line tracer sees it
+            file = getattr(getattr(fn, "__code__", None), "co_filename", "")
         except Exception:
             continue
         text = "".join(lines)
