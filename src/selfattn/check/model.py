@@ -1011,9 +1011,7 @@ def _padding_of_ids(model: nn.Module, kwargs: dict) -> Tensor | None:
             # a run of two or more somewhere: one id at an item's end may be a token drawn at random
             if int(pad.sum(-1).max()) < 2 or not bool((~pad).any(-1).all()):
                 continue
-            ends = all(not at or (at == list(range(at[0], at[-1] + 1)) and (at[0] == 0 or at[-1] == len(item) - 1))
-                       for item in pad for at in [item.nonzero().flatten().tolist()])
-            if ends:
+            if _at_the_ends(pad):
                 return pad
     return None
 
