@@ -1010,6 +1010,21 @@ class MHAWrapper(nn.Module):
         return self.self_attn(x, x, x, key_padding_mask=key_padding_mask, need_weights=False)[0]
 
 
+class CausalMHAWrapper(MHAWrapper):
+    def forward(self, x, key_padding_mask=None):
+        future = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        return self.self_attn(x, x, x, attn_mask=future, key_padding_mask=key_padding_mask, need_weights=False)[0]
+
+
+def test_a_causal_half_precision_mha_is_analysed_in_its_float64_copy():
+    # its fast path took a (B, L, L) key_padding_mask the float64 copy's path refuses: "its float64 copy reads masks
+    # differently", the white box ran in bfloat16, and its rounding missed the formula (definition-mismatch)
+    from selfattn.check import check
+    report = check(CausalMHAWrapper().to(torch.bfloat16))
+    assert report.verdict == "passed", report.ids
+    assert report.inferred["analysed in"] == "a float64 copy"
+
+
 def test_a_half_precision_module_is_not_blamed_for_its_float32_nan_on_an_empty_sequence():
     # its fast path gives NaN on an item that is all padding in every dtype; the float64 reference, run another way,
     # did not: half-precision-overflow on a correct module held in float16
