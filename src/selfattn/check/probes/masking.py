@@ -559,6 +559,24 @@ def _candidates(ctx: Context) -> list[Caller]:
                       for kind in kinds]
 
 
+class _Plain(TorchFunctionMode):
+    """Every torch function as it is; a mode on the stack turns torch's fused inference paths off, as the float64
+    copy's run has them off."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return func(*args, **(kwargs or {}))
+
+
+def _refused_on_the_other_path(native: Caller, x: Tensor, keep: Tensor) -> bool:
+    """Does the module itself refuse this mask when its fused paths are off (as they are for its float64 copy)?"""
+    try:
+        with torch.no_grad(), _Plain():
+            native(x, native.module_mask(keep))
+    except Exception:
+        return True
+    return False
+
+
 def twin_reads_masks_alike(ctx: Context) -> bool:
     """Does the float64 copy give what the module gives under the masks it accepts? (A module that branches on
     its dtype, dropping its mask outside float32, must be analysed as it is.)"""
@@ -566,7 +584,6 @@ def twin_reads_masks_alike(ctx: Context) -> bool:
         return True
     b, length, _ = ctx.x.shape
     kinds: dict[str, int] = {}  # the masks compared, by kind: a dtype branch drops every form of a kind alike
-    refused = compared = False
     for native in _candidates(ctx):
         kind = native.spec.kind if native.spec is not None else ""
         if kinds.get(kind, 0) >= 2:
@@ -582,10 +599,11 @@ def twin_reads_masks_alike(ctx: Context) -> bool:
         try:
             with torch.no_grad():
                 out64 = twin(ctx.analysis_x, twin.module_mask(keep))
-        except Exception:  # a mask the module takes and its copy refuses (GPT-2's upcast asserts float32 weights;
-            refused = True  # nn.MultiheadAttention's fast path takes a 3-D key_padding_mask its other path refuses)
-            continue
-        compared = True
+        except Exception:  # a mask the module takes and its copy refuses (GPT-2's upcast asserts float32 weights)
+            if not _refused_on_the_other_path(native, ctx.x, keep):
+                return False
+            continue  # nn.MultiheadAttention's fast path takes a 3-D key_padding_mask its other path refuses: the
+            # module refuses it too when run as its copy is (under a function mode, which turns fast paths off)
         if out.shape != out64.shape or not torch.isfinite(out).all():
             continue
         # rows the copy leaves NaN where the module does not (every key hidden: torch's MultiheadAttention gives NaN
@@ -593,7 +611,7 @@ def twin_reads_masks_alike(ctx: Context) -> bool:
         finite = torch.isfinite(out64).all(-1, keepdim=True).expand_as(out64)
         if bool(finite.any()) and not close(out64[finite], out.to(out64.device)[finite], 64 * ctx.rtol):
             return False
-    return compared or not refused  # a copy that refuses every mask the module takes reads none alike
+    return True
 
 
 def _replaces_its_own(caller: Caller, x: Tensor, plain: Tensor, dep: Tensor) -> bool:
