@@ -563,7 +563,7 @@ class _Plain(TorchFunctionMode):
     """Every torch function as it is; a mode on the stack turns torch's fused inference paths off, as the float64
     copy's run has them off."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         return func(*args, **(kwargs or {}))
 
 
