@@ -1157,3 +1157,42 @@ def test_a_model_whose_attention_sees_the_future_only_is_not_read_sequence_first
     report = check_model(TransposedMaskLM().eval(), torch.randint(0, 40, (2, 7)))
     for name, layer in report.layers.items():
         assert "causal-leak" in layer.ids and "batch-mixing" not in layer.ids, (name, layer.ids)
+
+
+# -- BERT-pytorch's layout: q, k and v as three clones in a list, the output projection apart -----------------------
+class ThreeClones(nn.Module):
+    def __init__(self, h: int = 4, d_model: int = 32, apply_output: bool = True) -> None:
+        super().__init__()
+        self.h, self.d_k, self.apply_output = h, d_model // h, apply_output
+        self.linear_layers = nn.ModuleList(nn.Linear(d_model, d_model) for _ in range(3))
+        self.output_linear = nn.Linear(d_model, d_model)
+
+    def forward(self, x):
+        n = x.size(0)
+        q, k, v = (lin(x).view(n, -1, self.h, self.d_k).transpose(1, 2) for lin in self.linear_layers)
+        out = ((q @ k.transpose(-2, -1) / math.sqrt(self.d_k)).softmax(-1) @ v).transpose(1, 2).reshape(n, -1,
+                                                                                                      self.h * self.d_k)
+        return self.output_linear(out) if self.apply_output else out
+
+
+def test_an_output_projection_apart_from_three_cloned_ones_never_applied_is_named():
+    from selfattn.check import check
+    assert check(ThreeClones()).verdict == "passed"
+    assert check(ThreeClones(apply_output=False)).ids == {"no-grad"}
+
+
+# -- a model taking its padding through **kwargs -------------------------------------------------------------------
+class KeywordPaddingStack(PreNormStack):
+    def forward(self, x, **inputs):
+        return super().forward(x, inputs.get("mask"))
+
+
+def test_a_models_padding_given_through_its_keyword_arguments_is_read():
+    # forward(x, **inputs) bound the padding under "inputs": no padding known, a dropped mask certified
+    torch.manual_seed(0)
+    pad = torch.zeros(2, 7, dtype=torch.bool)
+    pad[1, 5:] = True
+    x = torch.randn(2, 7, 32)
+    model = KeywordPaddingStack(drops=True).eval()
+    report = check_model(model, {"x": x, "mask": pad})
+    assert all("mask-ignored" in layer.ids for layer in report.layers.values()), report.summary()

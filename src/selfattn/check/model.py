@@ -1686,7 +1686,11 @@ def _checked(model: nn.Module, example_inputs: object, layers: int | Sequence[st
                                       "keeps the width; check the module alone with --call")
     args, kwargs = _inputs(example_inputs)
     try:  # the model's inputs by name, positional ones too
-        named = dict(inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments)
+        signature = inspect.signature(model.forward)
+        named = dict(signature.bind_partial(*args, **kwargs).arguments)
+        for name, param in signature.parameters.items():  # what a forward(..., **kw) takes by name, by its name
+            if param.kind is param.VAR_KEYWORD and isinstance(named.get(name), dict):
+                named = {**{k: v for k, v in named.items() if k != name}, **named[name]}
     except (TypeError, ValueError):
         named = kwargs
     pad = _padding(named)

@@ -478,6 +478,9 @@ def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
             if isinstance(child, nn.ModuleList) and any(_linear(c) and id(c.weight) in used
                                                         for c in child):
                 roles.add(_projection_role(f"{name}.0"))  # per-head projections (TFT's q_layers, k_layers)
+                if len(child) == 3 and all(isinstance(c, nn.Linear) and c.weight.shape == child[0].weight.shape
+                                           for c in child) and sum(id(c.weight) in used for c in child) >= 2:
+                    roles.add("qk")  # q, k and v as clones in a list, the output projection apart (BERT-pytorch's)
                 continue
             if not _linear(child):  # an attention core of the block's: its projections count too
                 inner = [(n, _unwrapped(c)) for n, c in child.named_children()]
