@@ -42,10 +42,10 @@ class EinopsMasked(nn.Module):
 
     def forward(self, x, mask=None):
         q, k, v = (rearrange(t, "b n (h d) -> b h n d", h=self.heads) for t in self.to_qkv(x).chunk(3, dim=-1))
-        dots = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
+        dots = torch.einsum("bhid,bhjd->bhij", q, k) * (1.0 if "missing-scale" in self.bugs else q.shape[-1] ** -0.5)
         if mask is not None and "mask-ignored" not in self.bugs:  # the bug: the mask is taken and never applied
             dots = dots.masked_fill(~mask[:, None, None, :], -torch.finfo(dots.dtype).max)
-        attn = dots.softmax(dim=-1)
+        attn = dots.softmax(dim=-2 if "softmax-dim" in self.bugs else -1)
         spelled = "bhji,bhjd->bhid" if "matmul-order" in self.bugs else "bhij,bhjd->bhid"
         out = torch.einsum(spelled, attn, v)
         return self.to_out(rearrange(out, "b h n d -> b n (h d)"))
@@ -103,6 +103,8 @@ class GroupedRotary(nn.Module):
 CASES = [
     (CausalSDPA, {"causal": True, "mask_convention": "keep"}, ("causal-leak", "missing-scale")),
     (EinopsMasked, {"mask_convention": "keep"}, ("mask-ignored", "matmul-order")),
+    (EinopsMasked, {"mask_convention": "keep"}, ("matmul-order", "missing-scale")),
+    (EinopsMasked, {"mask_convention": "keep"}, ("softmax-dim", "missing-scale")),
     (GroupedRotary, {"causal": True}, ("rotary-one-side", "group-mismatch")),
     (GroupedRotary, {"causal": True}, ("rotary-mismatch", "missing-scale")),
 ]

@@ -1664,7 +1664,11 @@ def _own_key_sunk(t: Tensor, seen: Tensor) -> float:
 def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                   expected: Callable[[int], float | None], keep: Tensor | None = None,
                   batch: int = 1, inputs: frozenset[int] = frozenset(), local: bool = False,
-                  scores_only: bool = False, partner: Callable[[], Trace | None] | None = None) -> Verdict | None:
+                  scores_only: bool = False, partner: Callable[[], Trace | None] | None = None,
+                  apart: bool = False) -> Verdict | None:
+    """The verdict of one softmax and the products around it. ``apart``: the softmax's axis and the values product's
+    order are taken as right, so that the rest (the scale, the operands' roles, the merge, the rotation) is read
+    beside a bug in them (:func:`_read_apart`)."""
     p = sm.outputs[0]
     after = _product_after(trace, sm.out_ids[0])
     if after is None:
@@ -1722,16 +1726,23 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                            "together, not over the keys", **evidence})
         p, s, dim = p.reshape(w.shape), s.reshape(w.shape), w.dim() - 1
     axes = _einsum_token_axes(pv, position, w, p, length)
+    if axes is not None and apart and dim == axes[0] and _softmax_over_keys(trace, sm, dim):
+        axes = None  # the weights read as the softmax made them, the order taken as right
+    elif axes is not None and apart:
+        dim = axes[1]  # the softmax taken as over the keys
     if axes is not None:  # an einsum layout with the tokens elsewhere ("ijbh": sequence first): move them last
         if dim == axes[0] and _softmax_over_keys(trace, sm, dim):  # the product contracts the queries instead
-            return Verdict(MATMUL_ORDER, {"matches": f"the product with the values contracts the queries (dim "
-                                            f"{axes[1]} of the weights) while the softmax runs over the keys (dim "
-                                            f"{dim}, from the key operand of the scores): weights transposed before "
-                                            "V", **evidence})
+            transposed = Verdict(MATMUL_ORDER, {"matches": f"the product with the values contracts the queries (dim "
+                                                f"{axes[1]} of the weights) while the softmax runs over the keys "
+                                                f"(dim {dim}, from the key operand of the scores): weights "
+                                                "transposed before V", **evidence})
+            return _joined([transposed, _read_apart(trace, sm, final, width, length, expected, batch, inputs,
+                                                    local)])
         if dim != axes[1]:
-            return Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d weights, not over "
-                                           f"the keys (dim {axes[1]}, the axis the product with the values "
-                                           "contracts)", **evidence})
+            wrong_dim = Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d weights, not "
+                                                f"over the keys (dim {axes[1]}, the axis the product with the "
+                                                "values contracts)", **evidence})
+            return _joined([wrong_dim, _read_apart(trace, sm, final, width, length, expected, batch, inputs, local)])
         facts["layout"] = f"einsum {pv.args[0]!r}: the weights' query and key axes are dims {axes[0]} and {axes[1]}"
         p, s, w, dim = (p.movedim(axes, (-2, -1)), s.movedim(axes, (-2, -1)), p.movedim(axes, (-2, -1)),
                         p.dim() - 1)
@@ -1791,9 +1802,12 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     elif p.dim() < 2 or p.shape[-1] != length or p.shape[-2] != length:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights are {tuple(p.shape[-2:])} over axes that are "
                                                f"not the {length} tokens ({_other_axes(p, length)})", **evidence})
-    if dim != p.dim() - 1:
-        return Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
-                                       "the keys (the last dim)", **evidence})
+    if dim != p.dim() - 1 and apart:
+        dim = p.dim() - 1
+    elif dim != p.dim() - 1:
+        wrong_dim = Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
+                                            "the keys (the last dim)", **evidence})
+        return _joined([wrong_dim, _read_apart(trace, sm, final, width, length, expected, batch, inputs, local)])
     if passed:  # weights zeroed where the mask hides (ESPnet's softmax(...).masked_fill(hidden, 0)): rows with no
         p = _zeroed_as(w, p)  # visible key become 0; elsewhere a no-op when the scores were masked before the softmax
         factor = _one_factor(w, p)
@@ -1834,8 +1848,10 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         order = Verdict(MATMUL_ORDER, {"matches": how, **evidence})
     elif orientation == "transposed" and not channels_first:
         order = Verdict(MATMUL_ORDER, {"matches": "weights transposed before V", **evidence})
-    if order is not None and keep is None:
-        return order
+    if order is not None and apart:
+        order = None
+    elif order is not None and keep is None:
+        return _joined([order, _read_apart(trace, sm, final, width, length, expected, batch, inputs, local)])
     if channels_first:
         facts["layout"] = "the values product is V^T W^T (channels first): the transpose of W V"
     try:
@@ -2042,6 +2058,19 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     return Verdict(None, {"formula": f"softmax({'capped ' if 'tanh' in names else ''}c Q K^T"
                                      f"{' + T' if 'position term' in facts else ''}) V from the operands of its "
                                      f"products; {said}", **evidence}, facts)
+
+
+def _read_apart(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
+                expected: Callable[[int], float | None], batch: int, inputs: frozenset[int],
+                local: bool) -> Verdict | None:
+    """Beside a softmax over the wrong axis or weights multiplied the wrong way: the bug the rest of the core
+    follows (a scale slip, an operand's role, the merge, the rotation), read with that axis and order taken as
+    right; None when there is none or it cannot be read."""
+    try:
+        found = _softmax_core(trace, sm, final, width, length, expected, None, batch, inputs, local, apart=True)
+    except Exception:  # what cannot be read apart leaves the first bug alone
+        return None
+    return found if found is not None and found.fid is not None else None
 
 
 def _rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:
