@@ -122,3 +122,27 @@ def test_each_of_two_bugs_is_named(module, options, bugs):
     both = check(module(bugs=frozenset(bugs)), **options)
     assert set(bugs) <= both.ids, both.ids
 
+
+
+class UnscaledWithValueNorm(nn.Module):
+    """Gemma's attention: no scale on the scores by design, q, k and v each RMS-normalised (v with no gain)."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.qkv, self.o = heads, nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+
+    @staticmethod
+    def _norm(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.pow(x.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5)
+
+    def forward(self, x):
+        q, k, v = (self._norm(t.unflatten(-1, (self.heads, -1))).transpose(1, 2)
+                   for t in self.qkv(x).chunk(3, dim=-1))
+        return self.o((q @ k.transpose(-1, -2)).softmax(-1).matmul(v).transpose(1, 2).flatten(2))
+
+
+def test_a_norm_on_the_values_is_no_second_bug_beside_a_first():
+    # read beside the missing scale, the values' own per-token factor was values-changed
+    torch.manual_seed(0)
+    assert check(UnscaledWithValueNorm()).ids == {"missing-scale"}
+    assert check(UnscaledWithValueNorm(), scale=1.0).verdict == "passed"

@@ -867,6 +867,13 @@ def _values_verdict(trace: Trace, vid: int, evidence: dict, facts: dict,
             facts["values"] = ("V plus a detached term (x + (q(x) - x).detach(): a straight-through estimator, as "
                                "quantization-aware training writes it): its forward is q(x), its gradient x's")
             return None
+        scale = trace.value(other) if other is not None else None
+        own = frozenset({trace.identity(main)}) if main is not None else frozenset()
+        if op.name in ("mul", "rmul", "mul_", "imul") and own and scale is not None and scale.dim() >= 1 and \
+                scale.shape[-1] == 1 and other is not None and _depends_on(trace, other, own):
+            # one factor per token computed from V itself (x * (mean(x^2) + eps) ** -0.5: Gemma's v_norm)
+            facts["values"] = "V is normalised after its projection (each token scaled by a factor of its own)"
+            return None
         if other is not None and main is not None and inputs and _depends_on(trace, other, inputs) and \
                 _depends_on(trace, main, inputs):
             return Verdict(VALUES_CHANGED, {"matches": f"the values are changed by a term computed from the input "
