@@ -2077,7 +2077,17 @@ def _read_apart(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         found = _softmax_core(trace, sm, final, width, length, expected, None, batch, inputs, local, apart=True)
     except Exception:  # what cannot be read apart leaves the first bug alone
         return None
-    return found if found is not None and found.fid is not None else None
+    if found is None or found.fid is None:
+        return None
+    # what does not depend on the weights' axis or order: the scale, the rotation, the kv groups, the values (a merge
+    # read past weights multiplied the wrong way is not the module's own)
+    kept = [v for v in (found, *found.also) if v.fid in _APART]
+    for v in kept:
+        v.also = []
+    return _joined(list(kept))
+
+
+_APART = frozenset({MISSING_SCALE, WRONG_SCALE, ROTARY_ONE_SIDE, ROTARY_MISMATCH, GROUP_MISMATCH, VALUES_CHANGED})
 
 
 def _rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:
