@@ -948,9 +948,9 @@ def _rows_independent(layer: Layer, module: nn.Module) -> bool:
                         return False
                     others = torch.tensor([i for i in range(a.shape[dim]) if i != at], dtype=torch.long)
                     kept_a, kept_b = a.index_select(dim, others.to(a.device)), b.index_select(dim, others.to(b.device))
-                    # NaN where it was NaN is unchanged (a query the mask hides entirely, LoFTR's padded rows); rows
-                    # all NaN say nothing (NaN an earlier layer spread everywhere)
-                    if not bool(torch.isfinite(kept_a).any()) or \
+                    # NaN where it was NaN is unchanged (a query the mask hides entirely, LoFTR's padded rows); an
+                    # output all NaN says nothing (NaN an earlier layer spread everywhere)
+                    if not bool(torch.isfinite(a).any()) or \
                             not bool(((kept_a == kept_b) | (kept_a.isnan() & kept_b.isnan())).all()):
                         return False
     except Exception:  # the doctor's own run will say what fails
