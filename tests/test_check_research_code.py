@@ -1060,12 +1060,14 @@ class MatchingLayer(nn.Module):
 
 
 class Matcher(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, both: bool = False) -> None:
         super().__init__()
-        self.self_layer, self.cross_layer = MatchingLayer(), MatchingLayer()
+        self.self_layer, self.cross_layer, self.both = MatchingLayer(), MatchingLayer(), both
 
     def forward(self, feat0, feat1, mask0, mask1):
         feat0 = self.self_layer(feat0, feat0, mask0, mask0)
+        if self.both:  # LoFTR's order: each side through the self layer first, so the source's padded rows are NaN
+            feat1 = self.self_layer(feat1, feat1, mask1, mask1)
         return self.cross_layer(feat0, feat1, mask0, mask1)
 
 
@@ -1087,6 +1089,10 @@ def test_nan_rows_of_queries_a_mask_hides_are_not_misread():
     model = check_model(Matcher().eval(), (torch.randn(2, 12, 32), torch.randn(2, 10, 32), mask0, mask1))
     assert "cross_layer" in model.not_self_attention, (list(model.layers), model.not_self_attention)
     assert not any(f.severity == "error" for layer in model.layers.values() for f in layer.findings)
+    # the source's NaN padded rows reach every row of one item (weights 0 times NaN values): that item's output all
+    # NaN, the other's not, and the layer is still told for a cross-attention
+    both = check_model(Matcher(both=True).eval(), (torch.randn(2, 12, 32), torch.randn(2, 10, 32), mask0, mask1))
+    assert "cross_layer" in both.not_self_attention, (list(both.layers), both.not_self_attention)
 
 
 # -- a model's padding given as `mask` (True = padding), its layers' wrapper dropping it ----------------------------
