@@ -713,6 +713,47 @@ def test_a_windows_token_count_equal_to_the_head_dim_is_its_length():
     assert check(SmallWindowAttention()).verdict == "passed"
 
 
+class PairBiasAtHeadDim(nn.Module):
+    """A learned (H, L, L) score bias over a fixed 16 tokens, added without slicing; the head dim is 16 too."""
+
+    def __init__(self, dim=32, heads=2, length=16):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.pair_bias = nn.Parameter(torch.randn(heads, length, length) * 0.1)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(c // self.heads) + self.pair_bias
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class QueriesTransposedAtHeadDim(nn.Module):
+    """q^T k: (d, d) scores that multiply V only when the length equals the head dim."""
+
+    def __init__(self, dim=32, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q.transpose(-2, -1) @ k / math.sqrt(c // self.heads)
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_table_over_token_pairs_at_the_head_dim_fixes_the_length():
+    # it ran only at 16 tokens, also the head dim, and was read as sizes matching by accident (shape-dependent)
+    # although its (H, 16, 16) bias says the length; a product that needs L = d is still that
+    from selfattn.check import check
+    report = check(PairBiasAtHeadDim())
+    assert report.verdict == "passed", report.ids
+    assert "pair_bias" in report.inferred["length"]
+    assert "shape-dependent" in check(QueriesTransposedAtHeadDim()).ids
+
+
 class IndexedKeyFirstOverQueries(KeyFirstFusedAttention):
     """Unpacked key first by indexing, with the softmax over the queries."""
 

@@ -300,6 +300,19 @@ def _window_tokens(module: nn.Module) -> set[int]:
     return found
 
 
+def _pair_table(module: nn.Module, n: int) -> str | None:
+    """The name of a tensor the module holds over n x n token pairs (a learned (H, n, n) score bias, an (n, n) mask
+    buffer), outside its linear and convolution layers, whose (d, d) weights a per-head projection may hold; else
+    None."""
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Linear, nn.modules.conv._ConvNd, nn.Embedding)):
+            continue
+        for own, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            if t.dim() >= 2 and t.shape[-1] == t.shape[-2] == n:
+                return f"{name}.{own}" if name else own
+    return None
+
+
 def _relative_window(module: nn.Module) -> int | None:
     """The tokens of the 2-D or 3-D window (a ``window_size`` tuple, at most 256 tokens) of a module that holds a
     relative-position table for it (Swin's ``relative_position_bias_table``), else None."""
@@ -485,8 +498,12 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
                 call, n = square
                 notes["length"] = f"runs only at square lengths among those tried (a grid of tokens it lays out " \
                                   f"itself); probed at {n}; --length states it"
+            table = _pair_table(module, n) if n in lined_up else None
             if n in lined_up and n in _window_tokens(module):  # a window's tokens (Swin's 4 x 4 at head dim 16)
                 notes["length"] = f"runs only at length {n}, the tokens of its window (--length states it)"
+            elif table is not None:  # a learned bias over n x n token pairs fixes the length, whatever the head dim
+                notes["length"] = f"runs only at length {n}, the size of its table over token pairs ({table}; " \
+                                  "--length states it)"
             elif n in lined_up:  # a product whose sizes match only by accident: L x D where D x L was meant
                 coincidence = f"it runs only when the length equals a head count or head dim ({n}): a product whose " \
                               "sizes match only by accident (a transpose missing?); a module with a fixed length " \
