@@ -100,7 +100,37 @@ class GroupedRotary(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
+# -- nanoGPT style: a causal (L, L) buffer, the softmax written out --------------------------------------------------
+class CausalBuffer(nn.Module):
+    def __init__(self, dim: int = 32, heads: int = 4, block: int = 16, bugs: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.heads, self.bugs = heads, bugs
+        self.c_attn, self.c_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.register_buffer("bias", torch.ones(block, block, dtype=torch.bool).tril())
+
+    def forward(self, x):
+        b, t, e = x.shape
+        q, k, v = self.c_attn(x).split(e, dim=2)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        att = q @ k.transpose(-2, -1) * (1.0 if "missing-scale" in self.bugs else k.size(-1) ** -0.5)
+        future = ~self.bias[:t, :t]
+        if "causal-leak" in self.bugs:  # the bug: the mask one token late (each query sees the next)
+            future = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(2)
+        if "mask-after-softmax" not in self.bugs:
+            att = att.masked_fill(future, float("-inf"))
+        att = att.softmax(dim=-2 if "softmax-dim" in self.bugs else -1)
+        if "mask-after-softmax" in self.bugs:  # the bug: the future zeroed after the softmax, rows not renormalised
+            att = att.masked_fill(future, 0.0)
+        out = att @ v
+        if "head-merge" in self.bugs:  # the bug: heads merged without the transpose back
+            return self.c_proj(out.reshape(b, t, e))
+        return self.c_proj(out.transpose(1, 2).reshape(b, t, e))
+
+
 CASES = [
+    (CausalBuffer, {"causal": True}, ("softmax-dim", "mask-after-softmax")),
+    (CausalBuffer, {"causal": True}, ("mask-after-softmax", "missing-scale")),
+    (CausalBuffer, {"causal": True}, ("head-merge", "causal-leak")),
     (CausalSDPA, {"causal": True, "mask_convention": "keep"}, ("causal-leak", "missing-scale")),
     (EinopsMasked, {"mask_convention": "keep"}, ("mask-ignored", "matmul-order")),
     (EinopsMasked, {"mask_convention": "keep"}, ("matmul-order", "missing-scale")),

@@ -125,7 +125,7 @@ MASK_INVERTED = _error("mask-inverted", "the mask works the other way round (dec
                        ("mask-ignored",))
 MASK_AFTER_SOFTMAX = _error("mask-after-softmax", "the mask multiplied or added into the weights after the softmax",
                             "Mask the scores before the softmax, so the weights of visible keys sum to 1.",
-                            ("mask-ignored",))
+                            ("mask-ignored", "causal-leak", "not-equivariant"))  # hidden keys stay in the sum
 MASK_BROADCAST = _error("mask-broadcast", "a (B, L) key mask spread over the query axis ((B, 1, L, 1))",
                         "A (B, L) key mask hides keys: reshape it to (B, 1, 1, L) (mask[:, None, None, :]), not "
                         "(B, 1, L, 1), so it broadcasts over the query axis.", ("mask-ignored", "nan-on-masked-row"))

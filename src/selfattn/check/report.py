@@ -99,7 +99,8 @@ class Report:
 
 
 def merge(findings: Iterable[Finding]) -> list[Finding]:
-    """Keep the first finding of each id and fold the symptoms a diagnosis explains into it.
+    """Keep the first finding of each id (a direct one before a symptom) and fold the symptoms a diagnosis explains
+    into it.
 
     Args:
         findings: in the order the probes reported them.
@@ -110,7 +111,8 @@ def merge(findings: Iterable[Finding]) -> list[Finding]:
     """
     by_id: dict[str, Finding] = {}
     for f in findings:
-        by_id.setdefault(f.id, f)
+        if by_id.setdefault(f.id, f) is not f and f.direct and not by_id[f.id].direct:
+            by_id[f.id] = f  # the bug itself, seen by a later probe: what the id's symptom stands for
     for fid, explained in EXPLAINS.items():
         if fid in by_id:
             for other in sorted(explained & set(by_id)):

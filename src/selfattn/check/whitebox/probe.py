@@ -289,7 +289,8 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
                 verdict, why = None, absolute
         if verdict is None and absolute is None:
             verdict, why = _by_operands(trace, out, e, x.shape[1], stated, why, k4, frozenset({id(x)}),
-                                        local=not bool(dep.all()), partner=_other_tokens(module, call, x))
+                                        local=not bool(dep.all()), partner=_other_tokens(module, call, x),
+                                        causal=ctx.causal and sent is None)
             if verdict is not None and verdict[0] == DEFINITION_MISMATCH:  # no formula: the same as none found
                 why, verdict = verdict[1]["matches"], None
         if verdict is None and label == "with a padding mask" and _unpadded(trace, x.shape[1]):
@@ -337,8 +338,9 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
             findings.append(Finding.of(fid, f"the output follows a known bug ({label}): {evidence['matches']}",
                                        evidence))
         for other, other_evidence in also:  # read apart from the first: a bug of another kind, named too
+            direct = bool(other_evidence.pop("_direct", False))  # seen itself: no symptom of the first
             findings.append(Finding.of(other, f"the output also follows a known bug ({label}): "
-                                       f"{other_evidence['matches']}", other_evidence))
+                                       f"{other_evidence['matches']}", other_evidence, direct=direct))
             results[label] += f"; and {other}: {other_evidence.get('matches')}"
         if fid is None and str(evidence.get("compared with", "")).endswith(AFTER.split("{name}")[1]):
             facts["after the attention"] = evidence["compared with"]
@@ -583,10 +585,12 @@ def _other_tokens(module: nn.Module, call: Callable[..., Tensor], x: Tensor) -> 
 
 def _by_operands(trace, out: Tensor, width: int, length: int, stated: Callable[[int], float | None],
                  before: str, keep: Tensor | None, inputs: frozenset[int],
-                 local: bool = False, partner: Callable[[], Trace | None] | None = None) -> tuple[tuple | None, str]:
+                 local: bool = False, partner: Callable[[], Trace | None] | None = None,
+                 causal: bool = False) -> tuple[tuple | None, str]:
     """The verdict of the attention's own products (the first bug among its cores, else the definition)."""
     try:
-        verdicts = examine_cores(trace, out, width, length, stated, keep, out.shape[0], inputs, local, partner)
+        verdicts = examine_cores(trace, out, width, length, stated, keep, out.shape[0], inputs, local, partner,
+                                 causal)
     except Unseen as err:  # no formula can be judged, from the projections either: their fit missed a hidden step
         return None, f"not seen: {err}"
     except Unrecognised as err:

@@ -1470,6 +1470,19 @@ def _other_queries(trace: Trace, op: Op, length: int) -> int:
     return most
 
 
+def _future_seen(hidden: Tensor, length: int) -> str | None:
+    """Which future keys the scores of a causal module leave visible, read from the scores alone ((..., L, L) bool,
+    True where masked); None when every score hides the whole future."""
+    if hidden.dim() < 2 or tuple(hidden.shape[-2:]) != (length, length):
+        return None
+    future = torch.ones(length, length, dtype=torch.bool, device=hidden.device).triu(1)
+    seen = (future & ~hidden.reshape(-1, length, length)).any(0)
+    if not bool(seen.any()):
+        return None
+    return (f"the scores leave future keys visible ((query, key) pairs {seen.nonzero().tolist()[:10]}), read from "
+            "the scores before the softmax, whatever the merge after it does")
+
+
 def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict, apart: int = 0) -> Verdict | None:
     """Do the scores hide exactly the keys the mask the run sent (with the module's own structure) hides?
 
@@ -1672,10 +1685,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                   expected: Callable[[int], float | None], keep: Tensor | None = None,
                   batch: int = 1, inputs: frozenset[int] = frozenset(), local: bool = False,
                   scores_only: bool = False, partner: Callable[[], Trace | None] | None = None,
-                  apart: bool = False) -> Verdict | None:
+                  apart: bool = False, masked_after: bool = False, causal: bool = False) -> Verdict | None:
     """The verdict of one softmax and the products around it. ``apart``: the softmax's axis and the values product's
     order are taken as right, so that the rest (the scale, the operands' roles, the merge, the rotation) is read
-    beside a bug in them (:func:`_read_apart`)."""
+    beside a bug in them (:func:`_read_apart`); ``masked_after``: so are weights masked after the softmax.
+    ``causal``: the user said the module is causal and the run sent no mask, so its scores must hide the future."""
     p = sm.outputs[0]
     after = _product_after(trace, sm.out_ids[0])
     if after is None:
@@ -1749,7 +1763,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
             wrong_dim = Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d weights, not "
                                                 f"over the keys (dim {axes[1]}, the axis the product with the "
                                                 "values contracts)", **evidence})
-            return _joined([wrong_dim, _read_apart(trace, sm, final, width, length, expected, batch, inputs, local)])
+            return _joined([wrong_dim, _read_apart(trace, sm, final, width, length, expected, batch, inputs, local,
+                                                    _BESIDE_SOFTMAX_DIM)])
         facts["layout"] = f"einsum {pv.args[0]!r}: the weights' query and key axes are dims {axes[0]} and {axes[1]}"
         p, s, w, dim = (p.movedim(axes, (-2, -1)), s.movedim(axes, (-2, -1)), p.movedim(axes, (-2, -1)),
                         p.dim() - 1)
@@ -1814,7 +1829,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     elif dim != p.dim() - 1:
         wrong_dim = Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
                                             "the keys (the last dim)", **evidence})
-        return _joined([wrong_dim, _read_apart(trace, sm, final, width, length, expected, batch, inputs, local)])
+        return _joined([wrong_dim, _read_apart(trace, sm, final, width, length, expected, batch, inputs, local,
+                                                    _BESIDE_SOFTMAX_DIM)])
     if passed:  # weights zeroed where the mask hides (ESPnet's softmax(...).masked_fill(hidden, 0)): rows with no
         p = _zeroed_as(w, p)  # visible key become 0; elsewhere a no-op when the scores were masked before the softmax
         factor = _one_factor(w, p)
@@ -1833,10 +1849,16 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                                    f"tensor that varies entry by entry ({', '.join(passed)}; not a "
                                                    "mask, which multiplies by 0 or 1): the visible keys' weights no "
                                                    "longer sum to 1", **evidence})
-        if _orientation(w, p) is None:
-            return Verdict(MASK_AFTER_SOFTMAX, {"matches": f"the weights are masked after the softmax "
-                                                  f"({', '.join(passed)}): the visible keys' weights no longer sum "
-                                                  "to 1", **evidence})
+        if _orientation(w, p) is None and masked_after:
+            p = w  # read on past the mask, as the weights the product takes
+        elif _orientation(w, p) is None:
+            after_softmax = Verdict(MASK_AFTER_SOFTMAX, {"matches": f"the weights are masked after the softmax "
+                                                                    f"({', '.join(passed)}): the visible keys' weights "
+                                                                    "no longer sum to 1", **evidence})
+            if apart:
+                return after_softmax
+            return _joined([after_softmax, _read_apart(trace, sm, final, width, length, expected, batch, inputs, local,
+                                                       masked_after=True)])
         facts["masked weights"] = f"the weights of hidden keys are zeroed after the softmax ({', '.join(passed)})"
     if axes is None and w.numel() < p.numel() and _orientation(w, p) is None:
         # the values multiplied by a part of the softmax's output (CCNet's criss-cross attention: one softmax over a
@@ -1931,6 +1953,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
             merge_fid, merged = _merge(trace, pv, pv.outputs[0], final, canon)
             if merge_fid is not None:
                 masked = Verdict(merge_fid, {"matches": merged, **evidence}, facts)
+                seen = _future_seen(hidden, length) if causal else None
+                if seen is not None:  # the scores themselves see the future: a leak of its own, beside the merge's
+                    masked.also.append(Verdict(CAUSAL_LEAK, {"matches": seen, "_direct": True, **evidence}))
         return _joined([masked, order])
     if order is not None:
         return order
@@ -2067,27 +2092,34 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                      f"products; {said}", **evidence}, facts)
 
 
+_APART = frozenset({MISSING_SCALE, WRONG_SCALE, ROTARY_ONE_SIDE, ROTARY_MISMATCH, GROUP_MISMATCH, VALUES_CHANGED})
+# beside a softmax over the wrong axis, weights masked after it too (the product with the values is the right way
+# round: the weights there are the softmax's, masked)
+_BESIDE_SOFTMAX_DIM = _APART | {MASK_AFTER_SOFTMAX}
+
+
 def _read_apart(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                 expected: Callable[[int], float | None], batch: int, inputs: frozenset[int],
-                local: bool) -> Verdict | None:
+                local: bool, kinds: frozenset = _APART, masked_after: bool = False) -> Verdict | None:
     """Beside a softmax over the wrong axis or weights multiplied the wrong way: the bug the rest of the core
-    follows (a scale slip, an operand's role, the merge, the rotation), read with that axis and order taken as
-    right; None when there is none or it cannot be read."""
+    follows (a scale slip, the rotation, the kv groups, the values; ``kinds``), read with that axis and order taken
+    as right (and, ``masked_after``, weights masked after the softmax taken as its own); None when there is none or it
+    cannot be read."""
     try:
-        found = _softmax_core(trace, sm, final, width, length, expected, None, batch, inputs, local, apart=True)
+        found = _softmax_core(trace, sm, final, width, length, expected, None, batch, inputs, local, apart=True,
+                              masked_after=masked_after)
     except Exception:  # what cannot be read apart leaves the first bug alone
         return None
     if found is None or found.fid is None:
         return None
     # what does not depend on the weights' axis or order: the scale, the rotation, the kv groups, the values (a merge
     # read past weights multiplied the wrong way is not the module's own)
-    kept = [v for v in (found, *found.also) if v.fid in _APART]
+    kept = [v for v in (found, *found.also) if v.fid in kinds]
     for v in kept:
         v.also = []
     return _joined(list(kept))
 
 
-_APART = frozenset({MISSING_SCALE, WRONG_SCALE, ROTARY_ONE_SIDE, ROTARY_MISMATCH, GROUP_MISMATCH, VALUES_CHANGED})
 
 
 def _rotation_problem(trace: Trace, tid: int, value: Tensor) -> str | None:
@@ -2289,7 +2321,7 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
 def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
                   expected: Callable[[int], float | None], keep: Tensor | None = None,
                   batch: int = 1, inputs: frozenset[int] = frozenset(), local: bool = False,
-                  partner: Callable[[], Trace | None] | None = None) -> list[Verdict]:
+                  partner: Callable[[], Trace | None] | None = None, causal: bool = False) -> list[Verdict]:
     """Every attention core in the record, each with its verdict.
 
     Args:
@@ -2307,6 +2339,8 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
             L, are read as attention within windows.
         partner: the record of the same call on other tokens, made when asked: a term on the scores that varies
             between items (or an item alone) is told from the scale on the two runs, where it stays the same.
+        causal: the user said the module is causal and the run sent no mask: scores that see the future are a leak
+            of their own, also where the merge after them mixes tokens.
 
     Returns:
         One :class:`Verdict` per core, in the order they ran.
@@ -2333,7 +2367,7 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
             verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep, local, inputs))
         elif op.name in SOFTMAX:
             found = _softmax_core(trace, op, final, width, length, expected, keep, batch, inputs, local,
-                                  partner=partner)
+                                  partner=partner, causal=causal)
             if found is not None:
                 verdicts.append(found)
     if memory:
