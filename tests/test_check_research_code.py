@@ -1243,3 +1243,46 @@ def test_a_models_padding_given_through_its_keyword_arguments_is_read():
     model = KeywordPaddingStack(drops=True).eval()
     report = check_model(model, {"x": x, "mask": pad})
     assert all("mask-ignored" in layer.ids for layer in report.layers.values()), report.summary()
+
+
+# -- in-place layout and rotary, with q/k norms (the operands are read, not the projections' fit) -------------------
+def _rotate_in_place(t, cos, sin, copy_halves=True):
+    half = t.shape[-1] // 2
+    a, b = (t[..., :half].clone(), t[..., half:].clone()) if copy_halves else (t[..., :half], t[..., half:])
+    t[..., :half] = a * cos - b * sin
+    t[..., half:] = b * cos + a * sin
+
+
+class InPlaceNormedRotary(nn.Module):
+    """Per-head q/k LayerNorm, rotary written into q and k in place, heads put back with ``y.transpose_(1, 2)``."""
+
+    def __init__(self, dim=32, heads=2, copy_halves=True, transpose_back=True):
+        super().__init__()
+        self.heads, self.copy_halves, self.transpose_back = heads, copy_halves, transpose_back
+        self.c_attn, self.c_proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.q_norm, self.k_norm = nn.LayerNorm(dim // heads), nn.LayerNorm(dim // heads)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        d = c // self.heads
+        q, k, v = self.c_attn(x).view(b, t, 3, self.heads, d).permute(2, 0, 3, 1, 4)
+        q, k = self.q_norm(q), self.k_norm(k)
+        angles = torch.outer(torch.arange(t, dtype=x.dtype), 1e4 ** -(torch.arange(0, d, 2, dtype=x.dtype) / d))
+        for z in (q, k):
+            _rotate_in_place(z, angles.cos(), angles.sin(), self.copy_halves)
+        q *= d ** -0.5
+        scores = q @ k.transpose(-2, -1)
+        scores.masked_fill_(torch.ones(t, t, dtype=torch.bool).triu_(1), float("-inf"))
+        y = scores.softmax(-1) @ v
+        if self.transpose_back:
+            y.transpose_(1, 2)
+        return self.c_proj(y.reshape(b, t, c))
+
+
+def test_heads_put_back_by_an_in_place_transpose_are_merged_right():
+    # the merge read the tensor transpose_ was given, before it changed, as the one the reshape read: head-merge on a
+    # correct module, and in place of the right id on a rotation that is none
+    from selfattn.check import check
+    assert check(InPlaceNormedRotary(), causal=True).verdict == "passed"
+    assert check(InPlaceNormedRotary(copy_halves=False), causal=True).ids == {"rotary-mismatch"}
+    assert check(InPlaceNormedRotary(transpose_back=False), causal=True).ids == {"head-merge"}

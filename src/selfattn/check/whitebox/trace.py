@@ -47,7 +47,9 @@ LAYOUT = frozenset({"view", "reshape", "transpose", "permute", "contiguous", "cl
                     "bfloat16", "type", "type_as", "expand", "expand_as", "unsqueeze", "squeeze", "flatten",
                     "unflatten", "movedim", "swapaxes", "swapdims", "t", "split", "chunk", "unbind", "getitem",
                     "narrow", "select", "repeat_interleave", "detach", "dropout", "view_as", "reshape_as", "mT",
-                    "tensor_split", "split_with_sizes"})
+                    "tensor_split", "split_with_sizes",
+                    # their in-place forms change the tensor's shape, not its values (y.transpose_(1, 2))
+                    "transpose_", "t_", "squeeze_", "unsqueeze_", "swapaxes_", "swapdims_"})
 _SCALARS = frozenset({"mul", "rmul", "div", "truediv", "mul_", "div_", "imul", "itruediv"})
 _TEMPLATE_ONLY = frozenset({"new_zeros", "new_ones", "new_empty", "new_full", "zeros_like", "ones_like",
                             "empty_like", "full_like", "rand_like", "randn_like", "randint_like"})
@@ -378,7 +380,7 @@ class Trace(TorchFunctionMode):
                     raws |= {_raw(o) for o in op.out_ids}
                 else:
                     yield op, read[0]
-            if _in_place(op.name, op.kwargs):
+            if _in_place(op.name, op.kwargs) and op.name not in LAYOUT:  # a layout in place: the same values
                 raws -= {_raw(o) for o in op.out_ids}
 
     def value(self, tid: int) -> Tensor | None:
