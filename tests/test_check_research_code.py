@@ -9,6 +9,7 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from selfattn.check import check_model
 
@@ -1286,3 +1287,34 @@ def test_heads_put_back_by_an_in_place_transpose_are_merged_right():
     assert check(InPlaceNormedRotary(), causal=True).verdict == "passed"
     assert check(InPlaceNormedRotary(copy_halves=False), causal=True).ids == {"rotary-mismatch"}
     assert check(InPlaceNormedRotary(transpose_back=False), causal=True).ids == {"head-merge"}
+
+
+# -- a pattern of each head's own ------------------------------------------------------------------------------------
+class HeadsOfTwoRanges(nn.Module):
+    """Causal; the first half of the heads over every earlier token, the second over a window of the last two (or,
+    ``dilated``, bidirectional heads each with a dilation of its own, as Longformer's multi-head dilation)."""
+
+    def __init__(self, dim=32, heads=4, dilated=False, leak=False):
+        super().__init__()
+        self.heads, self.dilated, self.leak = heads, dilated, leak
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        if self.dilated:
+            step = torch.tensor([1, 1, 2, 2])[:, None, None]
+            visible = ((i - j).abs() % step == 0) & ((i - j).abs() <= 2 * step)
+        else:
+            earlier = j <= i + (1 if self.leak else 0)
+            visible = torch.stack([earlier, earlier, earlier & (i - j <= 1), earlier & (i - j <= 1)])
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=visible).transpose(1, 2).reshape(b, n, c))
+
+
+def test_heads_that_each_see_part_of_the_keys_are_a_design():
+    # the white box compared each head's pattern with what the heads see together: causal-leak on both
+    from selfattn.check import check
+    assert check(HeadsOfTwoRanges(), causal=True).verdict == "passed"
+    assert check(HeadsOfTwoRanges(dilated=True)).verdict == "passed"
+    assert "causal-leak" in check(HeadsOfTwoRanges(leak=True), causal=True).ids

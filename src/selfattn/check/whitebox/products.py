@@ -1528,6 +1528,13 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict, apart: in
                                                "shows them: another attention of the module computes them over "
                                                "every key (global tokens)")
             return None
+    if not missed and hidden.shape[1] > 1 and torch.equal(hidden.all(1, keepdim=True), want.expand(b, 1, -1, -1)) \
+            and not torch.equal(hidden.any(1), hidden.all(1)):
+        # heads that each see part of what the run leaves visible, and together all of it (Longformer's dilation per
+        # head, local heads beside global ones): each head's pattern is its design
+        evidence["heads' patterns"] = ("the heads hide different keys (a pattern per head: a dilation or window of "
+                                       "their own); together they see every key the run leaves visible")
+        return None
     if not missed:  # more hidden than the mask hides: each row's k highest scores kept (sparse top-k attention)?
         seen, allowed = (~hidden).sum(-1), (~want).expand_as(hidden).sum(-1)
         k = int(seen.max())
@@ -1943,8 +1950,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         eye = torch.eye(length, dtype=torch.bool, device=hidden.device)
         hidden, keep = hidden & ~eye, keep | eye  # the diagonal is the design's: not compared with the mask
     masked = _mask_verdict(hidden, keep, evidence, _other_queries(trace, sm, length))
-    if "top-k" in evidence:
-        facts["top-k"] = evidence.pop("top-k")
+    for fact in ("top-k", "heads' patterns"):
+        if fact in evidence:
+            facts[fact] = evidence.pop(fact)
     if "rows computed apart" in evidence:
         facts["rows computed apart"] = evidence.pop("rows computed apart")
     if masked is not None:
@@ -2282,6 +2290,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
         if hidden.dim() > 4:
             hidden = hidden.reshape(hidden.shape[0], -1, length, length)
         masked = _mask_verdict(hidden, keep, evidence)
+        if "heads' patterns" in evidence:
+            facts["heads' patterns"] = evidence.pop("heads' patterns")
         if masked is not None:
             merge_fid, merged = _merge(trace, op, op.outputs[0], final)  # a wrong merge distorts the pattern
             return _joined([*found, Verdict(merge_fid, {"matches": merged, **evidence})
