@@ -1318,3 +1318,49 @@ def test_heads_that_each_see_part_of_the_keys_are_a_design():
     assert check(HeadsOfTwoRanges(), causal=True).verdict == "passed"
     assert check(HeadsOfTwoRanges(dilated=True)).verdict == "passed"
     assert "causal-leak" in check(HeadsOfTwoRanges(leak=True), causal=True).ids
+
+
+# -- LightSANs style: keys pooled into a few interests, positions attended apart -------------------------------------
+class InterestPooledAttention(nn.Module):
+    """Keys and values pooled from the tokens into 3 interests by a softmax over the tokens (learned queries), and a
+    second attention of positions to positions scaled 1/sqrt(2 D) * 1/sqrt(D) (decoupled positions)."""
+
+    def __init__(self, dim=32, heads=4, length=8, interests=3, bug=None):
+        super().__init__()
+        self.heads, self.bug = heads, bug
+        self.query, self.key, self.value, self.dense = (nn.Linear(dim, dim) for _ in range(4))
+        self.theta_k = nn.Parameter(torch.randn(dim, interests))
+        self.theta_v = nn.Parameter(torch.randn(dim, interests))
+        self.pos = nn.Parameter(torch.randn(length, dim))
+        self.pos_q, self.pos_k = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def _heads(self, t):
+        return t.view(*t.shape[:-1], self.heads, -1).transpose(-3, -2)
+
+    @staticmethod
+    def _pooled(x, theta):
+        weights = (x @ theta).softmax(dim=-2)  # (B, L, interests): over the tokens
+        return torch.einsum("nij,nik->nkj", x, weights)  # (B, interests, E)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        d = c // self.heads
+        q = self._heads(self.query(x))
+        k, v = self._heads(self._pooled(self.key(x), self.theta_k)), self._heads(self._pooled(self.value(x),
+                                                                                                self.theta_v))
+        scale = 1.0 if self.bug == "missing-scale" else d ** -0.5
+        content = (q @ k.transpose(-1, -2) * scale).softmax(-2 if self.bug == "softmax-dim" else -1) @ v
+        pe = self.pos[:n]
+        places = (self._heads(self.pos_q(pe)) * (2 * d) ** -0.5 @ self._heads(self.pos_k(pe)).transpose(-1, -2)
+                  / math.sqrt(d)).softmax(-1)
+        out = content + places @ self._heads(self.value(x))
+        return self.dense(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_tokens_pooled_into_interests_and_positional_attention_are_designs():
+    # the pooling's softmax over the tokens was read as an attention with its softmax over the queries, and the
+    # attention of positions to positions, scaled 1/sqrt(2 D) on purpose, as a wrong scale
+    from selfattn.check import check
+    assert check(InterestPooledAttention(), length=8).verdict == "passed"
+    for bug in ("softmax-dim", "missing-scale"):
+        assert check(InterestPooledAttention(bug=bug), length=8).ids == {bug}

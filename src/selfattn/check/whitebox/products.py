@@ -1806,6 +1806,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                             "keys (its block and its neighbours': local attention with look-around)")
         keep = None
     elif p.dim() >= 2 and p.shape[-2] == length and 1 <= p.shape[-1] < length and w.shape[-1] == p.shape[-1]:
+        if dim == p.dim() - 2 and _contracted_axis(pv, position, w) == -2:
+            # a softmax over the tokens whose product sums over them: the tokens pooled into a few slots (learned
+            # queries, as LightSANs' item-to-interest aggregation), which the attention takes as its keys; the
+            # attention is the core that reads them
+            return None
         # keys and values from fewer positions than the queries
         facts["reduced keys"] = _reduced(p.shape[-1], length)
         keep = None  # the run's (L, L) pattern does not apply to them
@@ -2047,6 +2052,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         fid, said, facts = _disentangled_scale(trace, chain, inputs, scale, d, width, said, facts)
     if fid is not None and temperatures:
         fid, said = None, f"{said}, times a learned temperature: the scale is learned"
+    if fid is not None and inputs and not _depends_on(trace, aid, inputs) and not _depends_on(trace, bid, inputs):
+        # an attention of positions to positions beside the tokens' own (TUPE's untied positions, LightSANs'
+        # decoupled position encoding, scaled 1/sqrt(2D)): its scale is its design's
+        fid, said = None, f"{said}: the scores come from positions only (no token enters them), a scale of the design"
+        facts["positional attention"] = "a softmax over scores of positions alone (untied or decoupled positions)"
     # the learned vector on the operand itself (TimesFM's per_dim_scale), not a norm's weight behind a rotation
     if fid is not None and (_per_dim(trace.origin(aid).op, d) or _per_dim(trace.origin(bid).op, d)):
         fid, said = None, f"{said}, times a learned scale per head dimension (TimesFM's per_dim_scale)"
