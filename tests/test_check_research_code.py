@@ -1364,3 +1364,33 @@ def test_tokens_pooled_into_interests_and_positional_attention_are_designs():
     assert check(InterestPooledAttention(), length=8).verdict == "passed"
     for bug in ("softmax-dim", "missing-scale"):
         assert check(InterestPooledAttention(bug=bug), length=8).ids == {bug}
+
+
+class AdditiveGlobalAttention(nn.Module):
+    """Fastformer (Wu et al. 2021): a global query pooled by a softmax over the tokens, multiplied into the keys,
+    a global key pooled alike, multiplied into the values; no L x L weights."""
+
+    def __init__(self, dim=32, heads=4, over_heads=False):
+        super().__init__()
+        self.heads, self.over = heads, -1 if over_heads else 1
+        self.to_q, self.to_k, self.to_v, self.out = (nn.Linear(dim, dim) for _ in range(4))
+        self.score_q, self.score_k = nn.Linear(dim, heads), nn.Linear(dim, heads)
+
+    def _pool(self, t, score):
+        d = t.shape[-1] // self.heads
+        alpha = (score(t) / math.sqrt(d)).softmax(dim=self.over)  # (B, L, H)
+        pooled = torch.einsum("bsh,bshd->bhd", alpha, t.view(*t.shape[:2], self.heads, d))
+        return pooled.reshape(t.shape[0], 1, -1)
+
+    def forward(self, x):
+        q, k, v = self.to_q(x), self.to_k(x), self.to_v(x)
+        p = k * self._pool(q, self.score_q)
+        return q + self.out(v * self._pool(p, self.score_k))
+
+
+def test_tokens_pooled_by_a_softmax_over_the_slots_is_softmax_dim():
+    # pooling weights over (B, L, H) were read as attention over H reduced keys; a softmax over the tokens was
+    # softmax-dim, and one over the heads matmul-order
+    from selfattn.check import check
+    assert check(AdditiveGlobalAttention(), allow_nonstandard=True).verdict == "passed"
+    assert check(AdditiveGlobalAttention(over_heads=True), allow_nonstandard=True).ids == {"softmax-dim"}

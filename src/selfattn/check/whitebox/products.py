@@ -1806,11 +1806,16 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                             "keys (its block and its neighbours': local attention with look-around)")
         keep = None
     elif p.dim() >= 2 and p.shape[-2] == length and 1 <= p.shape[-1] < length and w.shape[-1] == p.shape[-1]:
-        if dim == p.dim() - 2 and _contracted_axis(pv, position, w) == -2:
+        pooled = _contracted_axis(pv, position, w) == -2
+        if pooled and dim == p.dim() - 2:
             # a softmax over the tokens whose product sums over them: the tokens pooled into a few slots (learned
-            # queries, as LightSANs' item-to-interest aggregation), which the attention takes as its keys; the
-            # attention is the core that reads them
+            # queries, as LightSANs' item-to-interest aggregation, or Fastformer's global query), which the attention
+            # takes as its keys; the attention is the core that reads them
             return None
+        if pooled:  # the product sums the weights over the tokens, the softmax runs over the slots
+            return Verdict(SOFTMAX_DIM, {"matches": f"the tokens are pooled into {p.shape[-1]} slot(s) by weights "
+                                                    f"the product sums over the tokens (dim {p.dim() - 2}), but the "
+                                                    f"softmax runs over the slots (dim {dim})", **evidence})
         # keys and values from fewer positions than the queries
         facts["reduced keys"] = _reduced(p.shape[-1], length)
         keep = None  # the run's (L, L) pattern does not apply to them
