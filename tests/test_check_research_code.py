@@ -1394,3 +1394,26 @@ def test_tokens_pooled_by_a_softmax_over_the_slots_is_softmax_dim():
     from selfattn.check import check
     assert check(AdditiveGlobalAttention(), allow_nonstandard=True).verdict == "passed"
     assert check(AdditiveGlobalAttention(over_heads=True), allow_nonstandard=True).ids == {"softmax-dim"}
+
+
+class QueryAndPackedKeyValue(nn.Module):
+    """A query projection beside keys and values packed in one (``kv_proj``), as tabular transformers write it."""
+
+    def __init__(self, dim=32, heads=4, apply_output=True):
+        super().__init__()
+        self.heads, self.apply_output = heads, apply_output
+        self.q_proj, self.kv_proj, self.out_proj = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        k, v = self.kv_proj(x).chunk(2, dim=-1)
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (self.q_proj(x), k, v))
+        out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c)
+        return self.out_proj(out) if self.apply_output else out
+
+
+def test_an_output_projection_never_applied_beside_packed_keys_and_values_is_named():
+    # the rule wants the q and k projections used; a packed kv_proj was read as no role, so the module passed
+    from selfattn.check import check
+    assert check(QueryAndPackedKeyValue()).verdict == "passed"
+    assert check(QueryAndPackedKeyValue(apply_output=False)).ids == {"no-grad"}

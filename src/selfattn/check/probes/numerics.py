@@ -448,6 +448,8 @@ def _idle_position_maps(module: nn.Module, used: set[int]) -> list[str]:
 _OUTPUT_NAMES = frozenset({"to_out", "out_proj", "o_proj", "o", "proj", "c_proj", "wo", "w_o", "dense", "fc_o",
                            "w_h"})  # w_h: the Temporal Fusion Transformer's, over the heads' mean
 _FUSED_NAMES = frozenset({"qkv", "to_qkv", "c_attn", "in_proj", "query_key_value", "wqkv", "qkv_proj"})
+# keys and values packed in one projection, beside a query projection of its own
+_FUSED_KV_NAMES = frozenset({"kv", "to_kv", "kv_proj", "key_value", "wkv", "kv_linear", "to_key_value"})
 
 
 def _unwrapped(mod: nn.Module) -> nn.Module:
@@ -484,8 +486,8 @@ def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
                 continue
             if not _linear(child):  # an attention core of the block's: its projections count too
                 inner = [(n, _unwrapped(c)) for n, c in child.named_children()]
-                roles |= {"qk" if n.lower() in _FUSED_NAMES else name_role(n) for n, c in inner
-                          if _linear(c) and id(c.weight) in used}
+                roles |= {"qk" if n.lower() in _FUSED_NAMES else "k" if n.lower() in _FUSED_KV_NAMES else name_role(n)
+                          for n, c in inner if _linear(c) and id(c.weight) in used}
                 if named_out:  # an output block of its own (BERT's BertSelfOutput: dense, then a norm)
                     dense = next(((n, c) for n, c in inner if _linear(c)), None)
                     if dense is not None:
@@ -496,7 +498,8 @@ def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
             if named_out:
                 outputs.append((name, touched))
             elif touched:
-                roles.add("qk" if name.lower() in _FUSED_NAMES else name_role(name))
+                roles.add("qk" if name.lower() in _FUSED_NAMES else "k" if name.lower() in _FUSED_KV_NAMES else
+                          name_role(name))
         if outputs and ("qk" in roles or {"q", "k"} <= roles) and not any(touched for _, touched in outputs):
             idle += [f"{path}.{name}" if path else name for name, _ in outputs]
     return idle
