@@ -1417,3 +1417,27 @@ def test_an_output_projection_never_applied_beside_packed_keys_and_values_is_nam
     from selfattn.check import check
     assert check(QueryAndPackedKeyValue()).verdict == "passed"
     assert check(QueryAndPackedKeyValue(apply_output=False)).ids == {"no-grad"}
+
+
+class EncoderLayerTwoMasks(nn.Module):
+    """DETR-style encoder layer around nn.MultiheadAttention, taking src_mask and src_key_padding_mask."""
+
+    def __init__(self, dim=32, heads=4, invert_padding=False):
+        super().__init__()
+        self.invert_padding = invert_padding
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, src, src_mask=None, src_key_padding_mask=None):
+        if self.invert_padding and src_key_padding_mask is not None:
+            src_key_padding_mask = ~src_key_padding_mask
+        out = self.attn(src, src, src, attn_mask=src_mask, key_padding_mask=src_key_padding_mask,
+                        need_weights=False)[0]
+        return self.norm(src + out)
+
+
+def test_a_padding_argument_beside_the_mask_read_the_other_way_round_is_said():
+    # only the first mask argument's polarity was read; a key padding mask inverted inside passed with no word
+    from selfattn.check import check
+    assert "mask-convention" not in check(EncoderLayerTwoMasks()).ids
+    assert "mask-convention" in check(EncoderLayerTwoMasks(invert_padding=True)).ids

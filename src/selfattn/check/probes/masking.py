@@ -1148,6 +1148,13 @@ def _found(ctx: Context, caller: Caller, d: Tensor, candidates: list[Caller], pl
                                          f"changes nothing, or zeroes rows only; the mask found, {caller.mask_arg}, "
                                          "works)", {"argument": later, "tried": {
                                              k: v for k, v in (tried or {}).items() if k.startswith(later)}}))
+    flipped = next((label.split(" ")[0] for label, said in (tried or {}).items()
+                    if said.endswith("hiding the keys where it is False")), None)
+    if flipped is not None and not ctx.declared:  # a padding argument beside the mask found, read True = keep
+        found.findings.append(Finding.of(
+            MASK_CONVENTION, f"the argument {flipped}, which in torch's code means True = padding (hidden), hides the "
+            "positions where it is False (True = may attend): a padding mask inverted (~mask) before it is applied?",
+            {"argument": flipped, "module reads": "True = may attend", "the name suggests": "True = padding"}))
     kind = caller.spec.kind if caller.spec else None
     if ctx.declared and kind in ("keep", "ignore") and ctx.declared != kind:
         found.findings.append(Finding.of(
@@ -1199,28 +1206,36 @@ def _later_padding(ctx: Context, found: Caller, candidates: list[Caller], plain:
             continue
         rtol = 1e-9 if out.dtype == torch.float64 else 1e-4
         moved = out.shape != plain.shape or not _unchanged(out, plain, rtol)
-        if moved and out.shape == plain.shape and not _hides_its_padding(caller, ctx.analysis_x, keep, out, rtol):
+        side = _hides_its_padding(caller, ctx.analysis_x, keep, out, rtol) if moved and out.shape == plain.shape \
+            else None
+        if moved and out.shape == plain.shape and side is None:
             tried[_label(native)] = "accepted; it changes the output, but padded keys still change real tokens"
             accepted.setdefault(str(native.mask_arg), False)
+            continue
+        kind = native.spec.kind if native.spec is not None else None
+        if side is not None and (kind, side) in (("keep", "as sent"), ("ignore", "inverted")):
+            tried[_label(native)] = "accepted; it changes the output, hiding the keys where it is False"
+            accepted[str(native.mask_arg)] = True
             continue
         tried[_label(native)] = "accepted; it changes the output" if moved else "accepted, but changed nothing"
         accepted[str(native.mask_arg)] = accepted.get(str(native.mask_arg), False) or moved
     return next((arg for arg, moved in accepted.items() if not moved), None)
 
 
-def _hides_its_padding(caller: Caller, x: Tensor, keep: Tensor, out: Tensor, rtol: float) -> bool:
+def _hides_its_padding(caller: Caller, x: Tensor, keep: Tensor, out: Tensor, rtol: float) -> str | None:
     """Do the keys a (B, L) mask marks as padding, read either way round, stay hidden: changing those tokens leaves
-    the other tokens' outputs (the rows not zeroed) as they were?"""
+    the other tokens' outputs (the rows not zeroed) as they were? "as sent", "inverted" (the module hides the other
+    side), or None."""
     marked = ~keep.any(1)  # (B, L): keys no query may see, in the doctor's convention
     noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64).to(x)
-    for padded in (marked, ~marked):  # a module that reads True = padding takes the other side as padding
+    for padded, side in ((marked, "as sent"), (~marked, "inverted")):  # read True = padding: the other side
         other = torch.where(padded[..., None].to(x.device), x + noise, x)
         with torch.no_grad():
             again = caller(other, caller.module_mask(keep))
         real = ~padded.to(out.device) & out.abs().amax(-1).gt(0)  # rows the module keeps (not zeroed)
         if bool(real.any()) and _unchanged(again[real], out[real], rtol):
-            return True
-    return False
+            return side
+    return None
 
 
 def _padding_ignored(tried: dict[str, str], working: str | None) -> str | None:
