@@ -1441,3 +1441,30 @@ def test_a_padding_argument_beside_the_mask_read_the_other_way_round_is_said():
     from selfattn.check import check
     assert "mask-convention" not in check(EncoderLayerTwoMasks()).ids
     assert "mask-convention" in check(EncoderLayerTwoMasks(invert_padding=True)).ids
+
+
+class FieldInteraction(nn.Module):
+    """AutoInt's interacting layer (Song et al. 2019) as CTR libraries write it: raw (E, E) matrices applied with
+    tensordot over (B, fields, E), heads split along the features, a residual map, ReLU."""
+
+    def __init__(self, embedding_size=16, head_num=2):
+        super().__init__()
+        self.head_num = head_num
+        self.W_Query, self.W_key, self.W_Value, self.W_Res = (
+            nn.Parameter(torch.randn(embedding_size, embedding_size) * embedding_size ** -0.5) for _ in range(4))
+
+    def forward(self, inputs):
+        q, k, v = (torch.tensordot(inputs, w, dims=([-1], [0])) for w in (self.W_Query, self.W_key, self.W_Value))
+        q, k, v = (torch.stack(torch.split(t, t.shape[-1] // self.head_num, dim=2)) for t in (q, k, v))
+        weights = (torch.einsum("bnik,bnjk->bnij", q, k) / q.shape[-1] ** 0.5).softmax(dim=-1)
+        out = torch.cat(torch.split(weights @ v, 1), dim=-1).squeeze(0)
+        return torch.relu(out + torch.tensordot(inputs, self.W_Res, dims=([-1], [0])))
+
+
+def test_a_width_read_from_raw_matrices_comes_before_the_default():
+    # at width 16 the default width 64 ran channels first ((B, 64, 16): 64 fields of 16), and the module was read
+    # as attention over its features (definition-mismatch)
+    from selfattn.check import check
+    report = check(FieldInteraction())
+    assert report.verdict == "passed", report.ids
+    assert report.inferred["embed_dim"] == 16

@@ -408,7 +408,9 @@ def embed_dim_of(module: nn.Module, default: int) -> int:
 def embed_dims_of(module: nn.Module) -> list[int]:
     """The candidates for E, most likely first: :func:`embed_dim_of`, then the input sizes of the module's other
     layers (Linear, convolution, norm), each once."""
-    dims = [embed_dim_of(module, 64)]
+    own = embed_dim_of(module, 0)
+    # no width named and no layer to read it from: the module's other sizes come before the doctor's default (64)
+    dims = [own] if own else []
     # widths named otherwise by from-scratch modules (self.d = d, d2l's num_hiddens), whose first Linear may be one
     # head's (per-head q, k and v maps of d_head)
     for m in module.modules():
@@ -431,7 +433,7 @@ def embed_dims_of(module: nn.Module) -> list[int]:
             for size in p.shape:
                 if size > 1 and size not in dims:
                     dims.append(int(size))
-    return dims
+    return dims if own else [*dims, *([64] if 64 not in dims else [])]
 
 
 def num_heads_of(module: nn.Module) -> int | None:
