@@ -14,6 +14,7 @@ from .trace import LAYOUT, PRODUCTS, Op, Origin, Trace
 __all__ = [
     "ROPE_BASES",
     "normalised",
+    "normalised_off_the_head",
     "normalised_over_tokens",
     "rope",
     "rotary",
@@ -432,6 +433,25 @@ def normalised_over_tokens(trace: Trace, tid: int, d: int, length: int, operand:
     else:
         return None
     return what if last_two == {-3 - axis} else None
+
+
+def normalised_off_the_head(trace: Trace, tid: int, d: int) -> str | None:
+    """When the normalisation behind a score operand made it of unit norm along axes none of which is the head dim
+    (size ``d``): across the heads, or along the whole width before the heads were split. What was seen, else None.
+    A cosine is of one head's q and k: normalised along another axis, the scores are not cosines."""
+    found = _norm_op(trace, tid)
+    if found is None or found[1] >= len(found[0].outputs):
+        return None
+    value = found[0].outputs[found[1]]
+    if not value.is_floating_point() or value.dim() < 2 or not value.numel():
+        return None
+    unit = [ax for ax in range(value.dim()) if bool(((value.double().norm(dim=ax) - 1).abs() < 1e-3).all())]
+    sizes = sorted({value.shape[ax] for ax in unit})
+    if not unit or d in sizes:
+        return None
+    return (f"{normalised(trace, tid)} makes q (or k) of unit norm along an axis of {sizes[0]} (not along the head dim "
+            f"of {d}: across the heads, or over the whole width before the heads were split), so the scores are not "
+            "the cosines of each head's q and k")
 
 
 _GAINS = frozenset({"mul", "rmul", "mul_", "div", "truediv", "div_", "itruediv"})

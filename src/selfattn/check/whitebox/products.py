@@ -51,6 +51,7 @@ from ..subject.building import ROLE_PATTERNS, name_role, norm_role
 from ..subject.caller import token_grids
 from .positions import (
     normalised,
+    normalised_off_the_head,
     normalised_over_tokens,
     rotary,
     rotated_from,
@@ -1254,6 +1255,20 @@ def _unit_norm(a: Tensor, b: Tensor, fa: float, fb: float) -> bool:
     return unit(a, fa) and unit(b, fb)
 
 
+def _one_side_unit(a: Tensor, b: Tensor, axis_a: int | None, axis_b: int | None, d: int) -> str | None:
+    """Which score operand alone has unit norm along the head dim the product contracts (q normalised, k not), or
+    None (both, or neither)."""
+    def unit(t: Tensor, axis: int | None) -> bool:
+        return axis is not None and t.dim() >= 1 and t.shape[axis] == d and t.is_floating_point() and \
+            bool(((t.double().norm(dim=axis) - 1).abs() < 1e-3).all())
+    sides = (unit(a, axis_a), unit(b, axis_b))
+    if sides == (True, False):
+        return "the first operand of the scores (q) has unit norm along the head dim and the second (k) not"
+    if sides == (False, True):
+        return "the second operand of the scores (k) has unit norm along the head dim and the first (q) not"
+    return None
+
+
 def _merge(trace: Trace, op: Op, out: Tensor, final: Tensor,
            canon: tuple[int, ...] | None = None) -> tuple[str | None, str]:
     """Check that the tensor read after the weights-times-values product puts the heads side by side (operations
@@ -2031,7 +2046,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     axis_a, axis_b = _contracted_axis(product, 0, a), _contracted_axis(product, 1, b)
     over_tokens = normalised_over_tokens(trace, aid, d, tokens, a, axis_a) or \
         normalised_over_tokens(trace, bid, d, tokens, b, axis_b) or unit_over_tokens(a, axis_a, tokens) or \
-        unit_over_tokens(b, axis_b, tokens)
+        unit_over_tokens(b, axis_b, tokens) or normalised_off_the_head(trace, aid, d) or \
+        normalised_off_the_head(trace, bid, d)
     if over_tokens:
         return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, **evidence}, facts)
     origin_a, origin_b = scale_origin(trace, aid), scale_origin(trace, bid)
@@ -2040,6 +2056,12 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         (unit_before_gains(trace, aid, d) and unit_before_gains(trace, bid, d))
     fid, said = _scale_verdict(scale, d, width, expected(d), unit)
     fid, said = _past_the_rotation(fid, said, scale, origin_a, origin_b, d, width, expected(d), unit, facts)
+    if fid is not None and temperatures and (half := _one_side_unit(a, b, axis_a, axis_b, d)) is not None:
+        # a learned temperature on the scores of one unit operand: a cosine attention with the other side left out
+        return Verdict(DEFINITION_MISMATCH, {"matches": f"{half}, and the scores are multiplied by a learned "
+                                                        "temperature: a cosine attention with one side left "
+                                                        "unnormalised (the scores are cos times the other's norm)",
+                                             **evidence}, facts)
     if fid == MISSING_SCALE and folded_scale(a, b, d):
         fid, said = None, f"{said}, but q is 1/sqrt({d}) of k in size: the scale is folded into q's projection"
         facts["scale"] = f"folded into the query projection's weights (q is 1/sqrt({d}) of k in size, as T5 " \
@@ -2269,7 +2291,8 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     base = 1 / math.sqrt(d) if given is None else float(given)
     over_tokens = normalised_over_tokens(trace, op.in_ids[0], d, length, q, -1) or \
         normalised_over_tokens(trace, op.in_ids[1], d, length, k, -1) or unit_over_tokens(q, -1, length) or \
-        unit_over_tokens(k, -1, length)
+        unit_over_tokens(k, -1, length) or normalised_off_the_head(trace, op.in_ids[0], d) or \
+        normalised_off_the_head(trace, op.in_ids[1], d)
     if over_tokens:
         return Verdict(DEFINITION_MISMATCH, {"matches": over_tokens, "head dim": d,
                                              "product": "scaled_dot_product_attention"}, facts)
