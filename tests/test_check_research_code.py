@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -1468,3 +1469,74 @@ def test_a_width_read_from_raw_matrices_comes_before_the_default():
     report = check(FieldInteraction())
     assert report.verdict == "passed", report.ids
     assert report.inferred["embed_dim"] == 16
+
+
+class LearnedScaleCosine(nn.Module):
+    """Swin v2's scaled cosine attention: per-head unit q and k, a learned logit scale clamped at log(100)."""
+
+    def __init__(self, dim=32, heads=4, normalise="head"):
+        super().__init__()
+        self.heads, self.normalise = heads, normalise
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.logit_scale = nn.Parameter(torch.log(10 * torch.ones(heads, 1, 1)))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        qkv = self.qkv(x)
+        if self.normalise == "width":  # the bug: over the whole width, before the heads are split
+            q, k, v = qkv.chunk(3, -1)
+            qkv = torch.cat([F.normalize(q, dim=-1), F.normalize(k, dim=-1), v], -1)
+        q, k, v = qkv.reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if self.normalise == "head":
+            q, k = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        elif self.normalise == "across heads":  # the bug: over the heads' axis
+            q, k = F.normalize(q, dim=1), F.normalize(k, dim=1)
+        elif self.normalise == "q only":
+            q = F.normalize(q, dim=-1)
+        scale = torch.clamp(self.logit_scale, max=math.log(100.0)).exp()
+        attn = (q @ k.transpose(-2, -1) * scale).softmax(-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, n, c))
+
+
+@pytest.mark.parametrize("normalise", ["width", "across heads", "q only"])
+def test_a_cosine_of_other_vectors_than_each_heads_q_and_k_is_named(normalise):
+    # the learned temperature made any scale the design's, whatever was normalised: passed
+    from selfattn.check import check
+    assert check(LearnedScaleCosine()).verdict == "passed"
+    assert check(LearnedScaleCosine(normalise=normalise)).ids == {"definition-mismatch"}
+
+
+def _txl(u_on_keys=False):
+    """Transformer-XL's relative attention with its scores masked in float32 (``score.float().masked_fill(...)``,
+    as the original code does), u added to the queries, or (the bug) to the keys, where the softmax cancels it."""
+    from doctor_corpus_wild import RelPartialLearnableMultiHeadAttn
+
+    class Float32Scores(RelPartialLearnableMultiHeadAttn):
+        def softmax(self, score):
+            return F.softmax(score.float(), dim=1).type_as(score)
+
+        def forward(self, w):
+            if not u_on_keys:
+                return super().forward(w)
+            qlen, bsz = w.shape[:2]
+            pos_seq = torch.arange(qlen - 1, -1, -1.0, dtype=w.dtype)
+            sinusoid = torch.outer(pos_seq, self.inv_freq.to(w.dtype))
+            r = torch.cat([sinusoid.sin(), sinusoid.cos()], dim=-1)
+            q, k, v = (t.view(qlen, bsz, self.n_head, self.d_head) for t in self.qkv_net(w).chunk(3, dim=-1))
+            ac = torch.einsum("ibnd,jbnd->ijbn", q, k + self.r_w_bias)
+            bd = self._rel_shift(torch.einsum("ibnd,jnd->ijbn", q + self.r_r_bias,
+                                              self.r_net(r).view(qlen, self.n_head, self.d_head)))
+            mask = torch.ones(qlen, qlen, dtype=torch.bool).triu(1)
+            prob = self.softmax(((ac + bd) * self.scale).masked_fill(mask[:, :, None, None], float("-inf")))
+            vec = torch.einsum("ijbn,jbnd->ibnd", prob, v).reshape(qlen, bsz, self.n_head * self.d_head)
+            return self.layer_norm(w + self.o_net(vec))
+
+    return Float32Scores(4, 32, 8)
+
+
+def test_a_bias_the_softmax_cancels_is_no_grad_also_beside_float32_scores():
+    # u added to the keys is q . u on every key of a row, which the softmax cancels: its float64 gradient is 0 up to
+    # rounding, but float32 scores leave 1e-9 of rounding, above the 1e-10 the rule allowed
+    from selfattn.check import check
+    assert check(_txl(), causal=True).verdict == "passed"
+    assert check(_txl(u_on_keys=True), causal=True).ids == {"no-grad"}

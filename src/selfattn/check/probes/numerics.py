@@ -289,18 +289,20 @@ def _off_the_point(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[st
 
 
 def _cancelled(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]],
-               grads: Mapping[str, Tensor], gen: torch.Generator) -> list[str]:
+               grads: Mapping[str, Tensor], gen: torch.Generator, rounding: float = 1e-10) -> list[str]:
     """Of the module's own learned tensors (:func:`_standalone`), those whose float64 gradient is only rounding of 0,
     here and off the draw: the output does not depend on them (a term the same for every key of a row, which the
-    softmax cancels: attention sinks added to every score instead of being a column of their own)."""
+    softmax cancels: attention sinks added to every score instead of being a column of their own). ``rounding``: the
+    largest such gradient, relative to the largest of all (larger where the module computes a step in float32)."""
     top = max((float(g.abs().max()) for g in grads.values() if g.numel()), default=0.0)
     module = call.module
-    tiny = [n for n, g in grads.items() if g.numel() and _standalone(module, n) and float(g.abs().max()) <= 1e-10 * top]
+    tiny = [n for n, g in grads.items()
+            if g.numel() and _standalone(module, n) and float(g.abs().max()) <= rounding * top]
     if not tiny:
         return []
     after = _grads_after_noise(call, x, weights, used, gen)
     top = max((float(g.abs().max()) for g in after.values() if g is not None and g.numel()), default=0.0)
-    return [n for n in tiny if (g := after.get(n)) is None or float(g.abs().max()) <= 1e-10 * top]
+    return [n for n in tiny if (g := after.get(n)) is None or float(g.abs().max()) <= rounding * top]
 
 
 def _still_zero(call: Caller, x: Tensor, weights: Tensor, used: list[tuple[str, nn.Parameter]], zero: list[str],
@@ -745,7 +747,9 @@ def _gradients(ctx: Context) -> Outcome[None]:
     if zero and not no_input_grad:  # a gradient of exactly 0 can be the draw's (a gate initialised at 0): try again
         missing = [n for n in missing if n not in zero] + _still_zero(call, x0, weights, used, zero, ctx.gen)
     if exact and not missing and not no_input_grad:
-        missing = _cancelled(call, x0, weights, used, grads, ctx.gen)
+        # a step the module computes in float32 (Transformer-XL's scores.float()) leaves float32's rounding
+        missing = _cancelled(call, x0, weights, used, grads, ctx.gen,
+                             1e-10 if watch.lowest == torch.float64 else 1e-6)
     idle = _idle_projections(m, watch.ids) + _idle_norms(m, watch.ids) + _idle_weights(m, watch.ids)
     twins = [] if idle else _idle_twins(m, watch.ids)
     if idle or twins:
