@@ -1540,3 +1540,32 @@ def test_a_bias_the_softmax_cancels_is_no_grad_also_beside_float32_scores():
     from selfattn.check import check
     assert check(_txl(), causal=True).verdict == "passed"
     assert check(_txl(u_on_keys=True), causal=True).ids == {"no-grad"}
+
+
+class ConvQKVMap(nn.Module):
+    """Attention over an image's positions with q, k and v from one 1 x 1 convolution (and batch norm), heads laid
+    out channel blocks first, as YOLO's position-sensitive attention writes it; (B, C, H, W) in and out."""
+
+    def __init__(self, dim=32, heads=2, keys_from_queries=False):
+        super().__init__()
+        self.heads, self.key_dim, self.keys_from_queries = heads, dim // heads // 2, keys_from_queries
+        self.qkv = nn.Sequential(nn.Conv2d(dim, dim + 2 * heads * self.key_dim, 1, bias=False),
+                                 nn.BatchNorm2d(dim + 2 * heads * self.key_dim))
+        self.proj = nn.Conv2d(dim, dim, 1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k, v = self.qkv(x).view(b, self.heads, -1, h * w).split([self.key_dim, self.key_dim, c // self.heads],
+                                                                     dim=2)
+        if self.keys_from_queries:  # the bug: the keys' channels computed and never read
+            k = q
+        attn = (q.transpose(-2, -1) @ k * self.key_dim ** -0.5).softmax(dim=-1)
+        return self.proj((v @ attn.transpose(-2, -1)).view(b, c, h, w))
+
+
+def test_channels_of_a_one_by_one_convolution_never_read_are_no_grad():
+    # dead rows were looked for in Linear weights only: keys from the queries' channels of a fused 1 x 1 convolution
+    # passed
+    from selfattn.check import check
+    assert check(ConvQKVMap().eval()).verdict == "passed"
+    assert "no-grad" in check(ConvQKVMap(keys_from_queries=True).eval()).ids

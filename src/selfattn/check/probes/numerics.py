@@ -346,8 +346,8 @@ def _dead_rows(grads: Mapping[str, Tensor | None], linear: set[str]) -> dict[str
     (units of an MLP that its ReLU leaves dead on a fixed input, as Swin v2's position-bias MLP)."""
     out = {}
     for name, g in grads.items():
-        if g is None or g.dim() != 2 or name not in linear:
-            continue
+        if g is None or g.dim() < 2 or any(n != 1 for n in g.shape[2:]) or name not in linear:
+            continue  # a 1 x 1 convolution's (out, in, 1, 1) weight is a linear map's too
         dead = (g.reshape(g.shape[0], -1) == 0).all(1)
         count = int(dead.sum())
         if 0 < count < g.shape[0] and count >= max(2, g.shape[0] // 8) and _blocks(dead):
@@ -767,7 +767,8 @@ def _gradients(ctx: Context) -> Outcome[None]:
         return Outcome([Finding.of(NO_GRAD, "some parameters (or the input) receive no gradient",
                                    {"parameters without gradient": missing, "input gets gradient": not no_input_grad})],
                        notes={"gradients": f"{len(used)} parameter tensors used by the call"})
-    linear = {f"{path}.weight" if path else "weight" for path, mod in m.named_modules() if isinstance(mod, nn.Linear)}
+    linear = {f"{path}.weight" if path else "weight" for path, mod in m.named_modules() if isinstance(mod, nn.Linear)
+              or (isinstance(mod, (nn.Conv1d, nn.Conv2d)) and mod.groups == 1 and set(mod.kernel_size) == {1})}
     linear |= {n for n, p in used if id(p) in watch.mapped}  # F.linear(x, self.in_proj_weight): a projection too
     # GPT-2's Conv1D keeps its weight (in, out): its output features are columns
     columns = {f"{path}.weight" if path else "weight" for path, mod in m.named_modules() if _is_conv1d(mod)}
