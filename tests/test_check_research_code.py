@@ -1569,3 +1569,29 @@ def test_channels_of_a_one_by_one_convolution_never_read_are_no_grad():
     from selfattn.check import check
     assert check(ConvQKVMap().eval()).verdict == "passed"
     assert "no-grad" in check(ConvQKVMap(keys_from_queries=True).eval()).ids
+
+
+def _shaw(values_transposed=False):
+    """OpenNMT's Shaw relative attention, with (the bug) the weights transposed before the value positions' term."""
+    from doctor_corpus_wild2 import ShawMultiHeadedAttention, _relative_matmul
+
+    class ValueTermTransposed(ShawMultiHeadedAttention):
+        def forward(self, x, mask=None):
+            key, value, query = (self.shape(lin(x)) for lin in (self.linear_keys, self.linear_values,
+                                                                  self.linear_query))
+            positions = torch.arange(x.size(1))
+            table = self.relative_positions_embeddings((positions[None, :] - positions[:, None]).clamp(
+                -self.max_relative_positions, self.max_relative_positions) + self.max_relative_positions)
+            query = query / math.sqrt(self.dim_per_head)
+            attn = (query @ key.transpose(2, 3) + _relative_matmul(query, table, True)).softmax(-1)
+            context = attn @ value + _relative_matmul(attn.transpose(2, 3), table, False)
+            return self.final_linear(self.unshape(context))
+
+    return (ValueTermTransposed if values_transposed else ShawMultiHeadedAttention)(4, 32)
+
+
+def test_weights_transposed_before_the_value_positions_term_are_matmul_order():
+    # the position term on the values was a fact whatever way round it took the weights: passed
+    from selfattn.check import check
+    assert check(_shaw(), no_mask=True).verdict == "passed"
+    assert check(_shaw(values_transposed=True), no_mask=True).ids == {"matmul-order"}

@@ -376,6 +376,31 @@ def _value_position_term(trace: Trace, sm: Op, pv: Op, inputs: frozenset[int]) -
     return None
 
 
+def _value_term_across_queries(trace: Trace, sm: Op, pv: Op, inputs: frozenset[int]) -> str | None:
+    """When the product of the weights with a position table on the values (:func:`_value_position_term`) sums them
+    along an axis over which they do not sum to 1 (the queries': the weights transposed before that product, while
+    the values' own product takes them the right way): what was seen, else None."""
+    for op, read in trace.consumers(sm.out_ids[0]):
+        if op is pv or op.name not in PRODUCTS or _head_mix(op) is not None:
+            continue
+        operands = _operands(op)
+        others = [i for i, _ in operands if i != read]
+        if not others or any(_depends_on(trace, i, inputs) for i in others):
+            continue
+        position = next((n for n, (i, _) in enumerate(operands) if i == read), None)
+        view = trace.value(read)
+        axis = None if position is None or view is None else _contracted_axis(op, position, view)
+        if axis is None or not view.is_floating_point():
+            return None
+        sums = view.double().sum(axis)
+        sums = sums[torch.isfinite(sums) & (sums.abs() > 1e-9)]  # rows with every key hidden (zeroed) say nothing
+        if sums.numel() and float((sums - 1).abs().max()) > 1e-4:
+            return (f"the position term on the values ({op.name}) sums the weights along an axis over which they do "
+                    "not sum to 1 (the queries'): the weights are transposed before that product")
+        return None
+    return None
+
+
 def _relative_terms(trace: Trace, chain: _Chain, inputs: frozenset[int], shape: torch.Size,
                     axes: tuple[int, int] | None) -> list[tuple[str, Tensor, float]]:
     """The position products added to the scores beside the content product (Transformer-XL's BD term, Shaw's
@@ -2126,6 +2151,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     value_term = _value_position_term(trace, sm, pv, inputs)
     if value_term is not None:
         facts["value positions"] = value_term
+        across = _value_term_across_queries(trace, sm, pv, inputs)
+        if across is not None:
+            found.append(Verdict(MATMUL_ORDER, {"matches": across, **evidence}, facts))
     norms = (normalised(trace, aid), normalised(trace, bid))
     if all(norms):
         facts["q/k normalisation"] = f"q and k are normalised ({norms[0]}) before the scores"
