@@ -1595,3 +1595,30 @@ def test_weights_transposed_before_the_value_positions_term_are_matmul_order():
     from selfattn.check import check
     assert check(_shaw(), no_mask=True).verdict == "passed"
     assert check(_shaw(values_transposed=True), no_mask=True).ids == {"matmul-order"}
+
+
+class OffByOneSoftmax(nn.Module):
+    """softmax_1 ("Attention Is Off By One"): exp(s) / (1 + sum exp(s)), written out and shifted by the row's max."""
+
+    def __init__(self, dim=32, heads=4, scaled=True):
+        super().__init__()
+        self.heads, self.scaled = heads, scaled
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in self.to_qkv(x).chunk(3, -1))
+        s = q @ k.transpose(-1, -2) * ((c // self.heads) ** -0.5 if self.scaled else 1.0)
+        m = s.amax(-1, keepdim=True).clamp(min=0)
+        e = torch.exp(s - m)
+        w = e / (torch.exp(-m) + e.sum(-1, keepdim=True))
+        return self.to_out((w @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_softmax_with_one_more_term_in_its_sum_is_read_as_a_sink():
+    # the written-out softmax was read only as e / e.sum(-1): definition-mismatch on softmax_1
+    from selfattn.check import check
+    report = check(OffByOneSoftmax())
+    assert report.verdict == "passed", report.ids
+    assert "sink" in report.inferred["design"]["sinks"]
+    assert check(OffByOneSoftmax(scaled=False)).ids == {"missing-scale"}

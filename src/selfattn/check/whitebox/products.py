@@ -1822,6 +1822,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         cut = slice(sinks, None) if first else slice(None, length)
         p, s = p[..., cut], s[..., cut]
         facts["sinks"] = f"{sinks} sink logit(s) per row in the softmax, with no value (attention sinks)"
+    if sm.kwargs.get("sink"):  # written out: exp(s) / (1 + sum exp(s)), shifted by the row's max
+        facts["sinks"] = ("one more term per row in the softmax's sum, with no value (softmax_1, exp(s) / (1 + sum "
+                          "exp(s)): a sink logit)")
     memory: slice | None = None
     extra = p.shape[-1] - length if p.dim() >= 2 and p.shape[-2] == length and w.shape[-1] == p.shape[-1] else 0
     if extra > 0 and dim == p.dim() - 1:  # keys and values that are no token's: learned memory, a null key

@@ -428,6 +428,15 @@ class Trace(TorchFunctionMode):
         if exp is None or exp[0].name != "exp" or len(exp[0].in_ids) != 1:
             return None
         made = self.maker(denominator)
+        sink = False  # one more term per row in the sum (softmax_1's 1, exp(-max) once shifted: a sink logit)
+        if made is not None and made[0].name in ("add", "radd") and len(made[0].in_ids) == 2 and \
+                all(isinstance(a, Tensor) for a in made[0].inputs[:2]):
+            parts = [(i, t, self.maker(i)) for i, t in zip(made[0].in_ids, made[0].inputs[:2], strict=False)]
+            total = [(i, t, m) for i, t, m in parts if m is not None and m[0].name in ("sum", "unsqueeze")]
+            extra = [t for i, t, m in parts if m is None or m[0].name not in ("sum", "unsqueeze")]
+            if len(total) == 1 and len(extra) == 1 and extra[0].dim() >= 1 and extra[0].shape[-1] == 1 and \
+                    bool((extra[0] >= 0).all()):
+                sink, made = True, total[0][2]
         back_at = None  # a sum without keepdim, given its dim back by unsqueeze
         if made is not None and made[0].name == "unsqueeze" and len(made[0].args) > 1 and made[0].in_ids:
             back_at, made = made[0].args[1], self.maker(made[0].in_ids[0])
@@ -451,7 +460,8 @@ class Trace(TorchFunctionMode):
                 over = over[0] if isinstance(over, (tuple, list)) and len(over) == 1 else over
                 if over is None or (isinstance(over, int) and over % rank == dim % rank):
                     scores_id, scores = shifted[0].in_ids[0], shifted[0].inputs[0]
-        return Op("softmax", (scores, dim % rank), {}, op.outputs, [scores_id], op.out_ids, op.module)
+        return Op("softmax", (scores, dim % rank), {"sink": True} if sink else {}, op.outputs, [scores_id], op.out_ids,
+                  op.module)
 
 
 _UNPACKED = re.compile(r"^\s*\(?\s*(\w+)\s*,\s*(\w+)\s*,\s*(\w+)\s*\)?\s*=(?!=)(.*)$", re.M)
