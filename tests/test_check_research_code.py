@@ -1622,3 +1622,31 @@ def test_a_softmax_with_one_more_term_in_its_sum_is_read_as_a_sink():
     assert report.verdict == "passed", report.ids
     assert "sink" in report.inferred["design"]["sinks"]
     assert check(OffByOneSoftmax(scaled=False)).ids == {"missing-scale"}
+
+
+class NeighbourVectorAttention(nn.Module):
+    """Point Transformer's vector attention (Zhao et al. 2021) over each token's k nearest tokens by index: a softmax
+    per feature over the neighbours of MLP(q_i - k_j), summed with the values; the feature width equals the probe's
+    length."""
+
+    def __init__(self, dim=16, neighbours=4):
+        super().__init__()
+        self.neighbours = neighbours
+        self.to_qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.attn_mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.ReLU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        n = x.shape[1]
+        q, k, v = self.to_qkv(x).chunk(3, dim=-1)
+        index = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs().topk(self.neighbours, largest=False)[1]
+        k, v = k[:, index], v[:, index]  # (B, N, K, D)
+        attn = self.attn_mlp(q[:, :, None, :] - k).softmax(dim=-2)
+        return torch.einsum("bijd,bijd->bid", attn, v)
+
+
+def test_a_softmax_over_neighbours_the_product_sums_is_no_wrong_axis():
+    # its (B, N, K, D) weights at a width equal to the length were read as a few queries over every key, and the
+    # softmax over the neighbours as over the queries: softmax-dim, even with --allow-nonstandard
+    from selfattn.check import check
+    assert check(NeighbourVectorAttention(), length=16).ids == {"definition-mismatch"}
+    assert check(NeighbourVectorAttention(), length=16, allow_nonstandard=True).verdict == "passed"

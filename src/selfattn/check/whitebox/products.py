@@ -1886,6 +1886,14 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                                                f"not the {length} tokens ({_other_axes(p, length)})", **evidence})
     if dim != p.dim() - 1 and apart:
         dim = p.dim() - 1
+    elif dim != p.dim() - 1 and p.shape[dim] != length and w.shape == p.shape and \
+            _contracted_axis(pv, position, w) == dim - p.dim():
+        # the softmax over the axis the product sums, of other than the tokens (Point Transformer's vector attention:
+        # a softmax per feature over each point's k neighbours): weights of another design, not a wrong axis
+        return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights are a softmax over dim {dim} of {p.shape[dim]} "
+                                                        "entries, which the product with the values sums: no (query, "
+                                                        "key) weights over the tokens (a softmax per feature over "
+                                                        "neighbours, as vector attention's)", **evidence})
     elif dim != p.dim() - 1:
         wrong_dim = Verdict(SOFTMAX_DIM, {"matches": f"softmax over dim {dim} of the {p.dim()}-d scores, not over "
                                             "the keys (the last dim)", **evidence})
