@@ -2295,6 +2295,21 @@ def _tiles(length: int, size: int, lead: tuple[int, ...]) -> bool:
     return math.prod(lead) % (-(-side // window)) ** 2 == 0
 
 
+def _mha_core(trace: Trace, op: Op, final: Tensor, length: int, batch: int) -> Verdict:
+    """torch's nn.MultiheadAttention core given tokens the module rearranged first (windows, or one axis of a video
+    at a time: (B * 4, L / 4, E)), which the projections' reading cannot line up with the module's input: its formula
+    is torch's; how the module puts its output back is read (the merge)."""
+    query = op.mha_arguments()["query"]  # (L', B', E), whatever batch_first says
+    tokens, items = int(query.shape[0]), int(query.shape[1]) if query.dim() == 3 else 1
+    facts = {"core": f"torch's nn.MultiheadAttention over {tokens} tokens in each of {items} rows (the module "
+                     f"rearranges its {batch} x {length} tokens before it: windows, or one axis at a time)"}
+    merge_fid, merged = _merge(trace, op, op.outputs[0].transpose(0, 1), final)
+    if merge_fid is not None:
+        return Verdict(merge_fid, {"matches": merged}, facts)
+    return Verdict(None, {"formula": "torch's nn.MultiheadAttention core (its own formula) on tokens the module "
+                                     f"rearranged; {merged}"}, facts)
+
+
 def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
                expected: Callable[[int], float | None], keep: Tensor | None = None, local: bool = False,
                inputs: frozenset[int] = frozenset()) -> Verdict:
@@ -2452,6 +2467,8 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
             continue
         if op.name == "scaled_dot_product_attention":
             verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep, local, inputs))
+        elif op.name == "multi_head_attention_forward" and op.outputs:
+            verdicts.append(_mha_core(trace, op, final, length, batch))
         elif op.name in SOFTMAX:
             found = _softmax_core(trace, op, final, width, length, expected, keep, batch, inputs, local,
                                   partner=partner, causal=causal)
