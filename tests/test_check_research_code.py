@@ -1308,8 +1308,9 @@ class HeadsOfTwoRanges(nn.Module):
             step = torch.tensor([1, 1, 2, 2])[:, None, None]
             visible = ((i - j).abs() % step == 0) & ((i - j).abs() <= 2 * step)
         else:
-            earlier = j <= i + (1 if self.leak else 0)
-            visible = torch.stack([earlier, earlier, earlier & (i - j <= 1), earlier & (i - j <= 1)])
+            earlier = j <= i + (1 if self.leak == "next" else 0)
+            near = earlier & (i - j <= 1) & ((j != i) if self.leak == "own" else True)
+            visible = torch.stack([earlier, earlier, near, near])
         return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=visible).transpose(1, 2).reshape(b, n, c))
 
 
@@ -1318,7 +1319,9 @@ def test_heads_that_each_see_part_of_the_keys_are_a_design():
     from selfattn.check import check
     assert check(HeadsOfTwoRanges(), causal=True).verdict == "passed"
     assert check(HeadsOfTwoRanges(dilated=True)).verdict == "passed"
-    assert "causal-leak" in check(HeadsOfTwoRanges(leak=True), causal=True).ids
+    assert "causal-leak" in check(HeadsOfTwoRanges(leak="next"), causal=True).ids
+    # heads that see every key together, one of them not its own: a broken mask, not a pattern
+    assert "causal-leak" in check(HeadsOfTwoRanges(leak="own"), causal=True).ids
 
 
 # -- LightSANs style: keys pooled into a few interests, positions attended apart -------------------------------------
@@ -1675,3 +1678,102 @@ def test_torch_multihead_attention_on_regrouped_tokens_is_read():
     from selfattn.check import check
     assert check(WindowsThroughTorchMHA(), length=16).verdict == "passed"
     assert check(WindowsThroughTorchMHA(back_without_transpose=True), length=16).verdict == "failed"
+
+
+class AxisKeywordSoftmax(nn.Module):
+    """Flax-style raw kernels applied with einsum, the softmax called with NumPy's ``axis=-1``."""
+
+    def __init__(self, dim=32, heads=4, key_unused=False):
+        super().__init__()
+        self.heads, self.key_unused = heads, key_unused
+        self.query, self.key, self.value = (nn.Parameter(torch.randn(dim, heads, dim // heads) * dim ** -0.5)
+                                            for _ in range(3))
+        self.out = nn.Parameter(torch.randn(heads, dim // heads, dim) * dim ** -0.5)
+
+    def forward(self, x):
+        q = torch.einsum("bld,dhk->bhlk", x, self.query)
+        k = torch.einsum("bld,dhk->bhlk", x, self.query if self.key_unused else self.key)
+        v = torch.einsum("bld,dhk->bhlk", x, self.value)
+        weights = torch.softmax(torch.einsum("bhqk,bhsk->bhqs", q, k) / math.sqrt(q.shape[-1]), axis=-1)
+        return torch.einsum("bhqk,hkd->bqd", weights @ v, self.out)
+
+
+def test_a_softmax_given_its_axis_by_numpys_keyword_is_read_over_that_axis():
+    # axis=-1 was not read as dim: torch's implicit dim (1 of 4) was taken, and a correct module was softmax-dim
+    from selfattn.check import check
+    assert check(AxisKeywordSoftmax(), embed_dim=32).verdict == "passed"
+    assert check(AxisKeywordSoftmax(key_unused=True), embed_dim=32).ids == {"no-grad"}
+
+
+class PointwiseConvProjections(nn.Module):
+    """q, k and v from three 1 x 1 Conv2d over a (B, C, H, W) map, as convolutional attention blocks write them."""
+
+    def __init__(self, dim=32, heads=2, values_from_queries=False):
+        super().__init__()
+        self.heads, self.values_from_queries = heads, values_from_queries
+        self.q, self.k, self.v, self.proj = (nn.Conv2d(dim, dim, 1) for _ in range(4))
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        q, k = self.q(x), self.k(x)
+        v = self.q(x) if self.values_from_queries else self.v(x)
+        q, k, v = (t.reshape(b, self.heads, c // self.heads, h * w).transpose(-1, -2) for t in (q, k, v))
+        out = ((q @ k.transpose(-1, -2)) * (c // self.heads) ** -0.5).softmax(-1) @ v
+        return self.proj(out.transpose(-1, -2).reshape(b, c, h, w))
+
+
+def test_a_pointwise_conv2d_projection_never_used_is_no_grad():
+    # the rule on a projection left out by its siblings knew Linear and 1 x 1 Conv1d layers, not Conv2d
+    from selfattn.check import check
+    assert check(PointwiseConvProjections()).verdict == "passed"
+    assert check(PointwiseConvProjections(values_from_queries=True)).ids == {"no-grad"}
+
+
+class UntiedPositions(nn.Module):
+    """TUPE (Ke et al. 2021): content and absolute position correlations computed apart, added, scaled 1/sqrt(2 D)."""
+
+    def __init__(self, dim=32, heads=4, length=16, over_queries=False):
+        super().__init__()
+        self.heads, self.over = heads, -2 if over_queries else -1
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.pos = nn.Parameter(torch.randn(length, dim) * 0.5)
+        self.pos_q, self.pos_k = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        d = c // self.heads
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d).permute(2, 0, 3, 1, 4)
+        pq, pk = (lin(self.pos[:n]).view(n, self.heads, d).transpose(0, 1) for lin in (self.pos_q, self.pos_k))
+        scores = (q @ k.transpose(-1, -2) + pq @ pk.transpose(-1, -2)) / math.sqrt(2 * d)
+        return self.out((scores.softmax(self.over) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_tupes_shared_scale_beside_its_position_correlations_is_its_design():
+    # 1/sqrt(2 D) beside a term of positions alone was wrong-scale
+    from selfattn.check import check
+    assert check(UntiedPositions()).verdict == "passed"
+    assert check(UntiedPositions(over_queries=True)).ids == {"softmax-dim"}
+
+
+class AdditiveMaskAfterSoftmax(nn.Module):
+    """A (B, L) keep mask turned into an additive -10000 fill, added to the weights after the softmax (the bug)."""
+
+    def __init__(self, dim=32, heads=4, after=True):
+        super().__init__()
+        self.heads, self.after = heads, after
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        fill = 0.0 if mask is None else (1.0 - mask[:, None, None, :].to(x.dtype)) * -10000.0
+        scores = q @ k.transpose(-1, -2) / math.sqrt(c // self.heads)
+        weights = scores.softmax(-1) + fill if self.after else (scores + fill).softmax(-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_mask_added_to_the_weights_after_the_softmax_is_mask_after_softmax():
+    # an addition between the softmax and the values was definition-mismatch (beside mask-ignored)
+    from selfattn.check import check
+    assert check(AdditiveMaskAfterSoftmax(after=False), mask="keep (B,L)").verdict == "passed"
+    assert check(AdditiveMaskAfterSoftmax(), mask="keep (B,L)").ids == {"mask-after-softmax"}

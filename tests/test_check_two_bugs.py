@@ -176,3 +176,19 @@ def test_a_norm_on_the_values_is_no_second_bug_beside_a_first():
     torch.manual_seed(0)
     assert check(UnscaledWithValueNorm()).ids == {"missing-scale"}
     assert check(UnscaledWithValueNorm(), scale=1.0).verdict == "passed"
+
+
+class CausalBufferOwnKeyHidden(CausalBuffer):
+    """The causal mask one token too wide (triu(0)): every query hides its own key; with ``merged`` the heads are put
+    back without the transpose too."""
+
+    def __init__(self, merged: bool = False) -> None:
+        super().__init__(bugs=frozenset({"head-merge"} if merged else ()))
+        self.bias = self.bias.tril(-1)
+        self.bias[0, 0] = True  # the first query keeps one key (a row with none is NaN)
+
+
+def test_a_hidden_own_key_beside_heads_merged_without_the_transpose_is_named_too():
+    # head-merge explains a causal leak its scrambled rows show; the scores hiding the diagonal are a leak of their own
+    assert check(CausalBufferOwnKeyHidden(), causal=True).ids == {"causal-leak"}
+    assert {"causal-leak", "head-merge"} <= check(CausalBufferOwnKeyHidden(merged=True), causal=True).ids

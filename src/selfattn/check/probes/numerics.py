@@ -602,8 +602,10 @@ def _projection(mod: nn.Module, frozen: bool = False) -> tuple[Tensor, int, int]
 
 
 def _pointwise(mod: nn.Module) -> bool:
-    """An ``nn.Conv1d`` of kernel 1, stride 1 and one group: a Linear over the channels of each position."""
-    return isinstance(mod, nn.Conv1d) and mod.kernel_size == (1,) and mod.stride == (1,) and mod.groups == 1
+    """An ``nn.Conv1d`` or ``nn.Conv2d`` of kernel 1, stride 1 and one group: a Linear over the channels of each
+    position."""
+    return isinstance(mod, (nn.Conv1d, nn.Conv2d)) and set(mod.kernel_size) == {1} and set(mod.stride) == {1} and \
+        mod.groups == 1
 
 
 def _submodule(module: nn.Module, path: str) -> nn.Module:

@@ -1511,16 +1511,20 @@ def _other_queries(trace: Trace, op: Op, length: int) -> int:
 
 
 def _future_seen(hidden: Tensor, length: int) -> str | None:
-    """Which future keys the scores of a causal module leave visible, read from the scores alone ((..., L, L) bool,
-    True where masked); None when every score hides the whole future."""
+    """Which future keys the scores of a causal module leave visible (or that they hide every query's own key), read
+    from the scores alone ((..., L, L) bool, True where masked); None when they hide the future and no more."""
     if hidden.dim() < 2 or tuple(hidden.shape[-2:]) != (length, length):
         return None
     future = torch.ones(length, length, dtype=torch.bool, device=hidden.device).triu(1)
-    seen = (future & ~hidden.reshape(-1, length, length)).any(0)
-    if not bool(seen.any()):
-        return None
-    return (f"the scores leave future keys visible ((query, key) pairs {seen.nonzero().tolist()[:10]}), read from "
-            "the scores before the softmax, whatever the merge after it does")
+    flat = hidden.reshape(-1, length, length)
+    seen = (future & ~flat).any(0)
+    if bool(seen.any()):
+        return (f"the scores leave future keys visible ((query, key) pairs {seen.nonzero().tolist()[:10]}), read "
+                "from the scores before the softmax, whatever the merge after it does")
+    if length > 2 and bool(flat.diagonal(dim1=-2, dim2=-1)[:, 1:].all()):  # every query hides its own key
+        return ("the scores hide each query's own key (the causal mask one token too wide: triu(0) for triu(1)), "
+                "read from the scores before the softmax, whatever the merge after it does")
+    return None
 
 
 def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict, apart: int = 0) -> Verdict | None:
@@ -1568,8 +1572,10 @@ def _mask_verdict(hidden: Tensor, keep: Tensor | None, evidence: dict, apart: in
                                                "shows them: another attention of the module computes them over "
                                                "every key (global tokens)")
             return None
+    own_key = torch.eye(hidden.shape[-1], dtype=torch.bool, device=hidden.device)
     if not missed and hidden.shape[1] > 1 and torch.equal(hidden.all(1, keepdim=True), want.expand(b, 1, -1, -1)) \
-            and not torch.equal(hidden.any(1), hidden.all(1)):
+            and not torch.equal(hidden.any(1), hidden.all(1)) and not bool((hidden & own_key & ~want).any()):
+        # (each head sees its own token wherever the run lets it: a head that hides it has a broken mask)
         # heads that each see part of what the run leaves visible, and together all of it (Longformer's dilation per
         # head, local heads beside global ones): each head's pattern is its design
         evidence["heads' patterns"] = ("the heads hide different keys (a pattern per head: a dilation or window of "
@@ -1650,6 +1656,21 @@ def _scaled_per_row(w: Tensor, p: Tensor) -> bool:
         return False
     constant = bool(((high - low)[rows] <= 1e-6 * high[rows].abs()).all())
     return constant and float(high[rows].max() - low[rows].min()) > 1e-6 * float(high[rows].max())
+
+
+def _mask_added(w: Tensor, p: Tensor) -> bool:
+    """Are the weights ``w`` the softmax's ``p`` plus a mask: a difference of 0 in most entries and one large
+    negative number (an additive mask's fill) in the others?"""
+    if w.shape != p.shape or not w.is_floating_point():
+        return False
+    diff = (w.detach().double() - p.detach().double())
+    if not bool(torch.isfinite(diff).all()):
+        return False
+    off = diff.abs() > 1e-6
+    if not bool(off.any()) or int(off.sum()) * 2 > off.numel():
+        return False
+    fills = diff[off]
+    return bool((fills < -1.0).all()) and float(fills.max() - fills.min()) <= 1e-6 * float(fills.abs().max())
 
 
 def _rescaled_densely(w: Tensor, p: Tensor) -> bool:
@@ -1773,6 +1794,10 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         raise Unseen(f"the weights are re-laid out between the softmax and the product ({', '.join(passed)}: a "
                      "band of diagonals turned into chunks, as sliding-window attention computes it): their formula "
                      "is not read")
+    if passed and set(passed) <= _ADDS and _mask_added(w, p):  # an additive mask (0 / -100) added to the weights
+        return Verdict(MASK_AFTER_SOFTMAX, {"matches": f"a mask is added to the weights after the softmax "
+                                                      f"({', '.join(passed)}): hidden keys get large negative weights "
+                                                      "instead of none", **evidence})
     if passed and not set(passed) <= _ZEROING:
         return Verdict(DEFINITION_MISMATCH, {"matches": f"the weights pass through {', '.join(passed)} between "
                                                "the softmax and the product with the values", **evidence})
@@ -2113,6 +2138,11 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                           "initialisation and learns the rest")
     if fid == WRONG_SCALE and relative and expected(d) is None:
         fid, said, facts = _disentangled_scale(trace, chain, inputs, scale, d, width, said, facts)
+    if fid == WRONG_SCALE and "position term" in facts and expected(d) is None and \
+            abs(scale * math.sqrt(2 * d) - 1) < 1e-3:
+        # TUPE (Ke et al. 2021): content and untied position correlations added, both scaled by 1/sqrt(2D)
+        fid, said = None, f"{said}: 1/sqrt(2 D) beside a position term, as TUPE scales its two correlations"
+        facts["scale"] = "1/sqrt(2 D): the content and the position correlations share it (TUPE's untied positions)"
     if fid is not None and temperatures:
         fid, said = None, f"{said}, times a learned temperature: the scale is learned"
     if fid is not None and inputs and not _depends_on(trace, aid, inputs) and not _depends_on(trace, bid, inputs):
@@ -2295,6 +2325,15 @@ def _tiles(length: int, size: int, lead: tuple[int, ...]) -> bool:
     return math.prod(lead) % (-(-side // window)) ** 2 == 0
 
 
+def _regrouped(op: Op, batch: int, length: int) -> bool:
+    """Does an nn.MultiheadAttention core get its tokens in other rows than the module's (B, L) (windows, one axis of
+    a video: (L', B', E) with B' L' = B L)? A core given the module's tokens as they are is read by its projections,
+    and what they do not match is no formula."""
+    query = op.mha_arguments().get("query")
+    return isinstance(query, Tensor) and query.dim() == 3 and query.shape[0] * query.shape[1] == batch * length and \
+        {int(query.shape[0]), int(query.shape[1])} != {batch, length}
+
+
 def _mha_core(trace: Trace, op: Op, final: Tensor, length: int, batch: int) -> Verdict:
     """torch's nn.MultiheadAttention core given tokens the module rearranged first (windows, or one axis of a video
     at a time: (B * 4, L / 4, E)), which the projections' reading cannot line up with the module's input: its formula
@@ -2467,7 +2506,7 @@ def examine_cores(trace: Trace, final: Tensor, width: int, length: int,
             continue
         if op.name == "scaled_dot_product_attention":
             verdicts.append(_sdpa_core(trace, op, final, width, length, expected, keep, local, inputs))
-        elif op.name == "multi_head_attention_forward" and op.outputs:
+        elif op.name == "multi_head_attention_forward" and op.outputs and _regrouped(op, batch, length):
             verdicts.append(_mha_core(trace, op, final, length, batch))
         elif op.name in SOFTMAX:
             found = _softmax_core(trace, op, final, width, length, expected, keep, batch, inputs, local,

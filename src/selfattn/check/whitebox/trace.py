@@ -241,6 +241,8 @@ class Trace(TorchFunctionMode):
         base = base_of(read[0]) if in_place and read else None
         base_before = base.detach().clone() if base is not None else None
         out = func(*args, **kwargs)
+        if "axis" in kwargs and "dim" not in kwargs:  # torch's NumPy alias (softmax(x, axis=-1)): recorded as dim
+            kwargs = {("dim" if k == "axis" else k): v for k, v in kwargs.items()}
         self.add(name, args, kwargs, out, read_at=at, read_values=values)
         if base is not None and base_before is not None:
             self._written_through_view(base, base_before, read[0], at[0])
