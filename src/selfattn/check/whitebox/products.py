@@ -376,6 +376,18 @@ def _value_position_term(trace: Trace, sm: Op, pv: Op, inputs: frozenset[int]) -
     return None
 
 
+def _position_correlations(trace: Trace, length: int, inputs: frozenset[int]) -> bool:
+    """Does the record hold an (..., L, L) product of two operands made from no token (positions times positions,
+    TUPE's untied correlations), rather than a bias looked up from a table?"""
+    for op in trace.ops:
+        if op.name in PRODUCTS and op.outputs and op.outputs[0].dim() >= 2 and \
+                tuple(op.outputs[0].shape[-2:]) == (length, length):
+            pairs = _operands(op)
+            if len(pairs) == 2 and not any(_depends_on(trace, i, inputs) for i, _ in pairs):
+                return True
+    return False
+
+
 def _value_term_across_queries(trace: Trace, sm: Op, pv: Op, inputs: frozenset[int]) -> str | None:
     """When the product of the weights with a position table on the values (:func:`_value_position_term`) sums them
     along an axis over which they do not sum to 1 (the queries': the weights transposed before that product, while
@@ -2139,7 +2151,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if fid == WRONG_SCALE and relative and expected(d) is None:
         fid, said, facts = _disentangled_scale(trace, chain, inputs, scale, d, width, said, facts)
     if fid == WRONG_SCALE and "position term" in facts and expected(d) is None and \
-            abs(scale * math.sqrt(2 * d) - 1) < 1e-3:
+            abs(scale * math.sqrt(2 * d) - 1) < 1e-3 and _position_correlations(trace, length, inputs):
         # TUPE (Ke et al. 2021): content and untied position correlations added, both scaled by 1/sqrt(2D)
         fid, said = None, f"{said}: 1/sqrt(2 D) beside a position term, as TUPE scales its two correlations"
         facts["scale"] = "1/sqrt(2 D): the content and the position correlations share it (TUPE's untied positions)"
