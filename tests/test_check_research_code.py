@@ -1777,3 +1777,32 @@ def test_a_mask_added_to_the_weights_after_the_softmax_is_mask_after_softmax():
     from selfattn.check import check
     assert check(AdditiveMaskAfterSoftmax(after=False), mask="keep (B,L)").verdict == "passed"
     assert check(AdditiveMaskAfterSoftmax(), mask="keep (B,L)").ids == {"mask-after-softmax"}
+
+
+class SharedKeyHead(nn.Module):
+    """Multi-query attention as lucidrains' packages write it: q with heads, one key and value head shared,
+    ``einsum("b h i d, b j d -> b h i j")``; ``viewed``: q split with reshape(b, h, n, d) (the bug)."""
+
+    def __init__(self, dim=32, heads=4, viewed=False):
+        super().__init__()
+        self.heads, self.viewed = heads, viewed
+        self.to_q, self.to_kv, self.to_out = nn.Linear(dim, dim, bias=False), nn.Linear(dim, 16, bias=False), \
+            nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q = self.to_q(x)
+        q = q.reshape(b, self.heads, n, -1) if self.viewed else q.view(b, n, self.heads, -1).transpose(1, 2)
+        k, v = self.to_kv(x).chunk(2, dim=-1)
+        scores = torch.einsum("bhid,bjd->bhij", q, k) * q.shape[-1] ** -0.5
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out = torch.einsum("bhij,bjd->bhid", scores.softmax(-1), v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_query_split_without_its_transpose_beside_one_shared_key_head_is_head_split():
+    # q's token axis against a key of no head axis was two letters ("h" and "i"): q was not read, and the symptom
+    # (causal-leak, mask-ignored) was named instead of the split
+    from selfattn.check import check
+    assert check(SharedKeyHead(), causal=True).verdict == "passed"
+    assert check(SharedKeyHead(viewed=True), causal=True).ids == {"head-split"}

@@ -2859,6 +2859,8 @@ def _axes(op: Op, position: int, role: str) -> tuple[int, int] | None:
     if role in "qk":
         token = [c for c in mine if c in out and c not in other]
         feature = [c for c in mine if c in other and c not in out]
+        if len(token) > 1 and len(out) >= 2:  # q's heads against one shared key head ("bhid,bjd->bhij": multi-query)
+            token = [c for c in token if c == out[-2 if role == "q" else -1]]  # the scores' query (key) axis
     else:
         token = [c for c in mine if c in other and c not in out]
         feature = [c for c in mine if c in out and c not in other]
