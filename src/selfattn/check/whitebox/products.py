@@ -401,8 +401,10 @@ def _value_term_across_queries(trace: Trace, sm: Op, pv: Op, inputs: frozenset[i
             continue
         position = next((n for n, (i, _) in enumerate(operands) if i == read), None)
         view = trace.value(read)
-        axis = None if position is None or view is None else _contracted_axis(op, position, view)
-        if axis is None or not view.is_floating_point():
+        if position is None or view is None or not view.is_floating_point():
+            return None
+        axis = _contracted_axis(op, position, view)
+        if axis is None:
             return None
         sums = view.double().sum(axis)
         sums = sums[torch.isfinite(sums) & (sums.abs() > 1e-9)]  # rows with every key hidden (zeroed) say nothing
@@ -2059,9 +2061,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
             merge_fid, merged = _merge(trace, pv, pv.outputs[0], final, canon)
             if merge_fid is not None:
                 masked = Verdict(merge_fid, {"matches": merged, **evidence}, facts)
-                seen = _future_seen(hidden, length) if causal else None
-                if seen is not None:  # the scores themselves see the future: a leak of its own, beside the merge's
-                    masked.also.append(Verdict(CAUSAL_LEAK, {"matches": seen, "_direct": True, **evidence}))
+                leak = _future_seen(hidden, length) if causal else None
+                if leak is not None:  # the scores themselves see the future: a leak of its own, beside the merge's
+                    masked.also.append(Verdict(CAUSAL_LEAK, {"matches": leak, "_direct": True, **evidence}))
         return _joined([masked, order])
     if order is not None:
         return order

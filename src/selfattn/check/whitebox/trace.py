@@ -434,11 +434,11 @@ class Trace(TorchFunctionMode):
         if made is not None and made[0].name in ("add", "radd") and len(made[0].in_ids) == 2 and \
                 all(isinstance(a, Tensor) for a in made[0].inputs[:2]):
             parts = [(i, t, self.maker(i)) for i, t in zip(made[0].in_ids, made[0].inputs[:2], strict=False)]
-            total = [(i, t, m) for i, t, m in parts if m is not None and m[0].name in ("sum", "unsqueeze")]
-            extra = [t for i, t, m in parts if m is None or m[0].name not in ("sum", "unsqueeze")]
-            if len(total) == 1 and len(extra) == 1 and extra[0].dim() >= 1 and extra[0].shape[-1] == 1 and \
+            summed = [m for _, _, m in parts if m is not None and m[0].name in ("sum", "unsqueeze")]
+            extra = [t for _, t, m in parts if m is None or m[0].name not in ("sum", "unsqueeze")]
+            if len(summed) == 1 and len(extra) == 1 and extra[0].dim() >= 1 and extra[0].shape[-1] == 1 and \
                     bool((extra[0] >= 0).all()):
-                sink, made = True, total[0][2]
+                sink, made = True, summed[0]
         back_at = None  # a sum without keepdim, given its dim back by unsqueeze
         if made is not None and made[0].name == "unsqueeze" and len(made[0].args) > 1 and made[0].in_ids:
             back_at, made = made[0].args[1], self.maker(made[0].in_ids[0])
