@@ -1806,3 +1806,40 @@ def test_a_query_split_without_its_transpose_beside_one_shared_key_head_is_head_
     from selfattn.check import check
     assert check(SharedKeyHead(), causal=True).verdict == "passed"
     assert check(SharedKeyHead(viewed=True), causal=True).ids == {"head-split"}
+
+
+class PointCloudSelfAttention(nn.Module):
+    """PCT's plain self-attention over (B, C, N) point features: 1-D convolutions for q, k and v, softmax over the
+    keys, scaled by sqrt(d_a), a residual."""
+
+    def __init__(self, channels=32, over_queries=False):
+        super().__init__()
+        self.over = 1 if over_queries else -1
+        self.q_conv, self.k_conv = nn.Conv1d(channels, channels // 4, 1, bias=False), \
+            nn.Conv1d(channels, channels // 4, 1, bias=False)
+        self.v_conv = nn.Conv1d(channels, channels, 1)
+
+    def forward(self, x):
+        q, k, v = self.q_conv(x).permute(0, 2, 1), self.k_conv(x), self.v_conv(x)
+        weights = torch.softmax(torch.bmm(q, k) * (k.shape[1] ** -0.5), dim=self.over)  # (B, N queries, N keys)
+        return x + torch.bmm(v, weights.permute(0, 2, 1))
+
+
+class PointCloudEncoder(nn.Module):
+    def __init__(self, over_queries=False):
+        super().__init__()
+        self.embed = nn.Conv1d(3, 32, 1)
+        self.sa1, self.sa2 = PointCloudSelfAttention(over_queries=over_queries), PointCloudSelfAttention()
+
+    def forward(self, points):
+        return self.sa2(self.sa1(self.embed(points))).amax(-1)
+
+
+def test_a_models_layers_called_channels_first_are_laid_out_so():
+    # (B, C, N) states were read as (B, L, E): the channels as tokens, and the layers definition-mismatch
+    torch.manual_seed(0)
+    points = torch.randn(2, 3, 20)
+    report = check_model(PointCloudEncoder().eval(), points)
+    assert report.layers and all(layer.verdict == "passed" for layer in report.layers.values()), report.summary()
+    report = check_model(PointCloudEncoder(over_queries=True).eval(), points)
+    assert report.layers["sa1"].ids == {"softmax-dim"} and report.layers["sa2"].verdict == "passed", report.summary()

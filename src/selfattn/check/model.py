@@ -94,6 +94,7 @@ class Layer:
     length: int
     tokens: int = 0  # the recorded hidden states' token count: L, or H * W for an image (B, H, W, E)
     sequence_first: bool = False  # the model calls it with (L, B, E) (torch's batch_first=False layers)
+    channels_first: bool = False  # the model calls it with (B, E, L) (a point cloud's or a 1-D conv net's layers)
     # the recorded tensors whose dim 0 stayed when the model ran one item alone: tables (a (2, L, D) stack of rotary
     # cos and sin), not per item, whatever their first size
     shared: frozenset[int] = frozenset()
@@ -106,8 +107,10 @@ class Layer:
 
     @property
     def hidden(self) -> Tensor:
-        """The hidden states the model called the layer with (the first slot they took)."""
-        return next(a for k, a in [*enumerate(self.args), *self.kwargs.items()] if k in self.x)
+        """The hidden states the model called the layer with (the first slot they took), as (B, L, E) for a layer
+        called channels first."""
+        found = next(a for k, a in [*enumerate(self.args), *self.kwargs.items()] if k in self.x)
+        return found.transpose(1, 2) if self.channels_first and found.dim() == 3 else found
 
     @property
     def extras(self) -> list[Tensor]:
@@ -151,6 +154,8 @@ class Layer:
                 mask = fit(own if own.shape[-1] > self.length else _causal_at(own, x.shape[1]))  # call: at its size)
             if self.sequence_first:
                 x = x.transpose(0, 1)
+            if self.channels_first:
+                x = x.transpose(1, 2)
             args = [x if i in self.x else (mask if i == self.mask else tree_map(fit, a))
                     for i, a in enumerate(self.args)]
             kwargs = {k: x if k in self.x else (mask if k == self.mask else tree_map(fit, v))
@@ -161,13 +166,14 @@ class Layer:
                 kwargs.update({k: False for k, v in kwargs.items() if k in SWITCH_NAMES and v is True})
             if isinstance(self.mask, str) and self.mask not in kwargs and mask is not None:
                 kwargs[self.mask] = mask
-            if not self.sequence_first:
+            if not self.sequence_first and not self.channels_first:
                 return module(*args, **kwargs)
-            out = module(*args, **kwargs)  # the doctor's (B, L, E) went in as (L, B, E): the output comes back so
+            out = module(*args, **kwargs)  # the doctor's (B, L, E) went in as (L, B, E) or (B, E, L): it comes back so
+            dims = (0, 1) if self.sequence_first else (1, 2)
             if isinstance(out, Tensor):
-                return out.transpose(0, 1)
+                return out.transpose(*dims)
             if isinstance(out, (tuple, list)) and out and isinstance(out[0], Tensor):
-                return (out[0].transpose(0, 1), *out[1:])
+                return (out[0].transpose(*dims), *out[1:])
             return out
 
         call = (lambda module, x: replay(module, x)) if self.mask is None else replay
@@ -499,8 +505,19 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
             (told or (batch is not None and hidden.shape[1] == batch != hidden.shape[0])):
         return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[1], hidden.shape[0], hidden.shape[0],
                      sequence_first=True)
+    if hidden.dim() == 3 and not folded and _channels_first(module, hidden):
+        return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[0], hidden.shape[2], hidden.shape[2],
+                     channels_first=True)
     return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[0], hidden.shape[1],
                  math.prod(hidden.shape[1:-1]))
+
+
+def _channels_first(module: nn.Module, hidden: Tensor) -> bool:
+    """Is the (B, ?, ?) ``hidden`` a layer's (B, E, L) input: its first layer a 1-D convolution over dim 1, and no
+    Linear of the module taking dim 2 as its features (PCT's point-cloud attention, (B, C, N))?"""
+    first = next((m for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv1d))), None)
+    return isinstance(first, nn.Conv1d) and first.in_channels == hidden.shape[1] != hidden.shape[2] and \
+        not any(isinstance(m, nn.Linear) and m.in_features == hidden.shape[2] for m in module.modules())
 
 
 def _mixes_along(module: nn.Module, args: tuple, kwargs: dict, hidden: Tensor, out: Tensor) -> bool:
