@@ -401,6 +401,18 @@ def unit_over_tokens(operand: Tensor, contracted: int | None, length: int | None
             "query depends on every other token, and the scores are not cosines")
 
 
+def _unit_axes(trace: Trace, tid: int) -> tuple[Tensor, list[int]] | None:
+    """The output of the normalisation behind a score operand, and the axes along which it has unit norm; None when
+    there is no such normalisation or its output is no floating (..., a, b) tensor."""
+    found = _norm_op(trace, tid)
+    if found is None or found[1] >= len(found[0].outputs):
+        return None
+    value = found[0].outputs[found[1]]
+    if not value.is_floating_point() or value.dim() < 2 or not value.numel():
+        return None
+    return value, [ax for ax in range(value.dim()) if bool(((value.double().norm(dim=ax) - 1).abs() < 1e-3).all())]
+
+
 def normalised_over_tokens(trace: Trace, tid: int, d: int, length: int, operand: Tensor | None = None,
                            contracted: int | None = None) -> str | None:
     """When the normalisation behind a score operand made it of unit norm along the tokens (an axis of size
@@ -410,14 +422,10 @@ def normalised_over_tokens(trace: Trace, tid: int, d: int, length: int, operand:
     When the head dim and the tokens have one size (a Swin window of 16 tokens, heads of 16), sizes cannot tell the
     axes apart: ``operand`` (the product's operand) and ``contracted`` (the axis of it the product contracts, -1 or
     -2) then can, when the normalisation's output is that operand, or its transpose, up to a number per head."""
-    found = _norm_op(trace, tid)
-    if found is None or found[1] >= len(found[0].outputs):
+    normed = _unit_axes(trace, tid)
+    if normed is None:
         return None
-    value = found[0].outputs[found[1]]
-    if not value.is_floating_point() or value.dim() < 2 or not value.numel():
-        return None
-    unit = [ax for ax in range(value.dim())
-            if bool(((value.double().norm(dim=ax) - 1).abs() < 1e-3).all())]
+    value, unit = normed
     what = (f"{normalised(trace, tid)} makes q (or k) of unit norm along the {length} tokens, not along the head "
             f"dim of {d}: each token's query then depends on every other token, and the scores are not cosines")
     if d != length:
@@ -439,13 +447,10 @@ def normalised_off_the_head(trace: Trace, tid: int, d: int) -> str | None:
     """When the normalisation behind a score operand made it of unit norm along axes none of which is the head dim
     (size ``d``): across the heads, or along the whole width before the heads were split. What was seen, else None.
     A cosine is of one head's q and k: normalised along another axis, the scores are not cosines."""
-    found = _norm_op(trace, tid)
-    if found is None or found[1] >= len(found[0].outputs):
+    normed = _unit_axes(trace, tid)
+    if normed is None:
         return None
-    value = found[0].outputs[found[1]]
-    if not value.is_floating_point() or value.dim() < 2 or not value.numel():
-        return None
-    unit = [ax for ax in range(value.dim()) if bool(((value.double().norm(dim=ax) - 1).abs() < 1e-3).all())]
+    value, unit = normed
     sizes = sorted({value.shape[ax] for ax in unit})
     if not unit or d in sizes:
         return None
