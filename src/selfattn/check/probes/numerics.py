@@ -454,6 +454,13 @@ _FUSED_NAMES = frozenset({"qkv", "to_qkv", "c_attn", "in_proj", "query_key_value
 _FUSED_KV_NAMES = frozenset({"kv", "to_kv", "kv_proj", "key_value", "wkv", "kv_linear", "to_key_value"})
 
 
+def _used_role(name: str) -> str | None:
+    """The role a used projection named ``name`` plays for the output-projection rule: "qk" for a fused qkv one, "k"
+    for keys and values packed together, else its name's role."""
+    lowered = name.lower()
+    return "qk" if lowered in _FUSED_NAMES else "k" if lowered in _FUSED_KV_NAMES else name_role(name)
+
+
 def _unwrapped(mod: nn.Module) -> nn.Module:
     """The layer an adapter wraps (peft's LoRA keeps it as ``base_layer``), else ``mod``."""
     base = getattr(mod, _BASE, None)
@@ -488,8 +495,7 @@ def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
                 continue
             if not _linear(child):  # an attention core of the block's: its projections count too
                 inner = [(n, _unwrapped(c)) for n, c in child.named_children()]
-                roles |= {"qk" if n.lower() in _FUSED_NAMES else "k" if n.lower() in _FUSED_KV_NAMES else name_role(n)
-                          for n, c in inner if _linear(c) and id(c.weight) in used}
+                roles |= {_used_role(n) for n, c in inner if _linear(c) and id(c.weight) in used}
                 if named_out:  # an output block of its own (BERT's BertSelfOutput: dense, then a norm)
                     dense = next(((n, c) for n, c in inner if _linear(c)), None)
                     if dense is not None:
@@ -500,8 +506,7 @@ def _idle_outputs(module: nn.Module, used: set[int]) -> list[str]:
             if named_out:
                 outputs.append((name, touched))
             elif touched:
-                roles.add("qk" if name.lower() in _FUSED_NAMES else "k" if name.lower() in _FUSED_KV_NAMES else
-                          name_role(name))
+                roles.add(_used_role(name))
         if outputs and ("qk" in roles or {"q", "k"} <= roles) and not any(touched for _, touched in outputs):
             idle += [f"{path}.{name}" if path else name for name, _ in outputs]
     return idle
