@@ -1843,3 +1843,46 @@ def test_a_models_layers_called_channels_first_are_laid_out_so():
     assert report.layers and all(layer.verdict == "passed" for layer in report.layers.values()), report.summary()
     report = check_model(PointCloudEncoder(over_queries=True).eval(), points)
     assert report.layers["sa1"].ids == {"softmax-dim"} and report.layers["sa2"].verdict == "passed", report.summary()
+
+
+class PreNormedMapAttention(nn.Module):
+    """A diffusion U-Net's attention block: an RMSNorm over the channels written with F.normalize, q, k and v from
+    one 1 x 1 Conv2d, learned memory keys and values, einsum scores scaled 1/sqrt(d)."""
+
+    def __init__(self, dim=32, heads=4, dim_head=8, memory=4, normalise_q=False, back_transposed=False):
+        super().__init__()
+        self.heads, self.normalise_q, self.back_transposed = heads, normalise_q, back_transposed
+        self.g = nn.Parameter(torch.ones(1, dim, 1, 1))
+        self.mem_kv = nn.Parameter(torch.randn(2, heads, memory, dim_head))
+        self.to_qkv = nn.Conv2d(dim, 3 * heads * dim_head, 1, bias=False)
+        self.to_out = nn.Conv2d(heads * dim_head, dim, 1)
+
+    def forward(self, x):
+        b, c, h, w = x.shape
+        x = F.normalize(x, dim=1) * self.g * c ** 0.5
+        q, k, v = (t.reshape(b, self.heads, -1, h * w).transpose(-1, -2) for t in self.to_qkv(x).chunk(3, dim=1))
+        if self.normalise_q:  # q made of unit norm over the whole width, across the heads (the bug)
+            q = F.normalize(q.transpose(1, 2).reshape(b, h * w, -1), dim=-1).view(b, h * w, self.heads, -1)
+            q = q.transpose(1, 2) * q.shape[-1] ** 0.5
+        mk, mv = (t.expand(b, -1, -1, -1) for t in self.mem_kv)
+        k, v = torch.cat((mk, k), dim=-2), torch.cat((mv, v), dim=-2)
+        sim = torch.einsum("bhid,bhjd->bhij", q, k) * q.shape[-1] ** -0.5
+        out = (sim.softmax(-1) @ v).transpose(-1, -2)
+        if self.back_transposed:  # the tokens, laid out (h w), put back as (w h): the map comes back transposed
+            return self.to_out(out.reshape(b, -1, w, h).transpose(-1, -2))
+        return self.to_out(out.reshape(b, -1, h, w))
+
+
+def test_a_pre_norm_before_a_convolution_projection_is_no_q_k_normalisation():
+    # the walk back from q to a normalisation passed through the 1 x 1 Conv2d into the input's pre-norm, and the
+    # correct block was definition-mismatch (q normalised over the whole width)
+    from selfattn.check import check
+    assert check(PreNormedMapAttention()).verdict == "passed"
+    assert check(PreNormedMapAttention(normalise_q=True)).ids == {"definition-mismatch"}
+
+
+def test_a_map_put_back_transposed_is_head_merge():
+    # swapping two tokens changed two rows of the output, but not theirs: each token's row put back at another's
+    # place passed with only the not-equivariant warning
+    from selfattn.check import check
+    assert check(PreNormedMapAttention(back_transposed=True)).ids == {"head-merge"}

@@ -338,6 +338,11 @@ def scale_origin(trace: Trace, tid: int) -> Origin:
 _NORMS = frozenset({"rms_norm", "layer_norm", "normalize", "rsqrt", "group_norm", "l2norm"})
 
 
+# what projects the tokens besides the products: a Linear, and a convolution (a 1 x 1 Conv2d making q, k and v from a
+# map whose input a pre-norm normalised over its channels)
+_PROJECTING = frozenset({"linear", "addmm", "conv1d", "conv2d", "conv3d"})
+
+
 def _norm_op(trace: Trace, tid: int) -> tuple[Op, int] | None:
     """The normalisation (and its output's index) a score operand went through a few operations back, or None."""
     seen: set[int] = set()
@@ -350,8 +355,8 @@ def _norm_op(trace: Trace, tid: int) -> tuple[Op, int] | None:
         steps += 1
         if found[0].name in _NORMS or (found[0].module and "norm" in found[0].module.lower()):
             return found
-        if found[0].name in PRODUCTS or found[0].name == "linear":
-            return None  # the projection itself: no norm after it
+        if found[0].name in PRODUCTS or found[0].name in _PROJECTING:
+            return None  # the projection itself: no norm after it (a norm before it is the input's)
         todo.extend(found[0].in_ids)
     return None
 

@@ -68,7 +68,7 @@ from .products import (
     unshifted_relative,
 )
 from .projections import AFTER, Capture, NoFormula, capture, identify, qkv_heads
-from .tokens import mixed_after, mixed_rows, normed_over_tokens
+from .tokens import mixed_after, mixed_rows, normed_over_tokens, put_back_elsewhere
 from .trace import Trace, key, record
 
 __all__ = ["declared_scale", "white_box"]
@@ -426,6 +426,11 @@ def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trac
         return None
     n, swapped = x.shape[1] + memory[0], (u + memory[1], t + memory[1])
     mixed = mixed_rows(plain, trace, n, swapped) or mixed_after(plain, trace, out, n, swapped)
+    if mixed is None and isinstance(moved, Tensor) and moved.shape == x.shape:
+        with torch.no_grad():
+            before = caller(x)
+        if isinstance(before, Tensor) and before.shape == moved.shape:
+            return put_back_elsewhere(before, moved, (u, t))
     if mixed is not None and isinstance(moved, Tensor) and moved.shape == x.shape:
         # the output's rows swapped as the tokens were, exactly: whatever order the tensors on the way took (rows
         # gathered in the order of a top-k, Informer's ProbSparse queries, and put back by their index), no token

@@ -25,7 +25,7 @@ from torch import Tensor
 from .products import core_operands
 from .trace import LAYOUT, PRODUCTS, SOFTMAX, Op, Trace
 
-__all__ = ["mixed_after", "mixed_rows", "normed_over_tokens"]
+__all__ = ["mixed_after", "mixed_rows", "normed_over_tokens", "put_back_elsewhere"]
 
 
 def _state(changed: Tensor, length: int, last: bool = False, pairs: bool = True) -> bool | None:
@@ -131,6 +131,29 @@ def mixed_after(first: Trace, second: Trace, out: int, length: int, tokens: tupl
                 seen.add(i)
                 todo.append(i)
     return None
+
+
+def put_back_elsewhere(before: Tensor, moved: Tensor, tokens: tuple[int, int]) -> str | None:
+    """When the module's (B, L, E) output on the input with ``tokens`` swapped (``moved``) differs from its output
+    ``before`` on exactly two token rows of every item, and not on the swapped tokens' rows in some item: each
+    token's row is computed and then put back at another token's place (a map rebuilt as (W, H) from tokens laid
+    out (H, W), a sequence put back reversed). None otherwise: a module with positions, a causal mask or a window
+    changes more rows, and an equivariant one changes the swapped tokens' rows."""
+    changed = _changed(before, moved)
+    if changed is None or before.dim() != 3:
+        return None
+    rows = changed.any(-1)  # (B, L)
+    counts = rows.sum(-1)
+    if not bool(((counts > 0) & (counts <= 2)).all()):
+        return None
+    wrong = [b for b in range(rows.shape[0]) if set(rows[b].nonzero().flatten().tolist()) != set(tokens)]
+    if not wrong:
+        return None
+    at = sorted(rows[wrong[0]].nonzero().flatten().tolist())
+    return (f"the output's rows are put back at other tokens' places: swapping tokens {tokens[0]} and {tokens[1]} "
+            f"changes the output's rows {at} (of item {wrong[0]}), not the swapped tokens' own rows: each token's "
+            "row is computed and then written where another token's belongs (a map put back as (W, H) from tokens "
+            "laid out (H, W), or heads and tokens merged in another order)")
 
 
 def _counts(changed: Tensor | None, length: int) -> list[int]:
