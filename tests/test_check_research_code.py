@@ -1886,3 +1886,119 @@ def test_a_map_put_back_transposed_is_head_merge():
     # place passed with only the not-equivariant warning
     from selfattn.check import check
     assert check(PreNormedMapAttention(back_transposed=True)).ids == {"head-merge"}
+
+
+class ScalarGainQKNorm(nn.Module):
+    """q and k RMS-normalised per head by hand, each times one learned number (trained away from 1), then scaled
+    1/sqrt(d); ``fixed`` holds the same numbers as buffers, a scale no training moves."""
+
+    def __init__(self, dim=32, heads=2, fixed=False):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        gains = (torch.tensor(1.3), torch.tensor(0.8))
+        if fixed:
+            self.register_buffer("q_gain", gains[0])
+            self.register_buffer("k_gain", gains[1])
+        else:
+            self.q_gain, self.k_gain = nn.Parameter(gains[0]), nn.Parameter(gains[1])
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        rms = lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6)  # noqa: E731
+        q, k = rms(q) * self.q_gain, rms(k) * self.k_gain
+        weights = (q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])).softmax(-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_learned_number_on_normalised_q_and_k_is_a_temperature():
+    # the gains were read as a fixed factor on the scores: 1.04 / sqrt(d) was wrong-scale on a correct module
+    from selfattn.check import check
+    assert check(ScalarGainQKNorm()).verdict == "passed"
+    assert check(ScalarGainQKNorm(fixed=True)).ids == {"wrong-scale"}
+
+
+class UntiedPositionsOneMap(nn.Module):
+    """TUPE with positions from an embedding, its position keys taken from the position queries' projection: ``pos_k``
+    never used (``one_map``), or used as it should be."""
+
+    def __init__(self, dim=32, heads=4, length=16, one_map=True):
+        super().__init__()
+        self.heads, self.one_map = heads, one_map
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.pos = nn.Embedding(length, dim)
+        self.pos_q, self.pos_k = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        d = c // self.heads
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d).permute(2, 0, 3, 1, 4)
+        p = self.pos(torch.arange(n))
+        pq = self.pos_q(p).view(n, self.heads, d).transpose(0, 1)
+        pk = pq if self.one_map else self.pos_k(p).view(n, self.heads, d).transpose(0, 1)
+        scores = (q @ k.transpose(-1, -2) + pq @ pk.transpose(-1, -2)) / math.sqrt(2 * d)
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_position_projection_left_out_by_its_sibling_is_no_grad():
+    # pos_k names no q, k or v role once "pos" is read as one: the sibling rule never looked at it
+    from selfattn.check import check
+    assert check(UntiedPositionsOneMap(one_map=False)).verdict == "passed"
+    assert check(UntiedPositionsOneMap()).ids == {"no-grad"}
+
+
+class EmptyMemoryAttention(nn.Module):
+    """Learned memory keys and values joined before the tokens' own, their count an option (0 by default)."""
+
+    def __init__(self, dim=32, heads=4, memory=0):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.memory = nn.Parameter(torch.randn(2, heads, memory, dim // heads))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        mk, mv = (t.expand(b, -1, -1, -1) for t in self.memory)
+        k, v = torch.cat((mk, k), dim=2), torch.cat((mv, v), dim=2)
+        weights = (q @ k.transpose(-1, -2) / math.sqrt(c // self.heads)).softmax(-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_an_empty_parameter_leaves_the_gradient_probe_running():
+    # the probe moved every used parameter by noise relative to its largest entry: an empty one made it raise, and
+    # the correct module was inconclusive
+    from selfattn.check import check
+    report = check(EmptyMemoryAttention())
+    assert report.verdict == "passed" and not report.doctor_errors
+    assert check(EmptyMemoryAttention(memory=2)).verdict == "passed"
+
+
+class BlockedHaloAttention(nn.Module):
+    """HaloNet's blocked local attention on a sequence: queries in blocks of ``block``, each block attending to its own
+    tokens and ``halo`` tokens on each side (keys padded at the ends and masked there)."""
+
+    def __init__(self, dim=32, heads=4, block=4, halo=2, scaled=True):
+        super().__init__()
+        self.heads, self.block, self.halo, self.scaled = heads, block, halo, scaled
+        self.to_q, self.to_kv, self.to_out = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        h, blk, halo, d = self.heads, self.block, self.halo, c // self.heads
+        q = self.to_q(x).view(b, n // blk, blk, h, d).permute(0, 3, 1, 2, 4)  # (b, h, blocks, blk, d)
+        kv = F.pad(self.to_kv(x), (0, 0, halo, halo)).unfold(1, blk + 2 * halo, blk)  # (b, blocks, 2c, window)
+        k, v = kv.view(b, n // blk, 2, h, d, -1).permute(2, 0, 3, 1, 5, 4)  # each (b, h, blocks, window, d)
+        valid = F.pad(x.new_ones(n), (halo, halo)).unfold(0, blk + 2 * halo, blk).bool()  # (blocks, window)
+        scores = q @ k.transpose(-1, -2) * (d ** -0.5 if self.scaled else 1.0)
+        weights = scores.masked_fill(~valid[:, None, :], float("-inf")).softmax(-1)
+        return self.to_out((weights @ v).permute(0, 2, 3, 1, 4).reshape(b, n, c))
+
+
+def test_blocks_that_see_a_halo_around_them_are_a_design():
+    # a query block sees its own tokens and a halo that overlaps its neighbours': no symmetric pattern, and the
+    # correct module was definition-mismatch (queries see some future keys and miss some past ones)
+    from selfattn.check import check
+    assert check(BlockedHaloAttention(), length=16).verdict == "passed"
+    assert check(BlockedHaloAttention(scaled=False), length=16).ids == {"missing-scale"}

@@ -310,6 +310,22 @@ def _wrapped_windows(dep: Tensor) -> tuple[bool, str] | None:
                    "cut by a mask along the others: a periodic axis (as Pangu-Weather's longitude)")
 
 
+def _blocks_with_halo(dep: Tensor) -> str | None:
+    """Blocked local attention with a halo (HaloNet): the queries fall into blocks of two or more that see the same
+    keys, each block its own tokens and some around them, the blocks overlapping in what they see. What was seen,
+    else None."""
+    rows, block_of = torch.unique(dep, dim=0, return_inverse=True)
+    sizes = torch.bincount(block_of, minlength=rows.shape[0])
+    if rows.shape[0] < 2 or int(sizes.min()) < 2:
+        return None
+    own = torch.zeros_like(rows)
+    own[block_of, torch.arange(dep.shape[0], device=dep.device)] = True  # row b: the tokens of block b
+    if not bool((rows | ~own).all()) or torch.equal(rows, own):  # each block sees itself; not blocks alone
+        return None
+    return (f"blocked local attention with a halo: the queries fall into {rows.shape[0]} blocks of "
+            f"{sorted(set(sizes.tolist()))} tokens, each sees its own block and keys around it (HaloNet)")
+
+
 def _local_design(dep: Tensor) -> str | None:
     """The published pattern a dependency matrix that sees some future keys follows, or None: symmetric with the
     diagonal seen (blocks, windows of an image, shifted windows: each pair of tokens sees each other or neither), or
@@ -348,6 +364,9 @@ def _local_design(dep: Tensor) -> str | None:
     neighbourhood = _neighbourhood(dep)
     if neighbourhood is not None:
         return neighbourhood
+    halo = _blocks_with_halo(dep)
+    if halo is not None:
+        return halo
     causal = ~future(length).to(dep.device) | eye
     for prefix in range(2, length):
         block = torch.zeros_like(dep)

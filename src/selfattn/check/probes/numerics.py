@@ -444,6 +444,24 @@ def _idle_position_maps(module: nn.Module, used: set[int]) -> list[str]:
             if isinstance(child, nn.Linear) and words & _POSITION_WORDS and child.weight.requires_grad and \
                     id(child.weight) not in used:
                 idle.append(f"{path}.{name}" if path else name)
+    return idle + _idle_position_roles(module, used)
+
+
+def _idle_position_roles(module: nn.Module, used: set[int]) -> list[str]:
+    """The projections of positions named for a role (``pos_k``, ``pos_key_proj``: a q, k or v name once the position
+    word is dropped) the call never used while it used a sibling one named for another role: TUPE's or DeBERTa's
+    position keys taken from the position queries' projection (``pos_q`` on both sides)."""
+    idle = []
+    for path, mod in module.named_modules():
+        found = []
+        for name, child in mod.named_children():
+            words = [w for w in re.split(r"[_\d]+", name.lower()) if w]
+            rest = "_".join(w for w in words if w not in _POSITION_WORDS)
+            role = name_role(rest) if rest and len(rest) < len("_".join(words)) else None
+            if role is not None and isinstance(child, nn.Linear) and child.weight.requires_grad:
+                found.append((f"{path}.{name}" if path else name, role, id(child.weight) in used))
+        played = {role for _, role, touched in found if touched}
+        idle += [n for n, role, touched in found if not touched and played and role not in played]
     return idle
 
 
@@ -746,7 +764,8 @@ def _gradients(ctx: Context) -> Outcome[None]:
         why = f"autograd refuses an in-place or out= operation of the module ({str(err)[:160]})"
         return Outcome(notes={"inference only": why},
                        coverage={"gradients": f"not applicable: the module runs only without autograd: {why}"})
-    used = [(n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) in watch.ids]
+    # an empty parameter (a memory of 0 learned tokens, a size the options set to 0) holds nothing to differentiate
+    used = [(n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) in watch.ids and p.numel()]
     missing = [n for n, p in used if p.grad is None or not p.grad.any()]
     no_input_grad = xg.grad is None or not xg.grad.any()
     grads = {n: p.grad.detach().clone() for n, p in used if p.grad is not None}

@@ -1705,6 +1705,31 @@ def _rescaled_densely(w: Tensor, p: Tensor) -> bool:
     return bool(((high - low)[rows] > 1e-3 * high[rows]).any())
 
 
+def _learned_gain(trace: Trace, tid: int) -> bool:
+    """Was the score operand ``tid`` multiplied by a learned number on its way from its last computation (through
+    layouts, numbers and rotary positions: a QK-norm's scalar gain, ``rms(q) * self.q_gain``)? Such a gain is a
+    temperature on the scores, learned as one on the scores is."""
+    for _ in range(4):
+        for _ in range(200):
+            found = trace.maker(tid)
+            if found is None:
+                return False
+            op = found[0]
+            if op.number() is not None and trace.learned_number(op):
+                return True
+            if op.number() is None and op.name not in LAYOUT:
+                break
+            src = op.main_input()
+            if src is None:
+                return False
+            tid = src
+        rotated = rotated_from(trace, tid)
+        if rotated is None:
+            return False
+        tid = rotated[0]
+    return False
+
+
 def _past_the_norm(origin: Origin, d: int) -> float:
     """The factor an operand got after its origin, less the sqrt(d) of an RMS norm written as a unit norm times
     sqrt(d) (x-transformers' ``F.normalize(k, dim=-1) * dim_head ** 0.5``): that factor is the norm's own, and the
@@ -2159,6 +2184,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         facts["scale"] = "1/sqrt(2 D): the content and the position correlations share it (TUPE's untied positions)"
     if fid is not None and temperatures:
         fid, said = None, f"{said}, times a learned temperature: the scale is learned"
+    if fid is not None and (_learned_gain(trace, aid) or _learned_gain(trace, bid)):
+        fid, said = None, f"{said}, with q or k times a learned gain (a number per side): the scale is learned"
+        facts["scale"] = "learned: q (or k) is multiplied by a learned number, a temperature on the scores"
     if fid is not None and inputs and not _depends_on(trace, aid, inputs) and not _depends_on(trace, bid, inputs):
         # an attention of positions to positions beside the tokens' own (TUPE's untied positions, LightSANs'
         # decoupled position encoding, scaled 1/sqrt(2D)): its scale is its design's
