@@ -2002,3 +2002,48 @@ def test_blocks_that_see_a_halo_around_them_are_a_design():
     from selfattn.check import check
     assert check(BlockedHaloAttention(), length=16).verdict == "passed"
     assert check(BlockedHaloAttention(scaled=False), length=16).ids == {"missing-scale"}
+
+
+class BlockOrPaddingMaskAttention(nn.Module):
+    """A layer that takes FlexAttention's block mask first and a (B, L) padding mask (True = valid) after it, its
+    output projection initialised at 0 (``zero_out``) as diffusion and audio transformers do."""
+
+    def __init__(self, dim=32, heads=4, zero_out=False):
+        super().__init__()
+        self.heads = heads
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        if zero_out:
+            nn.init.zeros_(self.to_out.weight)
+
+    def forward(self, x, block_mask=None, padding_mask=None):
+        b, n, c = x.shape
+        q, k, v = self.to_qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if block_mask is not None:
+            raise NotImplementedError(f"a BlockMask of block size {block_mask.BLOCK_SIZE} needs flex_attention")
+        scores = q @ k.transpose(-1, -2) / math.sqrt(c // self.heads)
+        if padding_mask is not None:
+            scores = scores.masked_fill(~padding_mask[:, None, None, :], float("-inf"))
+        return self.to_out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class PaddedStack(nn.Module):
+    def __init__(self, zero_out=False):
+        super().__init__()
+        self.layers = nn.ModuleList(BlockOrPaddingMaskAttention(zero_out=zero_out) for _ in range(2))
+
+    def forward(self, x, padding_mask=None):
+        for layer in self.layers:
+            x = x + layer(x, padding_mask=padding_mask)
+        return x
+
+
+@pytest.mark.parametrize("zero_out", [False, True])
+def test_a_layer_is_replayed_with_the_mask_argument_its_model_fills(zero_out):
+    # the doctor's mask went to block_mask, the first parameter named like a mask, which the model leaves None (and
+    # no tensor can be); and an output projection at 0, one output for every token, was read as the model's padding
+    # mask hiding every key (mask-inverted)
+    padding = torch.ones(2, 10, dtype=torch.bool)
+    padding[1, 7:] = False
+    x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(0))
+    report = check_model(PaddedStack(zero_out), {"x": x, "padding_mask": padding})
+    assert report.verdict == "passed", report.summary
