@@ -2046,4 +2046,50 @@ def test_a_layer_is_replayed_with_the_mask_argument_its_model_fills(zero_out):
     padding[1, 7:] = False
     x = torch.randn(2, 10, 32, generator=torch.Generator().manual_seed(0))
     report = check_model(PaddedStack(zero_out), {"x": x, "padding_mask": padding})
-    assert report.verdict == "passed", report.summary
+    assert report.verdict == "passed", report.summary()
+
+
+class FloatOrBoolMaskAttention(nn.Module):
+    """A CLIP-style layer: a bool mask (True = masked) turned additive, a float one added as given, or (``flipped``,
+    the bug) subtracted."""
+
+    def __init__(self, dim=32, heads=4, flipped=False):
+        super().__init__()
+        self.heads, self.flipped = heads, flipped
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attn_mask=None):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(c // self.heads)
+        if attn_mask is not None:
+            if attn_mask.dtype == torch.bool:
+                attn_mask = torch.zeros(attn_mask.shape, dtype=x.dtype).masked_fill(attn_mask, float("-inf"))
+            elif self.flipped:
+                attn_mask = -attn_mask
+            scores = scores + attn_mask
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class CausalTextTower(nn.Module):
+    def __init__(self, flipped=False, vocab=50, dim=32):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(FloatOrBoolMaskAttention(dim, flipped=flipped) for _ in range(2))
+
+    def forward(self, tokens):
+        n = tokens.shape[1]
+        mask = torch.full((n, n), float("-inf")).triu(1)
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = h + layer(h, attn_mask=mask)
+        return h
+
+
+def test_nan_in_a_layers_own_run_is_non_finite_without_padding():
+    # the doctor's masks replace the model's float causal mask, which the layer subtracts: its own run gives NaN,
+    # and the model was certified
+    tokens = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+    assert check_model(CausalTextTower(), (tokens,)).verdict == "passed"
+    report = check_model(CausalTextTower(flipped=True), (tokens,))
+    assert report.layers and all("non-finite" in layer.ids for layer in report.layers.values()), report.summary()

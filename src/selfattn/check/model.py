@@ -804,17 +804,21 @@ def _record_calls(model: nn.Module, args: tuple,
 
 
 def _nan_on_real_tokens(layer: Layer, pad: Tensor | None) -> Finding | None:
-    """non-finite when, in the model's own run, the layer gave NaN or inf on real tokens (the model's padding known)
-    whose input was finite: what an earlier layer left NaN in the padded positions (a query with every key hidden,
-    filled with -inf) reaches them through the keys and values, since a weight of 0 times NaN is NaN."""
+    """non-finite when, in the model's own run, the layer gave NaN or inf on real tokens (every token when the model's
+    inputs mark no padding) whose input was finite: what an earlier layer left NaN in the padded positions (a query
+    with every key hidden, filled with -inf) reaches them through the keys and values, since a weight of 0 times NaN
+    is NaN; or the model's own mask, read the other way round (a 0 / -inf causal mask subtracted), lifts keys to
+    +inf."""
     y = _first_tensor(layer.output)
     hidden = layer.hidden
-    if pad is None or y is None or not isinstance(hidden, Tensor) or y.shape != hidden.shape or y.dim() != 3 or \
+    if y is None or not isinstance(hidden, Tensor) or y.shape != hidden.shape or y.dim() != 3 or \
             not y.is_floating_point():
         return None
     fresh = (~torch.isfinite(y) & torch.isfinite(hidden)).any(-1)
     if layer.sequence_first:
         fresh = fresh.transpose(0, 1)
+    if pad is None:
+        pad = torch.zeros(fresh.shape, dtype=torch.bool)
     if tuple(fresh.shape) != tuple(pad.shape):
         return None
     real = fresh.cpu() & ~pad.cpu()
@@ -823,7 +827,8 @@ def _nan_on_real_tokens(layer: Layer, pad: Tensor | None) -> Finding | None:
     return Finding.of(NON_FINITE, "as the model runs it on its example inputs, the layer's output is NaN or inf on "
                       f"{int(real.sum())} real token(s) whose input is finite: NaN in the padded positions' keys or "
                       "values (a padded query left with no visible key by an earlier layer, its scores filled with "
-                      "-inf) reaches them, since a weight of 0 times NaN is NaN",
+                      "-inf) reaches them, since a weight of 0 times NaN is NaN, or the mask the model passes, read "
+                      "the other way round, lifts some keys to +inf",
                       {"real tokens with NaN or inf (item, token)": real.nonzero().tolist()[:10],
                        "padded positions' inputs non-finite": int((~torch.isfinite(hidden)).any(-1).sum())})
 
