@@ -2093,3 +2093,32 @@ def test_nan_in_a_layers_own_run_is_non_finite_without_padding():
     assert check_model(CausalTextTower(), (tokens,)).verdict == "passed"
     report = check_model(CausalTextTower(flipped=True), (tokens,))
     assert report.layers and all("non-finite" in layer.ids for layer in report.layers.values()), report.summary()
+
+
+class ZeroInitAttentionBlock(nn.Module):
+    """A block as video diffusion code ships it: x + attn(x) with the attention's output projection initialised at 0,
+    then a feed-forward on each token with its own residual."""
+
+    def __init__(self, dim=32, heads=4, over_queries=False):
+        super().__init__()
+        self.heads, self.over = heads, -2 if over_queries else -1
+        self.qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        nn.init.zeros_(self.to_out.weight)
+        nn.init.zeros_(self.to_out.bias)
+        self.ff = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        weights = (q @ k.transpose(-1, -2) / math.sqrt(c // self.heads)).softmax(self.over)
+        x = x + self.to_out((weights @ v).transpose(1, 2).reshape(b, n, c))
+        return x + self.ff(x)
+
+
+def test_a_silent_attention_branch_before_a_feed_forward_is_probed_with_its_zeros_drawn():
+    # the output was no constant (the feed-forward changes each token) and no zeros were drawn: each output row
+    # depended on its own token only, and the correct block was definition-mismatch and mask-ignored
+    from selfattn.check import check
+    report = check(ZeroInitAttentionBlock())
+    assert report.verdict == "passed" and "drawn" in report.inferred
+    assert check(ZeroInitAttentionBlock(over_queries=True)).ids == {"softmax-dim"}

@@ -355,6 +355,27 @@ def _shrink_to_mix(call: Caller, x: Tensor, out: Tensor) -> float | None:
     return None
 
 
+def _silent_attention(call: Caller, x: Tensor, out: Tensor) -> bool:
+    """Does each output row depend on its own token only while some parameter is all zeros: a block whose attention
+    branch ends in a zero-initialised projection, followed by a feed-forward on each token (make-a-video's
+    spatio-temporal block: x + attn(x), then ff(x) + x)? Its attention is probed on a copy with those zeros drawn."""
+    if out.shape != x.shape or x.dim() != 3 or x.shape[1] < 3 or \
+            not any(p.numel() and not bool(p.any()) for p in call.module.parameters()):
+        return False
+    t = x.shape[1] // 2
+    other = x.clone()
+    other[:, t] = torch.flip(x[:, t], dims=(-1,)) + 1.0
+    try:
+        with torch.no_grad():
+            new = call(other)
+    except Exception:
+        return False
+    if new.shape != out.shape or not bool(torch.isfinite(new).all()) or not bool(torch.isfinite(out).all()):
+        return False
+    changed = (new - out).double().abs().amax(dim=-1) > 1e-6 * (1 + float(out.double().abs().max()))
+    return bool(changed[:, t].all()) and not bool(changed[:, torch.arange(x.shape[1]) != t].any())
+
+
 def _with_zeros_drawn(call: Caller, x: Tensor, gen: torch.Generator) -> tuple[nn.Module, Caller, Tensor, list[str]]:
     """A copy of the module whose all-zero parameters are drawn from N(0, 0.02^2) (weights of the scale real
     models initialise), its caller and output; CannotRun when there is none to draw or the output stays constant."""
@@ -453,7 +474,8 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
             got.inferred["input scale"] = (f"x times {shrink:g}: on N(0, 1) tokens each token's weight on its own key "
                                            "is 1 to the dtype's precision and the output is the input (scores with "
                                            "no projection, or no scale, dominated by their diagonal)")
-        if _constant(call, x, out):  # a zero-initialised output layer: probe a copy with those values drawn
+        if _constant(call, x, out) or _silent_attention(call, x, out):  # a zero-initialised output layer: probe a
+            # copy with those values drawn
             module, call, out, drawn = _with_zeros_drawn(call, x, gen)
             got.inferred["drawn"] = ("the output does not depend on the input (or is the input plus a constant: a "
                                      "residual around a zero-initialised branch) with these weights; the probes ran "
