@@ -350,7 +350,10 @@ def _dead_rows(grads: Mapping[str, Tensor | None], linear: set[str]) -> dict[str
             continue  # a 1 x 1 convolution's (out, in, 1, 1) weight is a linear map's too
         dead = (g.reshape(g.shape[0], -1) == 0).all(1)
         count = int(dead.sum())
-        if 0 < count < g.shape[0] and count >= max(2, g.shape[0] // 8) and _blocks(dead):
+        # or one run of a head's size at least, however small beside the rest (the values of PaLM's fused
+        # q | k | v | feed-forward projection, one key-value head beside a wide feed-forward part)
+        one_run = count >= 4 and _blocks(dead) and bool(dead[int(dead.nonzero()[0]):][:count].all())
+        if 0 < count < g.shape[0] and (count >= max(2, g.shape[0] // 8) or one_run) and _blocks(dead):
             rows = dead.nonzero().flatten().tolist()
             out[name] = f"{count} of {g.shape[0]} rows (output features) get no gradient, rows {rows[0]}-{rows[-1]}"
     return out
