@@ -2150,3 +2150,33 @@ def test_values_left_out_of_a_fused_projection_with_a_feed_forward_part_are_no_g
     from selfattn.check import check
     assert check(ParallelFusedBlock()).verdict == "passed"
     assert check(ParallelFusedBlock(values_from_keys=True)).ids == {"no-grad"}
+
+
+class FocusPresentAttention(nn.Module):
+    """Video-diffusion style attention over frames with a per-item flag named like a mask: ``focus_present_mask``
+    (B,), True for the items whose frames attend only to themselves."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, focus_present_mask=None):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        if focus_present_mask is not None and focus_present_mask.all():
+            return self.out(v.transpose(1, 2).reshape(b, n, c))  # every frame sees only itself
+        scores = q @ k.transpose(-1, -2) / math.sqrt(c // self.heads)
+        if focus_present_mask is not None and not (~focus_present_mask).all():
+            keep = torch.where(focus_present_mask.view(b, 1, 1, 1), torch.eye(n, dtype=torch.bool),
+                               torch.ones(n, n, dtype=torch.bool))
+            scores = scores.masked_fill(~keep, float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_an_argument_named_like_a_mask_that_takes_one_flag_per_item_is_not_judged_as_a_mask():
+    # every bool mask raised on its shape and an integer one ran, changing nothing: mask-ignored on a correct module
+    from selfattn.check import check
+    report = check(FocusPresentAttention())
+    assert not report.ids and "not verified" in report.coverage["mask"]
+    assert check(FocusPresentAttention(), no_mask=True).verdict == "passed"

@@ -732,6 +732,11 @@ def _no_mask(why: str) -> Outcome[Caller]:
                                                              "padding": f"not applicable: {why}"})
 
 
+def _of_shape(error: str) -> bool:
+    """Does an error a mask raised speak of its shape (a rank or a size the argument does not take)?"""
+    return any(word in error.lower() for word in ("shape", "size", "dimension", "rank"))
+
+
 def _mask_unseen(why: str, tried: dict[str, str]) -> Outcome[Caller]:
     """A mask argument the doctor cannot send in the form it takes: the mask and padding are not verified."""
     return Outcome(notes={"mask": {"not verified": why, "tried": tried}},
@@ -985,6 +990,17 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
         # model's padding, where it has one, is judged as the model calls it)
         return _no_mask("the layer reads its mask argument only as given or not (no operation reads its values): "
                         "given one, as the model gives it, it is causal")
+    bools = {label: why for label, why in tried.items() if label.split(" ")[1:2] in (["keep"], ["ignore"])}
+    if accepted and bools and all("Error" in why and _of_shape(why) for why in bools.values()) and \
+            all("changed nothing" in tried.get(label, "") for label in accepted) and ctx.spec is None and \
+            ctx.call.make_mask is None and not ctx.call.required:
+        # a bool mask of every shape raises on its shape, and only an integer or float one runs, changing nothing:
+        # the argument takes something else than a mask over the tokens (video-diffusion's focus_present_mask, one
+        # flag per item). A bool refused for its dtype (1.0 - mask) is a mask all the same
+        arg = next(iter({c.mask_arg or "positional" for c in candidates}))
+        return _mask_unseen(f"forward's argument '{arg}' raises on every bool mask the doctor sends, and changes "
+                            "nothing given numbers: it takes no mask over the tokens (state one with --mask, or say "
+                            "--no-mask)", tried)
     if accepted and all("changed nothing" in v or "Error" in v for v in tried.values()):
         return Outcome([Finding.of(MASK_IGNORED, "the module accepts a mask but its output does not depend on it",
                                    tried, direct=True)],
