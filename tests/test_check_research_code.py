@@ -2038,7 +2038,7 @@ class PaddedStack(nn.Module):
 
 
 @pytest.mark.parametrize("zero_out", [False, True])
-def test_a_layer_is_replayed_with_the_mask_argument_its_model_fills(zero_out):
+def test_a_layer_is_replayed_with_its_mask_argument_not_a_block_mask(zero_out):
     # the doctor's mask went to block_mask, the first parameter named like a mask, which the model leaves None (and
     # no tensor can be); and an output projection at 0, one output for every token, was read as the model's padding
     # mask hiding every key (mask-inverted)
@@ -2180,3 +2180,36 @@ def test_an_argument_named_like_a_mask_that_takes_one_flag_per_item_is_not_judge
     report = check(FocusPresentAttention())
     assert not report.ids and "not verified" in report.coverage["mask"]
     assert check(FocusPresentAttention(), no_mask=True).verdict == "passed"
+
+
+class SegmentMemoryAttention(nn.Module):
+    """titans-style segmented attention: the tokens padded to whole segments folded into the batch, causal within
+    each, with learned memory keys and values joined before every segment's own."""
+
+    def __init__(self, dim=32, heads=4, segment=4, memory=2, scaled=True):
+        super().__init__()
+        self.heads, self.segment, self.scale = heads, segment, (dim // heads) ** -0.5 if scaled else 1.0
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.memory = nn.Parameter(torch.randn(2, heads, memory, dim // heads))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        seg, h, m = self.segment, self.heads, self.memory.shape[2]
+        x = F.pad(x, (0, 0, 0, -n % seg))
+        w = x.shape[1] // seg
+        q, k, v = self.qkv(x).view(b * w, seg, 3, h, c // h).permute(2, 0, 3, 1, 4)  # each (b w, h, seg, d)
+        mk, mv = (t.expand(b * w, -1, -1, -1) for t in self.memory)
+        k, v = torch.cat((mk, k), dim=2), torch.cat((mv, v), dim=2)
+        future = torch.ones(seg, seg, dtype=torch.bool).triu(1)
+        hidden = torch.cat((torch.zeros(seg, m, dtype=torch.bool), future), dim=1)
+        scores = (q @ k.transpose(-1, -2) * self.scale).masked_fill(hidden, float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, w * seg, c)[:, :n]
+        return self.out(out)
+
+
+def test_learned_memory_beside_each_segment_is_a_design():
+    # the weights (segment, memory + segment) were read as over axes that are not the tokens, and segments folded
+    # into the batch did not tile a length they pad: definition-mismatch on a correct module
+    from selfattn.check import check
+    assert check(SegmentMemoryAttention(), causal=True).verdict == "passed"
+    assert check(SegmentMemoryAttention(scaled=False), causal=True).ids == {"missing-scale"}

@@ -391,11 +391,9 @@ def _mask_parameter(module: nn.Module, kwargs: dict, taken: set, given: dict | N
     params = [p for p in _parameters(module) if p not in taken]
     names = [k for k in [*params, *kwargs] if k in MASK_NAMES or ("mask" in k.lower() and k not in SWITCH_NAMES)]
     values = {**kwargs, **(given or {})}  # what the model passed, by parameter name
-    # of several named like a mask, the one the model gave a tensor (stable-audio's padding_mask, not the
-    # flex_attention_block_mask before it that the model leaves None); else not one that takes FlexAttention's
-    # BlockMask, which no tensor the doctor sends can be
-    names = [k for k in names if isinstance(values.get(k), Tensor)] or \
-        [k for k in names if "block_mask" not in k.lower()] or names
+    # not one that takes FlexAttention's BlockMask, which no tensor the doctor sends can be (stable-audio's
+    # flex_attention_block_mask before its padding_mask), unless the model gave it a tensor
+    names = [k for k in names if "block_mask" not in k.lower() or isinstance(values.get(k), Tensor)] or names
     # else padding given as each item's length (d2l's valid_lens), when the model gives one per item (a decoder's
     # (B, L) lengths, one per query, carry its causal pattern: they stay as recorded)
     names = names or [k for k in [*params, *kwargs] if k in LENGTH_NAMES and
@@ -1353,16 +1351,14 @@ def _real_rows_empty(layer: Layer, pad: Tensor) -> bool:
         return True
     # or an item with no padding whose every token gets NaN, or one output for all its tokens (a kernel that gives 0
     # where no key is seen): the mask hides all its keys (a keep-mask handed to torch's src_key_padding_mask: all
-    # True for an item the model does not pad). One output for every real token of the padded items too is no mask's
-    # doing: an output projection at 0 (initialised so) gives its bias everywhere
+    # True for an item the model does not pad). One output for every token of every item is no mask's doing: an
+    # output projection at 0 (initialised so) gives its bias everywhere
     def one_output(out: Tensor, given: Tensor) -> bool:
         flat = float((out - out[:1]).abs().max()) <= 1e-6 * (1 + float(out.abs().max()))
         varied = float((given - given[:1]).abs().max()) > 1e-3 * (1 + float(given.abs().max()))
         return bool(torch.isfinite(out).all()) and flat and varied
 
-    reals = [(base[:, b][real[:, b]], hidden[:, b][real[:, b]]) if layer.sequence_first else
-             (base[b][real[b]], hidden[b][real[b]]) for b in items]
-    constant = all(r.shape[0] > 1 and one_output(r, g) for r, g in reals)
+    constant = one_output(base.reshape(-1, base.shape[-1]), hidden.reshape(-1, hidden.shape[-1]))
     for b in (~padded).nonzero().flatten().tolist():
         out, given = (base[:, b], hidden[:, b]) if layer.sequence_first else (base[b], hidden[b])
         if not bool(torch.isfinite(out).any()):

@@ -322,6 +322,12 @@ def _blocks_with_halo(dep: Tensor) -> str | None:
     own[block_of, torch.arange(dep.shape[0], device=dep.device)] = True  # row b: the tokens of block b
     if not bool((rows | ~own).all()) or torch.equal(rows, own):  # each block sees itself; not blocks alone
         return None
+    # a halo is local: some block misses a key before its own tokens (streaming chunks see every earlier key, and a
+    # look-ahead past them is read by the chunk patterns)
+    first = torch.tensor([int(own[b].nonzero()[0]) for b in range(rows.shape[0])], device=dep.device)
+    earlier = torch.arange(dep.shape[0], device=dep.device)[None, :] < first[:, None]
+    if not bool((earlier & ~rows).any()):
+        return None
     return (f"blocked local attention with a halo: the queries fall into {rows.shape[0]} blocks of "
             f"{sorted(set(sizes.tolist()))} tokens, each sees its own block and keys around it (HaloNet)")
 

@@ -1890,6 +1890,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         facts["sinks"] = ("one more term per row in the softmax's sum, with no value (softmax_1, exp(s) / (1 + sum "
                           "exp(s)): a sink logit)")
     memory: slice | None = None
+    joined = p.shape[-1] if p.dim() >= 2 else 0  # the keys, memory included
     extra = p.shape[-1] - length if p.dim() >= 2 and p.shape[-2] == length and w.shape[-1] == p.shape[-1] else 0
     if extra > 0 and dim == p.dim() - 1:  # keys and values that are no token's: learned memory, a null key
         side = _memory_side(trace, vid, extra, inputs)
@@ -1901,8 +1902,21 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     # a convolution before the attention (MobileViT's 3 x 3 conv around its patch attention) makes every output
     # depend on its neighbours: the run's pattern cannot show windows, the weights' shape does
     local = local or _convolved_before(trace, sm)
+    if memory is None and local and dim == p.dim() - 1 and p.dim() >= 3 and 1 < p.shape[-2] < length and \
+            p.shape[-1] > p.shape[-2] and w.shape[-1] == p.shape[-1]:
+        # learned memory keys joined to each window's or segment's own (titans' persistent memory beside its
+        # segments): the keys past the memory are the window's
+        for extra in range(1, p.shape[-1] - p.shape[-2] + 1):
+            side = _memory_side(trace, vid, extra, inputs)
+            if side is not None:
+                memory = slice(extra, None) if side == "first" else slice(None, p.shape[-1] - extra)
+                p, s, w = p[..., memory], s[..., memory], w[..., memory]
+                facts["memory"] = f"{extra} key/value pair(s) that depend on no token, put {side} beside each " \
+                                  "window's keys (learned memory key/values)"
+                break
     window = local and p.dim() >= 2 and p.shape[-1] == p.shape[-2] and 1 < p.shape[-1] < length and \
-        _tiles(length, p.shape[-1], tuple(p.shape[:-2])) and p.numel() // p.shape[-1] >= batch * length
+        _tiles(length, p.shape[-1], tuple(p.shape[:-2]), batch) and \
+        p.numel() // p.shape[-1] >= batch * length
     blocks = local and not window and p.dim() >= 3 and 1 < p.shape[-2] < length < p.shape[-3] * p.shape[-2] + \
         p.shape[-2] and p.shape[-1] > p.shape[-2] and p.shape[-1] % p.shape[-2] == 0
     if window:  # attention within windows (Swin's on an image): the weights' axes are a window's tokens
@@ -2032,7 +2046,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if axes is not None and r.dim() == p.dim():
         r = r.movedim(axes, (-2, -1))
     d = _contracted_size(product, a, b)
-    if memory is not None and r.dim() >= 2 and r.shape[-1] == length + extra:  # the keys' product has them too
+    if memory is not None and r.dim() >= 2 and r.shape[-1] == joined:  # the keys' product has them too
         r = r[..., memory]
     if s.numel() != r.numel():
         if order is not None:
@@ -2355,11 +2369,13 @@ def every_key_hidden(trace: Trace) -> str | None:
     return None
 
 
-def _tiles(length: int, size: int, lead: tuple[int, ...]) -> bool:
+def _tiles(length: int, size: int, lead: tuple[int, ...], batch: int = 1) -> bool:
     """Do windows of ``size`` tile the L tokens: L a multiple of it, or an axis of ``lead`` counting the windows of
-    the L tokens padded to a multiple (chunked attention pads its last chunk), or square windows of a square grid
-    padded on both sides to a multiple of the window's (SAM's and ViTDet's windows, padded with zeros)?"""
-    if length % size == 0 or any(n * size >= length > (n - 1) * size for n in lead):
+    the L tokens padded to a multiple (chunked attention pads its last chunk), alone or folded into the ``batch``
+    (titans' segments, (B * windows, ...)), or square windows of a square grid padded on both sides to a multiple of
+    the window's (SAM's and ViTDet's windows, padded with zeros)?"""
+    counts = [*lead, *(m // batch for m in lead if batch > 1 and m % batch == 0)]
+    if length % size == 0 or any(n * size >= length > (n - 1) * size for n in counts):
         return True
     side, window = math.isqrt(length), math.isqrt(size)
     if side * side != length or window * window != size or window < 2 or side % window == 0:
@@ -2397,10 +2413,16 @@ def _sdpa_core(trace: Trace, op: Op, final: Tensor, width: int, length: int,
     q, k = op.inputs[0], op.inputs[1]
     d = q.shape[-1]
     facts: dict = {}
-    window = local and q.dim() >= 2 and q.shape[-2] == k.shape[-2] and 1 < q.shape[-2] < length and \
-        _tiles(length, q.shape[-2], q.shape[:-2])
+    # learned memory keys and values joined to each window's own (titans' persistent memory beside its segments)
+    extra = k.shape[-2] - q.shape[-2] if q.dim() >= 2 and k.dim() >= 2 and len(op.in_ids) > 2 else 0
+    side = _memory_side(trace, op.in_ids[2], extra, inputs) if local and extra > 0 else None
+    window = local and q.dim() >= 2 and (q.shape[-2] == k.shape[-2] or side is not None) and \
+        1 < q.shape[-2] < length and _tiles(length, q.shape[-2], q.shape[:-2])
     if window:  # attention within windows (Twins' locally grouped attention): each window's call on its own
         facts["windows"] = f"attention within windows of {q.shape[-2]} tokens (the module sees a local pattern)"
+        if side is not None:
+            facts["memory"] = f"{extra} key/value pair(s) that depend on no token, put {side} beside each window's " \
+                              "keys (learned memory key/values)"
         length, keep = q.shape[-2], None
     if q.dim() >= 2 and 2 < q.shape[-2] < length == q.shape[-2] + _other_queries(trace, op, length) and \
             k.shape[-2] == q.shape[-2]:  # the tokens but a few read-out ones, among themselves; those apart
