@@ -1890,7 +1890,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
         facts["sinks"] = ("one more term per row in the softmax's sum, with no value (softmax_1, exp(s) / (1 + sum "
                           "exp(s)): a sink logit)")
     memory: slice | None = None
-    joined = p.shape[-1] if p.dim() >= 2 else 0  # the keys, memory included
+    keys_joined = p.shape[-1] if p.dim() >= 2 else 0  # the keys, memory included
     extra = p.shape[-1] - length if p.dim() >= 2 and p.shape[-2] == length and w.shape[-1] == p.shape[-1] else 0
     if extra > 0 and dim == p.dim() - 1:  # keys and values that are no token's: learned memory, a null key
         side = _memory_side(trace, vid, extra, inputs)
@@ -2046,7 +2046,7 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     if axes is not None and r.dim() == p.dim():
         r = r.movedim(axes, (-2, -1))
     d = _contracted_size(product, a, b)
-    if memory is not None and r.dim() >= 2 and r.shape[-1] == joined:  # the keys' product has them too
+    if memory is not None and r.dim() >= 2 and r.shape[-1] == keys_joined:  # the keys' product has them too
         r = r[..., memory]
     if s.numel() != r.numel():
         if order is not None:
