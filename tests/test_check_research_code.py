@@ -2213,3 +2213,39 @@ def test_learned_memory_beside_each_segment_is_a_design():
     from selfattn.check import check
     assert check(SegmentMemoryAttention(), causal=True).verdict == "passed"
     assert check(SegmentMemoryAttention(scaled=False), causal=True).ids == {"missing-scale"}
+
+
+class LocalAndGlobalProjections(nn.Module):
+    """Longformer-style: blocks of 4 tokens attend within their block through query / key / value; token 0 is
+    global, its row attending to every token through query_global / key_global / value_global. ``local_keys``: the
+    global row takes its keys from the local ``key`` (key_global never used)."""
+
+    def __init__(self, dim=32, heads=4, local_keys=False):
+        super().__init__()
+        self.heads, self.local_keys = heads, local_keys
+        self.query, self.key, self.value = (nn.Linear(dim, dim) for _ in range(3))
+        self.query_global, self.key_global, self.value_global = (nn.Linear(dim, dim) for _ in range(3))
+        self.out = nn.Linear(dim, dim)
+
+    def _heads(self, t):
+        return t.view(t.shape[0], t.shape[1], self.heads, -1).transpose(1, 2)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = (self._heads(lin(x)) for lin in (self.query, self.key, self.value))
+        block = torch.arange(n) // 4
+        local = ((q @ k.transpose(-1, -2)) / math.sqrt(c // self.heads)).masked_fill(
+            block[:, None] != block[None, :], float("-inf"))
+        out = local.softmax(-1) @ v
+        gk = self._heads((self.key if self.local_keys else self.key_global)(x))
+        gq, gv = self._heads(self.query_global(x[:, :1])), self._heads(self.value_global(x))
+        out = torch.cat((((gq @ gk.transpose(-1, -2)) / math.sqrt(c // self.heads)).softmax(-1) @ gv, out[:, :, 1:]), 2)
+        return self.out(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_qualified_projection_left_out_by_its_siblings_is_no_grad():
+    # key_global names no role the sibling rule reads (a qualifier beside the role word): left out while
+    # query_global and value_global were used, it passed
+    from selfattn.check import check
+    assert check(LocalAndGlobalProjections(), length=8).verdict == "passed"
+    assert check(LocalAndGlobalProjections(local_keys=True), length=8).ids == {"no-grad"}

@@ -451,20 +451,25 @@ def _idle_position_maps(module: nn.Module, used: set[int]) -> list[str]:
 
 
 def _idle_position_roles(module: nn.Module, used: set[int]) -> list[str]:
-    """The projections of positions named for a role (``pos_k``, ``pos_key_proj``: a q, k or v name once the position
-    word is dropped) the call never used while it used a sibling one named for another role: TUPE's or DeBERTa's
-    position keys taken from the position queries' projection (``pos_q`` on both sides)."""
+    """The projections named for a role and a qualifier (``pos_k``, ``key_global``, ``k_content_proj``: one q, k or v
+    word beside other words) the call never used while it used a sibling of the same qualifier named for another
+    role: TUPE's position keys taken from the position queries' projection (``pos_q`` on both sides), a global
+    token's keys taken from the local ``key`` beside ``query_global``."""
     idle = []
     for path, mod in module.named_modules():
-        found = []
+        groups: dict[str, list[tuple[str, str, bool]]] = {}
         for name, child in mod.named_children():
             words = [w for w in re.split(r"[_\d]+", name.lower()) if w]
-            rest = "_".join(w for w in words if w not in _POSITION_WORDS)
-            role = name_role(rest) if rest and len(rest) < len("_".join(words)) else None
-            if role is not None and isinstance(child, nn.Linear) and child.weight.requires_grad:
-                found.append((f"{path}.{name}" if path else name, role, id(child.weight) in used))
-        played = {role for _, role, touched in found if touched}
-        idle += [n for n, role, touched in found if not touched and played and role not in played]
+            roles = [(i, r) for i, w in enumerate(words) for r in ("q", "k", "v") if name_role(w) == r]
+            if len(roles) != 1 or not isinstance(child, nn.Linear) or not child.weight.requires_grad or \
+                    name_role(name) is not None:
+                continue  # no qualifier (k_proj, to_k): the sibling rule's
+            at, role = roles[0]
+            group = "_".join("*" if i == at else w for i, w in enumerate(words))
+            groups.setdefault(group, []).append((f"{path}.{name}" if path else name, role, id(child.weight) in used))
+        for found in groups.values():
+            played = {role for _, role, touched in found if touched}
+            idle += [n for n, role, touched in found if not touched and played and role not in played]
     return idle
 
 
