@@ -2249,3 +2249,23 @@ def test_a_qualified_projection_left_out_by_its_siblings_is_no_grad():
     from selfattn.check import check
     assert check(LocalAndGlobalProjections(), length=8).verdict == "passed"
     assert check(LocalAndGlobalProjections(local_keys=True), length=8).ids == {"no-grad"}
+
+
+class RegistersSlicedAway(nn.Module):
+    """Register tokens appended after the tokens and cut off with ``out[:, :-registers]``: at 0 registers (the bug)
+    that slice keeps no row at all."""
+
+    def __init__(self, dim=32, heads=4, registers=0):
+        super().__init__()
+        self.registers = nn.Parameter(torch.randn(registers, dim))
+        self.attn = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(self, x):
+        joined = torch.cat((x, self.registers.expand(x.shape[0], -1, -1)), dim=1)
+        return self.attn(joined, joined, joined, need_weights=False)[0][:, :-self.registers.shape[0]]
+
+
+def test_a_module_that_runs_but_returns_no_row_is_wrong_output_shape():
+    # it was "could not run" (exit 2): no (B, L, E) output on any shape tried, though the module runs
+    from selfattn.check import check
+    assert check(RegistersSlicedAway()).ids == {"wrong-output-shape"}

@@ -70,6 +70,7 @@ from .report import COVERED, Report, merge
 from .subject.building import (
     CannotRun,
     Sizes,
+    WrongShape,
     build,
     cast_module,
     copy_module,
@@ -446,6 +447,12 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
                 found = calling(module, Sizes(e, sizes.heads, sizes.batch, sizes.lengths), gen, adapter, dtype, device,
                                 stated=spec, declared=declared)
                 break
+            except WrongShape as err:  # it runs, but never gives a row per token: reported, nothing else probed
+                if i == len(dims) - 1:
+                    assert isinstance(err.finding, Finding)
+                    why = "not verified: the module never returns (B, L, E) for input (B, L, E)"
+                    return Report.of(got.inferred, [err.finding], {}, dict.fromkeys(COVERED, why),
+                                     {"calling": time.perf_counter() - start})
             except CannotRun:
                 if i == len(dims) - 1:
                     raise

@@ -92,6 +92,15 @@ class CannotRun(Exception):
     """The module could not be loaded, built or called at all (exit status 2)."""
 
 
+class WrongShape(CannotRun):
+    """The module runs, but never returns (B, L, E) for input (B, L, E), nor a few pooled rows: ``finding`` (its
+    wrong-output-shape) is the report, and no other probe can run."""
+
+    def __init__(self, message: str, finding: object) -> None:
+        super().__init__(message)
+        self.finding = finding
+
+
 @contextlib.contextmanager
 def _no_bytecode() -> Iterator[None]:
     old = sys.dont_write_bytecode

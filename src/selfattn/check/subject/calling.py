@@ -24,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ..findings import BATCH_MIXING, SHAPE_DEPENDENT, STATE_DEPENDENT, WRONG_OUTPUT_SHAPE, Finding
-from .building import CannotRun, Sizes, build_keras, num_heads_of
+from .building import CannotRun, Sizes, WrongShape, build_keras, num_heads_of
 from .caller import (
     LENGTH_NAMES,
     UNSET,
@@ -178,7 +178,8 @@ def _pooled(wrong: list[tuple[tuple[int, int, int], str]]) -> str:
             shape = ast.literal_eval(out)
         except (ValueError, SyntaxError):
             return ""
-        if not isinstance(shape, tuple) or len(shape) != 3 or shape[0] != b or shape[2] != e or shape[1] >= n:
+        if not isinstance(shape, tuple) or len(shape) != 3 or shape[0] != b or shape[2] != e or shape[1] >= n or \
+                shape[1] == 0:  # no row at all pools nothing: a slice that drops every token (out[:, :-0])
             return ""
         outs.append(shape[1])
     if not outs or len(set(outs)) != 1 or len(wrong) < 2:
@@ -545,7 +546,10 @@ def calling(module: nn.Module, sizes: Sizes, gen: torch.Generator, adapter: Call
         stepped = _limits(found, call, ran, wrong, failed, gen, dtype, device)
     good = ran
     if not good:
-        raise CannotRun("the module never returned a (B, L, E) output; see wrong-output-shape" + _pooled(wrong))
+        pooled = _pooled(wrong)
+        if wrong and not pooled:  # it runs and returns something else: that is the finding
+            raise WrongShape("the module never returned a (B, L, E) output", found.findings[-1])
+        raise CannotRun("the module never returned a (B, L, E) output; see wrong-output-shape" + pooled)
     if call.layout in ("channels-first", "channels-last", "channels-first-1d"):  # 16 tokens or more: a strided
         # reduction keeps 2 x 2 keys
         b, n, _ = min(good, key=lambda s: (s[0] < 2, s[1] < 16, s[1], s[0]))
