@@ -2269,3 +2269,42 @@ def test_a_module_that_runs_but_returns_no_row_is_wrong_output_shape():
     # it was "could not run" (exit 2): no (B, L, E) output on any shape tried, though the module runs
     from selfattn.check import check
     assert check(RegistersSlicedAway()).ids == {"wrong-output-shape"}
+
+
+class QueryAxisMaskAttention(nn.Module):
+    """A (B, L) keep mask laid on the query axis (mask[:, None, :, None]) instead of the keys' (the bug)."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, attention_mask=None):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(c // self.heads)
+        if attention_mask is not None:
+            scores = scores.masked_fill(~attention_mask.bool()[:, None, :, None], -1e4)
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class QueryAxisMaskModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        self.layers = nn.ModuleList(QueryAxisMaskAttention() for _ in range(2))
+
+    def forward(self, ids, attention_mask):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = h + layer(h, attention_mask=attention_mask)
+        return h
+
+
+def test_a_models_padding_check_adds_no_symptom_the_layers_diagnosis_explains():
+    # the model-level padding check added mask-ignored beside the layer's own mask-broadcast, which explains it
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    keep = torch.ones(2, 12, dtype=torch.long)
+    keep[1, -4:] = 0
+    report = check_model(QueryAxisMaskModel(), {"ids": ids, "attention_mask": keep})
+    assert report.layers and all(r.ids == {"mask-broadcast"} for r in report.layers.values()), report.summary()

@@ -50,7 +50,7 @@ from .findings import (
     Finding,
 )
 from .probes.masking import band
-from .report import Report, render
+from .report import Report, merge, render
 from .subject.building import CannotRun, copy_module, dequantized, draw_zeros, num_heads_of
 from .subject.caller import LENGTH_NAMES, MASK_NAMES, SWITCH_NAMES, dependency, module_state, restore
 from .subject.context import future
@@ -1491,7 +1491,7 @@ def _amended(report: Report, notes: dict | None = None, drop: str | None = None,
     (unless one of its id is there) and ``coverage`` updated."""
     findings = [f for f in report.findings if f.id != drop]
     if add is not None and all(f.id != add.id for f in findings):
-        findings.append(add)
+        findings = merge([*findings, add])  # a symptom the layer's own diagnosis explains is folded into it
     return Report.of({**report.inferred, **(notes or {})}, findings, report.not_verified,
                      {**report.coverage, **(coverage or {})}, report.seconds)
 
