@@ -2308,3 +2308,67 @@ def test_a_models_padding_check_adds_no_symptom_the_layers_diagnosis_explains():
     keep[1, -4:] = 0
     report = check_model(QueryAxisMaskModel(), {"ids": ids, "attention_mask": keep})
     assert report.layers and all(r.ids == {"mask-broadcast"} for r in report.layers.values()), report.summary()
+
+
+class Residual(nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return x + self.fn(x)
+
+
+class FlippedSequenceMap(nn.Module):
+    """(B, C, N) attention whose output comes back with its tokens reversed (``flip(-1)``, the bug) or as they were."""
+
+    def __init__(self, dim=32, heads=4, flipped=True):
+        super().__init__()
+        self.heads, self.flipped = heads, flipped
+        self.qkv, self.out = nn.Conv1d(dim, 3 * dim, 1), nn.Conv1d(dim, dim, 1)
+
+    def forward(self, x):
+        b, c, n = x.shape
+        q, k, v = (t.reshape(b, self.heads, -1, n).transpose(-1, -2) for t in self.qkv(x).chunk(3, dim=1))
+        out = ((q @ k.transpose(-1, -2)) / math.sqrt(c // self.heads)).softmax(-1) @ v
+        out = self.out(out.transpose(-1, -2).reshape(b, c, n))
+        return out.flip(-1) if self.flipped else out
+
+
+def test_tokens_put_back_elsewhere_beside_a_residual_or_onto_the_swapped_pair_are_head_merge():
+    # a residual changes the swapped tokens' own rows too, and a flip maps the middle pair onto itself: both passed
+    from selfattn.check import check
+    assert check(Residual(PreNormedMapAttention(back_transposed=True))).ids == {"head-merge"}
+    assert check(Residual(PreNormedMapAttention())).verdict == "passed"
+    assert check(FlippedSequenceMap()).ids == {"head-merge"}
+    assert check(Residual(FlippedSequenceMap())).ids == {"head-merge"}
+    assert check(Residual(FlippedSequenceMap(flipped=False))).verdict == "passed"
+
+
+class MemoryPairAttention(nn.Module):
+    """Learned memory keys and values held as a pair, ``mem_k`` and ``mem_v``, their count an option;
+    ``values_from_keys``: the memory values taken from ``mem_k`` (``mem_v`` never used)."""
+
+    def __init__(self, dim=32, heads=4, memory=0, values_from_keys=True):
+        super().__init__()
+        self.heads, self.values_from_keys = heads, values_from_keys
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mem_k = nn.Parameter(torch.randn(heads, memory, dim // heads))
+        self.mem_v = nn.Parameter(torch.randn(heads, memory, dim // heads))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        mv = self.mem_k if self.values_from_keys else self.mem_v
+        k = torch.cat((self.mem_k.expand(b, -1, -1, -1), k), dim=2)
+        v = torch.cat((mv.expand(b, -1, -1, -1), v), dim=2)
+        weights = (q @ k.transpose(-1, -2) / math.sqrt(c // self.heads)).softmax(-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_an_empty_twin_left_unused_is_no_finding_at_a_count_of_0():
+    # at 0 memory slots the module computes the textbook attention, but the twin rule saw mem_v unused beside mem_k
+    from selfattn.check import check
+    assert check(MemoryPairAttention()).verdict == "passed"
+    assert check(MemoryPairAttention(memory=2)).ids == {"no-grad"}
+    assert check(MemoryPairAttention(memory=2, values_from_keys=False)).verdict == "passed"
