@@ -687,7 +687,7 @@ def _idle_twins(module: nn.Module, used: set[int]) -> list[str]:
     idle = []
     for path, mod in module.named_modules():
         own = [(f"{path}.{n}" if path else n, p) for n, p in mod.named_parameters(recurse=False)
-               if p.requires_grad and p.dim() >= 1]
+               if p.requires_grad and p.dim() >= 1 and p.numel()]  # an empty one (0 memory slots) holds nothing
         own = [(n, p) for n, p in own if _standalone(module, n) or "bias" in n.rpartition(".")[2].lower()]
         for name, p in own:
             twins = [(n, q) for n, q in own if n != name and q.shape == p.shape]
