@@ -2310,41 +2310,6 @@ def test_a_models_padding_check_adds_no_symptom_the_layers_diagnosis_explains():
     assert report.layers and all(r.ids == {"mask-broadcast"} for r in report.layers.values()), report.summary()
 
 
-class Residual(nn.Module):
-    def __init__(self, fn):
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, x):
-        return x + self.fn(x)
-
-
-class FlippedSequenceMap(nn.Module):
-    """(B, C, N) attention whose output comes back with its tokens reversed (``flip(-1)``, the bug) or as they were."""
-
-    def __init__(self, dim=32, heads=4, flipped=True):
-        super().__init__()
-        self.heads, self.flipped = heads, flipped
-        self.qkv, self.out = nn.Conv1d(dim, 3 * dim, 1), nn.Conv1d(dim, dim, 1)
-
-    def forward(self, x):
-        b, c, n = x.shape
-        q, k, v = (t.reshape(b, self.heads, -1, n).transpose(-1, -2) for t in self.qkv(x).chunk(3, dim=1))
-        out = ((q @ k.transpose(-1, -2)) / math.sqrt(c // self.heads)).softmax(-1) @ v
-        out = self.out(out.transpose(-1, -2).reshape(b, c, n))
-        return out.flip(-1) if self.flipped else out
-
-
-def test_tokens_put_back_elsewhere_beside_a_residual_or_onto_the_swapped_pair_are_head_merge():
-    # a residual changes the swapped tokens' own rows too, and a flip maps the middle pair onto itself: both passed
-    from selfattn.check import check
-    assert check(Residual(PreNormedMapAttention(back_transposed=True))).ids == {"head-merge"}
-    assert check(Residual(PreNormedMapAttention())).verdict == "passed"
-    assert check(FlippedSequenceMap()).ids == {"head-merge"}
-    assert check(Residual(FlippedSequenceMap())).ids == {"head-merge"}
-    assert check(Residual(FlippedSequenceMap(flipped=False))).verdict == "passed"
-
-
 class MemoryPairAttention(nn.Module):
     """Learned memory keys and values held as a pair, ``mem_k`` and ``mem_v``, their count an option;
     ``values_from_keys``: the memory values taken from ``mem_k`` (``mem_v`` never used)."""

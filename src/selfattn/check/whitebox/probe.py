@@ -347,7 +347,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
         if label == "with a padding mask" and sent is not None:
             facts.update(_zeroed_rows(out, sent))
     memory = (0, 0) if plain is None else memory_tokens(plain, x.shape[1])
-    mixed = None if plain is None else _rows_of_one_token(module, caller, x, plain, plain_out, memory, dep)
+    mixed = None if plain is None else _rows_of_one_token(module, caller, x, plain, plain_out, memory)
     if mixed is not None:
         findings.append(Finding.of(HEAD_MERGE if mixed.startswith("the output's") else HEAD_SPLIT, mixed,
                                    {"swapped tokens": [x.shape[1] // 2 - 1, x.shape[1] // 2]}))
@@ -410,7 +410,7 @@ def white_box(ctx: Context, masked: Caller | None, dep: Tensor) -> Outcome[str]:
 
 
 def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trace, out: int,
-                       memory: tuple[int, int] = (0, 0), dep: Tensor | None = None) -> str | None:
+                       memory: tuple[int, int] = (0, 0)) -> str | None:
     """Run the module with two neighbouring tokens swapped in every item: where a layout operation on the way to q,
     k or v, or from the attention to the output ``out`` (a key in ``plain``), spreads them over the rows of others
     (:mod:`.tokens`), or None. ``memory``: the learned tokens the module joins to the tokens (how many, where the
@@ -429,20 +429,8 @@ def _rows_of_one_token(module: nn.Module, caller: Caller, x: Tensor, plain: Trac
     if mixed is None and isinstance(moved, Tensor) and moved.shape == x.shape:
         with torch.no_grad():
             before = caller(x)
-        if not isinstance(before, Tensor) or before.shape != moved.shape:
-            return None
-        found = put_back_elsewhere(before, moved, (u, t), dep)
-        if found is None and u > 1:  # the middle pair maps onto itself under a flip: the first two tokens too
-            first = x.clone()
-            first[:, [0, 1]] = x[:, [1, 0]]
-            try:
-                with torch.no_grad():
-                    again = caller(first)
-            except Exception:
-                return None
-            if isinstance(again, Tensor) and again.shape == before.shape:
-                found = put_back_elsewhere(before, again, (0, 1), dep)
-        return found
+        if isinstance(before, Tensor) and before.shape == moved.shape:
+            return put_back_elsewhere(before, moved, (u, t))
     if mixed is not None and isinstance(moved, Tensor) and moved.shape == x.shape:
         # the output's rows swapped as the tokens were, exactly: whatever order the tensors on the way took (rows
         # gathered in the order of a top-k, Informer's ProbSparse queries, and put back by their index), no token

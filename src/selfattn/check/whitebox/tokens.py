@@ -133,35 +133,27 @@ def mixed_after(first: Trace, second: Trace, out: int, length: int, tokens: tupl
     return None
 
 
-def put_back_elsewhere(before: Tensor, moved: Tensor, tokens: tuple[int, int], dep: Tensor | None = None) -> str | None:
+def put_back_elsewhere(before: Tensor, moved: Tensor, tokens: tuple[int, int]) -> str | None:
     """When the module's (B, L, E) output on the input with ``tokens`` swapped (``moved``) differs from its output
-    ``before`` on one or two rows of some item that neither the swapped tokens are nor a row that sees one of them and
-    not the other (``dep``, (L, L): which tokens each row depends on) would be, and on at most four rows of every
-    item: each token's row is computed and then put back at another token's place (a map rebuilt as (W, H) from
-    tokens laid out (H, W), a sequence put back reversed), also beside a residual that changes the swapped tokens'
-    own rows. None otherwise: a module with positions changes every row, and an equivariant one only the rows its
-    pattern predicts."""
+    ``before`` on exactly two token rows of every item, and not on the swapped tokens' rows in some item: each
+    token's row is computed and then put back at another token's place (a map rebuilt as (W, H) from tokens laid
+    out (H, W), a sequence put back reversed). None otherwise: a module with positions, a causal mask or a window
+    changes more rows, and an equivariant one changes the swapped tokens' rows."""
     changed = _changed(before, moved)
     if changed is None or before.dim() != 3:
         return None
     rows = changed.any(-1)  # (B, L)
-    n = rows.shape[1]
-    expected, most = {*tokens}, 2  # without the pattern, only exactly two rows moved elsewhere can be read
-    if dep is not None and tuple(dep.shape) == (n, n):
-        expected |= set((dep[:, tokens[0]] != dep[:, tokens[1]]).nonzero().flatten().tolist())
-        most = 4
     counts = rows.sum(-1)
-    if not bool(((counts > 0) & (counts <= most)).all()):
+    if not bool(((counts > 0) & (counts <= 2)).all()):
         return None
-    extra = [sorted(set(rows[b].nonzero().flatten().tolist()) - expected) for b in range(rows.shape[0])]
-    wrong = [b for b, e in enumerate(extra) if e]
-    if not wrong or any(len(e) > 2 for e in extra):
+    wrong = [b for b in range(rows.shape[0]) if set(rows[b].nonzero().flatten().tolist()) != set(tokens)]
+    if not wrong:
         return None
     at = sorted(rows[wrong[0]].nonzero().flatten().tolist())
     return (f"the output's rows are put back at other tokens' places: swapping tokens {tokens[0]} and {tokens[1]} "
-            f"changes the output's rows {at} (of item {wrong[0]}), rows no swapped token is put at: each token's row "
-            "is computed and then written where another token's belongs (a map put back as (W, H) from tokens laid "
-            "out (H, W), or heads and tokens merged in another order)")
+            f"changes the output's rows {at} (of item {wrong[0]}), not the swapped tokens' own rows: each token's "
+            "row is computed and then written where another token's belongs (a map put back as (W, H) from tokens "
+            "laid out (H, W), or heads and tokens merged in another order)")
 
 
 def _counts(changed: Tensor | None, length: int) -> list[int]:
