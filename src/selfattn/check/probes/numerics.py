@@ -412,8 +412,9 @@ def _idle_projections(module: nn.Module, used: set[int]) -> list[str]:
         if not played or fused or all(r is None for r in played):
             continue
         idle += [p for p, u, _ in group if not u and (role := _projection_role(p)) is not None and role not in played]
-    return sorted(idle + _idle_clones(module, used) + _idle_heads(module, used) + _idle_outputs(module, used) +
-                  _idle_position_maps(module, used) + _unbuilt_projections(module, used))
+    return sorted({*idle, *_idle_clones(module, used), *_idle_heads(module, used), *_idle_outputs(module, used),
+                   *_idle_position_maps(module, used), *_idle_qualified_roles(module, used),
+                   *_unbuilt_projections(module, used)})  # a position projection may be found by two rules
 
 
 def _unbuilt_projections(module: nn.Module, used: set[int]) -> list[str]:
@@ -447,10 +448,10 @@ def _idle_position_maps(module: nn.Module, used: set[int]) -> list[str]:
             if isinstance(child, nn.Linear) and words & _POSITION_WORDS and child.weight.requires_grad and \
                     id(child.weight) not in used:
                 idle.append(f"{path}.{name}" if path else name)
-    return idle + _idle_position_roles(module, used)
+    return idle
 
 
-def _idle_position_roles(module: nn.Module, used: set[int]) -> list[str]:
+def _idle_qualified_roles(module: nn.Module, used: set[int]) -> list[str]:
     """The projections named for a role and a qualifier (``pos_k``, ``key_global``, ``k_content_proj``: one q, k or v
     word beside other words) the call never used while it used a sibling of the same qualifier named for another
     role: TUPE's position keys taken from the position queries' projection (``pos_q`` on both sides), a global
