@@ -511,16 +511,22 @@ def _layer(name: str, module: nn.Module, args: tuple, kwargs: dict, out: object,
     if hidden.dim() == 3 and not folded and _channels_first(module, hidden):
         return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[0], hidden.shape[2], hidden.shape[2],
                      channels_first=True)
+    if hidden.dim() == 4 and _channels_first(module, hidden):  # a feature map (B, C, H, W): H x W tokens
+        return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[0], hidden.shape[2],
+                     hidden.shape[2] * hidden.shape[3])
     return Layer(name, module, args, kwargs, x, mask_slot, hidden.shape[0], hidden.shape[1],
                  math.prod(hidden.shape[1:-1]))
 
 
 def _channels_first(module: nn.Module, hidden: Tensor) -> bool:
     """Is the (B, ?, ?) ``hidden`` a layer's (B, E, L) input: its first layer a 1-D convolution over dim 1, and no
-    Linear of the module taking dim 2 as its features (PCT's point-cloud attention, (B, C, N))?"""
-    first = next((m for m in module.modules() if isinstance(m, (nn.Linear, nn.Conv1d))), None)
-    return isinstance(first, nn.Conv1d) and first.in_channels == hidden.shape[1] != hidden.shape[2] and \
-        not any(isinstance(m, nn.Linear) and m.in_features == hidden.shape[2] for m in module.modules())
+    Linear of the module taking dim 2 as its features (PCT's point-cloud attention, (B, C, N))? Or the (B, ?, ?, ?)
+    ``hidden`` a feature map (B, C, H, W): its first layer a 2-D convolution over dim 1, and no Linear taking the
+    last dim as its features (bottleneck transformers' attention on a ResNet's map)?"""
+    conv = nn.Conv1d if hidden.dim() == 3 else nn.Conv2d
+    first = next((m for m in module.modules() if isinstance(m, (nn.Linear, conv))), None)
+    return isinstance(first, conv) and first.in_channels == hidden.shape[1] != hidden.shape[-1] and \
+        not any(isinstance(m, nn.Linear) and m.in_features == hidden.shape[-1] for m in module.modules())
 
 
 def _mixes_along(module: nn.Module, args: tuple, kwargs: dict, hidden: Tensor, out: Tensor) -> bool:
@@ -614,31 +620,45 @@ def _batch_second(model: nn.Module, args: tuple, kwargs: dict, first: Tensor,
     y = None if name is None else _first_tensor(calls[name][2])
     if y is None or y.dim() != 3 or tuple(y.shape[:2]) != tuple(first.shape[:2]):
         return False
-    # the first index and the last: in a batch-first model whose first attention sees the future only (a causal
-    # mask transposed), a change at token 0 reaches row 0 alone, as an item's would sequence first
-    for at in (0, first.shape[1] - 1):
+    def moved(index: tuple) -> Tensor | None:
+        """How much the first attention's output moves when the first input changes at ``index``; None when the
+        model cannot say."""
         changed = first.clone()
         if first.is_floating_point():
-            changed[:, at] = changed[:, at] + torch.randn(changed[:, at].shape,
+            changed[index] = changed[index] + torch.randn(changed[index].shape,
                                                           generator=torch.Generator().manual_seed(5))
         else:
-            changed[:, at] = (changed[:, at] + 1) % (int(first.max()) + 1)
+            changed[index] = (changed[index] + 1) % (int(first.max()) + 1)
         if torch.equal(changed, first):
-            return False
+            return None
         swapped = tree_map(lambda t, changed=changed: changed if t is first else t, (args, kwargs))
         try:
             again = _record_calls(model, *swapped)[0]
         except CannotRun:
-            return False
+            return None
         y2 = _first_tensor(again[name][2]) if name in again else None
         if y2 is None or y2.shape != y.shape:
+            return None
+        return (y2.double() - y.double()).abs().nan_to_num(0.0)
+
+    scale = 1e-6 * (1 + float(y.double().abs().nan_to_num(0.0).max()))
+    # the first index and the last: in a batch-first model whose first attention sees the future only (a causal
+    # mask transposed), a change at token 0 reaches row 0 alone, as an item's would sequence first
+    for at in (0, first.shape[1] - 1):
+        diff = moved((slice(None), at))
+        if diff is None:
             return False
-        diff = (y2.double() - y.double()).abs().nan_to_num(0.0)
-        scale = 1e-6 * (1 + float(y.double().abs().nan_to_num(0.0).max()))
         others = torch.tensor([i for i in range(diff.shape[1]) if i != at], dtype=torch.long)
         if not bool(diff[:, at].max() > scale) or bool(diff.index_select(1, others).max() > scale):
             return False
-    return True
+    # and the tokens of that item mix: one of its first or last token's changes reaches another row of dim 0. A
+    # batch-first model whose first attention mixes nothing yet (a zero-initialised output projection: the block is
+    # x + a feed-forward) keeps every change at its own (item, token)
+    for row in (0, first.shape[0] - 1):
+        diff = moved((row, 0))
+        if diff is not None and bool(torch.cat([diff[:row, 0], diff[row + 1:, 0]]).max() > scale):
+            return True
+    return False
 
 
 def _self_attention_above(model: nn.Module, name: str, layer: Layer,
