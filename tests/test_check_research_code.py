@@ -2337,3 +2337,249 @@ def test_an_empty_twin_left_unused_is_no_finding_at_a_count_of_0():
     assert check(MemoryPairAttention()).verdict == "passed"
     assert check(MemoryPairAttention(memory=2)).ids == {"no-grad"}
     assert check(MemoryPairAttention(memory=2, values_from_keys=False)).verdict == "passed"
+
+
+class FeaturesToBlocks(nn.Module):
+    """Features per token embedded by a Linear, then zero-initialised attention blocks (a diffusion transformer's
+    trunk at initialisation)."""
+
+    def __init__(self, features=6, dim=32, over_queries=False):
+        super().__init__()
+        self.embed = nn.Linear(features, dim)
+        self.blocks = nn.ModuleList(ZeroInitAttentionBlock(dim, over_queries=over_queries) for _ in range(2))
+
+    def forward(self, x):
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def test_a_model_whose_first_attention_mixes_nothing_yet_is_read_batch_first():
+    # a change of the input at one token reached that token's rows alone, as an item's change does in a model that
+    # takes its inputs sequence first: the layers were probed over the batch (batch-mixing on a correct model, and on
+    # one whose softmax runs over the queries)
+    x = torch.randn(2, 10, 6, generator=torch.Generator().manual_seed(0))
+    report = check_model(FeaturesToBlocks(), (x,))
+    assert report.verdict == "passed", report.ids
+    assert all(r.ids == {"softmax-dim"} for r in check_model(FeaturesToBlocks(over_queries=True), (x,)).layers.values())
+
+
+# -- FlexAttention: score and mask mods as attn-gym writes them -----------------------------------------------------
+def _alibi_slopes(heads):
+    return torch.exp2(-8.0 * torch.arange(1, heads + 1) / heads)
+
+
+class FlexModAttention(nn.Module):
+    """Attention through ``flex_attention``: an ALiBi ``score_mod`` and a causal sliding-window ``mask_mod`` in a
+    block mask built for each call's length. ``scale``: the scale passed (None: flex's own 1/sqrt(d));
+    ``keys_from_queries``: the keys' part of the fused projection left out; ``cached``: the block mask built on the
+    first call and kept."""
+
+    def __init__(self, dim=32, heads=4, window=3, scale=None, keys_from_queries=False, cached=False):
+        super().__init__()
+        self.heads, self.window, self.scale = heads, window, scale
+        self.keys_from_queries, self.cached = keys_from_queries, cached
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.block_mask = None
+
+    def forward(self, x):
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        slopes = _alibi_slopes(self.heads).to(x)
+
+        def alibi(score, batch, head, q_idx, kv_idx):
+            return score + slopes[head] * (kv_idx - q_idx)
+
+        def sliding_causal(batch, head, q_idx, kv_idx):
+            return (q_idx >= kv_idx) & (q_idx - kv_idx <= self.window)
+
+        block_mask = self.block_mask
+        if block_mask is None:
+            block_mask = create_block_mask(sliding_causal, None, None, n, n, device=x.device)
+            if self.cached:
+                self.block_mask = block_mask
+        out = flex_attention(q, q if self.keys_from_queries else k, v, score_mod=alibi, block_mask=block_mask,
+                             scale=self.scale)
+        return self.proj(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_flex_attention_with_its_mods_is_read_by_the_white_box():
+    # flex_attention compiles its kernel even in eager mode, which failed under the white box's recording, and it
+    # has no backward on CPU: every module calling it was inconclusive, and its bugs had no id
+    from selfattn.check import check
+    report = check(FlexModAttention())
+    assert report.verdict == "passed", (report.ids, report.coverage)
+    assert report.coverage["white_box"] == "verified" and "gradients through" in report.inferred
+    assert check(FlexModAttention(scale=1.0)).ids == {"missing-scale"}
+    assert check(FlexModAttention(keys_from_queries=True)).ids == {"no-grad"}
+
+
+def test_a_block_mask_kept_from_the_first_call_is_state_dependent():
+    # the attribute went from None to an object holding tensors (a BlockMask, a namespace), which was not counted as
+    # state a call replaces: the calls in a row never ran, and the module was certified
+    from selfattn.check import check
+    assert check(FlexModAttention(cached=True)).ids == {"state-dependent"}
+
+
+class LogSumExpSinkAttention(nn.Module):
+    """gpt-oss-style attention sinks written through the log of the softmax's sum: a learned logit per head joins
+    the scores in ``logsumexp`` and has no value."""
+
+    def __init__(self, dim=32, heads=4, scaled=True):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5 if scaled else 1.0
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.sinks = nn.Parameter(torch.randn(heads))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) * self.scale
+        sink = self.sinks.view(1, -1, 1, 1).expand(b, -1, n, 1)
+        weights = torch.exp(scores - torch.logsumexp(torch.cat([scores, sink], dim=-1), dim=-1, keepdim=True))
+        return self.out((weights @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_sinks_in_the_log_of_the_softmaxs_sum_are_a_softmax_with_sinks():
+    # exp(s - logsumexp([s, sink])) was no softmax the white box knew: definition-mismatch on a correct module
+    from selfattn.check import check
+    report = check(LogSumExpSinkAttention())
+    assert report.verdict == "passed", report.ids
+    assert check(LogSumExpSinkAttention(scaled=False)).ids == {"missing-scale"}
+
+
+class PackagedRotaryAttention(nn.Module):
+    """Attention with rotary-embedding-torch's ``RotaryEmbedding`` (as spear-tts and soundstorm use it);
+    ``key_offset``: the keys rotated that many positions late (``offset=`` given to one side)."""
+
+    def __init__(self, dim=32, heads=4, key_offset=0):
+        super().__init__()
+        from rotary_embedding_torch import RotaryEmbedding
+        self.heads, self.key_offset = heads, key_offset
+        self.rotary = RotaryEmbedding(dim // heads)
+        self.to_q, self.to_kv = nn.Linear(dim, dim, bias=False), nn.Linear(dim, 2 * dim, bias=False)
+        self.to_out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.to_q(x).view(b, n, self.heads, -1).transpose(1, 2)
+        k, v = self.to_kv(x).view(b, n, 2, self.heads, -1).permute(2, 0, 3, 1, 4)
+        q = self.rotary.rotate_queries_or_keys(q)
+        k = self.rotary.rotate_queries_or_keys(k, offset=self.key_offset)
+        out = F.scaled_dot_product_attention(q, k, v)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, -1))
+
+
+def test_keys_rotated_late_by_a_packaged_rotary_are_rotary_mismatch():
+    # the package multiplies each rotated term by its (xPos) scale, 1 when off: the tables were not found behind that
+    # number, the offset was never compared, and the module was certified
+    pytest.importorskip("rotary_embedding_torch")
+    from selfattn.check import check
+    assert check(PackagedRotaryAttention()).verdict == "passed"
+    assert check(PackagedRotaryAttention(key_offset=1)).ids == {"rotary-mismatch"}
+
+
+def _closure_module(modules, forward_fn):
+    """a_unet's way of making a module: a class made on the spot whose forward is a closure given to it."""
+
+    class Module(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(modules)
+
+        def forward(self, *args, **kwargs):
+            return forward_fn(*args, **kwargs)
+
+    return Module()
+
+
+def _attention_core(features, head_features, heads):
+    to_out = nn.Linear(head_features * heads, features, bias=False)
+
+    def forward(q, k, v):
+        q, k, v = (t.unflatten(-1, (heads, head_features)).transpose(1, 2) for t in (q, k, v))
+        weights = (q @ k.transpose(-1, -2) * head_features ** -0.5).softmax(dim=-1)
+        return to_out((weights @ v).transpose(1, 2).flatten(2))
+
+    return _closure_module([to_out], forward)
+
+
+class ClosureAttention(nn.Module):
+    """Projections in the class, the core a closure over its output projection (a_unet's ``AttentionBase``)."""
+
+    def __init__(self, features=32, head_features=8, heads=4):
+        super().__init__()
+        self.to_q = nn.Linear(features, head_features * heads, bias=False)
+        self.to_kv = nn.Linear(features, 2 * head_features * heads, bias=False)
+        self.attention = _attention_core(features, head_features, heads)
+
+    def forward(self, x):
+        return self.attention(self.to_q(x), *self.to_kv(x).chunk(2, dim=-1))
+
+
+def test_a_copy_of_a_module_built_on_closures_runs_its_own_layers():
+    # a deep copy keeps the closure, so the float16 copy called the float32 original's output projection
+    # (half-precision-overflow on a correct module, and no float64 analysis)
+    from selfattn.check import check
+    report = check(ClosureAttention())
+    assert report.verdict == "passed", report.ids
+    assert "float64" in str(report.inferred["analysed in"])
+
+
+class SecondStreamAttention(nn.Module):
+    """A layer that hands on a second stream beside its output (agent attention's agent tokens, a memory): its own
+    projection makes the second output. ``cache``: the keys and values returned too; ``values_from_keys``: the
+    weights multiplied by the keys."""
+
+    def __init__(self, dim=32, heads=4, agents=4, cache=False, values_from_keys=False):
+        super().__init__()
+        self.heads, self.cache, self.values_from_keys = heads, cache, values_from_keys
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.to_out, self.to_agent_out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.agents = nn.Parameter(torch.randn(agents, dim) * 0.02)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = (f(x).view(b, n, self.heads, -1).transpose(1, 2) for f in (self.to_q, self.to_k, self.to_v))
+        weights = (q @ k.transpose(-1, -2) / math.sqrt(c // self.heads)).softmax(-1)
+        out = self.to_out((weights @ (k if self.values_from_keys else v)).transpose(1, 2).reshape(b, n, c))
+        agents = self.to_agent_out(self.agents.expand(b, -1, -1) + x.mean(1, keepdim=True))
+        return (out, agents, (k, v)) if self.cache else (out, agents)
+
+
+def test_a_projection_of_a_second_stream_the_layer_returns_is_no_unused_projection():
+    # the gradient probe took the output alone: the agents' projection got no gradient from it (no-grad on a correct
+    # layer); a value projection reaching only the returned cache still gets no-grad
+    from selfattn.check import check
+    assert check(SecondStreamAttention()).verdict == "passed"
+    assert check(SecondStreamAttention(cache=True)).verdict == "passed"
+    buggy = check(SecondStreamAttention(values_from_keys=True)).ids
+    assert "no-grad" in buggy and check(SecondStreamAttention(cache=True, values_from_keys=True)).ids == buggy
+
+
+class MapAttention(nn.Module):
+    """Bottleneck-transformer attention on a ResNet's feature map (B, C, H, W): q, k and v from a 1 x 1 convolution,
+    and a learned absolute position embedding for a map of ``fmap`` (so that it runs at that size only)."""
+
+    def __init__(self, dim=32, heads=4, dim_head=8, fmap=(6, 6)):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+        self.to_qkv = nn.Conv2d(dim, 3 * heads * dim_head, 1, bias=False)
+        self.pos = nn.Parameter(torch.randn(fmap[0] * fmap[1], dim_head) * 0.02)
+
+    def forward(self, fmap):
+        b, _, h, w = fmap.shape
+        q, k, v = (t.reshape(b, self.heads, -1, h * w).transpose(-1, -2) for t in self.to_qkv(fmap).chunk(3, dim=1))
+        scores = (q @ k.transpose(-1, -2) + q @ self.pos.t()) * self.scale
+        out = scores.softmax(-1) @ v
+        return out.transpose(-1, -2).reshape(b, -1, h, w)
+
+
+def test_a_models_layer_on_a_feature_map_is_replayed_at_its_map():
+    # the (B, C, H, W) map was read as channels last ((B, 32, 6) tokens of width 6): every replay failed and the
+    # layer could not run, so the model was inconclusive
+    model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), MapAttention())
+    report = check_model(model, (torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(0)),))
+    assert report.verdict == "passed", (report.could_not_run, {n: r.ids for n, r in report.layers.items()})

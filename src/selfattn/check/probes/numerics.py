@@ -30,6 +30,7 @@ from ..findings import (
 from ..subject.building import cast_module, copy_module, name_role, norm_role
 from ..subject.caller import Caller
 from ..subject.context import Context, Outcome, empty_row_keep, padded_rows, padding_keep, raised_inside_doctor, rel
+from ..subject.flex import flex_written_out
 
 __all__ = ["HALF_ULPS", "gradients", "half_precision"]
 
@@ -728,6 +729,10 @@ def _idle_norms(module: nn.Module, used: set[int]) -> list[str]:
     return sorted(idle)
 
 
+# a kernel without a backward on the device it ran on (FlexAttention on CPU): the module trains elsewhere
+_NO_BACKWARD_HERE = re.compile(r"does not support backward on \w+", re.I)
+
+
 def gradients(ctx: Context) -> Outcome[None]:
     """Every parameter the call uses and the input get a gradient (else: no-grad), and autograd's gradient
     equals the finite-difference derivative of the output along random directions (else: wrong-gradient).
@@ -738,6 +743,16 @@ def gradients(ctx: Context) -> Outcome[None]:
     """
     try:
         return _gradients(ctx)
+    except NotImplementedError as err:
+        if not _NO_BACKWARD_HERE.search(str(err)):
+            raise
+        ctx.analysis.module.zero_grad(set_to_none=True)
+        # FlexAttention has no backward on CPU: the gradients are taken through its semantics written out in plain
+        # operations, which tells which parameters the output depends on and checks the module's own backward
+        with flex_written_out(ctx.analysis.module):
+            found = _gradients(ctx)
+        found.notes["gradients through"] = f"flex_attention written out in plain operations ({str(err)[:120]})"
+        return found
     except RuntimeError as err:
         if _KEPT_HISTORY not in str(err):
             raise
@@ -746,6 +761,23 @@ def gradients(ctx: Context) -> Outcome[None]:
                                    "(a buffer or attribute written in place from a value that requires grad), so the "
                                    "backward of a later call fails", {"error": str(err)[:200]})],
                        coverage={"gradients": "not verified: the module's backward fails after an earlier call"})
+
+
+_FUSED_NAME = re.compile(r"(^|[._])(w?qkv|to_kv|kv|in_proj|c_attn|query_key_value|kv_proj)([._]|$)", re.I)
+
+
+def _feeding_others(others: list[Tensor], params: list[tuple[str, Tensor]], gen: torch.Generator) -> list[str]:
+    """The parameters among ``params`` that get a gradient from the tensors a call returned beside its output (an
+    agent or memory stream the layer hands on: its projection trains through that stream)."""
+    # a q, k or v projection (named so, or fused) must reach the output itself: beside it, a module returns its keys
+    # and values as a cache, which would hide values taken from the keys
+    params = [(n, p) for n, p in params if name_role(n.rpartition(".")[0]) is None and not _FUSED_NAME.search(n)]
+    if not others or not params:
+        return []
+    total = torch.stack([(t.double() * torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device)).sum()
+                         for t in others]).sum()
+    got = torch.autograd.grad(total, [p for _, p in params], allow_unused=True)
+    return [n for (n, _), g in zip(params, got, strict=True) if g is not None and bool(g.any())]
 
 
 def _gradients(ctx: Context) -> Outcome[None]:
@@ -765,7 +797,8 @@ def _gradients(ctx: Context) -> Outcome[None]:
         padded = padded_rows(call, out)
         if padded is not None:  # rows the model pads (every key hidden: the scores rounded away under the fill,
             weights[padded] = 0  # which autograd does not see) are not the layer's outputs
-        (out.double() * weights).sum().backward()
+        others = [t for t in call.others if t.requires_grad]  # what the call returned beside the output read
+        (out.double() * weights).sum().backward(retain_graph=bool(others))
     except RuntimeError as err:
         if not _autograd_refuses_in_place(err):
             raise
@@ -776,6 +809,8 @@ def _gradients(ctx: Context) -> Outcome[None]:
     # an empty parameter (a memory of 0 learned tokens, a size the options set to 0) holds nothing to differentiate
     used = [(n, p) for n, p in m.named_parameters() if p.requires_grad and id(p) in watch.ids and p.numel()]
     missing = [n for n, p in used if p.grad is None or not p.grad.any()]
+    beside = _feeding_others(others, [(n, p) for n, p in used if n in missing], ctx.gen) if missing else []
+    missing = [n for n in missing if n not in beside]
     no_input_grad = xg.grad is None or not xg.grad.any()
     grads = {n: p.grad.detach().clone() for n, p in used if p.grad is not None}
     zero = [n for n, p in used if n in missing and p.grad is not None]

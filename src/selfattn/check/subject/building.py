@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import MISSING as _MISSING
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
+from types import CellType, FunctionType, ModuleType
 from typing import Any
 
 import torch
@@ -507,7 +507,8 @@ def copy_module(module: nn.Module) -> nn.Module:
     (a cache, as LeViT's biases: the module computes it again) is left out, any other attribute deepcopy refuses (a
     staticmethod object, a lock) goes as it is."""
     try:
-        return copy.deepcopy(module)
+        copies: dict[int, object] = {}
+        return _closures_rebound(copy.deepcopy(module, copies), copies)
     except Exception:
         keras = {type(m) for m in module.modules() if from_keras(m)}
         if keras:  # Keras copies a layer through its saving library, which needs its class registered: copied as
@@ -534,6 +535,47 @@ def copy_module(module: nn.Module) -> nn.Module:
                 except Exception:
                     memo[id(value)] = value
         return copy.deepcopy(module, memo)
+
+
+def _rebound(fn: FunctionType, memo: dict[int, object], depth: int = 4) -> FunctionType:
+    """``fn`` with its closure's cells pointing at the copies ``memo`` made of what they held (and functions it closes
+    over rebound alike), or ``fn`` itself when it closes over nothing that was copied."""
+    if fn.__closure__ is None or depth == 0:
+        return fn
+    cells, changed = [], False
+    for cell in fn.__closure__:
+        try:
+            held = cell.cell_contents
+        except ValueError:  # a cell not filled yet
+            cells.append(cell)
+            continue
+        new = memo.get(id(held), held) if not isinstance(held, FunctionType) else _rebound(held, memo, depth - 1)
+        changed = changed or new is not held
+        cells.append(CellType(new))
+    if not changed:
+        return fn
+    made = FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, tuple(cells))
+    made.__kwdefaults__, made.__qualname__, made.__module__ = fn.__kwdefaults__, fn.__qualname__, fn.__module__
+    made.__dict__.update(fn.__dict__)
+    return made
+
+
+def _closures_rebound(made: nn.Module, memo: dict[int, object]) -> nn.Module:
+    """A deep copy whose methods and function attributes close over the copy's own layers: a forward written as a
+    closure over the original's (a_unet's ``Module(modules, forward_fn)``, a class made in a function) would run the
+    original's weights from the copy (a float16 copy calling float32 layers). Such a submodule gets a subclass of
+    its class, of the same name, with the methods rebound; its function attributes are rebound in place."""
+    for sub in made.modules():
+        cls = type(sub)
+        methods = {name: _rebound(fn, memo) for name, fn in vars(cls).items() if isinstance(fn, FunctionType)}
+        methods = {name: fn for name, fn in methods.items() if fn is not vars(cls)[name]}
+        if methods:
+            sub.__class__ = type(cls.__name__, (cls,), {**methods, "__module__": cls.__module__,
+                                                        "__qualname__": cls.__qualname__})
+        for name, value in list(vars(sub).items()):
+            if isinstance(value, FunctionType) and (fn := _rebound(value, memo)) is not value:
+                vars(sub)[name] = fn
+    return made
 
 
 def from_keras(module: nn.Module) -> bool:

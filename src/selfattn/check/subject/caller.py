@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
 
 from .._seams import untraced
 from .building import param_device, param_dtype
@@ -276,6 +277,9 @@ class Caller:
     replaced: dict[str, tuple[str, str]] = field(default_factory=dict)
     keep_state: bool = False  # leave what a call replaces in the module as the call left it
     unmatched: bool = False  # the mask acts, but its effect matched no convention: its polarity is not known
+    # the tensors the last call returned beside the output read (a layer's (out, agent_out)): what a parameter may
+    # feed instead of the output
+    others: list[Tensor] = field(default_factory=list, repr=False)
 
     def __call__(self, x: Tensor, mask: object = None) -> Tensor:
         made_here = mask is None and self.required
@@ -335,7 +339,10 @@ class Caller:
                 out = self.module(*args, mask)
             else:
                 out = self.module(*args, **{self.mask_arg: mask})
-        return from_layout(_output(out, t), self.layout)
+        picked = _output(out, t)
+        self.others = [v for v in tree_leaves(out) if isinstance(v, Tensor) and v is not picked and
+                       v.is_floating_point()] if isinstance(out, (tuple, list, dict)) else []
+        return from_layout(picked, self.layout)
 
     @property
     def takes_mask(self) -> bool:
@@ -567,11 +574,21 @@ def tensors_in(value: object) -> list[Tensor]:
     return []
 
 
+def _holds_tensors(value: object) -> bool:
+    """Is ``value`` an object that keeps tensors in its attributes (a mask cached in a namespace, FlexAttention's
+    ``BlockMask`` built on a first call)?"""
+    return hasattr(value, "__dict__") and not isinstance(value, (nn.Module, Tensor, type)) and \
+        any(isinstance(v, Tensor) for v in vars(value).values())
+
+
 def _describe(value: object) -> str:
     if isinstance(value, Tensor):
         return f"a tensor {tuple(value.shape)}"
     if tensors := tensors_in(value):
         return f"{type(value).__name__} of tensors {', '.join(str(tuple(t.shape)) for t in tensors)}"[:80]
+    if _holds_tensors(value):
+        held = [f"{k} {tuple(v.shape)}" for k, v in vars(value).items() if isinstance(v, Tensor)]
+        return f"a {type(value).__name__} holding {', '.join(held)}"[:80]
     return "unset" if value is UNSET else repr(value)[:40]
 
 
@@ -607,7 +624,7 @@ def restore(state: list[tuple[str, object, dict, dict]],
                     del target[key]
                 else:
                     target[key] = old
-                if any(tensors_in(v) for v in (old, new)) or (
+                if any(tensors_in(v) or _holds_tensors(v) for v in (old, new)) or (
                         all(isinstance(v, (int, float)) for v in (old, new)) and old != new):
                     name = f"{prefix}.{key}" if prefix else key
                     changes.append((name, old, new))

@@ -115,6 +115,14 @@ def _table(op: Op) -> Tensor | None:
     return small if small is not None and small.dim() >= 2 and small.shape[-1] > 1 else None
 
 
+def _past_numbers(trace: Trace, found: tuple[Op, int] | None, steps: int = 3) -> tuple[Op, int] | None:
+    """The maker of a term past its multiplications by a number (rotary-embedding-torch's ``t * cos * scale``,
+    its xPos scale 1 when off)."""
+    while found is not None and steps and found[0].name in ("mul", "div") and len(found[0].in_ids) == 1:
+        found, steps = trace.maker(found[0].in_ids[0]), steps - 1
+    return found
+
+
 def _tables_of(trace: Trace, op: Op) -> list[Tensor] | None:
     if op.name == "mul" and len(op.inputs) == 2 and all(t.is_complex() for t in op.inputs):
         table = _table(op)  # a rotation: of modulus 1 (freqs_cis), or one common factor along the features
@@ -125,7 +133,7 @@ def _tables_of(trace: Trace, op: Op) -> list[Tensor] | None:
         return [table.to(torch.complex128) / modulus]
     if op.name not in ("add", "sub") or len(op.in_ids) != 2:
         return None
-    makers = [trace.maker(i) for i in op.in_ids]
+    makers = [_past_numbers(trace, trace.maker(i)) for i in op.in_ids]
     tables = [_table(m[0]) if m is not None else None for m in makers]
     if tables[0] is None or tables[1] is None or tables[0].is_complex() or tables[1].is_complex() or \
             tables[0].shape != tables[1].shape:

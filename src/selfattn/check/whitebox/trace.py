@@ -36,6 +36,7 @@ from torch.overrides import TorchFunctionMode
 
 from .._seams import base_of, version
 from ..subject.building import name_role
+from ..subject.flex import flex_written_out
 
 __all__ = ["LAYOUT", "PRODUCTS", "SOFTMAX", "Linear", "Op", "Origin", "Trace", "fused_order", "key", "linears",
            "normalises", "record"]
@@ -408,16 +409,36 @@ class Trace(TorchFunctionMode):
         if shifted is None or shifted[0].name != "sub" or len(shifted[0].in_ids) != 2:
             return None
         peak = self.maker(shifted[0].in_ids[1])
-        if peak is None or peak[0].name != "logsumexp" or peak[0].in_ids[:1] != shifted[0].in_ids[:1]:
+        if peak is None or peak[0].name != "logsumexp" or not peak[0].in_ids:
             return None
         dim = peak[0].args[1] if len(peak[0].args) > 1 else peak[0].kwargs.get("dim")
         dim = dim[0] if isinstance(dim, (tuple, list)) and len(dim) == 1 else dim
         keepdim = peak[0].args[2] if len(peak[0].args) > 2 else peak[0].kwargs.get("keepdim", False)
         if not isinstance(dim, int) or not keepdim:
             return None
+        rank = op.outputs[0].dim()
+        sink = peak[0].in_ids[0] != shifted[0].in_ids[0] and self._beside_sinks(peak[0].in_ids[0],
+                                                                                shifted[0].in_ids[0], dim % rank)
+        if peak[0].in_ids[0] != shifted[0].in_ids[0] and not sink:
+            return None
         scores = shifted[0].inputs[0]
-        return Op("softmax", (scores, dim % op.outputs[0].dim()), {}, op.outputs, [shifted[0].in_ids[0]], op.out_ids,
-                  op.module)
+        return Op("softmax", (scores, dim % rank), {"sink": True} if sink else {}, op.outputs, [shifted[0].in_ids[0]],
+                  op.out_ids, op.module)
+
+    def _beside_sinks(self, joined: int, scores: int, dim: int) -> bool:
+        """Is ``joined`` the scores ``scores`` with a few logits set beside them along ``dim`` (``cat((s, sink),
+        -1)``: the log of a softmax's sum with sink logits in it, gpt-oss's attention sinks)?"""
+        made = self.maker(joined)
+        if made is None or made[0].name != "cat" or scores not in made[0].in_ids or not made[0].outputs:
+            return False
+        at = made[0].args[1] if len(made[0].args) > 1 else made[0].kwargs.get("dim", 0)
+        parts = made[0].args[0] if made[0].args and isinstance(made[0].args[0], (tuple, list)) else ()
+        rank = made[0].outputs[0].dim()
+        if not isinstance(at, int) or at % rank != dim or len(parts) < 2:
+            return False
+        shown = [t for t in parts if isinstance(t, Tensor)]
+        width = max(t.shape[dim] for t in shown)  # the scores' keys; the sinks a few logits beside them
+        return sum(t.shape[dim] for t in shown) - width <= max(1, width // 4)
 
     def _written_out_softmax(self, op: Op) -> Op | None:
         if op.name == "exp":
@@ -598,7 +619,7 @@ def record(module: nn.Module, call: Callable[[], Tensor]) -> tuple[Trace, Tensor
                 not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):  # weight leaves not going through F.linear
             handles.append(m.register_forward_hook(functools.partial(leaf, name=name)))
     try:
-        with torch.no_grad(), trace, _lines_run(files) as ran:
+        with torch.no_grad(), flex_written_out(module), trace, _lines_run(files) as ran:
             out = call()
     finally:
         for h in handles:
