@@ -255,3 +255,21 @@ def test_mutation_score_on_the_tutorial(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["kill_rate"] >= 0.95 and data["non_equivalent"] >= 10, data
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tutorial.py"]
+
+
+def test_mutate_takes_a_factory_that_is_a_module_expression(tmp_path, capsys):
+    """catches: --mutate with --factory "Attention(...)" (an expression giving the module, which the plain check
+    takes) calling the module it built with no input, exit 2."""
+    user = tmp_path / "kernel_attention.py"
+    user.write_text(
+        "import torch\nfrom torch import nn\nimport torch.nn.functional as F\n\n\n"
+        "class KernelAttention(nn.Module):\n"
+        "    def __init__(self, dim, heads=2):\n"
+        "        super().__init__()\n"
+        "        self.heads, self.qkv, self.out = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)\n\n"
+        "    def forward(self, x):\n"
+        "        b, n, c = x.shape\n"
+        "        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)\n"
+        "        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, c))\n")
+    assert main(["check", f"{user}:KernelAttention", "--factory", "KernelAttention(16)", "--mutate", "--json"]) != 2
+    assert "kill_rate" in json.loads(capsys.readouterr().out)

@@ -352,7 +352,8 @@ def main(spec: str, options: dict, *, as_json: bool = False) -> int:
         if isinstance(factory, str):  # evaluated in the namespace of each mutant's file, so it builds the mutant
 
             def make(cls: type) -> nn.Module:
-                return user_callable(factory, _namespace_of(cls))()
+                made = user_callable(factory, _namespace_of(cls))
+                return made if isinstance(made, nn.Module) else made()  # "Attention()" as well as "lambda: ..."
         if isinstance(options.get("call"), str):
             options["call"] = user_callable(options["call"], vars(load_file(spec.rpartition(":")[0])))
         s = score(spec, options, seed=options.get("seed", 0), make=make)
