@@ -2583,3 +2583,99 @@ def test_a_models_layer_on_a_feature_map_is_replayed_at_its_map():
     model = nn.Sequential(nn.Conv2d(3, 32, 3, padding=1), MapAttention())
     report = check_model(model, (torch.randn(2, 3, 6, 6, generator=torch.Generator().manual_seed(0)),))
     assert report.verdict == "passed", (report.could_not_run, {n: r.ids for n, r in report.layers.items()})
+
+
+class EfficientAttention(nn.Module):
+    """Efficient attention (Shen et al.), as a_unet ships it: q normalised by a softmax over its features, k by one
+    over the tokens, keys and values summed into a context first; no (query, key) weights at all."""
+
+    def __init__(self, dim=32, heads=4, dim_head=8):
+        super().__init__()
+        self.heads, self.scale = heads, dim_head ** -0.5
+        self.to_q, self.to_kv = nn.Linear(dim, heads * dim_head, bias=False), nn.Linear(dim, 2 * heads * dim_head)
+        self.to_out = nn.Linear(heads * dim_head, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (self.to_q(x), *self.to_kv(x).chunk(2, -1)))
+        q, k = q.softmax(dim=-1) * self.scale, k.softmax(dim=-2)
+        context = torch.einsum("bhnd,bhne->bhde", k, v)
+        return self.to_out(torch.einsum("bhnd,bhde->bhne", q, context).transpose(1, 2).reshape(b, n, -1))
+
+
+def test_a_softmax_of_the_projections_themselves_is_no_attention_weights():
+    # q's softmax over its features, times the scale, was read as attention weights scaled after the softmax
+    # (missing-scale), and k's over the tokens as a softmax over the wrong axis: efficient attention is a design of
+    # its own, definition-mismatch until --allow-nonstandard
+    from selfattn.check import check
+    assert check(EfficientAttention()).ids == {"definition-mismatch"}
+    assert check(EfficientAttention(), allow_nonstandard=True).verdict == "passed"
+
+
+class TokenShiftRotaryAttention(nn.Module):
+    """MEGABYTE / RWKV-style token shift (half the features from the token before, zeros before the first) then
+    causal attention with rotary positions; ``keys_rotated``: False leaves k unrotated."""
+
+    def __init__(self, dim=32, heads=4, keys_rotated=True):
+        super().__init__()
+        self.heads, self.keys_rotated = heads, keys_rotated
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        head_dim = dim // heads
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        kept, shifted = x.chunk(2, dim=-1)
+        x = torch.cat((kept, F.pad(shifted, (0, 0, 1, -1))), dim=-1)
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        angles = torch.outer(torch.arange(n, dtype=x.dtype), self.inv_freq.to(x.dtype)).repeat(1, 2)
+
+        def rotate(t):
+            one, two = t.chunk(2, dim=-1)
+            return t * angles.cos() + torch.cat((-two, one), dim=-1) * angles.sin()
+
+        q, k = rotate(q), rotate(k) if self.keys_rotated else k
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_token_shift_before_rotary_keeps_the_rotation_readable():
+    # with one token everywhere, the shift gives position 0 zeros where the others have the token: its q and k are
+    # no copy of theirs, and its score with itself differing was read as q and k rotated apart (rotary-mismatch)
+    from selfattn.check import check
+    assert check(TokenShiftRotaryAttention(), causal=True).verdict == "passed"
+    assert check(TokenShiftRotaryAttention(keys_rotated=False), causal=True).ids == {"rotary-one-side"}
+
+
+class WindowMemoryBiasAttention(nn.Module):
+    """A MaxViT / RT-1 window (B, H, W, E) with a learned 2-D relative-position bias per head and learned memory
+    keys and values put before the window's own (the bias padded with zeros over them). ``by_key``: the table
+    indexed by the key's own cell instead of its offset from the query."""
+
+    def __init__(self, dim=32, heads=4, window=4, memory=3, by_key=False):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.memory = nn.Parameter(torch.randn(2, heads, memory, dim // heads))
+        self.table = nn.Parameter(torch.randn((2 * window - 1) ** 2, heads))
+        rows, cols = torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")
+        cells = torch.stack((rows.flatten(), cols.flatten()), dim=-1)
+        rel = cells[None, :].expand(len(cells), -1, -1) if by_key else cells[:, None] - cells[None, :] + window - 1
+        self.register_buffer("index", (rel * torch.tensor([2 * window - 1, 1])).sum(-1), persistent=False)
+
+    def forward(self, x):
+        b, h, w, c = x.shape
+        q, k, v = self.qkv(x.reshape(b, h * w, c)).view(b, h * w, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        k = torch.cat((self.memory[0].expand(b, -1, -1, -1), k), dim=2)
+        v = torch.cat((self.memory[1].expand(b, -1, -1, -1), v), dim=2)
+        bias = F.pad(self.table[self.index].permute(2, 0, 1), (self.memory.shape[2], 0))
+        weights = (q @ k.transpose(-1, -2) * self.scale + bias).softmax(-1)
+        return self.out((weights @ v).transpose(1, 2).reshape(b, h, w, c))
+
+
+def test_a_2d_relative_bias_beside_memory_keys_is_read_on_the_tokens_keys():
+    # the scores' first L keys were taken as the tokens', which with memory put first are the memory's and the first
+    # tokens': the bias read shifted, not relative (definition-mismatch on a correct window)
+    from selfattn.check import check
+    assert check(WindowMemoryBiasAttention(), length=16).verdict == "passed"
+    assert check(WindowMemoryBiasAttention(by_key=True), length=16).ids == {"definition-mismatch"}

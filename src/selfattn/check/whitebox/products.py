@@ -1788,6 +1788,24 @@ def _own_key_sunk(t: Tensor, seen: Tensor) -> float:
     return float(gap.max()) if gap.numel() else 0.0
 
 
+def _of_a_projection(trace: Trace, tid: int, reach: int = 12) -> bool:
+    """Is ``tid`` a learned projection's output, up to layout operations and numbers (q or k split into heads,
+    perhaps scaled): what a softmax over the features of q or over the tokens of k takes in efficient (linear)
+    attention, rather than scores?"""
+    for _ in range(reach):
+        found = trace.maker(tid)
+        if found is None:
+            return False
+        op = found[0]
+        if op.name in ("linear", "addmm", "module"):
+            weights = op.in_ids[1:2] if op.name == "linear" else op.in_ids[2:3] if op.name == "addmm" else []
+            return op.name == "module" or any(trace.identity(w) in trace.parameters for w in weights)
+        if not op.in_ids or not (op.name in LAYOUT or op.number() is not None):
+            return False
+        tid = op.in_ids[0]
+    return False
+
+
 def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
                   expected: Callable[[int], float | None], keep: Tensor | None = None,
                   batch: int = 1, inputs: frozenset[int] = frozenset(), local: bool = False,
@@ -1801,6 +1819,8 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     after = _product_after(trace, sm.out_ids[0])
     if after is None:
         return None  # a softmax that feeds no product is not an attention's
+    if not (p.dim() >= 2 and p.shape[-1] == p.shape[-2] == length) and _of_a_projection(trace, sm.in_ids[0]):
+        return None  # a softmax of q or k themselves (linear attention's feature maps): no weights over the tokens
     pv, read, passed = after
     operands = _operands(pv)
     position = next((i for i, (tid, _) in enumerate(operands) if tid == read), 0)
@@ -2678,6 +2698,10 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4, memory: tu
         diag = r.diagonal(dim1=-2, dim2=-1)
         spread = (diag - diag[..., :1]).abs()
         size = 1 + float(r.abs().max())
+        alike = _same_before_rotation(q, k, length, rtol) if read is not None else None
+        if alike is not None:  # positions whose q and k are no copy of the token's (a token shift's first row)
+            diag = diag[..., alike]
+            spread = (diag - diag[..., -1:]).abs()
         if float(spread.max()) > rtol * size and extra > 0:
             # learned keys put first (a null key and value, memory tokens): the tokens' keys are the last L
             full = _contract(product, q, k) if product is not None else q @ k.transpose(-1, -2)
@@ -2693,6 +2717,22 @@ def relative_positions(trace: Trace, length: int, rtol: float = 1e-4, memory: tu
                     f"at position 0 but differs by {float(spread.max()):.3g} at position {at} (scores up to "
                     f"{size - 1:.3g}): rotated alike, q_i . k_i would be q . k at every position")
     return None
+
+
+def _same_before_rotation(q: Tensor, k: Tensor, length: int, rtol: float) -> Tensor | None:
+    """For a run on one token repeated at every position: the positions whose q and k have the norms of the last
+    position's (a rotation keeps them), when some do not and at least 3 do (a token shift gives position 0 half its
+    features from before the sequence, zeros); None when every position has them, or q and k are not laid out
+    (..., L, D), or too few do (xPos scales every position's norm: its scores are read whole)."""
+    if q.dim() < 2 or k.dim() < 2 or q.shape[-2] != length or k.shape[-2] != length:
+        return None
+    norms = [t.norm(dim=-1).reshape(-1, length) for t in (q, k)]
+    ok = torch.ones(length, dtype=torch.bool)
+    for n in norms:
+        ok &= ((n - n[:, -1:]).abs() <= rtol * (1 + n.abs().amax(-1, keepdim=True))).all(0)
+    if bool(ok.all()) or int(ok.sum()) < 3:
+        return None
+    return ok.nonzero().flatten()
 
 
 def _core_operands(trace: Trace, op: Op) -> tuple[Op | None, Tensor, Tensor] | None:
@@ -2867,37 +2907,61 @@ def unshifted_relative(trace: Trace, length: int, grid: tuple[int, ...] | None =
     for op in trace.ops:
         if op.name not in SOFTMAX or not op.inputs:
             continue
-        s = _query_key_last(op.inputs[0].double(), length)
-        if s is None or length < 3:
-            continue
-        s = s.reshape(-1, length, length)
-        seen = torch.isfinite(s) & (s > -1e4)
+        scores = op.inputs[0].double()
+        base_scores = None
         if bases is not None:
             if not bases:  # the runs differ in their softmaxes: nothing to take away
                 return None
-            base = _query_key_last(bases.pop(0).inputs[0].double(), length)
-            if base is None or base.numel() != s.numel():
-                return None
-            base = base.reshape(s.shape)
-            seen = seen & torch.isfinite(base) & (base > -1e4)
-            s = torch.where(seen, s - base, torch.zeros((), dtype=s.dtype))
-        size = 1 + float(s[seen].abs().max()) if bool(seen.any()) else 1.0
-        extent: tuple[int, ...] = grid or (length,)
-        for axis in reversed(range(len(extent))):  # along a row, then down a column (then to the next frame)
-            step = math.prod(extent[axis + 1:])
-            i = torch.arange(length)
-            i = i[(i // step) % extent[axis] < extent[axis] - 1]  # the next token along this axis is in the grid
-            a, b = s[:, i][:, :, i], s[:, i + step][:, :, i + step]
-            both = seen[:, i][:, :, i] & seen[:, i + step][:, :, i + step]
-            differ = (a - b).abs().masked_fill(~both, 0)
-            if float(differ.max()) > 1e-6 * size:
-                where = "one token further along each" if step == 1 else \
-                    "one row further down each" if axis == len(extent) - 2 else "one frame further on each"
-                return (f"with the same token at every position, the score of a query and a key changes by "
-                        f"{float(differ.max()):.3g} (scores up to {size - 1:.3g}) when both move {where}: the "
-                        "position term depends on where the key is, not on its distance to the query (a rel_shift "
-                        "missing or wrong, or a 2-D table's axes swapped)")
+            base_scores = bases.pop(0).inputs[0].double()
+        # keys beyond the tokens (learned memory keys put first, or a cache's later keys): the tokens' are the first
+        # L or the last L; relative on either is relative
+        cuts = [slice(None)]
+        if scores.dim() >= 2 and scores.shape[-2] == length and scores.shape[-1] > length and \
+                list(scores.shape).count(length) == 1:
+            cuts = [slice(None, length), slice(scores.shape[-1] - length, None)]
+        found = [_not_relative_between(scores[..., cut], None if base_scores is None else base_scores[..., cut],
+                                       length, grid) for cut in cuts]
+        if any(f == "" for f in found):
+            continue
+        if any(f is None for f in found):
+            return None
+        return found[0]
     return None
+
+
+def _not_relative_between(scores: Tensor, base_scores: Tensor | None, length: int,
+                          grid: tuple[int, ...] | None) -> str | None:
+    """:func:`unshifted_relative` on one softmax's scores (``base_scores``: those of the run without the table):
+    why they are not relative, "" when they are or cannot be read, None when the runs cannot be compared."""
+    s = _query_key_last(scores, length)
+    if s is None or length < 3:
+        return ""
+    s = s.reshape(-1, length, length)
+    seen = torch.isfinite(s) & (s > -1e4)
+    if base_scores is not None:
+        base = _query_key_last(base_scores, length)
+        if base is None or base.numel() != s.numel():
+            return None
+        base = base.reshape(s.shape)
+        seen = seen & torch.isfinite(base) & (base > -1e4)
+        s = torch.where(seen, s - base, torch.zeros((), dtype=s.dtype))
+    size = 1 + float(s[seen].abs().max()) if bool(seen.any()) else 1.0
+    extent: tuple[int, ...] = grid or (length,)
+    for axis in reversed(range(len(extent))):  # along a row, then down a column (then to the next frame)
+        step = math.prod(extent[axis + 1:])
+        i = torch.arange(length)
+        i = i[(i // step) % extent[axis] < extent[axis] - 1]  # the next token along this axis is in the grid
+        a, b = s[:, i][:, :, i], s[:, i + step][:, :, i + step]
+        both = seen[:, i][:, :, i] & seen[:, i + step][:, :, i + step]
+        differ = (a - b).abs().masked_fill(~both, 0)
+        if float(differ.max()) > 1e-6 * size:
+            where = "one token further along each" if step == 1 else \
+                "one row further down each" if axis == len(extent) - 2 else "one frame further on each"
+            return (f"with the same token at every position, the score of a query and a key changes by "
+                    f"{float(differ.max()):.3g} (scores up to {size - 1:.3g}) when both move {where}: the "
+                    "position term depends on where the key is, not on its distance to the query (a rel_shift "
+                    "missing or wrong, or a 2-D table's axes swapped)")
+    return ""
 
 
 def _axes(op: Op, position: int, role: str) -> tuple[int, int] | None:
