@@ -2679,3 +2679,36 @@ def test_a_2d_relative_bias_beside_memory_keys_is_read_on_the_tokens_keys():
     from selfattn.check import check
     assert check(WindowMemoryBiasAttention(), length=16).verdict == "passed"
     assert check(WindowMemoryBiasAttention(by_key=True), length=16).ids == {"definition-mismatch"}
+
+
+class TrianglePairAttention(nn.Module):
+    """AlphaFold's triangle attention around the starting node on a pair map (B, N, N, D): each row of pairs attends
+    along itself, with a per-head bias made from the pair map (pair (j, k) biasing query j and key k of every
+    row); ``ending``: around the ending node (the map transposed in and out)."""
+
+    def __init__(self, dim=16, heads=2, ending=False):
+        super().__init__()
+        self.heads, self.ending = heads, ending
+        self.to_qkv, self.to_bias = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, heads, bias=False)
+        self.to_out = nn.Linear(dim, dim)
+
+    def forward(self, pair):
+        if self.ending:
+            pair = pair.transpose(1, 2)
+        b, n, _, d = pair.shape
+        rows = pair.reshape(b * n, n, d)  # the rows folded into the batch, item-major: (b i) j d
+        q, k, v = self.to_qkv(rows).view(b * n, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        bias = self.to_bias(pair).permute(0, 3, 1, 2).repeat_interleave(n, dim=0)  # (b i) h j k: every row alike
+        weights = (q @ k.transpose(-1, -2) / math.sqrt(d // self.heads) + bias).softmax(-1)
+        out = self.to_out((weights @ v).transpose(1, 2).reshape(b, n, n, d))
+        return out.transpose(1, 2) if self.ending else out
+
+
+@pytest.mark.parametrize("ending", [False, True])
+def test_triangle_attention_over_a_pair_map_is_a_design(ending):
+    # each pair depends on its own row (the attention) and on the row of its column's index (the bias): a pattern
+    # that was read as queries seeing some future keys and missing past ones (definition-mismatch)
+    from selfattn.check import check
+    report = check(TrianglePairAttention(ending=ending), length=25)
+    assert report.verdict == "passed", report.ids
+    assert "triangle attention" in str(report.inferred.get("window"))

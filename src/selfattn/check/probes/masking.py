@@ -332,6 +332,25 @@ def _blocks_with_halo(dep: Tensor) -> str | None:
             f"{sorted(set(sizes.tolist()))} tokens, each sees its own block and keys around it (HaloNet)")
 
 
+def _triangle(dep: Tensor) -> str | None:
+    """Triangle attention over a pair map of n x n tokens (AlphaFold's): pair (i, j) attends along its row i with a
+    bias made from pair (j, k), so that it depends on rows i and j (around the starting node); or along its column j
+    with the bias from pair (k, i): columns j and i (around the ending node). What it is, or None."""
+    n = math.isqrt(dep.shape[0])
+    if n < 3 or n * n != dep.shape[0]:
+        return None
+    i = torch.arange(n * n, device=dep.device)
+    row, col = (i // n)[:, None], (i % n)[:, None]
+    key_row, key_col = (i // n)[None, :], (i % n)[None, :]
+    if torch.equal(dep, (key_row == row) | (key_row == col)):
+        return (f"triangle attention around the starting node: each pair (i, j) of a {n} x {n} pair map attends "
+                "along its row i with a bias from the pairs (j, k) (AlphaFold's)")
+    if torch.equal(dep, (key_col == col) | (key_col == row)):
+        return (f"triangle attention around the ending node: each pair (i, j) of a {n} x {n} pair map attends "
+                "along its column j with a bias from the pairs (k, i) (AlphaFold's)")
+    return None
+
+
 def _local_design(dep: Tensor) -> str | None:
     """The published pattern a dependency matrix that sees some future keys follows, or None: symmetric with the
     diagonal seen (blocks, windows of an image, shifted windows: each pair of tokens sees each other or neither), or
@@ -373,6 +392,9 @@ def _local_design(dep: Tensor) -> str | None:
     halo = _blocks_with_halo(dep)
     if halo is not None:
         return halo
+    triangle = _triangle(dep)
+    if triangle is not None:
+        return triangle
     causal = ~future(length).to(dep.device) | eye
     for prefix in range(2, length):
         block = torch.zeros_like(dep)
