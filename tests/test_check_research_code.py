@@ -2712,3 +2712,69 @@ def test_triangle_attention_over_a_pair_map_is_a_design(ending):
     report = check(TrianglePairAttention(ending=ending), length=25)
     assert report.verdict == "passed", report.ids
     assert "triangle attention" in str(report.inferred.get("window"))
+
+
+class ZeroedPaddingAttention(nn.Module):
+    """x-transformers' habit: the outputs of padded queries zeroed after the attention. ``keys``: how the key mask is
+    laid on the scores: "keys" (right), None (forgotten) or "queries" (on the query axis)."""
+
+    def __init__(self, dim=32, heads=4, keys="keys"):
+        super().__init__()
+        self.heads, self.keys = heads, keys
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x, mask=None):  # mask (B, L), True = a real token
+        b, n, c = x.shape
+        q, k, v = self.to_qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(c // self.heads)
+        if mask is not None and self.keys is not None:
+            laid = mask[:, None, None, :] if self.keys == "keys" else mask[:, None, :, None]
+            scores = scores.masked_fill(~laid, -torch.finfo(scores.dtype).max)
+        out = scores.softmax(-1) @ v
+        if mask is not None:
+            out = out.masked_fill(~mask[:, None, :, None], 0.0)
+        return self.to_out(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_key_mask_forgotten_beside_padded_rows_zeroed_is_mask_ignored():
+    # the only rows the mask changed were the padded queries' own, zeroed: read as a key mask laid on the queries
+    # (mask-broadcast), whose fix points the wrong way; the keys were never hidden
+    from selfattn.check import check
+    assert check(ZeroedPaddingAttention()).verdict == "passed"
+    assert check(ZeroedPaddingAttention(keys=None)).ids == {"mask-ignored"}
+    # laid on the queries, whose rows are then zeroed, it hides no key either: the same module, the same id
+    assert check(ZeroedPaddingAttention(keys="queries")).ids == {"mask-ignored"}
+
+
+class CachedSlopesAttention(nn.Module):
+    """Tranception's learned ALiBi: the bias made from learned slopes is cached in a buffer on the first call and
+    reused while long enough; ``detached``: cached without its autograd history, and made again in training."""
+
+    def __init__(self, dim=32, heads=4, detached=False):
+        super().__init__()
+        self.heads, self.detached = heads, detached
+        self.to_qkv, self.to_out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.slopes = nn.Parameter(torch.tensor([2.0 ** -(i + 1) for i in range(heads)]).view(heads, 1, 1))
+        self.register_buffer("bias", None, persistent=False)
+
+    def alibi(self, n):
+        if self.bias is not None and self.bias.shape[-1] >= n and not (self.detached and torch.is_grad_enabled()):
+            return self.bias[..., :n, :n]
+        r = torch.arange(n)
+        bias = -(r[None, :] - r[:, None]).abs() * self.slopes
+        self.register_buffer("bias", bias.detach() if self.detached else bias, persistent=False)
+        return bias
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.to_qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(c // self.heads) + self.alibi(n)
+        return self.to_out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_a_bias_cached_with_its_autograd_history_is_state_dependent():
+    # every probe's call put the buffer back, so no second backward ever met the first call's graph: certified,
+    # though a second training step fails
+    from selfattn.check import check
+    assert check(CachedSlopesAttention()).ids == {"state-dependent"}
+    assert check(CachedSlopesAttention(detached=True)).verdict == "passed"

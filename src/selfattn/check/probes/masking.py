@@ -917,7 +917,8 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                 inverted = inverted or native
             tried[label] = "acts the other way round: hides what the mask keeps"
             continue
-        if caller.key_only and _hides_queries(masked_out, plain, k0[0]):
+        if caller.key_only and _hides_queries(masked_out, plain, k0[0]) and \
+                not _rows_blanked(caller, x, mask, masked_out, k0[0]):
             # a module that takes no (B, L, L) mask in that argument reads (B, 1, L) as its key mask
             if not _query_axis_judged(caller, ctx.spec is not None or caller.mask_arg not in takes_full):
                 tried[label] = "read as (B, Lq, Lk): (B, 1, L) is not this module's key mask"
@@ -1091,6 +1092,26 @@ def _hides_queries(masked_out: Tensor, plain: Tensor, kv: Tensor) -> bool:
     diff = (masked_out[0].double() - plain[0].double()).abs().amax(-1)
     changed_rows = ((diff > 1e-4 * (1 + plain.abs().max())) | diff.isnan()).cpu()
     return bool(torch.equal(changed_rows, ~kv))
+
+
+def _rows_blanked(caller: Caller, x: Tensor, mask: object, masked_out: Tensor, kv: Tensor) -> bool:
+    """Are the rows a key mask changed, those of its hidden tokens, blanked (the same whatever the input: a padded
+    query's output zeroed, as x-transformers does) rather than attended another way (a mask on the query axis
+    gives each such row the mean of its item's values)? Then the mask hides no query's keys: its keys are judged by
+    the padding probe, not read as a broadcast."""
+    hidden = ~kv.cpu()
+    if not bool(hidden.any()):
+        return False
+    other = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(11), dtype=x.dtype).to(x.device)
+    try:
+        with torch.no_grad():
+            again = caller(other, mask)
+    except Exception:
+        return False
+    if again.shape != masked_out.shape:
+        return False
+    size = 1e-6 * (1 + float(masked_out.abs().max()))
+    return bool(((again[0] - masked_out[0]).abs()[hidden] <= size).all())
 
 
 def _query_axis_judged(caller: Caller, stated: bool = False) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -28,7 +29,7 @@ from ..findings import (
     Finding,
 )
 from ..subject.building import cast_module, copy_module, name_role, norm_role
-from ..subject.caller import Caller
+from ..subject.caller import Caller, module_state, restore
 from ..subject.context import Context, Outcome, empty_row_keep, padded_rows, padding_keep, raised_inside_doctor, rel
 from ..subject.flex import flex_written_out
 
@@ -742,7 +743,11 @@ def gradients(ctx: Context) -> Outcome[None]:
     touches (an adapter that runs one part of a larger module) are not required to get a gradient.
     """
     try:
-        return _gradients(ctx)
+        found = _gradients(ctx)
+        kept = _kept_history(ctx) if ctx.analysis.replaced and not found.findings else None
+        if kept is not None:
+            found.findings.append(kept)
+        return found
     except NotImplementedError as err:
         if not _NO_BACKWARD_HERE.search(str(err)):
             raise
@@ -764,6 +769,59 @@ def gradients(ctx: Context) -> Outcome[None]:
 
 
 _FUSED_NAME = re.compile(r"(^|[._])(w?qkv|to_kv|kv|in_proj|c_attn|query_key_value|kv_proj)([._]|$)", re.I)
+
+
+def _kept_history(ctx: Context) -> Finding | None:
+    """For a module whose calls replace some of its own state (a cache the doctor's calls put back each time): the
+    training steps a user runs in a row, with the state each leaves. A second backward that fails on the first
+    call's graph (a bias cached with its autograd history), or parameters that get a gradient on a fresh module and
+    none after a call without gradients (a table cached then, detached from them), is state-dependent; else None."""
+    call, x0 = ctx.analysis, ctx.analysis_x
+    m = call.module
+    kept = replace(call, keep_state=True)
+    state = module_state(m)
+    try:
+        fresh, shapes = None, None
+        for _ in range(2):
+            m.zero_grad(set_to_none=True)
+            out = kept(x0.clone())
+            now = _held_shapes(m)
+            if shapes is not None and now != shapes:
+                return None  # a cache that grows with each call (keys appended): an inference cache, by design
+            shapes = now
+            try:
+                out.double().sum().backward()
+            except RuntimeError as err:
+                if _KEPT_HISTORY not in str(err):
+                    return None
+                return Finding.of(STATE_DEPENDENT, "the module keeps autograd history in its own state across calls "
+                                  "(a table or bias cached from a value that requires grad): the second training "
+                                  "step's backward fails", {"error": str(err)[:200], "replaced": dict(call.replaced)})
+            if fresh is None:
+                fresh = {n for n, p in m.named_parameters() if p.grad is not None and bool(p.grad.any())}
+        restore(state)
+        m.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            kept(x0.clone())  # an evaluation first: what it caches, it caches without gradients
+        kept(x0.clone()).double().sum().backward()
+        after = {n for n, p in m.named_parameters() if p.grad is not None and bool(p.grad.any())}
+        lost = sorted((fresh or set()) - after)
+        if lost:
+            return Finding.of(STATE_DEPENDENT, "after a call without gradients (an evaluation), later calls give "
+                              "some parameters no gradient: the module caches what it computes from them",
+                              {"parameters without gradient after it": lost, "replaced": dict(call.replaced)})
+        return None
+    except Exception:  # calls in a row the module refuses: the calls-in-a-row probe says so
+        return None
+    finally:
+        restore(state)
+        m.zero_grad(set_to_none=True)
+
+
+def _held_shapes(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """The shapes of the tensors the module's state holds, by name."""
+    return [(f"{prefix}.{key}", tuple(v.shape)) for prefix, _, attrs, buffers in module_state(module)
+            for key, v in {**attrs, **buffers}.items() if isinstance(v, Tensor)]
 
 
 def _feeding_others(others: list[Tensor], params: list[tuple[str, Tensor]], gen: torch.Generator) -> list[str]:

@@ -1788,6 +1788,16 @@ def _own_key_sunk(t: Tensor, seen: Tensor) -> float:
     return float(gap.max()) if gap.numel() else 0.0
 
 
+def _efficient(trace: Trace, length: int) -> bool:
+    """Does the record normalise q or k split into heads over their own features (a softmax over the last axis of a
+    (B, H, L, D) projection, D not the tokens): efficient attention (Shen et al.), whose softmaxes are of the
+    projections themselves, not over (query, key) scores? (A softmax of a scoring projection, one number per head
+    and token (Fastformer's pooling), is attention over the tokens, read as such.)"""
+    return any(op.name in SOFTMAX and op.inputs and op.inputs[0].dim() >= 4 and _dim(op) % op.inputs[0].dim() ==
+               op.inputs[0].dim() - 1 and op.inputs[0].shape[-1] != length and op.inputs[0].shape[-2] == length and
+               _of_a_projection(trace, op.in_ids[0]) for op in trace.ops)
+
+
 def _of_a_projection(trace: Trace, tid: int, reach: int = 12) -> bool:
     """Is ``tid`` a learned projection's output, up to layout operations and numbers (q or k split into heads,
     perhaps scaled): what a softmax over the features of q or over the tokens of k takes in efficient (linear)
@@ -1819,8 +1829,9 @@ def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
     after = _product_after(trace, sm.out_ids[0])
     if after is None:
         return None  # a softmax that feeds no product is not an attention's
-    if not (p.dim() >= 2 and p.shape[-1] == p.shape[-2] == length) and _of_a_projection(trace, sm.in_ids[0]):
-        return None  # a softmax of q or k themselves (linear attention's feature maps): no weights over the tokens
+    if _efficient(trace, length) and not (p.dim() >= 2 and p.shape[-1] == p.shape[-2] == length) and \
+            _of_a_projection(trace, sm.in_ids[0]):
+        return None  # a softmax of q or k themselves (efficient attention's): no weights over the tokens
     pv, read, passed = after
     operands = _operands(pv)
     position = next((i for i, (tid, _) in enumerate(operands) if tid == read), 0)
