@@ -2778,3 +2778,101 @@ def test_a_bias_cached_with_its_autograd_history_is_state_dependent():
     from selfattn.check import check
     assert check(CachedSlopesAttention()).ids == {"state-dependent"}
     assert check(CachedSlopesAttention(detached=True)).verdict == "passed"
+
+
+class CausalBlock(nn.Module):
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        return x + self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, c))
+
+
+class HourglassLM(nn.Module):
+    """An hourglass language model: tokens averaged in pairs for a shorter middle stack, then repeated back. The
+    causal version shifts the tokens by one before pooling, so that no pooled token holds a later one."""
+
+    def __init__(self, vocab=50, dim=32, shift=True):
+        super().__init__()
+        self.shift, self.embed = shift, nn.Embedding(vocab, dim)
+        self.pre, self.middle, self.post = CausalBlock(dim), CausalBlock(dim), CausalBlock(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        h = self.pre(self.embed(ids))
+        pooled = F.pad(h, (0, 0, 1, -1)) if self.shift else h
+        b, n, c = pooled.shape
+        middle = self.middle(pooled.view(b, n // 2, 2, c).mean(2))
+        return self.head(self.post(h + middle.repeat_interleave(2, dim=1)))
+
+
+def test_a_causal_model_whose_pooling_sees_ahead_is_causal_leak():
+    # each attention layer hid the future and was certified, and so was the model, whose pooling averaged each token
+    # with the next: with --causal, the model's own outputs are checked too
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    assert check_model(HourglassLM(), (ids,), causal=True).verdict == "passed"
+    leaky = check_model(HourglassLM(shift=False), (ids,), causal=True)
+    assert leaky.verdict == "failed" and [f.id for f in leaky.findings] == ["causal-leak"]
+    assert all(r.verdict == "passed" for r in leaky.layers.values())
+
+
+class _JoinedProjection(nn.Module):
+    """q, k and v of the tokens joined with their positions: its own width (``dim``) is twice the tokens'."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.dim, self.heads = dim, heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+
+    def forward(self, joined):
+        b, n, _ = joined.shape
+        return self.qkv(joined).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+
+
+class ConcatPositionAttention(nn.Module):
+    """Learned positions concatenated to the tokens (not added) before the projections: the projection block holds
+    twice the input's width as its ``dim``, and every layer of the module takes that width."""
+
+    def __init__(self, dim, heads=4, max_len=64):
+        super().__init__()
+        self.positions = nn.Embedding(max_len, dim)
+        self.project, self.out = _JoinedProjection(2 * dim, heads), nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        joined = torch.cat((x, self.positions.weight[:n].expand(b, -1, -1)), dim=-1)
+        q, k, v = self.project(joined)
+        return self.out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, n, 2 * c))
+
+
+def test_the_width_a_module_is_built_with_is_tried_first():
+    # the width its projection block holds (2 x dim) was the only one tried: no input the module takes, exit 2
+    from selfattn.check import check
+    report = check(ConcatPositionAttention, init={"dim": 32})
+    assert report.inferred["embed_dim"] == 32 and report.verdict == "passed", report.ids
+
+
+class BlockMaskArgumentAttention(nn.Module):
+    """Attention that takes FlexAttention's BlockMask from its caller (native sparse attention's sliding-window
+    mask), built once for a length and passed down."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x, sliding_window_flex_mask=None):
+        from torch.nn.attention.flex_attention import flex_attention
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        out = flex_attention(q, k, v, block_mask=sliding_window_flex_mask)
+        return self.out(out.transpose(1, 2).reshape(b, n, c))
+
+
+def test_an_argument_that_takes_a_block_mask_is_no_tensor_mask():
+    # every tensor mask raised on the BlockMask's attributes: the mask was "not verified" and the module inconclusive
+    from selfattn.check import check
+    report = check(BlockMaskArgumentAttention())
+    assert report.verdict == "passed" and "BlockMask" in report.coverage["mask"], report.coverage

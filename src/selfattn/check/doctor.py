@@ -81,6 +81,7 @@ from .subject.building import (
     param_device,
     param_dtype,
     user_callable,
+    width_given,
 )
 from .subject.caller import Caller, MaskSpec, parse_mask
 from .subject.calling import calling, calls_in_a_row
@@ -437,6 +438,8 @@ def examine(module: nn.Module, inferred: dict, *, declared: str | None, causal: 
     # the shapes tried with it, the input sizes of its other layers are tried in turn (OpenFold declares a pair
     # projection first)
     dims = [sizes.embed_dim] if sizes.embed_dim else embed_dims_of(module)
+    if not sizes.embed_dim and sizes.given:  # the width the user built it with (a grouped first layer's input can
+        dims = [sizes.given, *(d for d in dims if d != sizes.given)]  # be a multiple of it: mixture of attention)
     got = _Collected({**inferred, **({"dtype": str(dtype)[6:]} if dtype != torch.float32 else {}),
                       **({"device": str(device)} if device.type != "cpu" else {})})
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -617,7 +620,9 @@ def check(target: nn.Module | type | str | Callable[[], nn.Module], *, init: dic
         examined.eval()
         return examine(examined, inferred, declared=mask_convention, causal=causal, seed=seed, spec=spec,
                        adapter=adapter, make_mask=make_mask, allow_nonstandard=allow_nonstandard,
-                       sizes=Sizes(embed_dim or 0, 4, batch, lengths), no_mask=no_mask, scale=scale,
+                       sizes=Sizes(embed_dim or 0, 4, batch, lengths, width_given(init if isinstance(init, dict)
+                                                                                 else None)),
+                       no_mask=no_mask, scale=scale,
                        bidirectional=bidirectional)
     finally:
         target.train(was_training)

@@ -1612,8 +1612,9 @@ class ModelReport:
 
     ``layers``: qualified name -> report; ``classes``: name -> the layer's class; ``could_not_run``: the
     layers the doctor could not call (name -> why); ``not_self_attention``: attention layers whose output does not
-    mix the tokens of their own input (cross-attention over another sequence), not checked; ``verdict``:
-    "failed" when a layer failed, else
+    mix the tokens of their own input (cross-attention over another sequence), not checked; ``findings``: what the
+    whole model does wrong outside its layers (with ``causal=True``: earlier outputs that change with a later token);
+    ``verdict``: "failed" when a layer failed or the model has an error finding, else
     "inconclusive" when a layer is inconclusive or could not run, or none was checked, else "passed".
     """
 
@@ -1621,12 +1622,14 @@ class ModelReport:
     classes: dict[str, str] = field(default_factory=dict)
     could_not_run: dict[str, str] = field(default_factory=dict)
     not_self_attention: dict[str, str] = field(default_factory=dict)
+    # what the whole model does wrong outside its attention layers (a causal model whose pooling sees ahead)
+    findings: list[Finding] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
         """"passed", "failed" or "inconclusive"."""
         verdicts = {r.verdict for r in self.layers.values()}
-        if "failed" in verdicts:
+        if "failed" in verdicts or any(f.severity == "error" for f in self.findings):
             return "failed"
         return "inconclusive" if "inconclusive" in verdicts or self.could_not_run or not self.layers else "passed"
 
@@ -1646,10 +1649,11 @@ class ModelReport:
         return rows
 
     def to_dict(self) -> dict:
-        """{"passed", "verdict", "summary", "layers": {name: report dict}, "could_not_run", "not_self_attention"}."""
+        """{"passed", "verdict", "summary", "layers": {name: report dict}, "could_not_run", "not_self_attention",
+        "findings": the model's own, outside its layers}."""
         return {"passed": self.passed, "verdict": self.verdict, "summary": self.summary(),
                 "layers": {n: r.to_dict() for n, r in self.layers.items()}, "could_not_run": self.could_not_run,
-                "not_self_attention": self.not_self_attention}
+                "not_self_attention": self.not_self_attention, "findings": [f.to_dict() for f in self.findings]}
 
     def to_json(self) -> str:
         """:meth:`to_dict` as indented JSON."""
@@ -1865,7 +1869,59 @@ def _checked(model: nn.Module, example_inputs: object, layers: int | Sequence[st
         odd = report.layers.get(name)
         if odd is not None:
             report.layers[name] = _amended(odd, add=extra)
+    if options.get("causal") and args:
+        leak = _sees_ahead(model, args, kwargs, sequence_first=bool(found) and found[0].sequence_first)
+        if leak is not None:
+            report.findings.append(leak)
     return report
+
+
+def _sees_ahead(model: nn.Module, args: tuple, kwargs: dict, sequence_first: bool = False) -> Finding | None:
+    """For a model the user says is causal: do its outputs at earlier positions change when a later token of its
+    first input changes? Its attention layers may each be causal while a step between them (a pooling or a
+    convolution without its causal shift, a shortening that averages a token with the next) lets the future in."""
+    first = args[0]
+    if not isinstance(first, Tensor) or first.dim() < 2:
+        return None
+    axis = 0 if sequence_first else 1
+    length = first.shape[axis]
+    if length < 3:
+        return None
+
+    def outputs(given: Tensor) -> list[Tensor]:
+        with torch.no_grad():
+            out = model(given, *args[1:], **kwargs)
+        leaves: list[Tensor] = []
+        tree_map(lambda t: leaves.append(t) if isinstance(t, Tensor) and t.is_floating_point() else None, out)
+        return leaves
+
+    try:
+        base = outputs(first)
+        for at in sorted({length // 2, length - 1}):
+            changed = first.clone()
+            where = (slice(None),) * axis + (at,)
+            if first.is_floating_point():
+                changed[where] = changed[where] + torch.randn(changed[where].shape, generator=torch.Generator()
+                                                              .manual_seed(3)).to(changed)
+            else:
+                changed[where] = (changed[where] + 1) % (int(first.max()) + 1)
+            for a, b in zip(base, outputs(changed), strict=False):
+                if a.shape != b.shape or a.dim() <= axis or a.shape[axis] != length:
+                    continue
+                before = (a.narrow(axis, 0, at).double() - b.narrow(axis, 0, at).double()).abs().nan_to_num(0.0)
+                size = 1e-5 * (1 + float(a.double().abs().nan_to_num(0.0).max()))
+                moved = before.movedim(axis, 0).reshape(at, -1).amax(-1)  # per earlier position
+                if bool((moved > size).any()):
+                    return Finding.of(CAUSAL_LEAK, f"the model's outputs at earlier positions change when token {at} "
+                                      "changes, though each attention layer hides the future on its own: a step "
+                                      "between them sees ahead (a pooling or convolution without its causal shift, "
+                                      "tokens merged with later ones)",
+                                      {"changed token": at, "earlier positions that change":
+                                       (moved > size).nonzero().flatten().tolist()[:10],
+                                       "largest change": float(before.max())})
+    except Exception:  # a model that refuses the changed input: nothing to say
+        return None
+    return None
 
 
 def _shape_limited(report: Report) -> bool:
@@ -1896,5 +1952,8 @@ def render_model(report: ModelReport, console: Console) -> None:
         if r.verdict != "passed":
             console.rule(name)
             render(r, console)
+    for finding in report.findings:
+        console.rule("the whole model")
+        console.print(f"[red]{finding.id}[/red]: {finding.message}\nevidence: {finding.evidence}\nfix: {finding.fix}")
     console.print(f"verdict: {report.verdict} ({len(report.layers)} layer(s) checked, "
                   f"{len(report.could_not_run)} could not run)")

@@ -47,6 +47,7 @@ from ..subject.caller import (
     Caller,
     MaskSpec,
     MaskWatch,
+    block_mask_parameters,
     dependency,
     forward_signature,
     mask_parameters,
@@ -804,6 +805,11 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
     if not candidates:
         if switch is not None:
             return _switch(ctx, switch, dep)
+        blocks = block_mask_parameters(ctx.module) if ctx.call.style != "adapter" else []
+        if blocks:
+            return _no_mask(f"forward takes no tensor mask: {', '.join(blocks)} takes FlexAttention's BlockMask, which "
+                            "the doctor does not build (check the mask_mod itself through a module that builds it "
+                            "from a tensor mask)")
         return _no_mask("forward takes no mask argument")
     x = ctx.analysis_x
     b, length, _ = x.shape

@@ -782,9 +782,13 @@ def _kept_history(ctx: Context) -> Finding | None:
     state = module_state(m)
     try:
         fresh, shapes = None, None
-        for _ in range(2):
+        m.train()  # training steps as a user runs them (timm's LeViT caches its biases in eval mode only)
+        for step in range(2):
             m.zero_grad(set_to_none=True)
-            out = kept(x0.clone())
+            given = x0.clone().requires_grad_()
+            out = kept(given)
+            if step == 0 and not _tables_with_history(m, given):
+                return None  # what the call keeps depends on its input (keys and values: a cache for inference)
             now = _held_shapes(m)
             if shapes is not None and now != shapes:
                 return None  # a cache that grows with each call (keys appended): an inference cache, by design
@@ -801,8 +805,10 @@ def _kept_history(ctx: Context) -> Finding | None:
                 fresh = {n for n, p in m.named_parameters() if p.grad is not None and bool(p.grad.any())}
         restore(state)
         m.zero_grad(set_to_none=True)
+        m.eval()
         with torch.no_grad():
             kept(x0.clone())  # an evaluation first: what it caches, it caches without gradients
+        m.train()
         kept(x0.clone()).double().sum().backward()
         after = {n for n, p in m.named_parameters() if p.grad is not None and bool(p.grad.any())}
         lost = sorted((fresh or set()) - after)
@@ -814,8 +820,21 @@ def _kept_history(ctx: Context) -> Finding | None:
     except Exception:  # calls in a row the module refuses: the calls-in-a-row probe says so
         return None
     finally:
+        m.eval()
         restore(state)
         m.zero_grad(set_to_none=True)
+
+
+def _tables_with_history(module: nn.Module, given: Tensor) -> bool:
+    """Does the module's state hold a tensor with autograd history that does not depend on the call's input (a bias
+    or table computed from its parameters and cached), as against keys and values of the input (a KV cache)?"""
+    for _, _, attrs, buffers in module_state(module):
+        for value in {**attrs, **buffers}.values():
+            if isinstance(value, Tensor) and value.grad_fn is not None and value.is_floating_point():
+                reach = torch.autograd.grad(value.sum(), given, retain_graph=True, allow_unused=True)[0]
+                if reach is None or not bool(reach.any()):
+                    return True
+    return False
 
 
 def _held_shapes(module: nn.Module) -> list[tuple[str, tuple[int, ...]]]:

@@ -196,6 +196,7 @@ class Sizes:
     heads: int = 4
     batch: int | None = None
     lengths: tuple[int, ...] | None = None
+    given: int = 0  # the width the constructor was given (``--init``'s dim or d_model): tried first when E is 0
 
 
 def _signature(fn: Callable) -> dict[str, inspect.Parameter]:
@@ -412,6 +413,13 @@ def embed_dim_of(module: nn.Module, default: int) -> int:
         if isinstance(m, nn.GroupNorm):
             return m.num_channels
     return default
+
+
+def width_given(init: dict | None) -> int:
+    """The width a constructor's keywords give (``dim``, ``d_model``, ``hidden_size``, ...), or 0."""
+    found = [v for k, v in (init or {}).items() if k in _EMBED_ATTRS and isinstance(v, int) and
+             not isinstance(v, bool) and v > 1]
+    return found[0] if found else 0
 
 
 def embed_dims_of(module: nn.Module) -> list[int]:

@@ -407,9 +407,12 @@ def mask_parameters(module: nn.Module, style: str) -> list[str | None]:
         params = list(forward_signature(module).parameters.values())
     except (TypeError, ValueError):
         return [None]
-    named: list[str | None] = [p.name for p in params if named_like_mask(p.name) and p.kind != p.POSITIONAL_ONLY]
+    named: list[str | None] = [p.name for p in params if named_like_mask(p.name) and p.kind != p.POSITIONAL_ONLY
+                               and not takes_block_mask(p)]
     if named:
         return named
+    if any(takes_block_mask(p) for p in params):  # FlexAttention's BlockMask only: no tensor mask to send
+        return []
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     rest = positional[ARITY.get(style, 3):]
     if rest and rest[0].kind == rest[0].POSITIONAL_OR_KEYWORD and _mask_like(rest[0]) and \
@@ -418,6 +421,22 @@ def mask_parameters(module: nn.Module, style: str) -> list[str | None]:
     if rest and rest[0].kind == rest[0].POSITIONAL_ONLY and _mask_like(rest[0]):
         return [None]
     return [None] if any(p.kind == p.VAR_POSITIONAL for p in params) else []
+
+
+def takes_block_mask(param: inspect.Parameter) -> bool:
+    """Does a forward parameter take FlexAttention's ``BlockMask`` (annotated so, or named for a block or flex mask),
+    not a tensor mask?"""
+    annotation = param.annotation if isinstance(param.annotation, str) else getattr(param.annotation, "__name__", "")
+    name = param.name.lower()
+    return "BlockMask" in str(annotation) or "block_mask" in name or "flex_mask" in name
+
+
+def block_mask_parameters(module: nn.Module) -> list[str]:
+    """The forward parameters that take FlexAttention's ``BlockMask``."""
+    try:
+        return [p.name for p in forward_signature(module).parameters.values() if takes_block_mask(p)]
+    except (TypeError, ValueError):
+        return []
 
 
 def switch_parameter(module: nn.Module) -> str | None:
