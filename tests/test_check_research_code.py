@@ -2876,3 +2876,94 @@ def test_an_argument_that_takes_a_block_mask_is_no_tensor_mask():
     from selfattn.check import check
     report = check(BlockMaskArgumentAttention())
     assert report.verdict == "passed" and "BlockMask" in report.coverage["mask"], report.coverage
+
+
+def test_a_model_calling_flex_attention_is_recorded():
+    # the model's recording run has autograd on, where flex_attention on CPU refuses inputs that require grad: the
+    # model could not run (exit 2), though each layer checks alone
+    blocks = nn.Sequential(nn.Linear(8, 32), FlexModAttention(), FlexModAttention())
+    x = torch.randn(2, 9, 8, generator=torch.Generator().manual_seed(0))
+    report = check_model(blocks, (x,))
+    assert report.verdict == "passed" and len(report.layers) == 2, (report.could_not_run, report.summary())
+
+
+class LazyMaskCacheAttention(nn.Module):
+    """A causal mask made on the first call (no slot for it in __init__), then cut to each call's length and stored
+    back, so that a longer call after a shorter one fails; ``in_dict``: kept in a dict made on the first call."""
+
+    def __init__(self, dim=32, heads=4, in_dict=False):
+        super().__init__()
+        self.heads, self.in_dict = heads, in_dict
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        if self.in_dict:
+            if not hasattr(self, "store"):
+                self.store = {"mask": torch.ones(64, 64, dtype=torch.bool).tril()}
+            self.store["mask"] = mask = self.store["mask"][:n, :n]
+        else:
+            if not hasattr(self, "mask"):
+                self.mask = torch.ones(64, 64, dtype=torch.bool).tril()
+            self.mask = mask = self.mask[:n, :n]
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, n, c))
+
+
+@pytest.mark.parametrize("in_dict", [False, True])
+def test_a_mask_made_on_the_first_call_and_cut_to_it_is_state_dependent(in_dict):
+    # state absent before the first call counted as a cache that grew, and a dict of tensors made then as no state
+    # at all: the next, longer call failed, and the module was certified
+    from selfattn.check import check
+    assert check(LazyMaskCacheAttention(in_dict=in_dict)).ids == {"state-dependent"}
+
+
+class MaskedEfficientAttention(EfficientAttention):
+    """Efficient attention with a key padding mask filled into k before its softmax over the tokens, and into v."""
+
+    def forward(self, x, input_mask=None):
+        b, n, _ = x.shape
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (self.to_q(x), *self.to_kv(x).chunk(2, -1)))
+        if input_mask is not None:
+            keep = input_mask[:, None, :, None]
+            k, v = k.masked_fill(~keep, torch.finfo(k.dtype).min), v.masked_fill(~keep, 0.0)
+        q, k = q.softmax(dim=-1) * self.scale, k.softmax(dim=-2)
+        context = torch.einsum("bhnd,bhne->bhde", k, v)
+        return self.to_out(torch.einsum("bhnd,bhde->bhne", q, context).transpose(1, 2).reshape(b, n, -1))
+
+
+def test_efficient_attention_with_its_keys_padded_is_still_its_own_design():
+    # k filled with the padding before its softmax hid that softmax's projection: it was read as softmax-dim
+    from selfattn.check import check
+    assert check(MaskedEfficientAttention()).ids == {"definition-mismatch"}
+    assert check(MaskedEfficientAttention(), allow_nonstandard=True).verdict == "passed"
+
+
+class BlockedLocalAttention(nn.Module):
+    """local-attention's causal windows: the tokens cut into windows, each query sees its window up to itself and
+    ``back`` windows before it whole; ``own``: False hides the query's own token (a bug)."""
+
+    def __init__(self, dim=32, heads=4, window=4, back=1, own=True):
+        super().__init__()
+        self.heads, self.window, self.back, self.own = heads, window, back, own
+        self.qkv, self.out = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        i = torch.arange(n)
+        blocks = i // self.window
+        visible = (i[None, :] <= i[:, None] if self.own else i[None, :] < i[:, None]) & \
+            (blocks[None, :] >= blocks[:, None] - self.back)
+        visible[0, 0] = True  # the first query keeps one key
+        scores = (q @ k.transpose(-1, -2) / math.sqrt(c // self.heads)).masked_fill(~visible, float("-inf"))
+        return self.out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+def test_causal_windows_that_look_back_a_block_are_a_design():
+    # a query sees its block up to itself and the block before whole: "hides past keys, in no window" (causal-leak)
+    from selfattn.check import check
+    report = check(BlockedLocalAttention(), causal=True, length=16)
+    assert report.verdict == "passed", report.ids
+    assert "blocked local attention" in str(report.inferred["window"])
+    assert "causal-leak" in check(BlockedLocalAttention(own=False), causal=True, length=16).ids

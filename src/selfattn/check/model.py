@@ -54,6 +54,7 @@ from .report import Report, merge, render
 from .subject.building import CannotRun, copy_module, dequantized, draw_zeros, num_heads_of
 from .subject.caller import LENGTH_NAMES, MASK_NAMES, SWITCH_NAMES, dependency, module_state, restore
 from .subject.context import future
+from .subject.flex import NO_BACKWARD_HERE, flex_written_out
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -800,8 +801,14 @@ def _record_calls(model: nn.Module, args: tuple,
     state = module_state(model)
     try:
         model.eval()
-        with watch:  # with autograd on: torch's fused inference paths (nn.TransformerEncoderLayer's) stay off
-            model(*args, **kwargs)
+        try:
+            with watch:  # with autograd on: torch's fused inference paths (nn.TransformerEncoderLayer's) stay off
+                model(*args, **kwargs)
+        except NotImplementedError as err:  # a kernel with no backward on this device (FlexAttention on CPU):
+            if not NO_BACKWARD_HERE.search(str(err)):  # run with it written out in plain operations
+                raise
+            with flex_written_out(model), watch:
+                model(*args, **kwargs)
     except Exception as err:
         raise CannotRun(f"the model failed on the example inputs: {type(err).__name__}: {err}") from err
     finally:

@@ -505,8 +505,10 @@ def causality(ctx: Context) -> Outcome[Tensor]:
         found.notes["window"] = (f"attention sinks and a sliding window: each query sees the first {sinks[0]} "
                                  f"token(s) and itself with the {sinks[1] - 1} previous ones (StreamingLLM)")
     elif causal and (chunk := _causal_chunks(dep)) is not None:
-        found.notes["window"] = (f"causal within chunks of {chunk} tokens: each query sees the tokens "
-                                 "of its chunk up to itself (chunked attention, as Llama 4's local layers)")
+        found.notes["window"] = (f"causal within chunks of {chunk[0]} tokens: each query sees the tokens of its chunk "
+                                 "up to itself (chunked attention, as Llama 4's local layers)") if not chunk[1] else (
+            f"blocked local attention: each query sees the tokens of its chunk of {chunk[0]} up to itself and the "
+            f"{chunk[1]} chunk(s) before it whole (local-attention's causal windows that look back)")
     elif causal and (sparse := _causal_sparse(dep)) is not None:
         found.notes["window"] = sparse
     elif causal and (~dep & ~future(length)).nonzero().tolist() == [[1, 1]] and length > 2:
@@ -1063,14 +1065,17 @@ def _nothing_acted(ctx: Context, candidates: list[Caller], tried: dict[str, str]
 _SWITCHED = "a mask that hides nothing (or everything) does not give the unmasked output"
 
 
-def _causal_chunks(dep: Tensor) -> int | None:
-    """The chunk size c (1 < c < L) when ``dep`` is causal within consecutive chunks of c tokens and hides every
-    other chunk; else None."""
+def _causal_chunks(dep: Tensor) -> tuple[int, int] | None:
+    """(c, b) when ``dep`` is causal within consecutive chunks of c tokens (1 < c < L) and sees the b chunks before
+    its own whole, hiding every other (b = 0: chunked attention; b > 0: blocked local attention that looks back, as
+    local-attention's causal windows); else None."""
     length = dep.shape[0]
-    i = torch.arange(length)
+    i = torch.arange(length, device=dep.device)
+    causal = i[None, :] <= i[:, None]
     for c in range(2, length):
-        if torch.equal(dep, (i[None, :] <= i[:, None]) & (i[None, :] // c == i[:, None] // c)):
-            return c
+        for back in range(0, (length - 1) // c):
+            if torch.equal(dep, causal & (i[None, :] // c >= i[:, None] // c - back)):
+                return c, back
     return None
 
 

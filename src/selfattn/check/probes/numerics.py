@@ -31,7 +31,7 @@ from ..findings import (
 from ..subject.building import cast_module, copy_module, name_role, norm_role
 from ..subject.caller import Caller, module_state, restore
 from ..subject.context import Context, Outcome, empty_row_keep, padded_rows, padding_keep, raised_inside_doctor, rel
-from ..subject.flex import flex_written_out
+from ..subject.flex import NO_BACKWARD_HERE, flex_written_out
 
 __all__ = ["HALF_ULPS", "gradients", "half_precision"]
 
@@ -730,10 +730,6 @@ def _idle_norms(module: nn.Module, used: set[int]) -> list[str]:
     return sorted(idle)
 
 
-# a kernel without a backward on the device it ran on (FlexAttention on CPU): the module trains elsewhere
-_NO_BACKWARD_HERE = re.compile(r"does not support backward on \w+", re.I)
-
-
 def gradients(ctx: Context) -> Outcome[None]:
     """Every parameter the call uses and the input get a gradient (else: no-grad), and autograd's gradient
     equals the finite-difference derivative of the output along random directions (else: wrong-gradient).
@@ -749,7 +745,7 @@ def gradients(ctx: Context) -> Outcome[None]:
             found.findings.append(kept)
         return found
     except NotImplementedError as err:
-        if not _NO_BACKWARD_HERE.search(str(err)):
+        if not NO_BACKWARD_HERE.search(str(err)):
             raise
         ctx.analysis.module.zero_grad(set_to_none=True)
         # FlexAttention has no backward on CPU: the gradients are taken through its semantics written out in plain

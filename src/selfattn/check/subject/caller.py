@@ -595,7 +595,9 @@ def tensors_in(value: object) -> list[Tensor]:
 
 def _holds_tensors(value: object) -> bool:
     """Is ``value`` an object that keeps tensors in its attributes (a mask cached in a namespace, FlexAttention's
-    ``BlockMask`` built on a first call)?"""
+    ``BlockMask`` built on a first call), or a dict that holds tensors?"""
+    if isinstance(value, dict):  # a dict of cached tensors made on the first call
+        return any(isinstance(v, Tensor) for v in value.values())
     return hasattr(value, "__dict__") and not isinstance(value, (nn.Module, Tensor, type)) and \
         any(isinstance(v, Tensor) for v in vars(value).values())
 
@@ -606,7 +608,8 @@ def _describe(value: object) -> str:
     if tensors := tensors_in(value):
         return f"{type(value).__name__} of tensors {', '.join(str(tuple(t.shape)) for t in tensors)}"[:80]
     if _holds_tensors(value):
-        held = [f"{k} {tuple(v.shape)}" for k, v in vars(value).items() if isinstance(v, Tensor)]
+        items = value.items() if isinstance(value, dict) else vars(value).items()
+        held = [f"{k} {tuple(v.shape)}" for k, v in items if isinstance(v, Tensor)]
         return f"a {type(value).__name__} holding {', '.join(held)}"[:80]
     return "unset" if value is UNSET else repr(value)[:40]
 

@@ -843,7 +843,10 @@ def calls_in_a_row(call: Caller, x: Tensor, gen: torch.Generator, dep: Tensor | 
                                          f"values cached from another input)", {"replaced": dict(call.replaced),
                                                                                "largest difference": stale}))
         return found
-    if failure is not None and not all(_grew(old, new) for _, old, new in changes):
+    # state made by the first call (absent before it) that the very next call, a longer one, cannot use: made for the
+    # first call's length (a mask cut to it and stored back), not a cache that grew
+    made_for_the_first = failure is not None and failure[0] == 1 and any(old is UNSET for _, old, _ in changes)
+    if failure is not None and (made_for_the_first or not all(_grew(old, new) for _, old, new in changes)):
         i, why = failure
         found.findings.append(Finding.of(STATE_DEPENDENT, f"a call replaces the module's own {names}; called in a "
                                          f"row ({order}), the call at {tuple(shapes[i])} fails, where the module as "

@@ -12,6 +12,7 @@ score_mod that needs one index at a time) is left to the real kernel.
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -20,7 +21,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["flex_written_out"]
+__all__ = ["NO_BACKWARD_HERE", "flex_written_out"]
+
+# what a kernel without a backward on the device it ran on says (FlexAttention on CPU, with inputs that require grad)
+NO_BACKWARD_HERE = re.compile(r"does not support backward on \w+", re.I)
 
 
 def _indices(batch: int, heads: int, queries: int, keys: int, device: torch.device) -> tuple[Tensor, ...]:

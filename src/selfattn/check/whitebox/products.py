@@ -1810,10 +1810,13 @@ def _of_a_projection(trace: Trace, tid: int, reach: int = 12) -> bool:
         if op.name in ("linear", "addmm", "module"):
             weights = op.in_ids[1:2] if op.name == "linear" else op.in_ids[2:3] if op.name == "addmm" else []
             return op.name == "module" or any(trace.identity(w) in trace.parameters for w in weights)
-        if not op.in_ids or not (op.name in LAYOUT or op.number() is not None):
+        if not op.in_ids or not (op.name in LAYOUT or op.number() is not None or op.name in _FILLS):
             return False
-        tid = op.in_ids[0]
+        tid = op.in_ids[0]  # through a layout, a number, or a padding mask filled in (keys of padded tokens)
     return False
+
+
+_FILLS = frozenset({"masked_fill", "masked_fill_"})
 
 
 def _softmax_core(trace: Trace, sm: Op, final: Tensor, width: int, length: int,
