@@ -2967,3 +2967,31 @@ def test_causal_windows_that_look_back_a_block_are_a_design():
     assert report.verdict == "passed", report.ids
     assert "blocked local attention" in str(report.inferred["window"])
     assert "causal-leak" in check(BlockedLocalAttention(own=False), causal=True, length=16).ids
+
+
+class FourierMixedAttention(nn.Module):
+    """Attention beside a token mixing through the FFT (Mega's EMA computed as a long convolution), which the CPU
+    does not run in float16 or bfloat16."""
+
+    def __init__(self, dim=32, heads=4):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, dim)
+        self.decay = nn.Parameter(torch.rand(dim))
+
+    def forward(self, x):
+        b, n, c = x.shape
+        spectrum = torch.fft.rfft(x, n=2 * n, dim=1) * torch.fft.rfft(self.decay ** torch.arange(n)[:, None], n=2 * n,
+                                                                      dim=0)
+        x = x + torch.fft.irfft(spectrum, n=2 * n, dim=1)[:, :n]
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, c))
+
+
+def test_half_precision_every_run_of_which_the_device_refused_is_not_verified():
+    # both half-precision runs were "not run" (an operation the CPU lacks in them), and the coverage said verified
+    from selfattn.check import check
+    report = check(FourierMixedAttention(), causal=True)
+    if all(str(v).startswith("not run") for v in report.inferred.get("half precision", {}).values()):
+        assert report.coverage["half_precision"].startswith("not verified") and report.verdict == "inconclusive"
+    else:  # a torch whose CPU runs the FFT in half precision: verified as any other
+        assert report.coverage["half_precision"] == "verified"
