@@ -2736,14 +2736,16 @@ class ZeroedPaddingAttention(nn.Module):
         return self.to_out(out.transpose(1, 2).reshape(b, n, c))
 
 
-def test_a_key_mask_forgotten_beside_padded_rows_zeroed_is_mask_ignored():
-    # the only rows the mask changed were the padded queries' own, zeroed: read as a key mask laid on the queries
-    # (mask-broadcast), whose fix points the wrong way; the keys were never hidden
+def test_a_key_mask_forgotten_beside_padded_rows_zeroed_is_said_with_its_other_cause():
+    # the only rows the mask changed were the padded queries' own, zeroed: named as a key mask laid on the queries
+    # alone, whose fix points the wrong way when the keys were simply never masked. A mask on the query axis whose
+    # rows a kernel gives 0 has the same output: the finding names both causes
     from selfattn.check import check
     assert check(ZeroedPaddingAttention()).verdict == "passed"
-    assert check(ZeroedPaddingAttention(keys=None)).ids == {"mask-ignored"}
-    # laid on the queries, whose rows are then zeroed, it hides no key either: the same module, the same id
-    assert check(ZeroedPaddingAttention(keys="queries")).ids == {"mask-ignored"}
+    for keys in (None, "queries"):
+        report = check(ZeroedPaddingAttention(keys=keys))
+        assert report.ids == {"mask-broadcast"}, report.ids
+        assert "never masked" in report.findings[0].message
 
 
 class CachedSlopesAttention(nn.Module):

@@ -826,7 +826,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
     takes_full: set[str | None] = set()  # arguments where a full (query by key) mask ran
     # a key mask that hides query rows: named once no other argument takes the mask as a key mask (PyG's
     # MultiheadAttentionBlock takes the queries' mask first, x_mask, and the keys' second, y_mask)
-    broadcast: tuple[Caller, Tensor] | None = None
+    broadcast: tuple[Caller, Tensor] | tuple[Caller, Tensor, str] | None = None
     for native in candidates:
         caller = ctx.exact_of(native)
         if broadcast is not None and caller.mask_arg == broadcast[0].mask_arg:
@@ -925,8 +925,7 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
                 inverted = inverted or native
             tried[label] = "acts the other way round: hides what the mask keeps"
             continue
-        if caller.key_only and _hides_queries(masked_out, plain, k0[0]) and \
-                not _rows_blanked(caller, x, mask, masked_out, k0[0]):
+        if caller.key_only and _hides_queries(masked_out, plain, k0[0]):
             # a module that takes no (B, L, L) mask in that argument reads (B, 1, L) as its key mask
             if not _query_axis_judged(caller, ctx.spec is not None or caller.mask_arg not in takes_full):
                 tried[label] = "read as (B, Lq, Lk): (B, 1, L) is not this module's key mask"
@@ -934,7 +933,10 @@ def mask_convention(ctx: Context, dep: Tensor) -> Outcome[Caller]:
             if _names_the_queries(ctx.module, caller.mask_arg, ctx.call.style):
                 tried[label] = "hides query rows: the mask of the queries' input, beside the keys' own"
                 continue
-            broadcast = broadcast or (native, k0[0])
+            blank = ("the hidden rows are blank whatever the input and no key is hidden from any query: the mask "
+                     "laid on the query axis, or only the padded rows' outputs zeroed while the keys were never "
+                     "masked") if _rows_blanked(caller, x, mask, masked_out, k0[0]) else ""
+            broadcast = broadcast or (native, k0[0], blank)
             tried[label] = "hides query rows instead of keys"
             continue
         if _query_axis_judged(caller) and caller.spec is not None and caller.spec.kind == "keep" and \
@@ -1106,10 +1108,9 @@ def _hides_queries(masked_out: Tensor, plain: Tensor, kv: Tensor) -> bool:
 
 
 def _rows_blanked(caller: Caller, x: Tensor, mask: object, masked_out: Tensor, kv: Tensor) -> bool:
-    """Are the rows a key mask changed, those of its hidden tokens, blanked (the same whatever the input: a padded
-    query's output zeroed, as x-transformers does) rather than attended another way (a mask on the query axis
-    gives each such row the mean of its item's values)? Then the mask hides no query's keys: its keys are judged by
-    the padding probe, not read as a broadcast."""
+    """Are the rows a key mask changed, those of its hidden tokens, blank (the same whatever the input: every key
+    hidden from them by a mask on the query axis, which a kernel gives 0, or a padded query's output zeroed, as
+    x-transformers does, beside keys never masked)? The two give one output; the finding says both."""
     hidden = ~kv.cpu()
     if not bool(hidden.any()):
         return False
