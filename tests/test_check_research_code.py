@@ -2997,3 +2997,38 @@ def test_half_precision_every_run_of_which_the_device_refused_is_not_verified():
         assert report.coverage["half_precision"].startswith("not verified") and report.verdict == "inconclusive"
     else:  # a torch whose CPU runs the FFT in half precision: verified as any other
         assert report.coverage["half_precision"] == "verified"
+
+
+class MaskedTrianglePairAttention(TrianglePairAttention):
+    """The same with AlphaFold's optional pair mask (B, N, N): the keys of each row that it hides."""
+
+    def forward(self, pair, mask=None):
+        if mask is None:
+            return super().forward(pair)
+        b, n, _, d = pair.shape
+        rows = pair.reshape(b * n, n, d)
+        q, k, v = self.to_qkv(rows).view(b * n, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        bias = self.to_bias(pair).permute(0, 3, 1, 2).repeat_interleave(n, dim=0)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads) + bias
+        batch, rows_, keys = mask.shape  # (b i j) -> ((b i), 1, 1, j), as einops spells it
+        scores = scores.masked_fill(~mask.reshape(batch * rows_, 1, 1, keys), float("-inf"))
+        return self.to_out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, n, d))
+
+
+class PairStack(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.blocks = nn.ModuleList(MaskedTrianglePairAttention(dim) for _ in range(2))
+
+    def forward(self, pair):
+        for block in self.blocks:
+            pair = pair + block(pair)
+        return pair
+
+
+def test_a_layers_mask_the_model_never_passes_is_not_judged_in_the_model():
+    # the pair mask takes no (B, L) or (B, L, L) mask of the map's tokens, so it was "not verified" and each layer
+    # inconclusive, though the model passes none and pads nothing
+    report = check_model(PairStack(), (torch.randn(2, 5, 5, 16, generator=torch.Generator().manual_seed(0)),))
+    assert report.verdict == "passed", report.summary()
+    assert all(r.coverage["mask"].startswith("not applicable") for r in report.layers.values())

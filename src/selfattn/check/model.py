@@ -1829,6 +1829,15 @@ def _checked(model: nn.Module, example_inputs: object, layers: int | Sequence[st
                             "mask": "not applicable: the model passes no mask that hides a key, and the layer reads "
                                     "none",
                             "padding": "not applicable: the model passes no mask that hides a key"})
+                if pad_here is None and layer.mask is not None and layer.recorded_mask() is None and \
+                        str(done.coverage.get("mask", "")).startswith("not verified"):
+                    # a mask argument no tensor the doctor builds fits (a pair map's (B, N, N) mask), which the model
+                    # leaves empty: as the model calls the layer, nothing is masked
+                    done = _amended(done, {"model's mask": (
+                        "the model passes this layer no mask, and it pads nothing; the layer's mask argument takes "
+                        "no mask the doctor builds: not judged as the model calls it")}, coverage={
+                            "mask": "not applicable: the model passes this layer no mask",
+                            "padding": "not applicable: the model pads nothing"})
                 if _t5_sibling(done, report.layers, report.classes, layer.name):
                     done = _amended(done, {"design": {**done.inferred.get("design", {}), "scale": (
                         "none on the scores, with the relative-position bias the model's first layer of this class "
