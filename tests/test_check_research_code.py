@@ -2595,12 +2595,18 @@ class EfficientAttention(nn.Module):
         self.to_q, self.to_kv = nn.Linear(dim, heads * dim_head, bias=False), nn.Linear(dim, 2 * heads * dim_head)
         self.to_out = nn.Linear(heads * dim_head, dim)
 
-    def forward(self, x):
+    def split(self, x):
         b, n, _ = x.shape
-        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (self.to_q(x), *self.to_kv(x).chunk(2, -1)))
+        return (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (self.to_q(x), *self.to_kv(x).chunk(2, -1)))
+
+    def attend(self, q, k, v):
         q, k = q.softmax(dim=-1) * self.scale, k.softmax(dim=-2)
         context = torch.einsum("bhnd,bhne->bhde", k, v)
-        return self.to_out(torch.einsum("bhnd,bhde->bhne", q, context).transpose(1, 2).reshape(b, n, -1))
+        out = torch.einsum("bhnd,bhde->bhne", q, context)
+        return self.to_out(out.transpose(1, 2).flatten(2))
+
+    def forward(self, x):
+        return self.attend(*self.split(x))
 
 
 def test_a_softmax_of_the_projections_themselves_is_no_attention_weights():
@@ -2692,16 +2698,22 @@ class TrianglePairAttention(nn.Module):
         self.to_qkv, self.to_bias = nn.Linear(dim, 3 * dim, bias=False), nn.Linear(dim, heads, bias=False)
         self.to_out = nn.Linear(dim, dim)
 
-    def forward(self, pair):
+    def attend(self, pair, hidden=None):
+        """``hidden``: ((b i), 1, 1, j) bool, the keys of each row hidden."""
         if self.ending:
             pair = pair.transpose(1, 2)
         b, n, _, d = pair.shape
         rows = pair.reshape(b * n, n, d)  # the rows folded into the batch, item-major: (b i) j d
         q, k, v = self.to_qkv(rows).view(b * n, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
         bias = self.to_bias(pair).permute(0, 3, 1, 2).repeat_interleave(n, dim=0)  # (b i) h j k: every row alike
-        weights = (q @ k.transpose(-1, -2) / math.sqrt(d // self.heads) + bias).softmax(-1)
-        out = self.to_out((weights @ v).transpose(1, 2).reshape(b, n, n, d))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads) + bias
+        if hidden is not None:
+            scores = scores.masked_fill(hidden, float("-inf"))
+        out = self.to_out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, n, d))
         return out.transpose(1, 2) if self.ending else out
+
+    def forward(self, pair):
+        return self.attend(pair)
 
 
 @pytest.mark.parametrize("ending", [False, True])
@@ -2924,14 +2936,11 @@ class MaskedEfficientAttention(EfficientAttention):
     """Efficient attention with a key padding mask filled into k before its softmax over the tokens, and into v."""
 
     def forward(self, x, input_mask=None):
-        b, n, _ = x.shape
-        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (self.to_q(x), *self.to_kv(x).chunk(2, -1)))
+        q, k, v = self.split(x)
         if input_mask is not None:
             keep = input_mask[:, None, :, None]
             k, v = k.masked_fill(~keep, torch.finfo(k.dtype).min), v.masked_fill(~keep, 0.0)
-        q, k = q.softmax(dim=-1) * self.scale, k.softmax(dim=-2)
-        context = torch.einsum("bhnd,bhne->bhde", k, v)
-        return self.to_out(torch.einsum("bhnd,bhde->bhne", q, context).transpose(1, 2).reshape(b, n, -1))
+        return self.attend(q, k, v)
 
 
 def test_efficient_attention_with_its_keys_padded_is_still_its_own_design():
@@ -3004,15 +3013,9 @@ class MaskedTrianglePairAttention(TrianglePairAttention):
 
     def forward(self, pair, mask=None):
         if mask is None:
-            return super().forward(pair)
-        b, n, _, d = pair.shape
-        rows = pair.reshape(b * n, n, d)
-        q, k, v = self.to_qkv(rows).view(b * n, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
-        bias = self.to_bias(pair).permute(0, 3, 1, 2).repeat_interleave(n, dim=0)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads) + bias
-        batch, rows_, keys = mask.shape  # (b i j) -> ((b i), 1, 1, j), as einops spells it
-        scores = scores.masked_fill(~mask.reshape(batch * rows_, 1, 1, keys), float("-inf"))
-        return self.to_out((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, n, d))
+            return self.attend(pair)
+        batch, rows, keys = mask.shape  # (b i j) -> ((b i), 1, 1, j), as einops spells it
+        return self.attend(pair, ~mask.reshape(batch * rows, 1, 1, keys))
 
 
 class PairStack(nn.Module):

@@ -52,7 +52,7 @@ from .findings import (
 from .probes.masking import band
 from .report import Report, merge, render
 from .subject.building import CannotRun, copy_module, dequantized, draw_zeros, num_heads_of
-from .subject.caller import LENGTH_NAMES, MASK_NAMES, SWITCH_NAMES, dependency, module_state, restore
+from .subject.caller import LENGTH_NAMES, MASK_NAMES, SWITCH_NAMES, block_mask_named, dependency, module_state, restore
 from .subject.context import future
 from .subject.flex import NO_BACKWARD_HERE, flex_written_out
 
@@ -394,7 +394,7 @@ def _mask_parameter(module: nn.Module, kwargs: dict, taken: set, given: dict | N
     values = {**kwargs, **(given or {})}  # what the model passed, by parameter name
     # not one that takes FlexAttention's BlockMask, which no tensor the doctor sends can be (stable-audio's
     # flex_attention_block_mask before its padding_mask), unless the model gave it a tensor
-    names = [k for k in names if "block_mask" not in k.lower() or isinstance(values.get(k), Tensor)] or names
+    names = [k for k in names if not block_mask_named(k) or isinstance(values.get(k), Tensor)] or names
     # else padding given as each item's length (d2l's valid_lens), when the model gives one per item (a decoder's
     # (B, L) lengths, one per query, carry its causal pattern: they stay as recorded)
     names = names or [k for k in [*params, *kwargs] if k in LENGTH_NAMES and

@@ -427,8 +427,12 @@ def takes_block_mask(param: inspect.Parameter) -> bool:
     """Does a forward parameter take FlexAttention's ``BlockMask`` (annotated so, or named for a block or flex mask),
     not a tensor mask?"""
     annotation = param.annotation if isinstance(param.annotation, str) else getattr(param.annotation, "__name__", "")
-    name = param.name.lower()
-    return "BlockMask" in str(annotation) or "block_mask" in name or "flex_mask" in name
+    return "BlockMask" in str(annotation) or block_mask_named(param.name)
+
+
+def block_mask_named(name: str) -> bool:
+    """Is ``name`` a parameter's named for FlexAttention's block mask (``block_mask``, ``sliding_window_flex_mask``)?"""
+    return "block_mask" in name.lower() or "flex_mask" in name.lower()
 
 
 def block_mask_parameters(module: nn.Module) -> list[str]:
