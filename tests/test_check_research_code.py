@@ -2819,18 +2819,19 @@ class HourglassLM(nn.Module):
         h = self.pre(self.embed(ids))
         pooled = F.pad(h, (0, 0, 1, -1)) if self.shift else h
         b, n, c = pooled.shape
-        middle = self.middle(pooled.view(b, n // 2, 2, c).mean(2))
-        return self.head(self.post(h + middle.repeat_interleave(2, dim=1)))
+        middle = self.middle(F.pad(pooled, (0, 0, 0, n % 2)).view(b, -1, 2, c).mean(2))  # an odd token pooled alone
+        return self.head(self.post(h + middle.repeat_interleave(2, dim=1)[:, :n]))
 
 
 def test_a_causal_model_whose_pooling_sees_ahead_is_causal_leak():
     # each attention layer hid the future and was certified, and so was the model, whose pooling averaged each token
     # with the next: with --causal, the model's own outputs are checked too
-    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
-    assert check_model(HourglassLM(), (ids,), causal=True).verdict == "passed"
-    leaky = check_model(HourglassLM(shift=False), (ids,), causal=True)
-    assert leaky.verdict == "failed" and [f.id for f in leaky.findings] == ["causal-leak"]
-    assert all(r.verdict == "passed" for r in leaky.layers.values())
+    for length in (12, 9):  # at an odd length, the last token is pooled alone: the one before it must be changed
+        ids = torch.randint(0, 50, (2, length), generator=torch.Generator().manual_seed(0))
+        assert check_model(HourglassLM(), (ids,), causal=True).verdict == "passed"
+        leaky = check_model(HourglassLM(shift=False), (ids,), causal=True)
+        assert leaky.verdict == "failed" and [f.id for f in leaky.findings] == ["causal-leak"]
+        assert all(r.verdict == "passed" for r in leaky.layers.values())
 
 
 class _JoinedProjection(nn.Module):
@@ -2998,12 +2999,13 @@ class FourierMixedAttention(nn.Module):
         return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, n, c))
 
 
-def test_half_precision_every_run_of_which_the_device_refused_is_not_verified():
-    # both half-precision runs were "not run" (an operation the CPU lacks in them), and the coverage said verified
+def test_half_precision_every_run_of_which_the_device_refused_is_not_said_verified():
+    # both half-precision runs were "not run" (an operation the CPU lacks in them), and the coverage said verified;
+    # what the device lacks is reported, not held against the module
     from selfattn.check import check
     report = check(FourierMixedAttention(), causal=True)
     if all(str(v).startswith("not run") for v in report.inferred.get("half precision", {}).values()):
-        assert report.coverage["half_precision"].startswith("not verified") and report.verdict == "inconclusive"
+        assert report.coverage["half_precision"].startswith("not applicable") and report.verdict == "passed"
     else:  # a torch whose CPU runs the FFT in half precision: verified as any other
         assert report.coverage["half_precision"] == "verified"
 

@@ -1913,7 +1913,7 @@ def _sees_ahead(model: nn.Module, args: tuple, kwargs: dict, sequence_first: boo
 
     try:
         base = outputs(first)
-        for at in sorted({length // 2, length - 1}):
+        for at in sorted({length // 2, length - 2, length - 1}):  # the last two: pairs pooled at an odd length
             changed = first.clone()
             where = (slice(None),) * axis + (at,)
             if first.is_floating_point():

@@ -185,8 +185,12 @@ def half_precision(ctx: Context, masked: Caller | None) -> Outcome[None]:
                                          "float32's by more than the dtype's rounding" +
                                          (": only with a mask, so the mask is lost in half precision" if masked_only
                                           else ""), mismatch))
-    if not overflow and not mismatch and all(str(v).startswith("not run") for v in notes.values()):
-        # every half-precision run refused by the device (an operation it lacks in float16 and bfloat16): nothing seen
+    if notes and not overflow and not mismatch and all(str(v).startswith("not run") for v in notes.values()):
+        # every half-precision run refused by the device (an operation it lacks in float16 and bfloat16): reported,
+        # not held against the module, and not said to be verified either
+        found.coverage["half_precision"] = "not applicable: the device lacks an operation of the module in float16 " \
+                                           "and bfloat16 (see inferred)"
+    elif not notes and not overflow:
         found.coverage["half_precision"] = "not verified: no half-precision run was possible on this device"
     return found
 
